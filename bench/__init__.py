@@ -1,0 +1,1 @@
+"""Benchmarks, the simulated vLLM fleet, workload generators and reports."""

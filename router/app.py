@@ -1,0 +1,271 @@
+"""The gateway's HTTP front: `create_app(config)` builds the aiohttp application with every endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.config import ConfigError, GatewayConfig, WorkerSpec
+from router.errors import GatewayError, bad_request, error_response, no_worker
+from router.metrics import GatewayMetrics
+from router.pool import WorkerPool
+from router.proxy import Proxy
+from router.requests import CHAT_COMPLETIONS, COMPLETIONS, parse_body, parse_json_object, unknown_model
+from strategies import RouteRequest, Strategy, create_strategy
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class Gateway:
+    """The running gateway's parts, owned by one application."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.strategy: Strategy = create_strategy(config)
+        self._session: aiohttp.ClientSession | None = None
+        self._pool: WorkerPool | None = None
+        self._proxy: Proxy | None = None
+
+    @property
+    def pool(self) -> WorkerPool:
+        assert self._pool is not None, "gateway not started"
+        return self._pool
+
+    @property
+    def proxy(self) -> Proxy:
+        assert self._proxy is not None, "gateway not started"
+        return self._proxy
+
+    async def start(self) -> None:
+        cfg = self.config
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=cfg.max_connections_per_worker, keepalive_timeout=60, ttl_dns_cache=300,
+        )
+        # auto_decompress off: compressed answers pass through byte for byte with their Content-Encoding.
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, raise_for_status=False)
+        self._pool = WorkerPool(cfg, self._session, self.metrics, on_removed=self.strategy.forget_worker)
+        for spec in cfg.worker:
+            self._pool.add(spec)
+        self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._session)
+        await self._pool.start()
+
+    async def stop(self) -> None:
+        if self._pool is not None:
+            await self._pool.stop()
+        if self._session is not None:
+            await self._session.close()
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def _bearer(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+
+def _key_matches(given: str, keys: list[str]) -> bool:
+    # compare_digest against every key so the time taken does not reveal which prefix matched
+    return bool(given) and any([hmac.compare_digest(given.encode(), k.encode()) for k in keys])
+
+
+@web.middleware
+async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Authentication, and the one place where every failure becomes an OpenAI-style JSON error."""
+    gateway = request.app[GATEWAY]
+    cfg = gateway.config
+    try:
+        path = request.path
+        if path not in OPEN_PATHS:
+            if path.startswith("/admin"):
+                keys = [cfg.admin_key] if cfg.admin_key else cfg.api_key
+            else:
+                keys = cfg.api_key
+            if keys and not _key_matches(_bearer(request), keys):
+                raise GatewayError(401, "invalid or missing API key", type="authentication_error",
+                                   code="invalid_api_key")
+        return await handler(request)
+    except GatewayError as exc:
+        gateway.metrics.rejected.labels(str(exc.status), exc.code or "").inc()
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            message = f"request body exceeds the limit of {cfg.max_body_bytes} bytes"
+            code = "body_too_large"
+        else:
+            message, code = exc.reason, exc.reason.lower().replace(" ", "_")
+        gateway.metrics.rejected.labels(str(exc.status), code).inc()
+        return error_response(exc.status, message, type="invalid_request_error", code=code,
+                              headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"})
+    except Exception:
+        log.exception("unexpected error while handling %s %s", request.method, request.path)
+        gateway.metrics.rejected.labels("500", "internal_error").inc()
+        return error_response(500, "internal gateway error", type="internal_error", code="internal_error")
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    return await request.read()
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """`/v1/completions` and `/v1/chat/completions`: validate, route, proxy."""
+    started = time.perf_counter()
+    gateway = request.app[GATEWAY]
+    body = await _read_body(request, gateway.config.max_body_bytes)
+    parsed = parse_body(request.path, body, model_required=True)
+    assert parsed.model is not None
+    _check_model(gateway, parsed.model)
+    route = RouteRequest(model=parsed.model, path=request.path, body=parsed.payload, headers=request.headers)
+    return await gateway.proxy.forward(request, route, body, stream=parsed.stream, started=started)
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    """Any other `/v1/*`, `/tokenize`, `/detokenize`: sent to a worker that serves the body's `model`."""
+    started = time.perf_counter()
+    gateway = request.app[GATEWAY]
+    body: bytes | None = None
+    model: str | None = None
+    payload: dict[str, Any] = {}
+    stream = False
+    if request.method in ("POST", "PUT", "PATCH"):
+        body = await _read_body(request, gateway.config.max_body_bytes)
+        parsed = parse_body(request.path, body, model_required=False)
+        payload, model, stream = parsed.payload, parsed.model, parsed.stream
+        if model is not None:
+            _check_model(gateway, model)
+    route = RouteRequest(model=model or "", path=request.path, body=payload, headers=request.headers)
+    return await gateway.proxy.forward(request, route, body, stream=stream, started=started)
+
+
+def _check_model(gateway: Gateway, model: str) -> None:
+    pool = gateway.pool
+    if pool.eligible(model):
+        return
+    if pool.knows_model(model):
+        raise no_worker(f"no healthy worker serves model `{model}` right now")
+    if not pool.healthy():
+        raise no_worker("no healthy worker available")
+    raise unknown_model(model)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    cards = request.app[GATEWAY].pool.model_cards()
+    return web.json_response({"object": "list", "data": cards}, dumps=_dumps)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    healthy = request.app[GATEWAY].pool.healthy()
+    if not healthy:
+        raise no_worker("no healthy worker")
+    return web.json_response({"status": "ready", "healthy_workers": len(healthy)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[GATEWAY].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def admin_list_workers(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    return web.json_response(
+        {"strategy": gateway.strategy.name, "workers": [w.describe() for w in gateway.pool.all()]}, dumps=_dumps
+    )
+
+
+def _worker_spec(payload: dict[str, Any]) -> WorkerSpec:
+    try:
+        if isinstance(payload.get("worker"), str):
+            return WorkerSpec.parse(payload["worker"])
+        return WorkerSpec.from_yaml(payload)
+    except ConfigError as exc:
+        raise bad_request(str(exc), "invalid_worker") from None
+
+
+async def admin_add_worker(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    spec = _worker_spec(parse_json_object(await _read_body(request, 64 * 1024)))
+    try:
+        worker = gateway.pool.add(spec)
+    except KeyError:
+        raise GatewayError(409, f"worker {spec.url} is already in the pool", code="worker_exists") from None
+    await gateway.pool.probe_all()
+    return web.json_response(worker.describe(), status=201, dumps=_dumps)
+
+
+async def admin_remove_worker(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    url = request.query.get("url")
+    if url is None:
+        url = _worker_spec(parse_json_object(await _read_body(request, 64 * 1024))).url
+    try:
+        worker = gateway.pool.remove(url)
+    except KeyError:
+        raise GatewayError(404, f"no worker {url} in the pool", type="NotFoundError",
+                           code="worker_not_found") from None
+    return web.json_response({"url": worker.url, "draining": worker.in_flight}, status=202, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def create_app(config: GatewayConfig) -> web.Application:
+    """Build the gateway application; its workers are probed when the app starts."""
+    # The body limit is enforced by _read_body with a JSON 413; aiohttp's own limit sits just above it.
+    app = web.Application(middlewares=[edge_middleware], client_max_size=config.max_body_bytes + 1)
+    gateway = Gateway(config)
+    app[GATEWAY] = gateway
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await gateway.start()
+        yield
+        await gateway.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post(COMPLETIONS, generate)
+    app.router.add_post(CHAT_COMPLETIONS, generate)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/workers", admin_list_workers)
+    app.router.add_post("/admin/workers", admin_add_worker)
+    app.router.add_delete("/admin/workers", admin_remove_worker)
+    for path in ("/tokenize", "/detokenize"):
+        app.router.add_post(path, passthrough)
+    app.router.add_route("*", "/v1/{tail:.*}", passthrough)
+    return app
+
+
+async def run_gateway(config: GatewayConfig) -> None:
+    """Serve until cancelled; client disconnects cancel their handler so upstream requests end at once."""
+    app = create_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+    await site.start()
+    log.info("kvgate listening on http://%s:%d (strategy %s, %d workers)", config.host, config.port,
+             config.strategy, len(config.worker))
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

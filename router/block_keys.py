@@ -1,0 +1,42 @@
+"""Chained block keys: the gateway's own name for each full block of a prompt's token ids.
+
+key_0 = xxh3_64(root || tokens of block 0), key_i = xxh3_64(key_{i-1} || tokens of block i), over full blocks only,
+as vLLM's prefix cache does. The root folds in the model, the LoRA adapter and the tenant's cache namespace, so
+different tenants never share keys. The keys are independent of the engines' hash algorithm and seed: engine
+events carry token ids, from which the gateway computes its own keys.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+BlockKey = int
+
+
+def root_key(model: str, lora: str | None = None, namespace: str | None = None) -> BlockKey:
+    """The parent of a prompt's first block: what must match before any block can be shared."""
+    return xxhash.xxh3_64_intdigest("\x00".join((model, lora or "", namespace or "")).encode())
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    return array("I", token_ids).tobytes()
+
+
+def chain_key(parent: BlockKey, block_tokens: Sequence[int]) -> BlockKey:
+    """The key of one block given its parent's key."""
+    return xxhash.xxh3_64_intdigest(_token_bytes(block_tokens), seed=parent)
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, root: BlockKey) -> list[BlockKey]:
+    """Keys of every full block of `token_ids`, each chained to the one before."""
+    data = memoryview(_token_bytes(token_ids))
+    step = block_size * 4
+    keys: list[BlockKey] = []
+    parent = root
+    for end in range(step, len(data) + 1, step):
+        parent = xxhash.xxh3_64_intdigest(data[end - step:end], seed=parent)
+        keys.append(parent)
+    return keys

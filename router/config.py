@@ -1,0 +1,226 @@
+"""Typed configuration built from a YAML file, `KVGATE_*` environment variables and command-line flags.
+
+Precedence: flags override the environment, the environment overrides the file, the file overrides defaults.
+Every option is one dataclass field whose metadata carries its help text, so `--help`, the environment names
+and the YAML keys are all derived from one declaration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or of the wrong type."""
+
+
+def option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None) -> Any:
+    """A config field with its help text; `parse` turns one string (flag, env, YAML scalar) into a value."""
+    meta = {"help": help, "parse": parse}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One upstream replica: its HTTP base URL and, optionally, its KV-event endpoints."""
+
+    url: str
+    events: str | None = None
+    replay: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerSpec:
+        """Parse `http://host:port;events=tcp://host:5557;replay=tcp://host:5558`."""
+        url, *attrs = (part.strip() for part in text.split(";"))
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"worker URL must start with http:// or https://: {text!r}")
+        values: dict[str, str] = {}
+        for attr in attrs:
+            key, sep, value = attr.partition("=")
+            if not sep or key not in ("events", "replay"):
+                raise ConfigError(f"unknown worker attribute {attr!r} in {text!r} (expected events=, replay=)")
+            values[key] = value
+        return cls(url=url.rstrip("/"), **values)
+
+    @classmethod
+    def from_yaml(cls, value: Any) -> WorkerSpec:
+        if isinstance(value, str):
+            return cls.parse(value)
+        if isinstance(value, Mapping) and isinstance(value.get("url"), str):
+            unknown = set(value) - {"url", "events", "replay"}
+            if unknown:
+                raise ConfigError(f"unknown worker keys {sorted(unknown)}")
+            spec = cls.parse(value["url"])
+            return dataclasses.replace(spec, events=value.get("events"), replay=value.get("replay"))
+        raise ConfigError(f"a worker is a URL string or a mapping with 'url': {value!r}")
+
+
+def _parse_worker(text: str) -> WorkerSpec:
+    return WorkerSpec.parse(text)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything `kvgate serve` can be told."""
+
+    host: str = option("0.0.0.0", "address the gateway listens on")
+    port: int = option(8000, "port the gateway listens on")
+    worker: list[WorkerSpec] = option(
+        [], "upstream vLLM replica, repeatable: URL[;events=ENDPOINT;replay=ENDPOINT]", parse=_parse_worker
+    )
+    strategy: str = option("round_robin", "routing strategy (see `kvgate strategies`)")
+    api_key: list[str] = option([], "accepted client API key (Authorization: Bearer), repeatable; none = open")
+    admin_key: str = option("", "key required for /admin/* (Authorization: Bearer); empty = same as api keys")
+    upstream_api_key: str = option("", "API key sent to workers; empty = forward the client's Authorization")
+    max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body in bytes (413 above)")
+    connect_timeout_s: float = option(5.0, "timeout for opening a connection to a worker")
+    ttfb_timeout_s: float = option(120.0, "timeout until a worker sends its response headers")
+    read_timeout_s: float = option(120.0, "longest silence between two chunks of a worker's response")
+    total_timeout_s: float = option(1800.0, "timeout for a whole proxied request")
+    max_attempts: int = option(3, "workers tried for one request on connect errors or 502/503 before any byte")
+    max_connections_per_worker: int = option(256, "connection pool limit per worker")
+    health_interval_s: float = option(2.0, "interval between health probes of each worker")
+    health_timeout_s: float = option(2.0, "timeout of one health probe (GET /health)")
+    unhealthy_after: int = option(2, "consecutive failed probes before a worker is ejected")
+    metrics_interval_s: float = option(1.0, "interval between scrapes of each worker's /metrics")
+    models_refresh_s: float = option(30.0, "interval between refreshes of each worker's /v1/models")
+    drain_timeout_s: float = option(600.0, "longest wait for in-flight requests of a removed worker")
+    log_level: str = option("info", "log level: debug, info, warning, error")
+
+
+C = TypeVar("C")
+
+
+def _field_type(cls: type, f: dataclasses.Field[Any]) -> Any:
+    return typing.get_type_hints(cls)[f.name]
+
+
+def _is_list(tp: Any) -> bool:
+    return typing.get_origin(tp) is list
+
+
+def _scalar(tp: Any) -> Any:
+    """The element type of list[T], or T of `T | None`."""
+    if _is_list(tp):
+        return typing.get_args(tp)[0]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def _convert(cls: type, f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
+    """Turn a raw value (string from a flag or env, or a YAML value) into the field's type."""
+    tp = _field_type(cls, f)
+    parse = f.metadata.get("parse")
+    elem = _scalar(tp)
+
+    def one(value: Any) -> Any:
+        try:
+            if isinstance(value, str) and parse is not None:
+                return parse(value)
+            if elem is WorkerSpec:
+                return WorkerSpec.from_yaml(value)
+            if elem is bool:
+                if isinstance(value, bool):
+                    return value
+                lowered = str(value).strip().lower()
+                if lowered in ("1", "true", "yes", "on"):
+                    return True
+                if lowered in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            if elem in (int, float) and isinstance(value, bool):
+                raise ValueError(value)
+            return elem(value)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: {f.name} = {value!r} is not a valid {elem.__name__}") from exc
+
+    if raw is None:
+        return None
+    if _is_list(tp):
+        if isinstance(raw, str):
+            raw = [part for part in raw.replace(",", " ").split() if part]
+        if not isinstance(raw, list):
+            raise ConfigError(f"{source}: {f.name} must be a list")
+        return [one(v) for v in raw]
+    return one(raw)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -> None:
+    """Add one flag per config field, with its help, default and environment variable name."""
+    parser.add_argument("--config", metavar="FILE", help=f"YAML file with any of the options below "
+                        f"(env {env_prefix}CONFIG)")
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        env = env_prefix + f.name.upper()
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        shown = default if default not in ("", []) else "none"
+        help_text = f"{f.metadata['help']} (default: {shown}; env {env})"
+        if _is_list(_field_type(cls, f)):
+            parser.add_argument(flag, action="append", default=None, help=help_text)
+        elif _scalar(_field_type(cls, f)) is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, default=None, help=help_text)
+
+
+def load_config(
+    cls: type[C],
+    env_prefix: str,
+    args: argparse.Namespace | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> C:
+    """Build the config: defaults < YAML file < environment < flags."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    path = (getattr(args, "config", None) if args else None) or environ.get(env_prefix + "CONFIG")
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping")
+        for key, raw in loaded.items():
+            name = str(key).replace("-", "_")
+            if name == "workers":
+                name = "worker"
+            if name not in fields:
+                raise ConfigError(f"{path}: unknown option {key!r}")
+            values[name] = _convert(cls, fields[name], raw, path)
+    for name, f in fields.items():
+        env = env_prefix + name.upper()
+        if env in environ:
+            values[name] = _convert(cls, f, environ[env], env)
+    if args is not None:
+        for name, f in fields.items():
+            raw = getattr(args, name, None)
+            if raw is not None:
+                if isinstance(raw, list):
+                    raw = [item for chunk in raw for item in chunk.split(",") if item]
+                values[name] = _convert(cls, f, raw, "--" + name.replace("_", "-"))
+    return cls(**values)
+
+
+def describe(config: Any, hide: Sequence[str] = ("api_key", "admin_key", "upstream_api_key")) -> dict[str, Any]:
+    """The config as plain data for logs, with secrets masked."""
+    out = dataclasses.asdict(config)
+    for key in hide:
+        if out.get(key):
+            out[key] = "***"
+    return out

@@ -1,0 +1,69 @@
+"""The gateway's Prometheus metrics, registered in a registry owned by one app (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports, prefixed `kvgate_`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvgate_requests", "Proxied requests by model, worker and HTTP status",
+            ["model", "worker", "status"], registry=r,
+        )
+        self.rejected = Counter(
+            "kvgate_rejected_requests", "Requests answered by the gateway itself with an error, by status and code",
+            ["status", "code"], registry=r,
+        )
+        self.request_duration = Histogram(
+            "kvgate_request_duration_seconds", "Time from request arrival to the last byte sent to the client",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.ttfb = Histogram(
+            "kvgate_time_to_first_byte_seconds", "Time from request arrival to the first body byte from the worker",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvgate_worker_in_flight_requests", "Requests the gateway has outstanding on each worker",
+            ["worker"], registry=r,
+        )
+        self.healthy = Gauge(
+            "kvgate_worker_healthy", "1 when the worker passes its health probes, else 0", ["worker"], registry=r,
+        )
+        self.worker_waiting = Gauge(
+            "kvgate_worker_waiting_requests", "vllm:num_requests_waiting last scraped from the worker",
+            ["worker"], registry=r,
+        )
+        self.worker_running = Gauge(
+            "kvgate_worker_running_requests", "vllm:num_requests_running last scraped from the worker",
+            ["worker"], registry=r,
+        )
+        self.worker_kv_usage = Gauge(
+            "kvgate_worker_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc last scraped from the worker (0-1)",
+            ["worker"], registry=r,
+        )
+        self.retries = Counter(
+            "kvgate_retries", "Requests re-sent to another worker before any byte reached the client, by reason",
+            ["reason"], registry=r,
+        )
+        self.decisions = Counter(
+            "kvgate_routing_decisions", "Routing decisions by strategy and reason", ["strategy", "reason"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "kvgate_worker_ejections", "Times a worker was marked unhealthy", ["worker"], registry=r,
+        )
+
+    def forget_worker(self, url: str) -> None:
+        """Drop a removed worker's label sets so dashboards stop showing it."""
+        for gauge in (self.in_flight, self.healthy, self.worker_waiting, self.worker_running, self.worker_kv_usage):
+            try:
+                gauge.remove(url)
+            except KeyError:
+                pass

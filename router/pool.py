@@ -1,0 +1,328 @@
+"""The worker pool: which replicas exist, which are healthy, what they serve and how loaded they are.
+
+Each worker has one background task that probes `GET /health`, refreshes `GET /v1/models` and scrapes the
+load gauges from vLLM's `/metrics`. Live traffic reports connection errors here too, so a dead worker is
+ejected at once rather than after the next probe. Removed workers drain: they take no new requests and are
+forgotten once their in-flight requests finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.config import GatewayConfig, WorkerSpec
+from router.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+# The vLLM gauges the pool scrapes, and the Worker attribute each one feeds.
+LOAD_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+@dataclass(eq=False)
+class Worker:
+    """One upstream replica as the gateway sees it."""
+
+    spec: WorkerSpec
+    models: frozenset[str] = frozenset()
+    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    healthy: bool = False
+    draining: bool = False
+    in_flight: int = 0
+    routed: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    models_fetched_at: float = 0.0
+    load_scraped_at: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def outstanding(self) -> float:
+        """Requests ahead of a new one on this worker: the gateway's own in-flight plus the engine's queue."""
+        return self.in_flight + self.waiting
+
+    def serves(self, model: str) -> bool:
+        return self.healthy and not self.draining and model in self.models
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "events": self.spec.events,
+            "replay": self.spec.replay,
+            "models": sorted(self.models),
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "in_flight": self.in_flight,
+            "requests_routed": self.routed,
+            "consecutive_failures": self.consecutive_failures,
+            "last_error": self.last_error,
+            "load": {"running": self.running, "waiting": self.waiting, "kv_cache_usage": self.kv_usage},
+        }
+
+
+def parse_load_gauges(text: str) -> dict[str, float]:
+    """Sum each load gauge over its label sets, reading only the lines that matter (the page is large)."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = len(line)
+        for stop in ("{", " "):
+            pos = line.find(stop)
+            if pos != -1:
+                name_end = min(name_end, pos)
+        attr = LOAD_GAUGES.get(line[:name_end])
+        if attr is None:
+            continue
+        rest = line[line.rfind("}") + 1:] if "{" in line[:name_end + 1] else line[name_end:]
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        totals[attr] = totals.get(attr, 0.0) + value
+    return totals
+
+
+class WorkerPool:
+    """The set of workers, their health and load, kept fresh by one background task per worker."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        session: aiohttp.ClientSession,
+        metrics: GatewayMetrics,
+        on_removed: Callable[[str], None] | None = None,
+    ) -> None:
+        self._config = config
+        self._session = session
+        self._metrics = metrics
+        self._on_removed = on_removed
+        self._workers: dict[str, Worker] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._drains: set[asyncio.Task[None]] = set()
+        self._idle: dict[str, asyncio.Event] = {}
+        self._running = False
+
+    # --- membership -------------------------------------------------------------------------------------------
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url.rstrip("/"))
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def eligible(self, model: str) -> list[Worker]:
+        """Workers that may take a new request for `model` now."""
+        return [w for w in self._workers.values() if w.serves(model)]
+
+    def knows_model(self, model: str) -> bool:
+        """Whether any worker, healthy or not, has ever listed `model`."""
+        return any(model in w.models for w in self._workers.values())
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self._workers.values() if w.healthy and not w.draining]
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The de-duplicated union of the models the healthy workers serve, as OpenAI model cards."""
+        cards: dict[str, dict[str, Any]] = {}
+        for worker in self.healthy():
+            for model_id, card in worker.model_cards.items():
+                cards.setdefault(model_id, card)
+        return [cards[k] for k in sorted(cards)]
+
+    async def start(self) -> None:
+        """Start probing every configured worker and wait (bounded) for the first round of probes."""
+        self._running = True
+        for worker in list(self._workers.values()):
+            self._start_task(worker)
+        await self.probe_all()
+
+    async def probe_all(self) -> None:
+        workers = [w for w in self._workers.values() if not w.draining]
+        if workers:
+            await asyncio.gather(*(self._probe(w) for w in workers), return_exceptions=True)
+
+    def add(self, spec: WorkerSpec) -> Worker:
+        if spec.url in self._workers:
+            raise KeyError(spec.url)
+        worker = Worker(spec=spec)
+        self._workers[spec.url] = worker
+        self._metrics.healthy.labels(spec.url).set(0)
+        self._metrics.in_flight.labels(spec.url).set(0)
+        if self._running:
+            self._start_task(worker)
+        return worker
+
+    def remove(self, url: str) -> Worker:
+        """Stop routing to a worker; it is forgotten once its in-flight requests finish (or the drain times out)."""
+        worker = self._workers[url.rstrip("/")]
+        worker.draining = True
+        task = self._tasks.pop(worker.url, None)
+        if task is not None:
+            task.cancel()
+        if worker.in_flight == 0:
+            self._forget(worker)
+        else:
+            drain = asyncio.get_running_loop().create_task(self._drain(worker))
+            self._drains.add(drain)
+            drain.add_done_callback(self._drains.discard)
+        return worker
+
+    async def _drain(self, worker: Worker) -> None:
+        idle = self._idle.setdefault(worker.url, asyncio.Event())
+        try:
+            await asyncio.wait_for(idle.wait(), self._config.drain_timeout_s)
+        except TimeoutError:
+            log.warning("drain of %s timed out with %d requests in flight", worker.url, worker.in_flight)
+        self._forget(worker)
+
+    def _forget(self, worker: Worker) -> None:
+        if self._workers.get(worker.url) is worker:
+            del self._workers[worker.url]
+            self._idle.pop(worker.url, None)
+            self._metrics.forget_worker(worker.url)
+            if self._on_removed is not None:
+                self._on_removed(worker.url)
+            log.info("worker %s removed", worker.url)
+
+    async def stop(self) -> None:
+        self._running = False
+        tasks = [*self._tasks.values(), *self._drains]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    # --- live traffic -----------------------------------------------------------------------------------------
+
+    def acquire(self, worker: Worker) -> None:
+        worker.in_flight += 1
+        worker.routed += 1
+        self._metrics.in_flight.labels(worker.url).set(worker.in_flight)
+
+    def release(self, worker: Worker) -> None:
+        worker.in_flight -= 1
+        if worker.draining:
+            if worker.in_flight == 0 and worker.url in self._idle:
+                self._idle[worker.url].set()
+        else:
+            self._metrics.in_flight.labels(worker.url).set(worker.in_flight)
+
+    def report_connection_error(self, worker: Worker, error: str) -> None:
+        """A live request could not reach the worker: eject it now; the probe re-admits it when it recovers."""
+        worker.last_error = error
+        worker.consecutive_failures = max(worker.consecutive_failures, self._config.unhealthy_after)
+        self._set_health(worker, False)
+
+    # --- probing ----------------------------------------------------------------------------------------------
+
+    def _start_task(self, worker: Worker) -> None:
+        self._tasks[worker.url] = asyncio.get_running_loop().create_task(
+            self._watch(worker), name=f"watch {worker.url}"
+        )
+
+    async def _watch(self, worker: Worker) -> None:
+        """Probe health on one cadence and scrape load on another, until the worker is removed."""
+        cfg = self._config
+        next_probe = time.monotonic() + cfg.health_interval_s
+        while True:
+            now = time.monotonic()
+            if now >= next_probe:
+                await self._probe(worker)
+                next_probe = time.monotonic() + cfg.health_interval_s
+            if worker.healthy:
+                await self._scrape_load(worker)
+            wake = min(next_probe, time.monotonic() + cfg.metrics_interval_s)
+            await asyncio.sleep(max(0.0, wake - time.monotonic()))
+
+    async def _probe(self, worker: Worker) -> None:
+        cfg = self._config
+        timeout = aiohttp.ClientTimeout(total=cfg.health_timeout_s)
+        try:
+            async with self._session.get(worker.url + "/health", timeout=timeout) as resp:
+                await resp.read()
+                ok = resp.status == 200
+                error = None if ok else f"health probe answered {resp.status}"
+            if ok and (
+                not worker.healthy or time.monotonic() - worker.models_fetched_at > cfg.models_refresh_s
+            ):
+                await self._fetch_models(worker)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            ok, error = False, f"health probe failed: {describe_error(exc)}"
+        if ok:
+            worker.consecutive_failures = 0
+            self._set_health(worker, True)
+        else:
+            worker.consecutive_failures += 1
+            worker.last_error = error
+            if worker.consecutive_failures >= cfg.unhealthy_after:
+                self._set_health(worker, False)
+
+    async def _fetch_models(self, worker: Worker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self._config.health_timeout_s)
+        async with self._session.get(worker.url + "/v1/models", timeout=timeout) as resp:
+            if resp.status != 200:
+                raise ValueError(f"/v1/models answered {resp.status}")
+            listing = orjson.loads(await resp.read())
+        cards = {
+            card["id"]: card
+            for card in listing.get("data", [])
+            if isinstance(card, dict) and isinstance(card.get("id"), str)
+        }
+        worker.model_cards = cards
+        worker.models = frozenset(cards)
+        worker.models_fetched_at = time.monotonic()
+
+    async def _scrape_load(self, worker: Worker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self._config.health_timeout_s)
+        try:
+            async with self._session.get(worker.url + "/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return  # load is advisory; health is decided by the probe
+        values = parse_load_gauges(text)
+        for attr, value in values.items():
+            setattr(worker, attr, value)
+        worker.load_scraped_at = time.monotonic()
+        m = self._metrics
+        m.worker_running.labels(worker.url).set(worker.running)
+        m.worker_waiting.labels(worker.url).set(worker.waiting)
+        m.worker_kv_usage.labels(worker.url).set(worker.kv_usage)
+
+    def _set_health(self, worker: Worker, healthy: bool) -> None:
+        if worker.healthy == healthy:
+            return
+        worker.healthy = healthy
+        if worker.draining:
+            return
+        self._metrics.healthy.labels(worker.url).set(1 if healthy else 0)
+        if healthy:
+            log.info("worker %s is healthy (models: %s)", worker.url, ", ".join(sorted(worker.models)))
+        else:
+            self._metrics.ejections.labels(worker.url).inc()
+            log.warning("worker %s ejected: %s", worker.url, worker.last_error)
+
+
+def describe_error(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,238 @@
+"""Proxying one request to a worker: choose, send, retry before the first byte, relay the answer untouched.
+
+Non-streaming answers are read whole before anything reaches the client, so a worker that dies mid-answer is
+retried elsewhere. Streaming answers are relayed chunk by chunk as they arrive; the client's response starts
+with the first upstream chunk, so a worker that fails before producing one is still retried. Nothing is
+retried once a byte has reached the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.config import GatewayConfig
+from router.errors import GatewayError, no_worker
+from router.metrics import GatewayMetrics
+from router.pool import Worker, WorkerPool, describe_error
+from strategies.base import Decision, RouteRequest, Strategy
+
+log = logging.getLogger(__name__)
+
+# Request headers passed on to workers; everything else (Host, hop-by-hop, cookies) stays at the gateway.
+FORWARDED_REQUEST_HEADERS = ("Content-Type", "Accept", "X-Request-Id", "traceparent", "tracestate")
+# Response headers the gateway sets itself or that describe the hop, not the content.
+DROPPED_RESPONSE_HEADERS = frozenset(
+    h.lower() for h in (
+        "Connection", "Keep-Alive", "Transfer-Encoding", "Content-Length", "Date", "Server",
+        "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Upgrade",
+    )
+)
+RETRYABLE_STATUSES = frozenset({502, 503})
+CLIENT_CLOSED = "499"
+
+
+class _Retry(Exception):
+    """This attempt failed before any byte reached the client; another worker may take the request."""
+
+
+@dataclass(slots=True)
+class _OpenStream:
+    """A streamed answer whose first chunk has arrived: everything needed to relay the rest."""
+
+    upstream: aiohttp.ClientResponse
+    first: bytes
+    headers: CIMultiDict[str]
+    worker: Worker
+    model_label: str
+
+
+class Proxy:
+    """Sends requests to workers chosen by the strategy and relays their answers."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pool: WorkerPool,
+        strategy: Strategy,
+        metrics: GatewayMetrics,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self._config = config
+        self._pool = pool
+        self._strategy = strategy
+        self._metrics = metrics
+        self._session = session
+        self._client_timeout = aiohttp.ClientTimeout(
+            total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
+        )
+
+    def _candidates(self, model: str | None, tried: set[str]) -> Sequence[Worker]:
+        workers = self._pool.eligible(model) if model else self._pool.healthy()
+        return [w for w in workers if w.url not in tried]
+
+    async def forward(
+        self, request: web.Request, route: RouteRequest, body: bytes | None, *, stream: bool, started: float
+    ) -> web.StreamResponse:
+        """Route and proxy one request; raises GatewayError for answers the gateway gives itself."""
+        tried: set[str] = set()
+        last_error = ""
+        deadline = asyncio.get_running_loop().time() + self._config.total_timeout_s
+        for _ in range(self._config.max_attempts):
+            candidates = self._candidates(route.model, tried)
+            if not candidates:
+                break
+            decision = self._strategy.choose(route, candidates)
+            worker = decision.worker
+            tried.add(worker.url)
+            self._metrics.decisions.labels(self._strategy.name, decision.reason).inc()
+            self._pool.acquire(worker)
+            try:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        answer = await self._attempt(request, route, decision, body, stream, started)
+                except TimeoutError:
+                    self._metrics.requests.labels(route.model or "", worker.url, "504").inc()
+                    raise GatewayError(
+                        504, f"upstream did not answer within {self._config.total_timeout_s:g} s",
+                        type="timeout", code="upstream_timeout",
+                    ) from None
+                if isinstance(answer, _OpenStream):
+                    return await self._relay(request, answer, started, deadline)
+                return answer
+            except _Retry as exc:
+                last_error = str(exc)
+            finally:
+                self._pool.release(worker)
+        if not tried:
+            if route.model and self._pool.knows_model(route.model):
+                raise no_worker(f"no healthy worker serves model `{route.model}` right now")
+            raise no_worker("no healthy worker available")
+        raise GatewayError(
+            502, f"upstream failed after {len(tried)} attempt(s): {last_error}",
+            type="upstream_error", code="upstream_failed",
+        )
+
+    def _upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name in FORWARDED_REQUEST_HEADERS:
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        if self._config.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self._config.upstream_api_key}"
+        elif "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
+    def _connection_lost(self, worker: Worker, exc: BaseException) -> _Retry:
+        self._pool.report_connection_error(worker, describe_error(exc))
+        self._metrics.retries.labels("connection_error").inc()
+        return _Retry(f"{worker.url}: {describe_error(exc)}")
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        route: RouteRequest,
+        decision: Decision,
+        body: bytes | None,
+        stream: bool,
+        started: float,
+    ) -> web.Response | _OpenStream:
+        """One try on one worker: a whole answer, or a stream whose first chunk has arrived."""
+        worker = decision.worker
+        model_label = route.model or ""
+        try:
+            async with asyncio.timeout(self._config.ttfb_timeout_s):
+                upstream = await self._session.request(
+                    request.method, worker.url + request.rel_url.path_qs, data=body,
+                    headers=self._upstream_headers(request), timeout=self._client_timeout,
+                    allow_redirects=False,
+                )
+        except TimeoutError:
+            self._metrics.requests.labels(model_label, worker.url, "504").inc()
+            raise GatewayError(
+                504, f"worker did not answer within {self._config.ttfb_timeout_s:g} s",
+                type="timeout", code="upstream_timeout",
+            ) from None
+        except aiohttp.ClientConnectionError as exc:
+            raise self._connection_lost(worker, exc) from None
+        self._strategy.on_routed(route, decision)
+        handed_over = False
+        try:
+            if upstream.status in RETRYABLE_STATUSES:
+                await upstream.read()
+                worker.last_error = f"answered {upstream.status}"
+                self._metrics.requests.labels(model_label, worker.url, str(upstream.status)).inc()
+                self._metrics.retries.labels(f"status_{upstream.status}").inc()
+                raise _Retry(f"{worker.url} answered {upstream.status}")
+            headers = CIMultiDict(
+                (k, v) for k, v in upstream.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS
+            )
+            try:
+                if stream and upstream.status == 200:
+                    first = await upstream.content.readany()
+                    handed_over = True
+                    return _OpenStream(upstream, first, headers, worker, model_label)
+                data = await upstream.read()
+            except aiohttp.ClientConnectionError as exc:
+                raise self._connection_lost(worker, exc) from None
+            elapsed = time.perf_counter() - started
+            self._metrics.ttfb.labels(model_label).observe(elapsed)
+            self._metrics.request_duration.labels(model_label).observe(elapsed)
+            self._metrics.requests.labels(model_label, worker.url, str(upstream.status)).inc()
+            return web.Response(status=upstream.status, body=data, headers=headers)
+        except asyncio.CancelledError:
+            self._metrics.requests.labels(model_label, worker.url, CLIENT_CLOSED).inc()
+            raise
+        finally:
+            if not handed_over:
+                _close(upstream)
+
+    async def _relay(
+        self, request: web.Request, stream: _OpenStream, started: float, deadline: float
+    ) -> web.StreamResponse:
+        """Relay a streamed answer byte for byte. Once bytes reached the client, a failure can only be told by
+        closing the connection without the final chunk, so the client sees a broken stream, not a short one."""
+        upstream, worker, label = stream.upstream, stream.worker, stream.model_label
+        self._metrics.ttfb.labels(label).observe(time.perf_counter() - started)
+        response = web.StreamResponse(status=upstream.status, headers=stream.headers)
+        status = str(upstream.status)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await response.prepare(request)
+                if stream.first:
+                    await response.write(stream.first)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+        except ConnectionResetError:
+            status = CLIENT_CLOSED
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            worker.last_error = f"stream broke: {describe_error(exc)}"
+            status = "502"
+            if request.transport is not None:
+                request.transport.close()
+        finally:
+            _close(upstream)
+            self._metrics.requests.labels(label, worker.url, status).inc()
+            self._metrics.request_duration.labels(label).observe(time.perf_counter() - started)
+        return response
+
+
+def _close(upstream: aiohttp.ClientResponse) -> None:
+    """Release a finished answer's connection for reuse; drop an unfinished one so the worker sees it end."""
+    if upstream.content.is_eof():
+        upstream.release()
+    else:
+        upstream.close()

@@ -1,0 +1,51 @@
+"""The routing-strategy interface: given a parsed request and the eligible workers, pick one and say why."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from router.config import GatewayConfig
+from router.pool import Worker
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What a strategy may look at. `token_ids` and `block_keys` are filled when the gateway tokenizes."""
+
+    model: str
+    path: str
+    body: dict[str, Any]
+    headers: Mapping[str, str]
+    token_ids: list[int] | None = None
+    block_keys: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen worker, a short reason (a metric label) and the prefix tokens expected to be cached there."""
+
+    worker: Worker
+    reason: str
+    predicted_cached_tokens: int = 0
+
+
+class Strategy(abc.ABC):
+    """Chooses a worker for each request. One instance per gateway; `choose` runs on the event loop."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
+        """Pick one of `workers` (never empty, all healthy and serving the model)."""
+
+    def on_routed(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
+        """Called once the request was sent to the chosen worker."""
+
+    def forget_worker(self, url: str) -> None:  # noqa: B027 - optional hook
+        """Called when a worker leaves the pool; drop any state kept about it."""

