@@ -1,0 +1,156 @@
+"""vLLM's KV-cache event wire format, and a publisher that speaks it (used by the simulator and the tier agent).
+
+A message on the PUB socket has three frames: topic (UTF-8), sequence number (8 bytes big-endian, from 0) and a
+msgpack `KVEventBatch` `[ts, events, data_parallel_rank]`; each event is a map whose first key is `"type"`.
+A ROUTER socket answers replay requests `[b"", start_seq]` with `[b"", topic, seq, payload]` per buffered batch
+whose seq >= start_seq, then the end marker `[b"", b"", -1 (8 signed bytes), b""]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+BlockHash = int | bytes
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+class BlockStored(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, kw_only=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, kw_only=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, kw_only=True):
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[KvEvent]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KvEventBatch)
+
+
+def encode_batch(events: list[KvEvent], ts: float | None = None, rank: int | None = None) -> bytes:
+    return _encoder.encode(KvEventBatch(ts=time.time() if ts is None else ts, events=events,
+                                        data_parallel_rank=rank))
+
+
+def decode_batch(payload: bytes) -> KvEventBatch:
+    """Decode one payload; raises msgspec.DecodeError (or ValidationError) on garbage."""
+    return _decoder.decode(payload)
+
+
+def should_bind(endpoint: str) -> bool:
+    """vLLM binds an endpoint only if it has a wildcard host or is ipc/inproc; otherwise it connects."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class KvEventPublisher:
+    """Publishes event batches on a PUB socket and keeps the last `buffer_steps` for replay.
+
+    `publish` is synchronous and never blocks (PUB drops when a subscriber is slow). The replay ROUTER
+    is served by an asyncio task started with `start()` and cancelled by `close()`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        data_parallel_rank: int | None = None,
+    ) -> None:
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._attach(self._pub, endpoint)
+        self._replay_endpoint = replay_endpoint
+        self._topic = topic.encode()
+        self._rank = data_parallel_rank
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._seq = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def _attach(sock: zmq.Socket[Any], endpoint: str) -> None:
+        if should_bind(endpoint):
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def publish(self, events: list[KvEvent]) -> int:
+        """Send one batch; returns its sequence number."""
+        seq = self._seq
+        self._seq += 1
+        payload = encode_batch(events, rank=self._rank)
+        self._buffer.append((seq, payload))
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK, copy=False)
+        return seq
+
+    async def start(self) -> None:
+        if self._replay_endpoint and self._task is None:
+            actx = zmq.asyncio.Context.shadow(self._ctx)
+            router = actx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            self._attach(router, self._replay_endpoint)
+            self._task = asyncio.get_running_loop().create_task(self._serve_replay(router))
+
+    async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                frames = await router.recv_multipart()
+                if len(frames) != 3 or len(frames[2]) != 8:
+                    log.warning("ignored malformed replay request with %d frames", len(frames))
+                    continue
+                identity, start = frames[0], int.from_bytes(frames[2], "big")
+                for seq, payload in list(self._buffer):
+                    if seq >= start:
+                        await router.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                await router.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))
+        finally:
+            router.close(linger=0)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._pub.close(linger=0)
+        self._ctx.term()
