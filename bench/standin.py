@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
+import xxhash
 from aiohttp import web
 
 from router.aio import run_until_signalled
@@ -73,7 +74,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return _error(404, f"The model `{payload.get('model')}` does not exist.")
     chat = request.path.endswith("/chat/completions")
     n = _tokens(payload, behaviour)
-    rid = f"cmpl-{request.app[NAME]}-{stats.requests}"
+    rid = f"cmpl-{xxhash.xxh64_hexdigest(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS))}"
     try:
         if behaviour.first_token_delay_s:
             await asyncio.sleep(behaviour.first_token_delay_s)
@@ -89,7 +90,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             )
             response = web.Response(body=orjson.dumps({
                 "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": payload["model"], "choices": [choice], "worker": request.app[NAME],
+                "model": payload["model"], "choices": [choice],
                 "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
             }), content_type="application/json")
     except asyncio.CancelledError:

@@ -136,6 +136,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
     """Any other `/v1/*`, `/tokenize`, `/detokenize`: sent to a worker that serves the body's `model`."""
+    if request.path in (COMPLETIONS, CHAT_COMPLETIONS, "/v1/models"):
+        allowed = "GET" if request.path == "/v1/models" else "POST"
+        raise web.HTTPMethodNotAllowed(request.method, [allowed])
     started = time.perf_counter()
     gateway = request.app[GATEWAY]
     body: bytes | None = None

@@ -1,0 +1,79 @@
+"""Configuration: defaults < YAML file < KVGATE_* environment < flags, one typed object."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.config import ConfigError, GatewayConfig, WorkerSpec, add_config_arguments, load_config
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, GatewayConfig, "KVGATE_")
+    return parser.parse_args(argv)
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "kvgate.yaml"
+    cfg_file.write_text(
+        "port: 9000\nstrategy: least_load\nmax_attempts: 5\n"
+        "workers:\n  - http://10.0.0.1:8000\n  - url: http://10.0.0.2:8000\n    events: tcp://10.0.0.2:5557\n"
+    )
+    env = {"KVGATE_PORT": "9100", "KVGATE_MAX_ATTEMPTS": "4"}
+    config = load_config(GatewayConfig, "KVGATE_", parse(["--config", str(cfg_file), "--port", "9200"]), env)
+    assert config.port == 9200  # flag beats env and file
+    assert config.max_attempts == 4  # env beats file
+    assert config.strategy == "least_load"  # file beats default
+    assert config.health_interval_s == 2.0  # default
+    assert config.worker == [
+        WorkerSpec("http://10.0.0.1:8000"),
+        WorkerSpec("http://10.0.0.2:8000", events="tcp://10.0.0.2:5557"),
+    ]
+
+
+def test_worker_specs_from_flags_and_env() -> None:
+    args = parse(["--worker", "http://a:1/", "--worker", "http://b:2;events=tcp://b:5557;replay=tcp://b:5558"])
+    config = load_config(GatewayConfig, "KVGATE_", args, {})
+    assert config.worker == [WorkerSpec("http://a:1"), WorkerSpec("http://b:2", "tcp://b:5557", "tcp://b:5558")]
+    config = load_config(GatewayConfig, "KVGATE_", parse([]), {"KVGATE_WORKER": "http://a:1,http://b:2"})
+    assert [w.url for w in config.worker] == ["http://a:1", "http://b:2"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--port", "eighty"], {}, "--port"),
+        ([], {"KVGATE_MAX_ATTEMPTS": "many"}, "KVGATE_MAX_ATTEMPTS"),
+        (["--worker", "10.0.0.1:8000"], {}, "http://"),
+        (["--worker", "http://a:1;colour=red"], {}, "colour"),
+    ],
+)
+def test_bad_values_are_clear_errors(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(GatewayConfig, "KVGATE_", parse(argv), env)
+
+
+def test_unknown_key_in_file(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "bad.yaml"
+    cfg_file.write_text("prot: 80\n")
+    with pytest.raises(ConfigError, match="prot"):
+        load_config(GatewayConfig, "KVGATE_", parse(["--config", str(cfg_file)]), {})
+
+
+def test_serve_help_documents_every_option() -> None:
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for name in GatewayConfig.__dataclass_fields__:
+        assert "--" + name.replace("_", "-") in out, name
+        assert "KVGATE_" + name.upper() in out.replace("\n", "").replace(" ", ""), name
+
+
+def test_serve_rejects_unknown_strategy() -> None:
+    result = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--strategy", "psychic"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "psychic" in result.stderr
