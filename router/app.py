@@ -90,10 +90,7 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     try:
         path = request.path
         if path not in OPEN_PATHS:
-            if path.startswith("/admin"):
-                keys = [cfg.admin_key] if cfg.admin_key else cfg.api_key
-            else:
-                keys = cfg.api_key
+            keys = ([cfg.admin_key] if cfg.admin_key else cfg.api_key) if path.startswith("/admin") else cfg.api_key
             if keys and not _key_matches(_bearer(request), keys):
                 raise GatewayError(401, "invalid or missing API key", type="authentication_error",
                                    code="invalid_api_key")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from router.config import GatewayConfig
+from router.metrics import GatewayMetrics
 from router.pool import Worker
 
 
@@ -21,6 +22,7 @@ class RouteRequest:
     headers: Mapping[str, str]
     token_ids: list[int] | None = None
     block_keys: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0  # the prompt's length in tokens (estimated in text mode); 0 when not tokenized
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,8 @@ class Strategy(abc.ABC):
     """Chooses a worker for each request. One instance per gateway; `choose` runs on the event loop."""
 
     name: ClassVar[str]
+    # whether `choose` reads token_ids / block_keys; the gateway tokenizes only for strategies that do
+    needs_prompt_tokens: ClassVar[bool] = False
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -43,6 +47,9 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
         """Pick one of `workers` (never empty, all healthy and serving the model)."""
+
+    def attach_metrics(self, metrics: GatewayMetrics) -> None:  # noqa: B027 - optional hook
+        """Called once by the gateway with its metrics, for strategies that export their own."""
 
     def on_routed(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once the request was sent to the chosen worker."""

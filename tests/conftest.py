@@ -6,8 +6,6 @@ import asyncio
 import dataclasses
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,42 +18,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bench.procs import free_port, wait_for_port
+from bench.procs import stop as stop_process
 from bench.standin import StandinBehaviour, create_standin_app
 from router.app import GATEWAY, Gateway, create_app
 from router.config import GatewayConfig, WorkerSpec
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[Any] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
-def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-    """End a process this test started, by its PID; kill it if it does not stop in time."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
 
 
 @dataclasses.dataclass

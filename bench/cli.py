@@ -1,0 +1,25 @@
+"""`kvgate bench NAME ...`: run one benchmark; each is a module with `add_arguments(parser)` and `run(args)`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "overhead": ("bench.overhead", "what the gateway adds over direct access to the workers"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    choices = ", ".join(f"{name} ({summary})" for name, (_, summary) in BENCHMARKS.items())
+    parser.add_argument("name", choices=sorted(BENCHMARKS), metavar="NAME", help=f"benchmark: {choices}")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
+
+
+def run(args: argparse.Namespace) -> int:
+    module_name, summary = BENCHMARKS[args.name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"kvgate bench {args.name}", description=summary)
+    module.add_arguments(parser)
+    result: int = module.run(parser.parse_args(args.options))
+    return result

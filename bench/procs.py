@@ -1,0 +1,73 @@
+"""Child processes for benchmarks and tests: start `kvgate` subcommands, wait for them, measure, stop by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def spawn_kvgate(args: list[str], env: Mapping[str, str] | None = None, **kw: Any) -> subprocess.Popen[bytes]:
+    """Start `kvgate ARGS...` with this interpreter (so it works from a venv without activation)."""
+    return subprocess.Popen([sys.executable, "-m", "router.cli", *args], env=dict(env or os.environ), **kw)
+
+
+def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[Any] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    """Wait until `url` answers 200."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout} s ({last})")
+
+
+def stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    """End a process we started, by its PID; kill it if it does not stop in time."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
