@@ -174,3 +174,13 @@ def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `kvgate make-model` directory (tokenizer, chat template, config; no weights), made once per session."""
+    from bench.make_model import write_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    write_model(path)
+    return path

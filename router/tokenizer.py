@@ -1,0 +1,480 @@
+"""A model's tokenizer and chat template, loaded offline from a model directory, giving vLLM's prompt token ids.
+
+`ModelTokenizer.prompt_ids(body, chat=...)` turns an OpenAI request body into the token ids vLLM (0.32, HF
+renderer) would feed its engine for the same request:
+
+- completions: a text prompt is encoded with `add_special_tokens` (default true), a token-id prompt is taken as is;
+- chat: messages are normalised as vLLM's `parse_chat_messages` does (text parts joined with "\\n" for
+  "string"-format templates, tool-call arguments parsed to dicts, developer → system when the template has no
+  developer role), the template is rendered like transformers' `apply_chat_template` (sandboxed jinja2 with
+  trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, a non-escaping `tojson`, the named special tokens,
+  `messages`, `tools`, `documents`, `add_generation_prompt`, and the accepted `chat_template_kwargs`), then the text
+  is encoded with `add_special_tokens` (default false for chat).
+
+Encoding runs in Rust (`tokenizers` releases the GIL), so the methods may be called from a thread pool; the
+template environment is immutable once built.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.meta
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+# transformers' named special tokens, offered to every chat template (v5: `special_tokens_map`)
+SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                            "mask_token")
+# `apply_chat_template`'s own parameters: consumed by it, never passed on as template variables
+_APPLY_PARAMS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                   "thinking": "thinking"}
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_CLAUDE_CODE_BILLING_HEADER = "x-anthropic-billing-header"
+
+Message = dict[str, Any]
+
+
+class TokenizationError(ValueError):
+    """The request cannot be tokenized (bad messages, template error, unsupported content); answer 400."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts `{% generation %}…{% endgeneration %}` (assistant-mask markers) and renders the body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # transformers overrides jinja's tojson, which would HTML-escape
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_ENV = _make_environment()
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> tuple[jinja2.Template, frozenset[str], str]:
+    """The compiled template, its undeclared variables and its content format ("string" or "openai")."""
+    try:
+        ast = _ENV.parse(template)
+        compiled = _ENV.from_string(template)
+    except jinja2.TemplateError as e:
+        raise TokenizationError(f"invalid chat template: {e}") from e
+    variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
+    return compiled, variables, ("openai" if _iterates_content(ast) else "string")
+
+
+def _is_content_access(node: jinja2.nodes.Node) -> bool:
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    return isinstance(node, jinja2.nodes.Name) and node.name == "content"
+
+
+def _iterates_content(ast: jinja2.nodes.Template) -> bool:
+    """vLLM's content-format detection, simplified: a loop over a message's `content` means "openai" parts."""
+    return any(_is_content_access(loop.iter) for loop in ast.find_all(jinja2.nodes.For))
+
+
+def _special_token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _merge(defaults: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """vLLM's `merge_kwargs`: overrides win, except where they are None or "auto"."""
+    out = dict(defaults or {})
+    out.update({k: v for k, v in (overrides or {}).items() if v is not None and v != "auto"})
+    return out
+
+
+class ModelTokenizer:
+    """Tokenizer + chat template of one model, loaded offline from a model directory (HF layout)."""
+
+    def __init__(self, model_dir: str | Path, *, chat_template: str | None = None,
+                 default_chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        """`chat_template` plays vLLM's `--chat-template` (text); `default_chat_template_kwargs` its
+        `--default-chat-template-kwargs`."""
+        self.model_dir = Path(model_dir)
+        tokenizer_file = self.model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {self.model_dir}")
+        self._tok = Tokenizer.from_file(str(tokenizer_file))
+        config_file = self.model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = (json.loads(config_file.read_text(encoding="utf-8"))
+                                  if config_file.is_file() else {})
+        self.special_tokens: dict[str, str] = {}
+        for attr in SPECIAL_TOKEN_ATTRIBUTES:
+            text = _special_token_text(config.get(attr))
+            if text is not None:
+                self.special_tokens[attr] = text
+        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.model_max_length: int | None = config.get("model_max_length")
+        self._templates = self._load_templates(config)
+        self._server_template = chat_template
+        self._default_kwargs = dict(default_chat_template_kwargs or {})
+
+    def _load_templates(self, config: Mapping[str, Any]) -> dict[str, str]:
+        templates: dict[str, str] = {}
+        raw = config.get("chat_template")
+        if isinstance(raw, str):
+            templates["default"] = raw
+        elif isinstance(raw, list):
+            templates.update({t["name"]: t["template"] for t in raw})
+        jinja_file = self.model_dir / "chat_template.jinja"
+        if jinja_file.is_file():
+            templates["default"] = jinja_file.read_text(encoding="utf-8")
+        extra_dir = self.model_dir / "additional_chat_templates"
+        if extra_dir.is_dir():
+            for path in sorted(extra_dir.glob("*.jinja")):
+                templates[path.stem] = path.read_text(encoding="utf-8")
+        return templates
+
+    # ---- plain text --------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        return size
+
+    def token_id(self, token: str) -> int | None:
+        tid: int | None = self._tok.token_to_id(token)
+        return tid
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.special_tokens.get("eos_token")
+        return None if eos is None else self.token_id(eos)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self.special_tokens.get("bos_token")
+        return None if bos is None else self.token_id(bos)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Token ids → text, as vLLM's `/detokenize` (transformers `decode`) gives it."""
+        text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._clean_up_spaces:
+            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(a, b)
+        return text
+
+    # ---- chat --------------------------------------------------------------------------------------------
+
+    def chat_template(self, tools: object = None, request_template: str | None = None) -> str:
+        """The template vLLM would use: the request's, else the server's, else the tokenizer's (the
+        `tool_use` one when tools are given and it exists)."""
+        if request_template is not None:
+            return self._templates.get(request_template, request_template)
+        if self._server_template is not None:
+            return self._server_template
+        if tools and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        if len(self._templates) == 1:
+            return next(iter(self._templates.values()))
+        raise TokenizationError(f"the tokenizer in {self.model_dir} has no chat template")
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render a conversation to the prompt text, as vLLM's chat endpoint does."""
+        if continue_final_message and add_generation_prompt:
+            raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        user_kwargs = dict(chat_template_kwargs or {})
+        if bad := {"chat_template", "tokenize"} & user_kwargs.keys():
+            raise TokenizationError(f"Found unexpected chat template kwargs from request: {bad}")
+        kwargs = _merge(_merge(self._default_kwargs, {"tools": tools}),
+                        _merge(user_kwargs, {"add_generation_prompt": add_generation_prompt,
+                                             "continue_final_message": continue_final_message,
+                                             "documents": documents}))
+        template = self.chat_template(kwargs.get("tools"), chat_template)
+        compiled, variables, content_format = _compile(template)
+        conversation = self._conversation(messages, content_format, template)
+        if not conversation:
+            raise TokenizationError("Cannot apply chat template to an empty conversation.")
+        extra = {k: v for k, v in kwargs.items() if k in variables and k not in _APPLY_PARAMS}
+        cont = bool(kwargs.get("continue_final_message"))
+        final_text = ""
+        if cont:
+            last = conversation[-1]
+            if "content" not in template:
+                raise TokenizationError('continue_final_message is set but "content" is not in the template')
+            if not isinstance(last.get("content"), str):
+                raise TokenizationError("continue_final_message needs a final message with text content")
+            final_text = last["content"]
+            conversation[-1] = {**last, "content": final_text + _CONTINUE_TAG}
+        try:
+            rendered = compiled.render(
+                **{**self.special_tokens, **extra},
+                messages=conversation,
+                tools=list(kwargs["tools"]) if kwargs.get("tools") is not None else None,
+                documents=kwargs.get("documents"),
+                add_generation_prompt=bool(kwargs.get("add_generation_prompt", False)),
+            )
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise TokenizationError(f"chat template rejected the request: {e}") from e
+        if cont:
+            tag = _CONTINUE_TAG.strip()
+            if final_text.strip() not in rendered or tag not in rendered:
+                raise TokenizationError("continue_final_message is set but the final message does not appear "
+                                        "in the chat after applying the chat template")
+            at = rendered.rindex(tag)
+            rendered = (rendered[:at] if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG
+                        else rendered[:at].rstrip())
+        return rendered
+
+    def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], *, add_special_tokens: bool = False,
+                      **render: Any) -> list[int]:
+        """`render_chat` then encode; vLLM encodes chat prompts without adding special tokens by default."""
+        return self.encode(self.render_chat(messages, **render), add_special_tokens=add_special_tokens)
+
+    def prompt_ids(self, body: Mapping[str, Any], *, chat: bool) -> list[int]:
+        """The prompt token ids vLLM would compute for an OpenAI `/v1/chat/completions` (chat=True) or
+        `/v1/completions` request body (also vLLM's `/tokenize` bodies). Raises TokenizationError on bad input."""
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+                raise TokenizationError("`messages` must be a list of objects")
+            tools = body.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                raise TokenizationError("`tools` must be a list")
+            kwargs = body.get("chat_template_kwargs")
+            if kwargs is not None and not isinstance(kwargs, Mapping):
+                raise TokenizationError("`chat_template_kwargs` must be an object")
+            user_kwargs = dict(kwargs or {})
+            effort = body.get("reasoning_effort")
+            if effort is not None:
+                user_kwargs["reasoning_effort"] = effort
+                user_kwargs.setdefault("enable_thinking", effort != "none")
+            return self.tokenize_chat(
+                messages,
+                add_special_tokens=bool(body.get("add_special_tokens", False)),
+                tools=None if tools is None else [_tool_dict(t) for t in tools],
+                documents=body.get("documents"),
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+                chat_template=body.get("chat_template"),
+                chat_template_kwargs=user_kwargs,
+            )
+        prompt = body.get("prompt")
+        add_special = bool(body.get("add_special_tokens", True))
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self.encode(prompt, add_special_tokens=add_special)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise TokenizationError("`prompt` must be a string or a list of token ids")
+
+    # ---- vLLM's message normalisation (parse_chat_messages) ---------------------------------------------
+
+    def _conversation(self, messages: Sequence[Mapping[str, Any]], content_format: str,
+                      template: str) -> list[Message]:
+        conversation = [_parse_message(m, content_format) for m in messages]
+        for message in conversation:
+            _parse_tool_call_arguments(message)
+        if any(m["role"] == "developer" for m in conversation) and not (
+                '"developer"' in template or "'developer'" in template):
+            conversation = _consolidate_system(
+                [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m["role"] == "developer"
+                 else m for m in conversation])
+        return conversation
+
+
+def _tool_dict(tool: Any) -> dict[str, Any]:
+    """A request tool as vLLM's `ChatCompletionToolsParam.model_dump()` passes it to the template."""
+    if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+        raise TokenizationError("each tool must be an object with a `function` object")
+    fn = tool["function"]
+    if not isinstance(fn.get("name"), str):
+        raise TokenizationError("a tool's function needs a `name`")
+    out_fn: dict[str, Any] = {"name": fn["name"], "description": fn.get("description"),
+                              "parameters": fn.get("parameters")}
+    defer = tool.get("defer_loading")
+    fn_defer = fn["defer_loading"] if fn.get("defer_loading") is not None else defer
+    if fn.get("strict") is not None:
+        out_fn["strict"] = fn["strict"]
+    if fn_defer is not None:
+        out_fn["defer_loading"] = fn_defer
+    out: dict[str, Any] = {"type": tool.get("type", "function"), "function": out_fn}
+    if defer is not None:
+        out["defer_loading"] = defer
+    return out
+
+
+def _text_parts(parts: Sequence[Any]) -> Iterator[str | None]:
+    """Text of each content part; None for a part vLLM skips. Media parts are not supported."""
+    for part in parts:
+        if isinstance(part, str):
+            yield part
+            continue
+        if not isinstance(part, Mapping):
+            raise TokenizationError("content parts must be strings or objects")
+        key = _TEXT_PART_KEYS.get(part.get("type", ""))
+        if key is None:
+            raise TokenizationError(f"content part type {part.get('type')!r} is not supported for tokenization")
+        text = part.get(key)
+        if text is not None and not isinstance(text, str):
+            raise TokenizationError(f"content part `{key}` must be a string")
+        yield text
+
+
+def _strip_billing_header(parts: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for part in parts:
+        text = part if isinstance(part, str) else (
+            part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else None)
+        if not (isinstance(text, str) and text.startswith(_CLAUDE_CODE_BILLING_HEADER)):
+            out.append(part)
+        elif rest := text.partition("\n")[2]:
+            out.append(rest)
+    return out
+
+
+def _parse_message(message: Mapping[str, Any], content_format: str) -> Message:
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise TokenizationError("each message needs a string `role`")
+    content = message.get("content")
+    if content is None:
+        parts: list[Any] = []
+    elif isinstance(content, str):
+        parts = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
+        parts = list(content)
+    else:
+        raise TokenizationError("message `content` must be a string, a list of parts or null")
+    if role == "system":
+        parts = _strip_billing_header(parts)
+    texts = list(_text_parts(parts))
+    out: Message = {"role": role}
+    if content_format == "openai":
+        out["content"] = [{"type": "text", "text": t} for t in texts if t is not None]
+    else:
+        out["content"] = "\n".join(t for t in texts if t is not None)
+    if role == "assistant":
+        if message.get("tool_calls") is not None:
+            out["tool_calls"] = [dict(c) if isinstance(c, Mapping) else c for c in message["tool_calls"]]
+        if message.get("reasoning") is not None:
+            out["reasoning"] = out["reasoning_content"] = message["reasoning"]
+    elif role == "tool":
+        if "tool_call_id" in message:
+            out["tool_call_id"] = message["tool_call_id"]
+        if isinstance(out["content"], list):
+            out["content"] = "\n".join(p["text"] for p in out["content"])
+    for field in ("name", "task"):
+        if isinstance(message.get(field), str):
+            out[field] = message[field]
+    if role == "developer":
+        out["tools"] = message.get("tools")
+    return out
+
+
+def _parse_tool_call_arguments(message: Message) -> None:
+    """Templates expect tool-call arguments as dicts; OpenAI clients send JSON strings."""
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not isinstance(calls, list):
+        return
+    if not calls:
+        del message["tool_calls"]
+        return
+    for i, call in enumerate(calls):
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(
+                call.get("function"), Mapping):
+            raise TokenizationError("chat completions only support assistant tool_calls of type 'function'.")
+        function = dict(call["function"])
+        arguments = function.get("arguments")
+        parsed: Any = {}
+        if arguments:
+            if isinstance(arguments, str):
+                try:
+                    parsed = json.loads(arguments)
+                except json.JSONDecodeError:
+                    parsed = {}
+            else:
+                parsed = arguments
+            if not isinstance(parsed, dict):
+                parsed = {}
+        function["arguments"] = parsed
+        calls[i] = {**call, "function": function}
+
+
+def _consolidate_system(conversation: list[Message]) -> list[Message]:
+    """Merge all system messages into one at position 0 (vLLM does this after developer → system)."""
+    contents: list[str] = []
+    others: list[Message] = []
+    needed = False
+    for i, message in enumerate(conversation):
+        if message["role"] == "system":
+            if i > 0 or contents:
+                needed = True
+            content = message.get("content", "")
+            if isinstance(content, list):
+                content = "\n".join(p["text"] if isinstance(p, Mapping) else str(p) for p in content
+                                    if isinstance(p, str) or (isinstance(p, Mapping) and "text" in p))
+            if content:
+                contents.append(content)
+        else:
+            others.append(message)
+    if not needed:
+        return conversation
+    return [{"role": "system", "content": "\n\n".join(contents)}, *others]

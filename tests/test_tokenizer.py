@@ -1,0 +1,98 @@
+"""router/tokenizer.py: chat templating and tokenization the way vLLM does it (the live comparison with vLLM's
+`/tokenize` is in test_conformance.py)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from router.tokenizer import ModelTokenizer, TokenizationError
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path) -> ModelTokenizer:
+    return ModelTokenizer(tiny_model_dir)
+
+
+def test_chat_is_templated_then_encoded_without_special_tokens(tok: ModelTokenizer) -> None:
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]}
+    text = tok.render_chat(body["messages"])
+    assert text == ("<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = tok.prompt_ids(body, chat=True)
+    assert ids == tok.encode(text, add_special_tokens=False)
+    bos, im_start = tok.bos_token_id, tok.token_id("<|im_start|>")
+    assert ids[:2] == [bos, im_start] and ids.count(bos) == 1
+    # add_special_tokens on a chat request adds BOS on top of the template's
+    assert tok.prompt_ids({**body, "add_special_tokens": True}, chat=True) == [bos, *ids]
+    # add_generation_prompt=False drops the assistant header; chat_template_kwargs cannot override the field
+    no_gen = tok.prompt_ids({**body, "add_generation_prompt": False,
+                             "chat_template_kwargs": {"add_generation_prompt": True}}, chat=True)
+    assert ids[:len(no_gen)] == no_gen and len(no_gen) < len(ids)
+
+
+def test_completion_prompts(tok: ModelTokenizer) -> None:
+    ids = tok.prompt_ids({"prompt": "import os\nos.getcwd()"}, chat=False)
+    assert ids[0] == tok.bos_token_id
+    assert tok.prompt_ids({"prompt": "import os\nos.getcwd()", "add_special_tokens": False}, chat=False) == ids[1:]
+    assert tok.prompt_ids({"prompt": [5, 6, 7]}, chat=False) == [5, 6, 7]
+    assert tok.prompt_ids({"prompt": ["x y"]}, chat=False) == tok.encode("x y", add_special_tokens=True)
+    assert tok.decode(ids) == "<s>import os\nos.getcwd()"
+    assert tok.decode(ids, skip_special_tokens=True) == "import os\nos.getcwd()"
+    for bad in ({"prompt": 3}, {"prompt": [1, "a"]}, {}):
+        with pytest.raises(TokenizationError):
+            tok.prompt_ids(bad, chat=False)
+
+
+def test_message_normalisation_like_vllm(tok: ModelTokenizer) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert "user\na\nb<|im_end|>" in tok.render_chat(parts)
+    assert "user\n<|im_end|>" in tok.render_chat([{"role": "user", "content": None}])
+    calls = [{"role": "user", "content": "q"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}]}]
+    text = tok.render_chat(calls, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in text  # arguments parsed to a dict
+    assert "<|im_start|>tool\n42<|im_end|>" in text
+    # request tools reach the template as vLLM's pydantic model_dump() gives them
+    ids = tok.prompt_ids({"messages": calls, "tools": [{"type": "function", "function": {"name": "f"}}]}, chat=True)
+    assert '{"type": "function", "function": {"name": "f", "description": null, "parameters": null}}' in \
+        tok.decode(ids)
+    # developer becomes system when the template has no developer role
+    dev = tok.render_chat([{"role": "developer", "content": "rules"}, {"role": "user", "content": "q"}])
+    assert dev.startswith("<s><|im_start|>system\nrules<|im_end|>")
+    cont = tok.render_chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}],
+                           add_generation_prompt=False, continue_final_message=True)
+    assert cont.endswith("<|im_start|>assistant\nThe answer is")
+
+
+def test_template_variables_and_errors(tiny_model_dir: Path) -> None:
+    template = ("{{ bos_token }}{% if flavour %}[{{ flavour }}]{% endif %}{% for m in messages %}"
+                "{% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+                "{{ m.content }}{% endfor %}{{ 'x' | tojson }}")
+    tok = ModelTokenizer(tiny_model_dir, chat_template=template, default_chat_template_kwargs={"flavour": "d"})
+    msgs = [{"role": "user", "content": "<&>"}]
+    assert tok.render_chat(msgs) == '<s>[d]<&>"x"'
+    assert tok.render_chat(msgs, chat_template_kwargs={"flavour": "r"}) == '<s>[r]<&>"x"'
+    with pytest.raises(TokenizationError, match="no bad roles"):
+        tok.render_chat([{"role": "bad", "content": ""}])
+    with pytest.raises(TokenizationError):
+        tok.render_chat(msgs, chat_template_kwargs={"tokenize": True})
+    with pytest.raises(TokenizationError):
+        tok.render_chat(msgs, continue_final_message=True)  # with add_generation_prompt (default True)
+    with pytest.raises(TokenizationError):
+        tok.prompt_ids({"messages": "hi"}, chat=True)
+    with pytest.raises(TokenizationError):
+        tok.prompt_ids({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True)
+
+
+def test_thread_pool_gives_the_same_ids(tok: ModelTokenizer) -> None:
+    bodies = [{"messages": [{"role": "user", "content": f"request {i} " + "def f(x): return x\n" * 50}]}
+              for i in range(32)]
+    serial = [tok.prompt_ids(b, chat=True) for b in bodies]
+    with ThreadPoolExecutor(4) as pool:
+        parallel = list(pool.map(lambda b: tok.prompt_ids(b, chat=True), bodies))
+    assert parallel == serial
