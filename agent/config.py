@@ -1,0 +1,84 @@
+"""Typed configuration of the tier agent (`kvgate agent`), built like the gateway's: file < env < flags.
+
+Environment variables use the prefix `KVGATE_AGENT_` (e.g. `KVGATE_AGENT_DRAM_CAPACITY=8GiB`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from router.config import ConfigError, option
+
+ENV_PREFIX = "KVGATE_AGENT_"
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """`4096`, `512MiB`, `4 GiB`, `1.5GB` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"not a byte size: {text!r} (examples: 4096, 512MiB, 4GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+WRITE_POLICIES = ("lazy", "eager")
+SHARED_BACKENDS = ("none", "redis", "fs")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything `kvgate agent` can be told."""
+
+    socket_path: str = option("/tmp/kvgate-agent.sock", "Unix socket of the local block API (connector, simulator)")
+    metrics_host: str = option("127.0.0.1", "address of the Prometheus /metrics HTTP endpoint")
+    metrics_port: int = option(9400, "port of the /metrics HTTP endpoint (0 = disabled)")
+    events_endpoint: str = option("", "ZMQ PUB endpoint for KV events, e.g. tcp://*:5560 (empty = no events)")
+    replay_endpoint: str = option("", "ZMQ ROUTER endpoint answering event replay requests (empty = none)")
+    events_topic: str = option("kv-events", "topic frame of published KV events")
+    events_interval_s: float = option(0.02, "how often pending tier events are published as one batch")
+    block_size: int = option(0, "tokens per block, reported in BlockStored events (0 = unknown)")
+
+    dram_capacity: int = option(2**30, "DRAM tier byte bound (0 = no DRAM tier)", parse=parse_bytes)
+    dram_high_watermark: float = option(0.95, "DRAM fill fraction above which background demotion starts")
+    dram_low_watermark: float = option(0.85, "DRAM fill fraction background demotion brings usage down to")
+
+    nvme_dir: str = option("", "directory of the NVMe tier (empty = no NVMe tier)")
+    nvme_capacity: int = option(16 * 2**30, "NVMe tier byte bound", parse=parse_bytes)
+    nvme_high_watermark: float = option(0.95, "NVMe fill fraction above which background eviction starts")
+    nvme_low_watermark: float = option(0.85, "NVMe fill fraction background eviction brings usage down to")
+    nvme_fsync: bool = option(True, "fsync each block file before it is renamed into place (power-loss safety)")
+    nvme_min_free: int = option(256 * 2**20, "free bytes to keep on the NVMe filesystem", parse=parse_bytes)
+
+    shared_backend: str = option("none", "fleet-shared tier: none, redis (Redis/Valkey) or fs (shared directory)")
+    shared_url: str = option("redis://127.0.0.1:6379/0", "Redis/Valkey URL of the shared tier")
+    shared_cluster: bool = option(False, "talk to the shared Redis as a Redis Cluster")
+    shared_dir: str = option("", "shared POSIX directory (Lustre, Curvine FUSE, NFS) for shared_backend=fs")
+    shared_prefix: str = option("kvgate", "namespace of shared block names (keys / directory level)")
+    shared_ttl_s: float = option(3600.0, "lifetime of a shared block after its last write (0 = forever)")
+    shared_timeout_s: float = option(0.5, "socket timeout of one shared-tier operation")
+    shared_retry_s: float = option(1.0, "after a shared-tier backend error, skip it for this long")
+    shared_sweep_interval_s: float = option(60.0, "interval of the TTL sweep of the shared directory")
+    shared_index_refresh_s: float = option(5.0, "interval at which other replicas' shared blocks are learned")
+
+    write_policy: str = option("lazy", "lazy: demote to NVMe/shared under pressure; eager: write through")
+    promote_on_hit: bool = option(True, "copy blocks loaded from NVMe/shared into DRAM")
+    nvme_admit_reuse: int = option(1, "uses (stores + hits) a block needs before it is written to NVMe")
+    shared_admit_reuse: int = option(1, "uses (stores + hits) a block needs before it is written to shared")
+    io_threads: int = option(4, "threads doing NVMe and shared-tier I/O")
+    log_level: str = option("info", "log level: debug, info, warning, error")
+
+    def validate(self) -> AgentConfig:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy must be one of {WRITE_POLICIES}: {self.write_policy!r}")
+        if self.shared_backend not in SHARED_BACKENDS:
+            raise ConfigError(f"shared_backend must be one of {SHARED_BACKENDS}: {self.shared_backend!r}")
+        if self.shared_backend == "fs" and not self.shared_dir:
+            raise ConfigError("shared_backend=fs needs shared_dir")
+        for low, high, name in ((self.dram_low_watermark, self.dram_high_watermark, "dram"),
+                                (self.nvme_low_watermark, self.nvme_high_watermark, "nvme")):
+            if not 0.0 < low <= high <= 1.0:
+                raise ConfigError(f"{name} watermarks need 0 < low <= high <= 1 (got {low}, {high})")
+        return self

@@ -1,0 +1,156 @@
+"""DRAM tier: blocks in this process's memory under a byte bound, LRU eviction in prefix order.
+
+Prefix order: a block whose child (the next block of the same prefix) is resident is never evicted before that
+child, so what survives pressure is always a usable leading run of blocks. Only leaves are eviction candidates;
+reads touch a chain child-first so parents sit on the recent side of the LRU order.
+The checksum is computed lazily (when a block leaves for NVMe or the shared tier): memory of this process is
+trusted like the rest of it, and skipping the hash keeps stores at memcpy speed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from agent.block import BlockKey, checksum
+from agent.tiers.base import Buffer, TierStats, TierUsage
+
+
+@dataclass(slots=True)
+class DramBlock:
+    data: bytearray
+    parent: BlockKey | None
+    children: int = 0
+    digest: int | None = None
+
+    def checksum(self) -> int:
+        if self.digest is None:
+            self.digest = checksum(self.data)
+        return self.digest
+
+
+class DramTier:
+    name = "dram"
+    medium = "CPU"
+
+    def __init__(self, capacity: int, high_watermark: float = 0.95, low_watermark: float = 0.85) -> None:
+        self.capacity = capacity
+        self.high_bytes = int(capacity * high_watermark)
+        self.low_bytes = int(capacity * low_watermark)
+        self.stats = TierStats()
+        self._blocks: OrderedDict[BlockKey, DramBlock] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+
+    # -- interface -------------------------------------------------------------------------------------------
+
+    def store(self, key: BlockKey, payload: Buffer, digest: int | None = None,
+              parent: BlockKey | None = None) -> bool:
+        evicted = self.store_evicting(key, payload, digest, parent)
+        return evicted is not None
+
+    def store_evicting(self, key: BlockKey, payload: Buffer, digest: int | None = None,
+                       parent: BlockKey | None = None) -> list[tuple[BlockKey, DramBlock]] | None:
+        """Store; returns the blocks evicted to make room (for demotion), or None if refused."""
+        size = len(payload)
+        if size > self.capacity:
+            self.stats.add("refused")
+            return None
+        with self._lock:
+            existing = self._blocks.get(key)
+            if existing is not None:
+                self._blocks.move_to_end(key)
+                return []
+            evicted = self._evict_locked(self.capacity - size, protect=parent)
+            block = DramBlock(bytearray(payload), None, 0, digest)
+            if parent is not None:
+                parent_block = self._blocks.get(parent)
+                if parent_block is not None:
+                    parent_block.children += 1
+                    block.parent = parent
+            self._blocks[key] = block
+            self._used += size
+        self.stats.add("stores")
+        return evicted
+
+    def read_into(self, key: BlockKey, out: memoryview) -> int | None:
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is None or len(block.data) > len(out):
+                missing = True
+            else:
+                missing = False
+                size = len(block.data)
+                out[:size] = block.data
+                self._blocks.move_to_end(key)
+        self.stats.add("misses" if missing else "hits")
+        return None if missing else size
+
+    def get(self, key: BlockKey) -> DramBlock | None:
+        """The resident block itself (no copy), for demotion and write-through; does not touch LRU order."""
+        return self._blocks.get(key)
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._blocks
+
+    def delete(self, key: BlockKey) -> bool:
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is None:
+                return False
+            self._remove_locked(key, block)
+            # orphan the children: they stay, and become evictable in their own right
+            for other in self._blocks.values():
+                if other.parent == key:
+                    other.parent = None
+            return True
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self._used, len(self._blocks), self.capacity)
+
+    def block_keys(self) -> Iterable[BlockKey]:
+        with self._lock:
+            return list(self._blocks)
+
+    # -- ordering and pressure -------------------------------------------------------------------------------
+
+    def touch_chain(self, keys: list[BlockKey]) -> None:
+        """Mark a prefix chain as used: children first, so each parent ends up more recent than its child."""
+        with self._lock:
+            for key in reversed(keys):
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+
+    def above_high_watermark(self) -> bool:
+        return self._used > self.high_bytes
+
+    def evict_to_low_watermark(self) -> list[tuple[BlockKey, DramBlock]]:
+        with self._lock:
+            return self._evict_locked(self.low_bytes)
+
+    def _evict_locked(self, target: int, protect: BlockKey | None = None) -> list[tuple[BlockKey, DramBlock]]:
+        """Evict least recently used leaves until usage <= target."""
+        evicted: list[tuple[BlockKey, DramBlock]] = []
+        while self._used > target and self._blocks:
+            victim = None
+            for key, block in self._blocks.items():
+                if block.children == 0 and key != protect:
+                    victim = key, block
+                    break
+            if victim is None:  # only the protected parent is left
+                break
+            self._remove_locked(*victim)
+            evicted.append(victim)
+        if evicted:
+            self.stats.add("evictions", len(evicted))
+        return evicted
+
+    def _remove_locked(self, key: BlockKey, block: DramBlock) -> None:
+        del self._blocks[key]
+        self._used -= len(block.data)
+        if block.parent is not None:
+            parent_block = self._blocks.get(block.parent)
+            if parent_block is not None:
+                parent_block.children -= 1

@@ -1,0 +1,294 @@
+"""NVMe tier: one file per block in a local directory, under a byte bound, LRU eviction.
+
+Writes are crash-safe: header + payload go to a temp file, which is fsynced (optional) and renamed into place,
+so a block file either exists whole or not at all; every read verifies the checksum anyway. On start the index
+is rebuilt from the block files (usage = their sizes; LRU order = mtime) and leftover temp files are removed.
+A block file deleted or corrupted behind the agent's back is a miss (and leaves the index), never a crash; a
+full disk evicts and retries once, then refuses the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+from agent.block import (
+    HEADER_SIZE,
+    BlockError,
+    BlockKey,
+    ChecksumError,
+    checksum,
+    decode_header,
+    encode_header,
+    key_name,
+    parse_key_name,
+)
+from agent.tiers.base import Buffer, RemovalListener, TierStats, TierUsage
+
+log = logging.getLogger(__name__)
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def write_file_atomically(tmp_dir: Path, final: Path, parts: list[Buffer], fsync: bool) -> None:
+    """temp file + (fsync) + rename: readers see the whole file or none of it."""
+    tmp = tmp_dir / f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            total = sum(len(p) for p in parts)
+            written = os.writev(fd, parts)
+            if written != total:  # short write: finish the rest piece by piece
+                rest = memoryview(b"".join(bytes(p) for p in parts))[written:]
+                while rest:
+                    rest = rest[os.write(fd, rest):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_block_file(path: Path, key: BlockKey, out: memoryview) -> int:
+    """Read and verify a block file into `out`; raises OSError, BlockError or ChecksumError."""
+    with open(path, "rb", buffering=0) as f:
+        header = f.read(HEADER_SIZE)
+        layout_id, length, digest = decode_header(header)
+        if layout_id != key[0]:
+            raise BlockError(f"layout {layout_id:#x} where {key[0]:#x} was asked for")
+        if length > len(out):
+            raise BlockError(f"block of {length} bytes does not fit a {len(out)}-byte buffer")
+        view = out[:length]
+        got = 0
+        while got < length:
+            n = f.readinto(view[got:])
+            if not n:
+                raise BlockError(f"torn block: {got} of {length} payload bytes")
+            got += n
+        if f.read(1):
+            raise BlockError("block file longer than its header says")
+    if checksum(view) != digest:
+        raise ChecksumError(f"checksum mismatch in {path.name}")
+    return length
+
+
+class NvmeTier:
+    name = "nvme"
+    medium = "DISK"
+
+    def __init__(self, directory: str | Path, capacity: int, high_watermark: float = 0.95,
+                 low_watermark: float = 0.85, fsync: bool = True, min_free: int = 0) -> None:
+        self.root = Path(directory)
+        self.blocks_dir = self.root / "blocks"
+        self.tmp_dir = self.root / "tmp"
+        self.capacity = capacity
+        self.high_bytes = int(capacity * high_watermark)
+        self.low_bytes = int(capacity * low_watermark)
+        self.fsync = fsync
+        self.min_free = min_free
+        self.stats = TierStats()
+        self.on_removed: RemovalListener | None = None
+        self._index: OrderedDict[BlockKey, int] = OrderedDict()  # key -> file size
+        self._pending: dict[BlockKey, int] = {}  # being written: reserved bytes
+        self._used = 0
+        self._lock = threading.Lock()
+        self.blocks_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._rebuild()
+
+    def _path(self, key: BlockKey) -> Path:
+        name = key_name(key)
+        return self.blocks_dir / name[-2:] / name
+
+    def _rebuild(self) -> None:
+        for tmp in self.tmp_dir.iterdir():  # writes a crash interrupted: never renamed, never served
+            tmp.unlink(missing_ok=True)
+        found: list[tuple[int, BlockKey, int]] = []
+        for shard in self.blocks_dir.iterdir():
+            if not shard.is_dir():
+                continue
+            for entry in os.scandir(shard):
+                key = parse_key_name(entry.name)
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                if key is None or st.st_size < HEADER_SIZE:
+                    os.unlink(entry.path)
+                    continue
+                found.append((st.st_mtime_ns, key, st.st_size))
+        found.sort(key=lambda item: item[0])
+        for _mtime, key, size in found:
+            self._index[key] = size
+            self._used += size
+        log.info("nvme tier %s: %d blocks, %d bytes after restart", self.root, len(self._index), self._used)
+
+    # -- interface -------------------------------------------------------------------------------------------
+
+    def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
+        size = HEADER_SIZE + len(payload)
+        if size > self.capacity:
+            self.stats.add("refused")
+            return False
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return True
+            if key in self._pending:
+                return True
+            self._evict_locked(self.capacity - size)
+            self._pending[key] = size
+            self._used += size
+        ok = False
+        try:
+            ok = self._write(key, payload, size, digest)
+        finally:
+            with self._lock:
+                del self._pending[key]
+                if ok:
+                    self._index[key] = size
+                else:
+                    self._used -= size
+        self.stats.add("stores" if ok else "refused")
+        return ok
+
+    def _write(self, key: BlockKey, payload: Buffer, size: int, digest: int | None) -> bool:
+        if self.min_free and not self._has_free(size):
+            with self._lock:
+                self._evict_locked(self._used - size)
+            if not self._has_free(size):
+                return False
+        header = encode_header(key[0], len(payload), checksum(payload) if digest is None else digest)
+        final = self._path(key)
+        for attempt in range(2):
+            try:
+                final.parent.mkdir(exist_ok=True)
+                write_file_atomically(self.tmp_dir, final, [header, payload], self.fsync)
+                return True
+            except OSError as exc:
+                if exc.errno not in _FULL:
+                    log.warning("nvme tier: cannot write %s: %s", final.name, exc)
+                    self.stats.add("backend_errors")
+                    return False
+                self.stats.add("backend_errors")
+                if attempt == 0:  # disk full: make room once, then give up on this block
+                    with self._lock:
+                        self._evict_locked(max(0, self._used - 2 * size))
+        return False
+
+    def _has_free(self, size: int) -> bool:
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize >= self.min_free + size
+
+    def read_into(self, key: BlockKey, out: memoryview) -> int | None:
+        with self._lock:
+            if key not in self._index:
+                missing = True
+            else:
+                missing = False
+                self._index.move_to_end(key)
+        if missing:
+            self.stats.add("misses")
+            return None
+        path = self._path(key)
+        try:
+            length = read_block_file(path, key, out)
+        except FileNotFoundError:
+            self.stats.add("misses")
+            self._forget(key, unlink=False)
+            return None
+        except ChecksumError as exc:
+            log.warning("nvme tier: %s", exc)
+            self.stats.add("checksum_failures")
+            self.stats.add("misses")
+            self._forget(key, unlink=True)
+            return None
+        except (BlockError, OSError) as exc:
+            log.warning("nvme tier: unreadable block %s: %s", path.name, exc)
+            self.stats.add("read_errors")
+            self.stats.add("misses")
+            self._forget(key, unlink=True)
+            return None
+        self.stats.add("hits")
+        return length
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._index
+
+    def delete(self, key: BlockKey) -> bool:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is None:
+                return False
+            self._used -= size
+        self._path(key).unlink(missing_ok=True)
+        return True
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self._used, len(self._index), self.capacity)
+
+    def block_keys(self) -> Iterable[BlockKey]:
+        with self._lock:
+            return list(self._index)
+
+    # -- pressure --------------------------------------------------------------------------------------------
+
+    def above_high_watermark(self) -> bool:
+        return self._used > self.high_bytes
+
+    def evict_to_low_watermark(self) -> list[BlockKey]:
+        with self._lock:
+            return self._evict_locked(self.low_bytes)
+
+    def lru_keys(self, n: int) -> list[BlockKey]:
+        """The n least recently used keys (candidates to demote before they are evicted)."""
+        with self._lock:
+            out: list[BlockKey] = []
+            for key in self._index:
+                if len(out) >= n:
+                    break
+                out.append(key)
+            return out
+
+    def _evict_locked(self, target: int) -> list[BlockKey]:
+        evicted: list[BlockKey] = []
+        while self._used > target and self._index:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            try:
+                self._path(key).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("nvme tier: cannot delete %s: %s", key_name(key), exc)
+            evicted.append(key)
+        if evicted:
+            self.stats.add("evictions", len(evicted))
+            if self.on_removed is not None:
+                for key in evicted:
+                    self.on_removed(key)
+        return evicted
+
+    def _forget(self, key: BlockKey, unlink: bool) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+        if unlink:
+            self._path(key).unlink(missing_ok=True)
+        if size is not None and self.on_removed is not None:
+            self.on_removed(key)

@@ -1,0 +1,385 @@
+"""Fleet-shared tier: blocks every replica can reach, in Redis/Valkey (one key per block) or a shared directory.
+
+Names are content addressed (`<prefix>:<layout>-<hash>` keys, `<dir>/<prefix>/<xx>/<layout>-<hash>` files), so the
+same prefix computed on any replica lands under the same name; entries expire `ttl_s` after their last write
+(Redis TTL; mtime sweep for the directory), so blocks of a changed system prompt age out.
+`contains` answers from a local index (own writes, reads, and a periodic `refresh_index` that learns other
+replicas' blocks), never from a remote round trip. When the backend fails, the tier counts a backend error,
+answers misses and refuses writes for `retry_s`, then tries again (redis-py reconnects by itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.cluster
+
+from agent.block import (
+    HEADER_SIZE,
+    BlockError,
+    BlockKey,
+    ChecksumError,
+    checksum,
+    encode_header,
+    key_name,
+    parse_key_name,
+    verify,
+)
+from agent.tiers.base import Buffer, TierStats, TierUsage
+from agent.tiers.nvme import read_block_file, write_file_atomically
+
+log = logging.getLogger(__name__)
+
+StoreItem = tuple[BlockKey, Buffer, int | None]  # key, payload, checksum if known
+
+
+class BackendDown(Exception):
+    """The shared backend is unreachable (or in its back-off window after an error)."""
+
+
+class SharedTier:
+    """Index, TTL bookkeeping, stats and back-off common to both backends."""
+
+    name = "shared"
+    medium = "SHARED"
+
+    def __init__(self, ttl_s: float, retry_s: float = 1.0) -> None:
+        self.ttl_s = ttl_s
+        self.retry_s = retry_s
+        self.stats = TierStats()
+        self._index: dict[BlockKey, tuple[float, int]] = {}  # key -> (expiry on monotonic clock, bytes or 0)
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    # -- backend hooks ---------------------------------------------------------------------------------------
+
+    def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
+        raise NotImplementedError
+
+    def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
+        raise NotImplementedError
+
+    def _exists_many(self, keys: list[BlockKey]) -> list[bool]:
+        raise NotImplementedError
+
+    def _delete(self, key: BlockKey) -> None:
+        raise NotImplementedError
+
+    def _list_keys(self) -> Iterable[BlockKey]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    # -- back-off --------------------------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, exc: Exception) -> None:
+        self.stats.add("backend_errors")
+        self._down_until = time.monotonic() + self.retry_s
+        log.warning("shared tier backend error (retrying in %.1f s): %s", self.retry_s, exc)
+
+    def _expiry(self) -> float:
+        return time.monotonic() + self.ttl_s if self.ttl_s > 0 else float("inf")
+
+    # -- interface -------------------------------------------------------------------------------------------
+
+    def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
+        return self.store_many([(key, payload, digest)]) == 1
+
+    def store_many(self, items: Sequence[StoreItem]) -> int:
+        """Write blocks in one round trip; returns how many were written (0 when the backend is down)."""
+        todo = [(key, payload, digest) for key, payload, digest in items if not self.contains(key)]
+        if not todo:
+            return len(items)
+        if not self.available:
+            self.stats.add("refused", len(todo))
+            return 0
+        parts = [(key, [encode_header(key[0], len(payload), checksum(payload) if digest is None else digest),
+                        payload]) for key, payload, digest in todo]
+        try:
+            self._put_many(parts)
+        except Exception as exc:
+            self._failed(exc)
+            self.stats.add("refused", len(todo))
+            return 0
+        expiry = self._expiry()
+        with self._lock:
+            for key, payload, _digest in todo:
+                self._index[key] = (expiry, HEADER_SIZE + len(payload))
+        self.stats.add("stores", len(todo))
+        return len(items)
+
+    def read_into(self, key: BlockKey, out: memoryview) -> int | None:
+        return self.read_many([key], [out])[0]
+
+    def read_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | None]:
+        """Fetch blocks in one round trip into `outs`; each entry its length or None (miss or bad block)."""
+        if not keys:
+            return []
+        if not self.available:
+            self.stats.add("misses", len(keys))
+            return [None] * len(keys)
+        try:
+            results = self._fetch_many(keys, outs)
+        except Exception as exc:
+            self._failed(exc)
+            self.stats.add("misses", len(keys))
+            return [None] * len(keys)
+        lengths: list[int | None] = []
+        expiry = self._expiry()
+        for key, result in zip(keys, results, strict=True):
+            if isinstance(result, int):
+                self.stats.add("hits")
+                with self._lock:
+                    previous = self._index.get(key)
+                    self._index[key] = (previous[0] if previous else expiry, HEADER_SIZE + result)
+                lengths.append(result)
+                continue
+            self.stats.add("misses")
+            if isinstance(result, ChecksumError):
+                log.warning("shared tier: %s: %s", key_name(key), result)
+                self.stats.add("checksum_failures")
+                self._drop(key, remote=True)
+            elif isinstance(result, Exception):
+                log.warning("shared tier: unreadable block %s: %s", key_name(key), result)
+                self.stats.add("read_errors")
+                self._drop(key, remote=isinstance(result, BlockError))
+            else:
+                self._drop(key, remote=False)
+            lengths.append(None)
+        return lengths
+
+    def contains(self, key: BlockKey) -> bool:
+        entry = self._index.get(key)
+        return entry is not None and entry[0] > time.monotonic()
+
+    def probe(self, keys: list[BlockKey]) -> list[bool]:
+        """Ask the backend which of these blocks exist (one round trip) and remember the answer."""
+        if not keys or not self.available:
+            return [False] * len(keys)
+        try:
+            found = self._exists_many(keys)
+        except Exception as exc:
+            self._failed(exc)
+            return [False] * len(keys)
+        expiry = self._expiry()
+        with self._lock:
+            for key, present in zip(keys, found, strict=True):
+                if present:
+                    if key not in self._index:
+                        self._index[key] = (expiry, 0)
+                else:
+                    self._index.pop(key, None)
+        return found
+
+    def refresh_index(self) -> int:
+        """Learn every block the backend holds (other replicas' writes included); returns how many."""
+        if not self.available:
+            return 0
+        try:
+            found = list(self._list_keys())
+        except Exception as exc:
+            self._failed(exc)
+            return 0
+        expiry = self._expiry()
+        now = time.monotonic()
+        with self._lock:
+            present = set(found)
+            for key in found:
+                if key not in self._index:
+                    self._index[key] = (expiry, 0)
+            for key in [k for k, (exp, _n) in self._index.items() if k not in present or exp <= now]:
+                del self._index[key]
+        return len(found)
+
+    def delete(self, key: BlockKey) -> bool:
+        known = self._drop(key, remote=True)
+        return known
+
+    def _drop(self, key: BlockKey, remote: bool) -> bool:
+        with self._lock:
+            known = self._index.pop(key, None) is not None
+        if remote and self.available:
+            try:
+                self._delete(key)
+            except Exception as exc:
+                self._failed(exc)
+        return known
+
+    def usage(self) -> TierUsage:
+        """Blocks known locally; bytes of those whose size is known (the backend's own bound governs)."""
+        now = time.monotonic()
+        entries = [(exp, n) for exp, n in list(self._index.values()) if exp > now]
+        return TierUsage(sum(n for _e, n in entries), len(entries), 0)
+
+    def block_keys(self) -> Iterable[BlockKey]:
+        return list(self._index)
+
+
+class RedisSharedTier(SharedTier):
+    """One Redis/Valkey key per block (`<prefix>:<layout>-<hash>`), SET with PX, pipelined GET/EXISTS."""
+
+    def __init__(self, url: str, *, prefix: str = "kvgate", ttl_s: float = 3600.0, cluster: bool = False,
+                 timeout_s: float = 0.5, retry_s: float = 1.0) -> None:
+        super().__init__(ttl_s, retry_s)
+        self.prefix = prefix
+        options: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client: redis.Redis | redis.cluster.RedisCluster
+        if cluster:
+            self.client = redis.cluster.RedisCluster.from_url(url, **options)
+        else:
+            self.client = redis.Redis.from_url(url, **options)
+
+    def _name(self, key: BlockKey) -> str:
+        return f"{self.prefix}:{key_name(key)}"
+
+    def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
+        px = int(self.ttl_s * 1000) if self.ttl_s > 0 else None
+        pipe = self.client.pipeline(transaction=False)
+        for key, parts in items:
+            pipe.set(self._name(key), b"".join(parts), px=px)
+        pipe.execute()
+
+    def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._name(key))
+        values = pipe.execute()
+        results: list[int | Exception | None] = []
+        for key, value, out in zip(keys, values, outs, strict=True):
+            if value is None:
+                results.append(None)
+                continue
+            try:
+                payload = verify(key, value)
+                if len(payload) > len(out):
+                    raise BlockError(f"block of {len(payload)} bytes does not fit a {len(out)}-byte buffer")
+                out[: len(payload)] = payload
+                results.append(len(payload))
+            except BlockError as exc:
+                results.append(exc)
+        return results
+
+    def _exists_many(self, keys: list[BlockKey]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._name(key))
+        return [bool(n) for n in pipe.execute()]
+
+    def _delete(self, key: BlockKey) -> None:
+        self.client.delete(self._name(key))
+
+    def _list_keys(self) -> Iterable[BlockKey]:
+        skip = len(self.prefix) + 1
+        for raw in self.client.scan_iter(match=f"{self.prefix}:*", count=1000):
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            key = parse_key_name(name[skip:])
+            if key is not None:
+                yield key
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class FsSharedTier(SharedTier):
+    """A shared POSIX directory (Lustre, Curvine FUSE, NFS): one file per block, temp + rename, mtime TTL."""
+
+    def __init__(self, directory: str | Path, *, prefix: str = "kvgate", ttl_s: float = 3600.0,
+                 fsync: bool = False, retry_s: float = 1.0) -> None:
+        super().__init__(ttl_s, retry_s)
+        self.root = Path(directory) / prefix
+        self.tmp_dir = self.root / "tmp"
+        self.fsync = fsync
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(exist_ok=True)
+
+    def _path(self, key: BlockKey) -> Path:
+        name = key_name(key)
+        return self.root / name[-2:] / name
+
+    def _expired(self, mtime: float) -> bool:
+        return self.ttl_s > 0 and time.time() - mtime > self.ttl_s
+
+    def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
+        for key, parts in items:
+            final = self._path(key)
+            final.parent.mkdir(exist_ok=True)
+            write_file_atomically(self.tmp_dir, final, parts, self.fsync)
+
+    def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
+        results: list[int | Exception | None] = []
+        for key, out in zip(keys, outs, strict=True):
+            path = self._path(key)
+            try:
+                if self._expired(path.stat().st_mtime):
+                    results.append(None)
+                    continue
+                results.append(read_block_file(path, key, out))
+            except FileNotFoundError:
+                results.append(None)
+            except (BlockError, OSError) as exc:
+                results.append(exc)
+        if not self.root.is_dir():  # the mount itself went away
+            raise BackendDown(f"{self.root} is gone")
+        return results
+
+    def _exists_many(self, keys: list[BlockKey]) -> list[bool]:
+        found = []
+        for key in keys:
+            try:
+                found.append(not self._expired(self._path(key).stat().st_mtime))
+            except FileNotFoundError:
+                found.append(False)
+        return found
+
+    def _delete(self, key: BlockKey) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def _list_keys(self) -> Iterable[BlockKey]:
+        for shard in os.scandir(self.root):
+            if not shard.is_dir() or shard.name == "tmp":
+                continue
+            for entry in os.scandir(shard.path):
+                key = parse_key_name(entry.name)
+                if key is not None:
+                    yield key
+
+    def sweep(self) -> int:
+        """Delete blocks older than the TTL, and temp files a crashed writer left; returns files removed."""
+        removed = 0
+        horizon = time.time() - max(self.ttl_s, 60.0)
+        for entry in os.scandir(self.tmp_dir):
+            try:
+                if entry.stat().st_mtime < horizon:
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        if self.ttl_s <= 0:
+            return removed
+        for shard in os.scandir(self.root):
+            if not shard.is_dir() or shard.name == "tmp":
+                continue
+            for entry in os.scandir(shard.path):
+                try:
+                    if self._expired(entry.stat().st_mtime):
+                        os.unlink(entry.path)
+                        removed += 1
+                        key = parse_key_name(entry.name)
+                        if key is not None:
+                            with self._lock:
+                                self._index.pop(key, None)
+                except FileNotFoundError:
+                    pass
+        return removed

@@ -1,0 +1,252 @@
+"""Unit tests of the agent's block format and tiers, on real files and a real Valkey server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from agent.block import HEADER_SIZE, BlockError, ChecksumError, key_name, pack, parse_key_name, verify
+from agent.tiers.dram import DramTier
+from agent.tiers.nvme import NvmeTier
+from agent.tiers.shared import FsSharedTier, RedisSharedTier
+from tests.conftest import ROOT, ValkeyServer
+
+LAYOUT = 0xABCDEF
+
+
+def key(i: int) -> tuple[int, int]:
+    return (LAYOUT, i)
+
+
+def payload(i: int, size: int = 1000) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(size))
+
+
+def read(tier: object, k: tuple[int, int], size: int = 4096) -> bytes | None:
+    out = memoryview(bytearray(size))
+    n = tier.read_into(k, out)  # type: ignore[attr-defined]
+    return None if n is None else bytes(out[:n])
+
+
+# -- block format ------------------------------------------------------------------------------------------
+
+
+def test_pack_verify_round_trip_and_corruption() -> None:
+    raw = pack(LAYOUT, payload(1))
+    assert bytes(verify(key(1), raw)) == payload(1)
+    bad = bytearray(raw)
+    bad[HEADER_SIZE + 10] ^= 1
+    with pytest.raises(ChecksumError):
+        verify(key(1), bad)
+    with pytest.raises(BlockError):
+        verify(key(1), raw[:-1])  # torn
+    with pytest.raises(BlockError):
+        verify((LAYOUT + 1, 1), raw)  # another layout
+
+
+def test_key_names_round_trip() -> None:
+    for k in [(1, 2**64 - 1), (0, 0), (LAYOUT, b"\x01" * 32)]:
+        assert parse_key_name(key_name(k)) == k
+    assert parse_key_name("garbage") is None
+    assert key_name((1, 5)) == key_name((1, 5))
+
+
+# -- DRAM --------------------------------------------------------------------------------------------------
+
+
+def test_dram_bound_and_lru() -> None:
+    tier = DramTier(capacity=3000)
+    for i in range(3):
+        assert tier.store(key(i), payload(i))
+    assert read(tier, key(0)) == payload(0)  # 0 becomes most recent
+    evicted = tier.store_evicting(key(3), payload(3))
+    assert evicted is not None and [k for k, _ in evicted] == [key(1)]
+    assert tier.usage().used_bytes == 3000 and tier.usage().blocks == 3
+    assert read(tier, key(1)) is None
+    assert not tier.store(key(9), payload(9, 3001))  # bigger than the tier: refused
+    assert tier.stats.refused == 1 and tier.stats.evictions == 1
+
+
+def test_dram_parent_outlives_children() -> None:
+    tier = DramTier(capacity=3000)
+    tier.store(key(0), payload(0))
+    tier.store(key(1), payload(1), parent=key(0))
+    tier.store(key(10), payload(10))
+    read(tier, key(10))
+    read(tier, key(1))  # the chain's child is recent, its parent old: plain LRU would drop the parent
+    tier.store(key(11), payload(11), parent=key(10))
+    # room is made by evicting leaves only: 1's parent 0 (oldest) must stay while 1 is resident
+    assert tier.contains(key(0))
+    assert not tier.contains(key(1)) or not tier.contains(key(10))
+    for k in tier.block_keys():
+        block = tier.get(k)
+        assert block is not None
+        if block.parent is not None:
+            assert tier.contains(block.parent)
+
+
+def test_dram_watermarks() -> None:
+    tier = DramTier(capacity=10_000, high_watermark=0.8, low_watermark=0.5)
+    for i in range(9):
+        tier.store(key(i), payload(i))
+    assert tier.above_high_watermark()
+    evicted = tier.evict_to_low_watermark()
+    assert len(evicted) == 4 and tier.usage().used_bytes == 5000
+    assert [k for k, _ in evicted] == [key(i) for i in range(4)]
+
+
+# -- NVMe --------------------------------------------------------------------------------------------------
+
+
+def test_nvme_store_read_and_restart(tmp_path: Path) -> None:
+    tier = NvmeTier(tmp_path, capacity=1 << 20, fsync=False)
+    for i in range(5):
+        assert tier.store(key(i), payload(i))
+    used = tier.usage()
+    assert used.blocks == 5 and used.used_bytes == 5 * (HEADER_SIZE + 1000)
+    (tmp_path / "tmp" / "leftover.tmp").write_bytes(b"half a block")
+    again = NvmeTier(tmp_path, capacity=1 << 20, fsync=False)
+    assert again.usage() == used
+    assert list(os.scandir(tmp_path / "tmp")) == []
+    assert read(again, key(3)) == payload(3)
+    assert read(again, key(7)) is None
+
+
+def test_nvme_external_deletion_and_corruption_are_misses(tmp_path: Path) -> None:
+    tier = NvmeTier(tmp_path, capacity=1 << 20, fsync=False)
+    for i in range(3):
+        tier.store(key(i), payload(i))
+    files = {p.name: p for p in (tmp_path / "blocks").rglob("*") if p.is_file()}
+    files[key_name(key(0))].unlink()
+    path1 = files[key_name(key(1))]
+    data = bytearray(path1.read_bytes())
+    data[HEADER_SIZE + 5] ^= 0xFF
+    path1.write_bytes(data)
+    files[key_name(key(2))].write_bytes(data[: HEADER_SIZE + 10])  # truncated
+    assert read(tier, key(0)) is None
+    assert read(tier, key(1)) is None
+    assert read(tier, key(2)) is None
+    assert tier.stats.checksum_failures == 1 and tier.stats.read_errors == 1
+    assert tier.usage().blocks == 0 and tier.usage().used_bytes == 0
+    assert not path1.exists()  # a corrupt block is removed, not served again
+
+
+def test_nvme_byte_bound_evicts_lru(tmp_path: Path) -> None:
+    size = HEADER_SIZE + 1000
+    tier = NvmeTier(tmp_path, capacity=3 * size, fsync=False)
+    for i in range(3):
+        tier.store(key(i), payload(i))
+    read(tier, key(0))
+    assert tier.store(key(3), payload(3))
+    assert not tier.contains(key(1)) and tier.contains(key(0))
+    assert tier.usage().used_bytes == 3 * size
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "blocks").rglob("*") if p.is_file())
+    assert on_disk == 3 * size
+    assert not tier.store(key(9), payload(9, 4 * size))
+
+
+DISK_FULL_SCRIPT = """
+import resource, signal, sys
+from agent.tiers.nvme import NvmeTier
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
+tier = NvmeTier(sys.argv[1], capacity=1 << 30, fsync=False)
+assert tier.store((1, 1), b"x" * 1000)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # the "disk" takes no file over 4 KiB now
+ok = tier.store((1, 2), b"y" * 100_000)
+small = tier.store((1, 3), b"z" * 100)
+u = tier.usage()
+print(ok, small, u.blocks, u.used_bytes, tier.stats.backend_errors)
+"""
+
+
+def test_nvme_disk_full_refuses_without_crashing(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", DISK_FULL_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    ok, small, blocks, used, errors = out.stdout.split()
+    assert ok == "False" and small == "True"
+    assert int(errors) >= 1
+    # the refused block left no file and no usage; the eviction to make room may have dropped block 1
+    files = [p for p in (tmp_path / "blocks").rglob("*") if p.is_file()]
+    assert int(blocks) == len(files)
+    assert int(used) == sum(p.stat().st_size for p in files)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+# -- shared: Redis/Valkey ----------------------------------------------------------------------------------
+
+
+def test_redis_shared_round_trip_across_replicas(valkey: ValkeyServer) -> None:
+    a = RedisSharedTier(valkey.url, ttl_s=60)
+    b = RedisSharedTier(valkey.url, ttl_s=60)
+    assert a.store_many([(key(i), payload(i), None) for i in range(4)]) == 4
+    assert not b.contains(key(0))  # b never asked: its local index does not know yet
+    assert b.probe([key(0), key(9)]) == [True, False]
+    assert b.contains(key(0))
+    assert b.refresh_index() == 4 and all(b.contains(key(i)) for i in range(4))
+    outs = [memoryview(bytearray(2000)) for _ in range(3)]
+    assert b.read_many([key(0), key(1), key(9)], outs) == [1000, 1000, None]
+    assert bytes(outs[1][:1000]) == payload(1)
+    raw = redis.Redis.from_url(valkey.url)
+    assert raw.ttl(f"kvgate:{key_name(key(0))}") > 50
+    a.close()
+    b.close()
+
+
+def test_redis_shared_ttl_and_corruption(valkey: ValkeyServer) -> None:
+    tier = RedisSharedTier(valkey.url, ttl_s=0.3)
+    tier.store(key(1), payload(1))
+    tier.store(key(2), payload(2))
+    raw = redis.Redis.from_url(valkey.url)
+    name = f"kvgate:{key_name(key(2))}"
+    value = bytearray(raw.get(name) or b"")
+    value[-1] ^= 1
+    raw.set(name, bytes(value))
+    assert read(tier, key(2)) is None
+    assert tier.stats.checksum_failures == 1 and not raw.exists(name)
+    time.sleep(0.4)
+    assert not tier.contains(key(1))
+    assert read(tier, key(1)) is None and not raw.exists(f"kvgate:{key_name(key(1))}")
+    tier.close()
+
+
+def test_redis_down_is_counted_and_recovers(valkey: ValkeyServer) -> None:
+    tier = RedisSharedTier(valkey.url, ttl_s=60, timeout_s=0.3, retry_s=0.2)
+    assert tier.store(key(1), payload(1))
+    valkey.stop()
+    assert read(tier, key(1)) is None
+    assert not tier.store(key(2), payload(2))
+    assert tier.stats.backend_errors >= 1
+    valkey.start()
+    time.sleep(0.3)
+    assert tier.store(key(3), payload(3))  # reconnected (the old data is gone: no persistence)
+    assert read(tier, key(3)) == payload(3)
+    tier.close()
+
+
+# -- shared: POSIX directory -------------------------------------------------------------------------------
+
+
+def test_fs_shared_round_trip_ttl_sweep(tmp_path: Path) -> None:
+    a = FsSharedTier(tmp_path, ttl_s=60)
+    b = FsSharedTier(tmp_path, ttl_s=60)
+    assert a.store_many([(key(i), payload(i), None) for i in range(3)]) == 3
+    assert b.refresh_index() == 3
+    assert read(b, key(2)) == payload(2)
+    old = time.time() - 120
+    path = tmp_path / "kvgate" / key_name(key(0))[-2:] / key_name(key(0))
+    os.utime(path, (old, old))
+    assert read(b, key(0)) is None  # expired by mtime even before the sweep
+    assert b.sweep() == 1 and not path.exists()
+    corrupt = tmp_path / "kvgate" / key_name(key(1))[-2:] / key_name(key(1))
+    data = bytearray(corrupt.read_bytes())
+    data[-1] ^= 1
+    corrupt.write_bytes(data)
+    assert read(b, key(1)) is None and b.stats.checksum_failures == 1 and not corrupt.exists()
