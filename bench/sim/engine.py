@@ -1,0 +1,169 @@
+"""The simulated engine core: runs the scheduler step by step on the event loop, taking as long per step as the
+time model says (divided by `speedup`), publishes each step's KV events as one batch, and wakes the requests
+that got tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.sim.kv_cache import BlockPool, Digest, EventHash, KvCacheManager
+from bench.sim.metrics import EngineCounters, EngineGauges
+from bench.sim.perf_model import Profile
+from bench.sim.scheduler import BlockHasher, Scheduler, SimRequest
+from router.kv_events import KvEventPublisher
+
+log = logging.getLogger(__name__)
+
+# a busy engine keeps its own schedule: timer lateness up to this much is absorbed instead of accumulated
+_SCHEDULE_SLACK_S = 0.002
+# steps shorter than this do not sleep; they only yield to the event loop
+_MIN_SLEEP_S = 0.0002
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int
+    num_gpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    speedup: float = 1.0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("--block-size must be positive")
+        if self.speedup <= 0:
+            raise ValueError("--speedup must be positive")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")
+        capacity = (self.num_gpu_blocks - 1) * self.block_size
+        if self.max_model_len > capacity:
+            # vLLM refuses to start when one request of max_model_len cannot fit in the KV cache
+            raise ValueError(
+                f"To serve at least one request with the model's max seq len ({self.max_model_len}), "
+                f"{self.num_gpu_blocks} blocks of {self.block_size} tokens are not enough (room for {capacity} "
+                f"tokens). Try increasing --num-gpu-blocks-override or decreasing --max-model-len.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, --max-num-batched-tokens must be >= --max-model-len")
+
+
+class SimEngine:
+    """One replica's engine: cache, scheduler and the step loop."""
+
+    def __init__(self, config: EngineConfig, profile: Profile, hasher: BlockHasher,
+                 event_hash: Callable[[Digest], EventHash], publisher: KvEventPublisher | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        config.validate()
+        self.config = config
+        self.profile = profile
+        self.pool = BlockPool(config.num_gpu_blocks, config.block_size, event_hash,
+                              enable_events=publisher is not None)
+        self.kv = KvCacheManager(self.pool, config.max_model_len, enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, hasher, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill)
+        self.publisher = publisher
+        self.counters = EngineCounters()
+        self.clock = clock
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.start()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    # --- requests ----------------------------------------------------------------------------------------------
+
+    def add_request(self, request: SimRequest) -> None:
+        self.scheduler.add_request(request)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and not request.finished:
+            self.scheduler.abort(request_id)
+            self.counters.success["abort"] += 1
+            self._flush_events()
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.pool.reset_prefix_cache()
+        self._flush_events()
+        return ok
+
+    def gauges(self) -> EngineGauges:
+        s = self.kv.stats
+        return EngineGauges(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                            kv_cache_usage=self.pool.usage(), prefix_queries=s.queries, prefix_hits=s.hits)
+
+    # --- the step loop -----------------------------------------------------------------------------------------
+
+    def _flush_events(self) -> None:
+        if self.publisher is not None and self.pool.events:
+            self.publisher.publish(self.pool.take_events())
+
+    async def _run(self) -> None:
+        scheduler = self.scheduler
+        speedup = self.config.speedup
+        step_time = self.profile.step_time
+        clock = self.clock
+        last_end = clock()
+        while True:
+            if not scheduler.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                last_end = clock()
+            now = clock()
+            start = last_end if now - last_end < _SCHEDULE_SLACK_S else now
+            out = scheduler.schedule()
+            self._flush_events()
+            if out.empty:
+                # nothing fits this step (cannot happen with a validated config); do not spin
+                await asyncio.sleep(0.001)
+                last_end = clock()
+                continue
+            self.steps += 1
+            self.counters.preemptions += out.num_preempted
+            duration = step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks]) / speedup
+            end = start + duration
+            delay = end - clock()
+            if delay > _MIN_SLEEP_S:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.sleep(0)
+            last_end = end
+            now = clock()
+            sampled, finished = scheduler.update_from_output(out, now)
+            self._account(sampled, finished, now)
+            self._flush_events()
+
+    def _account(self, sampled: list[SimRequest], finished: list[SimRequest], now: float) -> None:
+        c = self.counters
+        c.generation_tokens += len(sampled)
+        for request in sampled:
+            if len(request.output_token_ids) == 1:
+                c.prompt_tokens += request.num_prompt_tokens
+                c.ttft.observe(now - request.arrival_time)
+        for request in finished:
+            reason = request.finish_reason or "length"
+            c.success[reason] = c.success.get(reason, 0) + 1
+            c.e2e.observe(now - request.arrival_time)

@@ -1,0 +1,287 @@
+"""The simulated paged KV cache: a block pool with vLLM's prefix caching, free-block queue and KV events.
+
+Mirrors vLLM v1's `BlockPool` / `KVCacheManager` (one KV-cache group): block 0 is the null block; free blocks sit
+in a doubly linked queue, allocation pops from its head, freeing appends to its tail (a request's blocks in reverse
+order, so its tail blocks are evicted first); a free block that still holds a cached hash stays findable until it
+is popped for reuse, which evicts it (`BlockRemoved`). Only full blocks are cached (`BlockStored`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+Digest = bytes
+EventHash = int | bytes
+
+
+class KvBlock:
+    """One physical block: its id, how many requests use it, and its block hash while it is cached."""
+
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Digest | None = None
+        self.prev_free: KvBlock | None = None
+        self.next_free: KvBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KvBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """vLLM's `FreeKVCacheBlockQueue`: O(1) pop from the head, append to the tail, removal from the middle."""
+
+    def __init__(self, blocks: Sequence[KvBlock]) -> None:
+        self._head = KvBlock(-1)
+        self._tail = KvBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KvBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KvBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KvBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self) -> Iterator[KvBlock]:
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since start, in tokens (as vLLM's prefix_cache_queries / prefix_cache_hits)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
+class BlockPool:
+    """All blocks of the cache, the hash → block map of cached blocks, and the events of what changed."""
+
+    def __init__(self, num_blocks: int, block_size: int, event_hash: Callable[[Digest], EventHash],
+                 enable_events: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError("the KV cache needs at least 2 blocks (block 0 is vLLM's null block)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [KvBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.free_queue.popleft()
+        # a hash can be held by several blocks when two requests computed the same block before either was cached
+        self.cached: dict[Digest, dict[int, KvBlock]] = {}
+        self._event_hash = event_hash
+        self.enable_events = enable_events
+        self.events: list[KvEvent] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def usage(self) -> float:
+        """vLLM's kv_cache_usage_perc: the fraction of non-null blocks in use by requests (0..1)."""
+        total = self.num_blocks - 1
+        return 1.0 - self.num_free_blocks / total if total else 0.0
+
+    def get_cached_block(self, block_hash: Digest) -> KvBlock | None:
+        holders = self.cached.get(block_hash)
+        if not holders:
+            return None
+        return next(iter(holders.values()))
+
+    def cache_full_blocks(self, blocks: Sequence[KvBlock], block_hashes: Sequence[Digest], num_cached: int,
+                          num_full: int, token_ids: Sequence[int]) -> None:
+        """Give blocks[num_cached:num_full] their hashes and announce them in one `BlockStored`."""
+        if num_cached >= num_full:
+            return
+        new_hashes: list[EventHash] = []
+        for i in range(num_cached, num_full):
+            block = blocks[i]
+            if block.block_hash is not None:  # already cached (a prefix hit); vLLM skips it too
+                continue
+            digest = block_hashes[i]
+            block.block_hash = digest
+            holders = self.cached.get(digest)
+            if holders is None:
+                self.cached[digest] = {block.block_id: block}
+            else:
+                holders[block.block_id] = block
+            new_hashes.append(self._event_hash(digest))
+        if self.enable_events and new_hashes:
+            bs = self.block_size
+            parent = self._event_hash(block_hashes[num_cached - 1]) if num_cached > 0 else None
+            self.events.append(BlockStored(
+                block_hashes=new_hashes, parent_block_hash=parent,
+                token_ids=list(token_ids[num_cached * bs:num_full * bs]), block_size=bs, medium="GPU",
+            ))
+
+    def get_new_blocks(self, n: int) -> list[KvBlock]:
+        """Pop n blocks from the head of the free queue, evicting the cached ones (LRU first)."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot get {n} free blocks from the pool ({self.num_free_blocks} free)")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt += 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KvBlock) -> None:
+        digest = block.block_hash
+        assert digest is not None
+        holders = self.cached.get(digest)
+        if holders is not None:
+            holders.pop(block.block_id, None)
+            if not holders:
+                del self.cached[digest]
+        block.block_hash = None
+        if self.enable_events:
+            self.events.append(BlockRemoved(block_hashes=[self._event_hash(digest)], medium="GPU"))
+
+    def touch(self, blocks: Iterable[KvBlock]) -> None:
+        """Take prefix-hit blocks into use; a free one leaves the free queue (so it cannot be evicted)."""
+        for block in blocks:
+            if block.ref_cnt == 0 and block is not self.null_block:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[KvBlock]) -> None:
+        """Release blocks in eviction order: the first one freed is the first one evicted."""
+        for block in ordered:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and block is not self.null_block:
+                self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use, as vLLM does."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        if self.enable_events:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KvEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def cached_hashes(self) -> dict[EventHash, int]:
+        """Every cached block hash (as events carry it) → how many blocks hold it."""
+        return {self._event_hash(d): len(holders) for d, holders in self.cached.items()}
+
+    def free_order(self) -> list[int]:
+        """Block ids in the order they would be reused (the head is evicted first)."""
+        return [b.block_id for b in self.free_queue]
+
+
+@dataclass
+class RequestBlocks:
+    blocks: list[KvBlock] = field(default_factory=list)
+    num_cached: int = 0  # leading blocks that already carry their hash
+
+
+class KvCacheManager:
+    """Per-request block tables over a `BlockPool`: prefix lookup, slot allocation, caching, freeing."""
+
+    def __init__(self, pool: BlockPool, max_model_len: int, enable_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.tables: dict[str, RequestBlocks] = {}
+        self.stats = PrefixCacheStats()
+
+    def get_computed_blocks(self, request_id: str, block_hashes: Sequence[Digest], num_tokens: int,
+                            record: bool = True) -> tuple[list[KvBlock], int]:
+        """The longest run of leading full blocks already cached; the last token is always recomputed."""
+        hits: list[KvBlock] = []
+        if self.enable_caching:
+            max_blocks = (num_tokens - 1) // self.block_size
+            get = self.pool.get_cached_block
+            for digest in block_hashes[:max_blocks]:
+                block = get(digest)
+                if block is None:
+                    break
+                hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        if record:
+            self.stats.requests += 1
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KvBlock], block_hashes: Sequence[Digest],
+                       all_token_ids: Sequence[int]) -> bool:
+        """Reserve blocks for `num_new_tokens` more tokens; False (and nothing changed) if the pool is short.
+
+        `num_computed_tokens` counts the tokens already computed including `new_computed_blocks` (prefix hits).
+        """
+        table = self.tables.get(request_id)
+        if table is None:
+            table = self.tables[request_id] = RequestBlocks()
+        bs = self.block_size
+        needed_tokens = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+        required = -(-needed_tokens // bs)
+        num_new = required - len(table.blocks) - len(new_computed_blocks)
+        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new + evictable_hits > self.pool.num_free_blocks:
+            if not table.blocks:
+                del self.tables[request_id]
+            return False
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            table.blocks.extend(new_computed_blocks)
+            table.num_cached = len(table.blocks)
+        if num_new > 0:
+            table.blocks.extend(self.pool.get_new_blocks(num_new))
+        if self.enable_caching:
+            num_full = min(needed_tokens, len(all_token_ids)) // bs
+            num_full = min(num_full, len(block_hashes))
+            if num_full > table.num_cached:
+                self.pool.cache_full_blocks(table.blocks, block_hashes, table.num_cached, num_full, all_token_ids)
+                table.num_cached = num_full
+        return True
+
+    def free(self, request_id: str) -> None:
+        table = self.tables.pop(request_id, None)
+        if table is not None:
+            self.pool.free_blocks(reversed(table.blocks))
+
+    def num_blocks_of(self, request_id: str) -> int:
+        table = self.tables.get(request_id)
+        return len(table.blocks) if table else 0

