@@ -18,6 +18,7 @@ from router.config import ConfigError, GatewayConfig, WorkerSpec
 from router.errors import GatewayError, bad_request, error_response, no_worker
 from router.metrics import GatewayMetrics
 from router.pool import WorkerPool
+from router.prompt_tokens import PromptTokens
 from router.proxy import Proxy
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS, parse_body, parse_json_object, unknown_model
 from strategies import RouteRequest, Strategy, create_strategy
@@ -35,6 +36,9 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self.strategy: Strategy = create_strategy(config)
+        self.strategy.attach_metrics(self.metrics)
+        # tokenizing costs CPU: only for strategies that read the prompt's tokens
+        self.prompts = PromptTokens(config, self.metrics) if self.strategy.needs_prompt_tokens else None
         self._session: aiohttp.ClientSession | None = None
         self._pool: WorkerPool | None = None
         self._proxy: Proxy | None = None
@@ -63,6 +67,8 @@ class Gateway:
         await self._pool.start()
 
     async def stop(self) -> None:
+        if self.prompts is not None:
+            self.prompts.close()
         if self._pool is not None:
             await self._pool.stop()
         if self._session is not None:
@@ -128,6 +134,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     assert parsed.model is not None
     _check_model(gateway, parsed.model)
     route = RouteRequest(model=parsed.model, path=request.path, body=parsed.payload, headers=request.headers)
+    if gateway.prompts is not None:
+        await gateway.prompts.fill(route, gateway.pool.eligible(parsed.model))
     return await gateway.proxy.forward(request, route, body, stream=parsed.stream, started=started)
 
 

@@ -98,6 +98,27 @@ class GatewayConfig:
     models_refresh_s: float = option(30.0, "interval between refreshes of each worker's /v1/models")
     drain_timeout_s: float = option(600.0, "longest wait for in-flight requests of a removed worker")
     log_level: str = option("info", "log level: debug, info, warning, error")
+    # prefix-aware routing (issue 4): tokenization, block keys, the prefix trie, the `prefix` strategy
+    model_dir: list[str] = option(
+        [], "tokenizer source, repeatable: DIR for every model, or NAME=DIR per served model; DIR is a model "
+        "directory or a Hugging Face cache (models--org--name); none = text mode (character blocks)"
+    )
+    block_size: int = option(16, "tokens per KV block; must equal the engines' --block-size")
+    tenant_header: str = option("", "request header naming the tenant's cache namespace (a body `cache_salt` wins)")
+    tokenizer_threads: int = option(2, "threads that tokenize prompts off the event loop")
+    chat_cache_entries: int = option(8192, "rendered chat segments kept tokenized, so a new turn costs its new text")
+    prefix_trie_max_nodes: int = option(500_000, "most prefix-trie nodes (one per block); LRU leaves go first")
+    prefix_trie_ttl_s: float = option(600.0, "seconds a worker is assumed to keep a prefix it was sent")
+    prefix_request_cost_tokens: float = option(
+        128.0, "prefix: cost of each outstanding request on a worker, in prefill tokens"
+    )
+    prefix_prefill_weight: float = option(
+        2.0, "prefix: weight of the prefill a request needs on a worker against the queue it joins there"
+    )
+    prefix_prefill_tokens_per_s: float = option(
+        20000.0, "prefix: rate at which a worker's queued prefill tokens are assumed to drain"
+    )
+
 
 
 C = TypeVar("C")

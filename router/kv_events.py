@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -25,22 +26,53 @@ BlockHash = int | bytes
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
+# vLLM declares these fields without defaults, so they are on the wire in every event (None as nil, [] and 0
+# included). Here they may be left out when constructing or decoding (→ None / [] / 0) but are always encoded:
+# an UNSET default is replaced in __post_init__, so the value never equals the default that omit_defaults drops.
+_SENT: Any = msgspec.UNSET
+_STORED_ALWAYS_SENT: dict[str, Callable[[], Any]] = {
+    "parent_block_hash": lambda: None, "token_ids": list, "block_size": int, "lora_id": lambda: None,
+    "medium": lambda: None, "lora_name": lambda: None,
+}
+_REMOVED_ALWAYS_SENT: dict[str, Callable[[], Any]] = {"medium": lambda: None}
+
+
+def _fill_unset(event: msgspec.Struct, defaults: dict[str, Callable[[], Any]]) -> None:
+    for name, make in defaults.items():
+        if getattr(event, name) is msgspec.UNSET:
+            setattr(event, name, make())
+
+
 class BlockStored(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, kw_only=True):
     block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+    parent_block_hash: BlockHash | None = _SENT
+    token_ids: list[int] = _SENT
+    block_size: int = _SENT
+    lora_id: int | None = _SENT
+    medium: str | None = _SENT
+    lora_name: str | None = _SENT
+    # optional in vLLM: omitted at their default
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _fill_unset(self, _STORED_ALWAYS_SENT)
 
 
 class BlockRemoved(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, kw_only=True):
     block_hashes: list[BlockHash]
-    medium: str | None = None
+    medium: str | None = _SENT
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+    def __post_init__(self) -> None:
+        _fill_unset(self, _REMOVED_ALWAYS_SENT)
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, kw_only=True):
@@ -89,7 +121,7 @@ class KvEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
-        data_parallel_rank: int | None = None,
+        data_parallel_rank: int | None = 0,
     ) -> None:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKENIZE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
 
 
 class GatewayMetrics:
@@ -59,6 +62,32 @@ class GatewayMetrics:
         self.ejections = Counter(
             "kvgate_worker_ejections", "Times a worker was marked unhealthy", ["worker"], registry=r,
         )
+        # prefix-aware routing
+        self.tokenize_duration = Histogram(
+            "kvgate_tokenize_duration_seconds", "Time to tokenize and hash one prompt, by mode (tokens or text)",
+            ["mode"], buckets=TOKENIZE_BUCKETS, registry=r,
+        )
+        self.prefix_match_ratio = Histogram(
+            "kvgate_prefix_match_ratio", "Share of the prompt's tokens predicted cached on the chosen worker",
+            ["strategy"], buckets=RATIO_BUCKETS, registry=r,
+        )
+        self.predicted_cached_tokens = Counter(
+            "kvgate_predicted_cached_tokens", "Prompt tokens predicted to be cached on the chosen worker",
+            ["strategy"], registry=r,
+        )
+        self.routed_prompt_tokens = Counter(
+            "kvgate_routed_prompt_tokens", "Prompt tokens of routed requests (the denominator of the hit rate)",
+            ["strategy"], registry=r,
+        )
+        self.trie_nodes = Gauge("kvgate_prefix_trie_nodes", "Nodes (blocks) in the prefix trie", registry=r)
+        self.trie_node_bytes = Gauge(
+            "kvgate_prefix_trie_node_bytes", "Measured memory per prefix-trie node, bytes", registry=r,
+        )
+        self.trie_evictions = Counter(
+            "kvgate_prefix_trie_evictions", "Prefix-trie nodes removed, by reason (capacity, ttl)", ["reason"],
+            registry=r,
+        )
+
 
     def forget_worker(self, url: str) -> None:
         """Drop a removed worker's label sets so dashboards stop showing it."""

@@ -1,0 +1,267 @@
+"""The approximate prefix index: which workers were recently sent which block-key prefixes.
+
+Without engine KV events the gateway can only remember its own routing decisions. `PrefixTrie` keeps them as a
+trie (pygtrie) whose path is a prompt's chained block keys and whose nodes hold the workers sent that prefix, with
+the time each was last sent it. It is bounded twice — a node budget and a TTL — and evicts least-recently-used
+leaves first, so a flood of unique prompts cannot grow it past its budget.
+
+Because block keys are chained, one key names its whole prefix; a dict from key to node (the index) therefore
+answers "is this prefix known" in O(1), and a lookup is a binary search over the prompt's keys rather than a walk
+of every block. The trie holds the structure (children, whole-subtree removal); the index makes lookups cheap.
+Both hold the same nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pygtrie
+
+from router.block_keys import BlockKey
+
+
+class _Node:
+    """One prefix: its last block's key, its place in the tree and the workers sent it (url -> last sent)."""
+
+    __slots__ = ("children", "depth", "key", "last_used", "parent", "workers")
+
+    def __init__(self, key: BlockKey, parent: _Node | None, depth: int, now: float) -> None:
+        self.key = key
+        self.parent = parent
+        self.depth = depth  # number of blocks in the prefix (1 for a first block)
+        self.children = 0
+        self.last_used = now
+        self.workers: dict[str, float] = {}
+
+    def path(self) -> tuple[BlockKey, ...]:
+        keys: list[BlockKey] = []
+        node: _Node | None = self
+        while node is not None:
+            keys.append(node.key)
+            node = node.parent
+        return tuple(reversed(keys))
+
+
+@dataclass(frozen=True, slots=True)
+class TrieStats:
+    nodes: int
+    max_nodes: int
+    evictions: int
+    expirations: int
+    workers: dict[str, int]
+
+
+class PrefixTrie:
+    """Block-key prefixes → workers recently sent them; bounded by `max_nodes` and `ttl_s`."""
+
+    def __init__(self, max_nodes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_nodes < 1:
+            raise ValueError("max_nodes must be at least 1")
+        self.max_nodes = max_nodes
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._trie: pygtrie.Trie[tuple[BlockKey, ...], _Node, BlockKey] = pygtrie.Trie()
+        self._index: dict[BlockKey, _Node] = {}
+        # leaves by last use; entries go stale when a leaf is used again, gains a child or is removed
+        self._leaves: list[tuple[float, BlockKey]] = []
+        self._worker_nodes: dict[str, int] = {}
+        self.evictions = 0  # nodes removed to stay under max_nodes
+        self.expirations = 0  # nodes removed because nobody was sent them within ttl_s
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # --- lookup -----------------------------------------------------------------------------------------------
+
+    def match(self, keys: Sequence[BlockKey], workers: Sequence[str] | None = None) -> dict[str, int]:
+        """For each worker sent a prefix of `keys` within the TTL: how many leading blocks it was sent.
+
+        A worker sent a prefix was sent every shorter prefix too (insertion touches the whole path with one
+        timestamp), so "fresh at depth d" is monotone in d and each worker's depth is a binary search."""
+        index = self._index
+        if not keys or keys[0] not in index:
+            return {}
+        lo, hi = 0, len(keys) - 1  # deepest known depth: keys[lo] known, find the last known
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid] in index:
+                lo = mid
+            else:
+                hi = mid - 1
+        deepest = lo
+        fresh_after = self._clock() - self.ttl_s
+        first = index[keys[0]].workers
+        wanted = first.keys() if workers is None else [w for w in workers if w in first]
+        out: dict[str, int] = {}
+        for url in wanted:
+            if first[url] < fresh_after:
+                continue
+            lo, hi = 0, deepest
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                sent = index[keys[mid]].workers.get(url)
+                if sent is not None and sent >= fresh_after:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out[url] = lo + 1
+        return out
+
+    # --- update -----------------------------------------------------------------------------------------------
+
+    def insert(self, keys: Sequence[BlockKey], worker: str) -> None:
+        """Record that `worker` was just sent the prompt whose block keys are `keys`."""
+        if not keys:
+            return
+        now = self._clock()
+        index = self._index
+        node: _Node | None = None
+        depth = 0
+        for key in keys:  # touch the known part of the path
+            found = index.get(key)
+            if found is None:
+                break
+            node = found
+            node.last_used = now
+            if worker not in node.workers:
+                self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + 1
+            node.workers[worker] = now
+            depth += 1
+        if depth < len(keys):
+            node = self._grow(keys, depth, node, worker, now)
+        assert node is not None
+        if node.children == 0:
+            heapq.heappush(self._leaves, (now, node.key))
+        self._expire(now)
+        self._shrink()
+
+    def _grow(self, keys: Sequence[BlockKey], depth: int, parent: _Node | None, worker: str, now: float) -> _Node:
+        """Add the nodes for keys[depth:] below `parent`, in the trie and the index."""
+        self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + len(keys) - depth
+        if parent is not None:
+            parent.children += 1
+        created: list[_Node] = []
+        node = parent
+        for i in range(depth, len(keys)):
+            child = _Node(keys[i], node, i + 1, now)
+            child.workers[worker] = now
+            if node is not None and i > depth:
+                node.children = 1
+            self._index[keys[i]] = child
+            created.append(child)
+            node = child
+        assert node is not None
+        path = tuple(keys)
+        trie = self._trie
+        if len(created) <= 4:  # few new nodes: set each by its key (each costs a walk from the root)
+            for child in created:
+                trie[path[: child.depth]] = child
+        else:  # many: one walk down the path gives every node on it its value
+            trie[path] = node
+            for i, step in enumerate(trie.walk_towards(path)):
+                if i > depth:
+                    step.value = created[i - depth - 1]
+        return node
+
+    # --- eviction ---------------------------------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        """Drop leaves nobody was sent within the TTL (their parents follow once they become leaves)."""
+        limit = now - self.ttl_s
+        while self._leaves and self._leaves[0][0] < limit:
+            self.expirations += self._pop_leaf(limit, len(self._index))
+
+    def _shrink(self) -> None:
+        while len(self._index) > self.max_nodes and self._leaves:
+            self.evictions += self._pop_leaf(None, len(self._index) - self.max_nodes)
+
+    def _pop_leaf(self, limit: float | None, most: int) -> int:
+        """Remove the least-recently-used leaf and, up to `most` nodes in all, the ancestors that would be the
+        next leaves evicted anyway (an unbranched chain used at the same time, or expired). Returns the count
+        removed (0 for a stale heap entry)."""
+        used, key = heapq.heappop(self._leaves)
+        node = self._index.get(key)
+        if node is None or node.children or node.last_used != used:
+            return 0
+        bound = used if limit is None else limit
+        removed = [node]
+        top = node
+        while (
+            len(removed) < most and top.parent is not None and top.parent.children == 1
+            and (top.parent.last_used == bound if limit is None else top.parent.last_used < bound)
+        ):
+            top = top.parent
+            removed.append(top)
+        del self._trie[top.path():]
+        for gone in removed:
+            del self._index[gone.key]
+            for url in gone.workers:
+                self._worker_nodes[url] -= 1
+        parent = top.parent
+        if parent is not None:
+            parent.children -= 1
+            if parent.children == 0:
+                heapq.heappush(self._leaves, (parent.last_used, parent.key))
+        self._compact()
+        return len(removed)
+
+    def _compact(self) -> None:
+        """Rebuild the leaf heap when stale entries outnumber live nodes (each insert pushes one)."""
+        if len(self._leaves) > 2 * len(self._index) + 64:
+            self._leaves = [(n.last_used, n.key) for n in self._index.values() if n.children == 0]
+            heapq.heapify(self._leaves)
+
+    def expire(self) -> None:
+        """Apply the TTL now (insertions do it as they go)."""
+        self._expire(self._clock())
+
+    def forget_worker(self, url: str) -> None:
+        """Remove a worker from every node; prefixes no worker holds any more are removed with their subtrees."""
+        emptied: list[_Node] = []
+        for node in self._index.values():
+            if node.workers.pop(url, None) is not None and not node.workers:
+                emptied.append(node)
+        self._worker_nodes.pop(url, None)
+        for node in emptied:
+            del self._index[node.key]
+        for node in emptied:
+            parent = node.parent
+            if parent is None or parent.workers:  # top of an emptied subtree
+                del self._trie[node.path():]
+                if parent is not None:
+                    parent.children -= 1
+                    if parent.children == 0:
+                        heapq.heappush(self._leaves, (parent.last_used, parent.key))
+
+    def clear(self) -> None:
+        self._trie.clear()
+        self._index.clear()
+        self._leaves.clear()
+        self._worker_nodes.clear()
+
+    def stats(self) -> TrieStats:
+        return TrieStats(len(self._index), self.max_nodes, self.evictions, self.expirations,
+                         dict(self._worker_nodes))
+
+    def worker_nodes(self, url: str) -> int:
+        """How many prefixes (blocks) the trie believes `url` holds: its share of the fleet's cached state."""
+        return self._worker_nodes.get(url, 0)
+
+    def check(self) -> None:
+        """Assert the trie and the index agree (for tests)."""
+        items = list(self._trie.iteritems())
+        assert len(items) == len(self._index), (len(items), len(self._index))
+        for path, value in items:
+            assert isinstance(value, _Node)
+            assert self._index.get(path[-1]) is value
+            assert value.path() == tuple(path)
+            assert value.depth == len(path)
+        counts: dict[int, int] = {}
+        for node in self._index.values():
+            if node.parent is not None:
+                counts[id(node.parent)] = counts.get(id(node.parent), 0) + 1
+        for node in self._index.values():
+            assert node.children == counts.get(id(node), 0), "child count out of step"

@@ -1,0 +1,367 @@
+"""The gateway's tokenization service: a request's prompt → token ids → chained block keys, off the event loop.
+
+Per model, the tokenizer comes from `--model-dir` (one directory for every model, or `NAME=DIR` per served model;
+a directory may be a model directory or a Hugging Face cache) and is `router.tokenizer.ModelTokenizer`, which
+gives exactly vLLM's prompt token ids. Long prompts are tokenized in a thread pool (`tokenizers` releases the
+GIL), so the event loop never waits on them.
+
+Multi-turn conversations resend their whole history. A rendered chat prompt is cut before each special token
+(`<|im_start|>` …); the tokenizer splits its input at special tokens before anything else, so the pieces encode
+independently, and each piece's ids are kept in an LRU cache: a new turn encodes only its new text. The cut is
+checked against whole-text encoding when a tokenizer loads and disabled if they ever differ.
+
+Without a tokenizer for a model the service runs in text mode, labelled as such in metrics and logs: the
+prompt's text (a canonical rendering of the messages) is cut into fixed-size character blocks (`CHARS_PER_TOKEN`
+characters per token) and those are chained like token blocks. Token-id prompts are always exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from router.block_keys import BlockKey, block_keys, root_key
+from router.config import ConfigError, GatewayConfig
+from router.metrics import GatewayMetrics
+from router.pool import Worker
+from router.requests import CHAT_COMPLETIONS, COMPLETIONS
+from router.tokenizer import ModelTokenizer, TokenizationError
+from strategies.base import RouteRequest
+
+log = logging.getLogger(__name__)
+
+CHARS_PER_TOKEN = 4  # text mode: one "token" is this many characters, one block is block_size of them
+INLINE_CHARS = 2048  # prompts shorter than this are tokenized on the event loop (the thread hop costs more)
+TOKENS, TEXT = "tokens", "text"
+_SELF_CHECK = [
+    [{"role": "system", "content": "You are a careful assistant.\n"}, {"role": "user", "content": "Hi there!"}],
+    [{"role": "user", "content": "def f(x):\n    return x  # <|im_end|> in text\n"},
+     {"role": "assistant", "content": " spaced  out \n\n"}, {"role": "user", "content": "Ünïcödé — ok?"}],
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKeys:
+    """A prompt as the router sees it."""
+
+    block_keys: list[BlockKey]
+    prompt_tokens: int  # exact with a tokenizer or token-id prompt, estimated in text mode
+    token_ids: list[int] | None  # None in text mode
+    mode: str  # TOKENS or TEXT
+
+
+class SegmentCachingTokenizer(ModelTokenizer):
+    """`ModelTokenizer` whose special-token-free encoding (the chat path) reuses the ids of text pieces it saw
+    before, so a conversation's next turn encodes only its new text."""
+
+    def __init__(self, model_dir: str | Path, cache_entries: int) -> None:
+        super().__init__(model_dir)
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._limit = cache_entries
+        self._lock = threading.Lock()
+        self._cut = self._cut_pattern()
+        if self._cut is not None and not self._cuts_are_exact():
+            log.warning("tokenizer in %s: encoding pieces cut at special tokens differs from whole-text encoding;"
+                        " multi-turn caching disabled", model_dir)
+            self._cut = None
+
+    def _cut_pattern(self) -> re.Pattern[str] | None:
+        """Special tokens the tokenizer always splits at: not normalized, not single-word, not eating the
+        whitespace to their left."""
+        decoder = self._tok.get_added_tokens_decoder()
+        texts = sorted(
+            {t.content for t in decoder.values()
+             if t.special and not t.normalized and not t.single_word and not t.lstrip and t.content},
+            key=len, reverse=True,
+        )
+        return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+
+    def _cuts_are_exact(self) -> bool:
+        try:
+            samples = [self.render_chat(m) for m in _SELF_CHECK]
+        except TokenizationError:
+            samples = []
+        samples.append("".join(t for t in self.special_tokens.values()) + " plain text after specials ")
+        return all(self._encode_pieces(s) == super(SegmentCachingTokenizer, self).encode(
+            s, add_special_tokens=False) for s in samples)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        if add_special_tokens or self._cut is None or len(text) < 256:
+            return super().encode(text, add_special_tokens=add_special_tokens)
+        return self._encode_pieces(text)
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        assert self._cut is not None
+        starts = [m.start() for m in self._cut.finditer(text)]
+        if not starts or starts[0] != 0:
+            starts.insert(0, 0)
+        starts.append(len(text))
+        pieces = [text[starts[i]:starts[i + 1]] for i in range(len(starts) - 1)]
+        cache = self._pieces
+        found: list[list[int] | None] = []
+        with self._lock:
+            for piece in pieces:
+                ids = cache.get(piece)
+                if ids is not None:
+                    cache.move_to_end(piece)
+                found.append(ids)
+        missing = [piece for piece, ids in zip(pieces, found, strict=True) if ids is None]
+        if missing:
+            # one call for every new piece: the tokenizer spreads a batch over its threads, and the fast
+            # variant skips the offsets nobody reads here
+            encoded = iter(e.ids for e in self._tok.encode_batch_fast(missing, add_special_tokens=False))
+            with self._lock:
+                for i, piece in enumerate(pieces):
+                    if found[i] is None:
+                        found[i] = cache[piece] = next(encoded)
+                while len(cache) > self._limit:
+                    cache.popitem(last=False)
+        out: list[int] = []
+        for ids in found:
+            assert ids is not None
+            out += ids
+        return out
+
+    @property
+    def cached_pieces(self) -> int:
+        return len(self._pieces)
+
+
+def resolve_model_dir(path: str | Path, model: str | None = None) -> Path:
+    """A directory holding `tokenizer.json`: the path itself, or inside a Hugging Face cache — a repo folder
+    (`models--org--name`, snapshot from refs/main, else the newest) or a hub root with `model` naming the repo."""
+    base = Path(path).expanduser()
+    if (base / "tokenizer.json").is_file():
+        return base
+    repos = [base]
+    if model is not None:
+        repos.insert(0, base / ("models--" + model.replace("/", "--")))
+        repos.insert(1, base / "hub" / ("models--" + model.replace("/", "--")))
+    for repo in repos:
+        snapshots = repo / "snapshots"
+        if not snapshots.is_dir():
+            continue
+        ref = repo / "refs" / "main"
+        if ref.is_file():
+            candidate = snapshots / ref.read_text().strip()
+            if (candidate / "tokenizer.json").is_file():
+                return candidate
+        found = sorted((p for p in snapshots.iterdir() if (p / "tokenizer.json").is_file()),
+                       key=lambda p: p.stat().st_mtime, reverse=True)
+        if found:
+            return found[0]
+    raise ConfigError(f"no tokenizer.json in {base} (nor in a Hugging Face cache layout there"
+                      + (f" for {model}" if model else "") + ")")
+
+
+def parse_model_dirs(entries: Sequence[str]) -> tuple[dict[str, str], str | None]:
+    """`NAME=DIR` entries per model and at most one bare `DIR` for every other model."""
+    named: dict[str, str] = {}
+    default: str | None = None
+    for entry in entries:
+        name, sep, directory = entry.partition("=")
+        if sep and name and not Path(entry).exists():
+            named[name] = directory
+        elif default is None:
+            default = entry
+        else:
+            raise ConfigError(f"--model-dir: two directories without a model name ({default}, {entry})")
+    return named, default
+
+
+def cache_namespace(body: Mapping[str, Any], headers: Mapping[str, str], tenant_header: str) -> str | None:
+    """The tenant's cache namespace: the body's `cache_salt` (as vLLM takes it), else the tenant header."""
+    salt = body.get("cache_salt")
+    if isinstance(salt, str) and salt:
+        return salt
+    if tenant_header:
+        return headers.get(tenant_header) or None
+    return None
+
+
+def _first_prompt(prompt: Any) -> Any:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return prompt[0]  # a batch: route by its first prompt
+    return prompt
+
+
+def _part_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content
+                         if isinstance(p, (str, dict)))
+    return ""
+
+
+def chat_text(body: Mapping[str, Any]) -> str:
+    """Text mode's canonical rendering of a chat request: tools, then each message's role and text."""
+    parts: list[str] = []
+    tools = body.get("tools")
+    if tools:
+        parts.append("\x1etools\x1f" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
+    for message in body.get("messages") or ():
+        if isinstance(message, dict):
+            parts.append(f"\x1e{message.get('role', '')}\x1f{_part_text(message.get('content'))}")
+    return "".join(parts)
+
+
+def text_block_keys(text: str, block_size: int, root: BlockKey) -> list[BlockKey]:
+    """Text mode: chained keys over blocks of `block_size * CHARS_PER_TOKEN` characters (full blocks only)."""
+    codes = array("I")
+    codes.frombytes(text.encode("utf-32-le"))
+    return block_keys(codes, block_size * CHARS_PER_TOKEN, root)
+
+
+class PromptTokens:
+    """Turns requests into block keys: with each model's tokenizer where one is configured, else text mode."""
+
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+        self.block_size = config.block_size
+        self.tenant_header = config.tenant_header
+        self._cache_entries = config.chat_cache_entries
+        self._metrics = metrics
+        self._named, self._default = parse_model_dirs(config.model_dir)
+        self._tokenizers: dict[str, SegmentCachingTokenizer] = {}  # by resolved directory
+        self._loading: dict[str, asyncio.Future[SegmentCachingTokenizer | None]] = {}
+        self._failed: set[str] = set()
+        self._directories: dict[str, str | None] = {}  # model -> resolved directory, or None for text mode
+        self._executor = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="kvgate-tokenize")
+        for name, directory in self._named.items():
+            resolve_model_dir(directory, name)  # fail at start-up, not on the first request
+        if self._default is not None:
+            try:
+                resolve_model_dir(self._default)
+            except ConfigError:
+                if not Path(self._default).is_dir():
+                    raise
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def describe(self) -> dict[str, Any]:
+        return {"models": dict(self._named), "default": self._default,
+                "loaded": sorted(self._tokenizers), "mode": TOKENS if (self._named or self._default) else TEXT}
+
+    def _directory(self, model: str) -> str | None:
+        if model in self._directories:
+            return self._directories[model]
+        directory: str | None = None
+        try:
+            if model in self._named:
+                directory = str(resolve_model_dir(self._named[model], model))
+            elif self._default is not None:
+                directory = str(resolve_model_dir(self._default, model))
+        except ConfigError as exc:
+            log.warning("no tokenizer for model %s, routing it in text mode: %s", model, exc)
+        self._directories[model] = directory
+        return directory
+
+    async def tokenizer(self, model: str) -> SegmentCachingTokenizer | None:
+        """The model's tokenizer, loaded once in the thread pool; None when there is none (text mode)."""
+        directory = self._directory(model)
+        if directory is None or directory in self._failed:
+            return None
+        found = self._tokenizers.get(directory)
+        if found is not None:
+            return found
+        loading = self._loading.get(directory)
+        if loading is None:
+            loading = asyncio.get_running_loop().run_in_executor(self._executor, self._load, directory)
+            self._loading[directory] = loading
+        result = await loading
+        self._loading.pop(directory, None)
+        return result
+
+    def _load(self, directory: str) -> SegmentCachingTokenizer | None:
+        try:
+            tokenizer = SegmentCachingTokenizer(directory, self._cache_entries)
+        except Exception as exc:  # tokenizers raises plain Exception for a malformed file
+            log.error("cannot load the tokenizer in %s (text mode for its models): %s", directory, exc)
+            self._failed.add(directory)
+            return None
+        self._tokenizers[directory] = tokenizer
+        log.info("tokenizer loaded from %s", directory)
+        return tokenizer
+
+    async def keys(
+        self, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str],
+        lora: str | None = None,
+    ) -> PromptKeys:
+        """Token ids and block keys of a completions or chat request body. `model` names the tokenizer (a LoRA
+        adapter's base model) and `lora` the adapter, if any."""
+        started = time.perf_counter()
+        root = root_key(model, lora, cache_namespace(body, headers, self.tenant_header))
+        tokenizer = await self.tokenizer(model)
+        chat = path == CHAT_COMPLETIONS
+        result: PromptKeys | None = None
+        if not chat and path == COMPLETIONS:
+            prompt = _first_prompt(body.get("prompt"))
+            if isinstance(prompt, list):  # token ids: exact with or without a tokenizer
+                result = self._from_ids(prompt, root)
+        if result is None and tokenizer is not None:
+            size = _text_size(body, chat)
+            try:
+                if size < INLINE_CHARS:
+                    result = self._tokenize(tokenizer, body, chat, root)
+                else:
+                    result = await asyncio.get_running_loop().run_in_executor(
+                        self._executor, self._tokenize, tokenizer, body, chat, root)
+            except TokenizationError as exc:
+                log.debug("tokenization failed, routing by text: %s", exc)
+        if result is None:
+            text = chat_text(body) if chat else _first_prompt(body.get("prompt"))
+            result = self._from_text(text if isinstance(text, str) else "", root)
+        if self._metrics is not None:
+            self._metrics.tokenize_duration.labels(result.mode).observe(time.perf_counter() - started)
+        return result
+
+    async def fill(self, route: RouteRequest, workers: Iterable[Worker]) -> None:
+        """Give a routed request its token ids, block keys and prompt length before the strategy runs."""
+        base = lora_base(route.model, workers)
+        found = await self.keys(route.path, base or route.model, route.body, route.headers,
+                                lora=route.model if base else None)
+        route.token_ids, route.block_keys, route.prompt_tokens = found.token_ids, found.block_keys, found.prompt_tokens
+
+    def _from_ids(self, ids: list[int], root: BlockKey) -> PromptKeys:
+        return PromptKeys(block_keys(ids, self.block_size, root), len(ids), ids, TOKENS)
+
+    def _tokenize(self, tokenizer: ModelTokenizer, body: Mapping[str, Any], chat: bool,
+                  root: BlockKey) -> PromptKeys:
+        ids = tokenizer.prompt_ids(body, chat=chat)
+        return self._from_ids(ids, root)
+
+    def _from_text(self, text: str, root: BlockKey) -> PromptKeys:
+        # a different root than token mode: character blocks must never be mistaken for token blocks
+        text_root = root_key(f"text:{root:x}", None, None)
+        return PromptKeys(text_block_keys(text, self.block_size, text_root),
+                          -(-len(text) // CHARS_PER_TOKEN), None, TEXT)
+
+
+def _text_size(body: Mapping[str, Any], chat: bool) -> int:
+    if not chat:
+        prompt = _first_prompt(body.get("prompt"))
+        return len(prompt) if isinstance(prompt, str) else 0
+    return sum(len(_part_text(m.get("content"))) for m in body.get("messages") or () if isinstance(m, dict))
+
+
+def lora_base(model: str, workers: Iterable[Worker]) -> str | None:
+    """The base model of a LoRA adapter served under `model` (vLLM's model card names it `parent`)."""
+    for worker in workers:
+        card = worker.model_cards.get(model)
+        if card is not None:
+            parent = card.get("parent")
+            return parent if isinstance(parent, str) and parent and parent != model else None
+    return None

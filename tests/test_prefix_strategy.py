@@ -1,0 +1,149 @@
+"""The `prefix` strategy's balance rule, on real Worker objects: hits, spills, misses, spreading, a shared head."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+from router.block_keys import block_keys, root_key
+from router.config import GatewayConfig, WorkerSpec
+from router.metrics import GatewayMetrics
+from router.pool import Worker
+from strategies import STRATEGIES, RouteRequest, create_strategy
+from strategies.prefix import HIT, MISS, SPILL, PrefixAffinity
+
+BS = 16
+ROOT = root_key("tiny")
+
+
+def make(n: int = 4, **overrides: Any) -> tuple[PrefixAffinity, list[Worker]]:
+    config = GatewayConfig(strategy="prefix", block_size=BS, **overrides)
+    strategy = create_strategy(config)
+    assert isinstance(strategy, PrefixAffinity)
+    workers = [Worker(spec=WorkerSpec(f"http://127.0.0.1:{9000 + i}"), healthy=True, models=frozenset({"tiny"}))
+               for i in range(n)]
+    return strategy, workers
+
+
+def request(tokens: list[int]) -> RouteRequest:
+    return RouteRequest(model="tiny", path="/v1/completions", body={}, headers={},
+                        token_ids=tokens, block_keys=block_keys(tokens, BS, ROOT), prompt_tokens=len(tokens))
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4096) for _ in range(n)]
+
+
+def test_registered() -> None:
+    assert STRATEGIES["prefix"] == "strategies.prefix:PrefixAffinity"
+    assert PrefixAffinity.needs_prompt_tokens
+
+
+def test_repeat_goes_back_to_the_worker_that_has_the_prefix() -> None:
+    strategy, workers = make()
+    system = tokens(1, 800)
+    first = strategy.choose(request(system + tokens(2, 50)), workers)
+    assert first.reason == MISS and first.predicted_cached_tokens == 0
+    second = strategy.choose(request(system + tokens(3, 50)), workers)
+    assert second.reason == HIT and second.worker is first.worker
+    assert second.predicted_cached_tokens == 800
+
+
+def test_predicted_tokens_leave_the_last_token_to_compute() -> None:
+    strategy, workers = make()
+    prompt = tokens(1, 4 * BS)
+    strategy.choose(request(prompt), workers)
+    again = strategy.choose(request(prompt), workers)
+    assert again.predicted_cached_tokens == 3 * BS  # vLLM recomputes the final block of a fully cached prompt
+
+
+def test_hot_prefix_stays_while_there_is_headroom_then_spills_to_more_workers() -> None:
+    strategy, workers = make()
+    system = tokens(1, 2000)
+    placed: list[Worker] = []
+    reasons: list[str] = []
+    for i in range(48):  # a burst: nothing finishes, so every request adds to its worker's load
+        decision = strategy.choose(request(system + tokens(100 + i, 40)), workers)
+        decision.worker.in_flight += 1
+        placed.append(decision.worker)
+        reasons.append(decision.reason)
+    # the first few stay on the first worker, which holds the prefix
+    assert len(set(placed[:4])) == 1
+    # under the burst it spills to every worker, then each of them is a hit
+    assert len(set(placed)) == 4
+    assert SPILL in reasons
+    counts = Counter(w.url for w in placed)
+    assert max(counts.values()) - min(counts.values()) <= 6, counts
+    assert reasons[-8:].count(HIT) >= 6
+
+
+def test_light_load_keeps_the_hot_prefix_on_one_worker() -> None:
+    strategy, workers = make()
+    system = tokens(1, 2000)
+    placed = set()
+    for i in range(30):  # one at a time: each request finished before the next arrives
+        decision = strategy.choose(request(system + tokens(100 + i, 40)), workers)
+        placed.add(decision.worker.url)
+    assert len(placed) == 1
+
+
+def test_distinct_prefix_groups_spread_over_the_fleet() -> None:
+    strategy, workers = make()
+    groups = [tokens(g, 1000) for g in range(8)]
+    owner: dict[int, str] = {}
+    for g, prefix in enumerate(groups):  # sequential, idle fleet: only cached state tells workers apart
+        owner[g] = strategy.choose(request(prefix + tokens(50 + g, 30)), workers).worker.url
+    assert Counter(owner.values()) == Counter({w.url: 2 for w in workers})
+    for g, prefix in enumerate(groups):  # and each group sticks to its worker
+        decision = strategy.choose(request(prefix + tokens(500 + g, 30)), workers)
+        assert decision.reason == HIT and decision.worker.url == owner[g]
+
+
+def test_one_shared_first_block_does_not_pull_everything_to_one_worker() -> None:
+    strategy, workers = make()
+    head = tokens(1, BS)  # the global system prompt fills one block; the rest is unique per request
+    placed: list[str] = []
+    for i in range(40):
+        decision = strategy.choose(request(head + tokens(1000 + i, 600)), workers)
+        decision.worker.in_flight += 1
+        placed.append(decision.worker.url)
+    counts = Counter(placed)
+    assert len(counts) == 4 and max(counts.values()) <= 11, counts
+
+
+def test_misses_go_to_the_least_loaded_and_break_ties_at_random() -> None:
+    _, workers = make()
+    workers[0].in_flight, workers[1].in_flight, workers[2].waiting, workers[3].in_flight = 3, 1, 1, 2
+    seen: Counter[str] = Counter()
+    for i in range(60):
+        strategy, _ = make()  # a fresh gateway each time: no cached state, no queued prefill
+        seen[strategy.choose(request(tokens(i, 100)), workers).worker.url] += 1
+    assert set(seen) == {workers[1].url, workers[2].url}  # the two with one outstanding request
+    assert min(seen.values()) >= 15  # both picked: ties are random, not "first in the list"
+
+
+def test_queue_cost_outweighs_a_short_match() -> None:
+    strategy, workers = make(2)
+    prompt = tokens(1, 64)
+    first = strategy.choose(request(prompt + tokens(2, 10)), workers)
+    first.worker.in_flight = 3  # 3 x 128 tokens of queue cost > 64 tokens saved
+    decision = strategy.choose(request(prompt + tokens(3, 10)), workers)
+    assert decision.worker is not first.worker and decision.reason == SPILL
+
+
+def test_forget_worker_purges_and_metrics_are_recorded() -> None:
+    strategy, workers = make()
+    metrics = GatewayMetrics()
+    strategy.attach_metrics(metrics)
+    prompt = tokens(1, 320)
+    first = strategy.choose(request(prompt), workers)
+    strategy.choose(request(prompt), workers)
+    assert metrics.trie_nodes._value.get() == 20
+    assert metrics.predicted_cached_tokens.labels("prefix")._value.get() == 19 * BS
+    assert metrics.trie_node_bytes._value.get() > 50
+    strategy.forget_worker(first.worker.url)
+    assert len(strategy.trie) == 0
+    rest = [w for w in workers if w is not first.worker]
+    assert strategy.choose(request(prompt), rest).reason == MISS

@@ -1,0 +1,122 @@
+"""PrefixTrie: matching, its node bound under a flood, TTL, least-recently-used leaf eviction, worker purge."""
+
+from __future__ import annotations
+
+import random
+
+from router.prefix_trie import PrefixTrie
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def keys(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def test_match_counts_leading_blocks_per_worker() -> None:
+    trie = PrefixTrie(max_nodes=1000, ttl_s=60)
+    a = keys(1, 10)
+    trie.insert(a, "w1")
+    trie.insert(a[:4] + keys(2, 3), "w2")
+    trie.insert(a[:1], "w3")
+    assert trie.match(a) == {"w1": 10, "w2": 4, "w3": 1}
+    assert trie.match(a[:6] + keys(3, 4)) == {"w1": 6, "w2": 4, "w3": 1}
+    assert trie.match(keys(4, 5)) == {}
+    assert trie.match(a, workers=["w2", "nobody"]) == {"w2": 4}
+    assert len(trie) == 13
+    trie.check()
+
+
+def test_flood_of_unique_prompts_stays_under_the_bound() -> None:
+    trie = PrefixTrie(max_nodes=500, ttl_s=3600)
+    shared = keys(0, 5)
+    for i in range(2000):
+        prompt = shared + keys(i + 1, random.Random(i).randrange(1, 40))
+        trie.insert(prompt, f"w{i % 4}")
+        assert len(trie) <= 500
+    trie.check()
+    assert trie.evictions >= 2000 * 1 - 500
+    # the shared prefix is used by every request, so it is never the least recently used leaf
+    assert trie.match(shared) and max(trie.match(shared).values()) == 5
+
+
+def test_least_recently_used_leaves_go_first() -> None:
+    clock = Clock()
+    trie = PrefixTrie(max_nodes=12, ttl_s=3600, clock=clock)
+    old, warm, new = keys(1, 4), keys(2, 4), keys(3, 4)
+    for prompt in (old, warm, new):
+        clock.now += 1
+        trie.insert(prompt, "w")
+    clock.now += 1
+    trie.insert(old, "w")  # `old` is now the most recently used; `warm` is the least
+    clock.now += 1
+    trie.insert(keys(4, 2), "w")  # two nodes over the bound
+    trie.check()
+    assert len(trie) == 12
+    assert trie.match(old) == {"w": 4}
+    assert trie.match(new) == {"w": 4}
+    assert trie.match(warm) == {"w": 2}  # its two deepest blocks (the leaf end) went, its head stayed
+
+
+def test_ttl_forgets_workers_and_removes_nodes() -> None:
+    clock = Clock()
+    trie = PrefixTrie(max_nodes=1000, ttl_s=10, clock=clock)
+    a = keys(1, 6)
+    trie.insert(a, "w1")
+    clock.now += 6
+    trie.insert(a[:3], "w2")
+    assert trie.match(a) == {"w1": 6, "w2": 3}
+    clock.now += 5  # w1 sent 11 s ago, w2 5 s ago
+    assert trie.match(a) == {"w2": 3}
+    trie.expire()
+    assert len(trie) == 3  # the deeper blocks only w1 was sent are gone
+    assert trie.expirations == 3
+    clock.now += 11
+    trie.expire()
+    assert len(trie) == 0
+    trie.check()
+
+
+def test_forget_worker_purges_its_entries() -> None:
+    trie = PrefixTrie(max_nodes=1000, ttl_s=60)
+    a, b = keys(1, 8), keys(2, 5)
+    trie.insert(a, "w1")
+    trie.insert(a[:3], "w2")
+    trie.insert(b, "w2")
+    assert trie.worker_nodes("w2") == 8
+    trie.forget_worker("w2")
+    trie.check()
+    assert trie.match(a) == {"w1": 8}
+    assert trie.match(b) == {}
+    assert len(trie) == 8
+    assert trie.worker_nodes("w2") == 0
+    trie.forget_worker("w1")
+    assert len(trie) == 0
+    trie.check()
+    trie.insert(b, "w3")  # still usable after a purge
+    assert trie.match(b) == {"w3": 5}
+
+
+def test_random_operations_keep_trie_and_index_in_step() -> None:
+    clock = Clock()
+    trie = PrefixTrie(max_nodes=300, ttl_s=50, clock=clock)
+    rng = random.Random(7)
+    bases = [keys(i, 30) for i in range(10)]
+    for step in range(1500):
+        clock.now += rng.random()
+        base = rng.choice(bases)
+        prompt = base[: rng.randrange(1, 30)] + keys(10_000 + step, rng.randrange(0, 4))
+        trie.insert(prompt, f"w{rng.randrange(5)}")
+        if step % 300 == 299:
+            trie.forget_worker(f"w{rng.randrange(5)}")
+        if step % 50 == 0:
+            trie.check()
+        assert len(trie) <= 300
+    trie.check()
