@@ -51,7 +51,8 @@ def test_pack_verify_round_trip_and_corruption() -> None:
 
 
 def test_key_names_round_trip() -> None:
-    for k in [(1, 2**64 - 1), (0, 0), (LAYOUT, b"\x01" * 32)]:
+    keys: list[tuple[int, int | bytes]] = [(1, 2**64 - 1), (0, 0), (LAYOUT, b"\x01" * 32)]
+    for k in keys:
         assert parse_key_name(key_name(k)) == k
     assert parse_key_name("garbage") is None
     assert key_name((1, 5)) == key_name((1, 5))
@@ -206,7 +207,9 @@ def test_redis_shared_ttl_and_corruption(valkey: ValkeyServer) -> None:
     tier.store(key(2), payload(2))
     raw = redis.Redis.from_url(valkey.url)
     name = f"kvgate:{key_name(key(2))}"
-    value = bytearray(raw.get(name) or b"")
+    stored = raw.get(name)
+    assert isinstance(stored, bytes)
+    value = bytearray(stored)
     value[-1] ^= 1
     raw.set(name, bytes(value))
     assert read(tier, key(2)) is None

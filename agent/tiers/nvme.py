@@ -194,13 +194,15 @@ class NvmeTier:
             return False
         return st.f_bavail * st.f_frsize >= self.min_free + size
 
-    def read_into(self, key: BlockKey, out: memoryview) -> int | None:
+    def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         with self._lock:
-            if key not in self._index:
+            size = self._index.get(key)
+            if size is None or size - HEADER_SIZE > len(out):  # absent, or the caller's buffer is too small
                 missing = True
             else:
                 missing = False
-                self._index.move_to_end(key)
+                if touch:
+                    self._index.move_to_end(key)
         if missing:
             self.stats.add("misses")
             return None
@@ -254,14 +256,20 @@ class NvmeTier:
         with self._lock:
             return self._evict_locked(self.low_bytes)
 
-    def lru_keys(self, n: int) -> list[BlockKey]:
-        """The n least recently used keys (candidates to demote before they are evicted)."""
+    def payload_size(self, key: BlockKey) -> int | None:
+        size = self._index.get(key)
+        return None if size is None else size - HEADER_SIZE
+
+    def eviction_candidates(self, nbytes: int) -> list[BlockKey]:
+        """The least recently used keys that hold at least `nbytes` (demoted before they are evicted)."""
         with self._lock:
             out: list[BlockKey] = []
-            for key in self._index:
-                if len(out) >= n:
+            total = 0
+            for key, size in self._index.items():
+                if total >= nbytes:
                     break
                 out.append(key)
+                total += size
             return out
 
     def _evict_locked(self, target: int) -> list[BlockKey]:

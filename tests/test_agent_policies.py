@@ -1,0 +1,175 @@
+"""The tier stack's policies: write-through vs demotion, promotion, admission, watermarks, local lookup."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.block import HEADER_SIZE
+from agent.config import AgentConfig
+from agent.store import TierStore
+from router.kv_events import BlockRemoved, BlockStored
+from tests.conftest import ValkeyServer
+
+LAYOUT = 7
+SIZE = 1000
+
+
+def payload(i: int) -> bytes:
+    return bytes((i + j) % 256 for j in range(SIZE))
+
+
+def make_store(tmp_path: Path, **overrides: Any) -> TierStore:
+    settings: dict[str, Any] = dict(dram_capacity=10 * SIZE, nvme_dir=str(tmp_path / "nvme"),
+                                    nvme_capacity=100 * (SIZE + HEADER_SIZE), nvme_fsync=False, nvme_min_free=0,
+                                    shared_backend="fs", shared_dir=str(tmp_path / "shared"), io_threads=2)
+    settings.update(overrides)
+    return TierStore.from_config(AgentConfig(**settings).validate())
+
+
+def outs(n: int) -> list[memoryview]:
+    return [memoryview(bytearray(SIZE)) for _ in range(n)]
+
+
+def media(events: list[Any], kind: type[BlockStored] | type[BlockRemoved]) -> dict[str | None, list[Any]]:
+    found: dict[str | None, list[Any]] = {}
+    for event in events:
+        if isinstance(event, (BlockStored, BlockRemoved)) and isinstance(event, kind):
+            found.setdefault(event.medium, []).extend(event.block_hashes)
+    return found
+
+
+def test_eager_writes_through_to_every_tier(tmp_path: Path) -> None:
+    store = make_store(tmp_path, write_policy="eager")
+    assert store.store_chain(LAYOUT, [1, 2, 3], [payload(i) for i in (1, 2, 3)]) == 3
+    store.drain()
+    assert store.lookup(LAYOUT, [1, 2, 3, 4]) == (3, "CCC")
+    assert store.nvme is not None and store.shared is not None
+    assert all(store.nvme.contains((LAYOUT, h)) and store.shared.contains((LAYOUT, h)) for h in (1, 2, 3))
+    stored = media(store.drain_events(), BlockStored)
+    assert sorted(stored["CPU"]) == [1, 2, 3] and sorted(stored["DISK"]) == [1, 2, 3]
+    assert sorted(stored["SHARED"]) == [1, 2, 3]
+    assert store.flow.write_through == {"nvme": 3, "shared": 3}
+    store.close()
+
+
+def test_lazy_demotes_on_pressure_and_promotes_on_hit(tmp_path: Path) -> None:
+    store = make_store(tmp_path, write_policy="lazy")
+    store.store_chain(LAYOUT, list(range(10)), [payload(i) for i in range(10)])
+    store.drain()
+    assert store.nvme is not None and store.nvme.usage().blocks == 0  # nothing moves without pressure
+    store.store_chain(LAYOUT, list(range(100, 105)), [payload(i) for i in range(100, 105)])
+    store.drain()
+    assert store.nvme.usage().blocks == 5 and store.flow.demotions["nvme"] == 5
+    assert store.shared is not None and store.shared.usage().blocks == 0
+    count, where = store.lookup(LAYOUT, list(range(10)))
+    assert count == 10 and where.count("D") == 5 and where.count("C") == 5
+    buffers = outs(10)
+    assert store.load_chain(LAYOUT, list(range(10)), buffers) == [SIZE] * 10
+    assert [bytes(b) for b in buffers] == [payload(i) for i in range(10)]
+    assert store.flow.promotions["nvme"] == 5
+    assert store.dram is not None and all(store.dram.contains((LAYOUT, i)) for i in range(10))
+    events = store.drain_events()
+    assert len(media(events, BlockRemoved)["CPU"]) >= 5
+    store.close()
+
+
+def test_admission_by_reuse_count(tmp_path: Path) -> None:
+    store = make_store(tmp_path, write_policy="eager", nvme_admit_reuse=2, shared_admit_reuse=3)
+    store.store_chain(LAYOUT, [1], [payload(1)])
+    store.drain()
+    assert store.nvme is not None and store.shared is not None
+    assert not store.nvme.contains((LAYOUT, 1))
+    store.dram.delete((LAYOUT, 1))  # type: ignore[union-attr]
+    store.store_chain(LAYOUT, [1], [payload(1)])  # second use: NVMe admits it, the shared tier not yet
+    store.drain()
+    assert store.nvme.contains((LAYOUT, 1)) and not store.shared.contains((LAYOUT, 1))
+    assert store.load_chain(LAYOUT, [1], outs(1)) == [SIZE]  # third use (a hit)
+    store.dram.delete((LAYOUT, 1))  # type: ignore[union-attr]
+    store.store_chain(LAYOUT, [1], [payload(1)])
+    store.drain()
+    assert store.shared.contains((LAYOUT, 1))
+    store.close()
+
+
+def test_watermarks_demote_in_background(tmp_path: Path) -> None:
+    store = make_store(tmp_path, dram_high_watermark=0.5, dram_low_watermark=0.3)
+    store.store_chain(LAYOUT, list(range(8)), [payload(i) for i in range(8)])
+    assert store.dram is not None and store.dram.usage().blocks == 8
+    store.maintain()
+    store.drain()
+    assert store.dram.usage().blocks == 3
+    assert store.nvme is not None and store.nvme.usage().blocks == 5
+    assert store.lookup(LAYOUT, list(range(8)))[0] == 8
+
+
+def test_nvme_pressure_demotes_to_shared(tmp_path: Path) -> None:
+    store = make_store(tmp_path, dram_capacity=0, nvme_capacity=10 * (SIZE + HEADER_SIZE),
+                       nvme_high_watermark=0.5, nvme_low_watermark=0.2)
+    store.store_chain(LAYOUT, list(range(8)), [payload(i) for i in range(8)])
+    store.maintain()
+    assert store.nvme is not None and store.nvme.usage().blocks == 2
+    assert store.shared is not None and store.shared.usage().blocks >= 6
+    count, where = store.lookup(LAYOUT, list(range(8)))
+    assert count == 8 and where == "SSSSSSDD"
+    buffers = outs(8)
+    assert store.load_chain(LAYOUT, list(range(8)), buffers) == [SIZE] * 8
+    assert bytes(buffers[0]) == payload(0) and store.flow.promotions["shared"] == 0  # no DRAM tier
+
+
+def test_load_stops_at_the_first_missing_or_bad_block(tmp_path: Path) -> None:
+    store = make_store(tmp_path, dram_capacity=0)
+    store.store_chain(LAYOUT, [1, 2, 3], [payload(i) for i in (1, 2, 3)])
+    assert store.nvme is not None
+    path = next(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.name.endswith(f"{2:016x}"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(data)
+    assert store.load_chain(LAYOUT, [1, 2, 3], outs(3)) == [SIZE]
+    assert store.nvme.stats.checksum_failures == 1
+    assert store.lookup(LAYOUT, [1, 2, 3]) == (1, "D")
+
+
+def test_shared_blocks_of_another_replica(valkey: ValkeyServer, tmp_path: Path) -> None:
+    a = make_store(tmp_path / "a", shared_backend="redis", shared_url=valkey.url, write_policy="eager")
+    b = make_store(tmp_path / "b", shared_backend="redis", shared_url=valkey.url)
+    a.store_chain(LAYOUT, [1, 2, 3], [payload(i) for i in (1, 2, 3)])
+    a.drain()
+    assert b.lookup(LAYOUT, [1, 2, 3]) == (0, "")
+    assert b.probe_shared(LAYOUT, [1, 2, 3]) == 3
+    assert b.lookup(LAYOUT, [1, 2, 3]) == (3, "SSS")
+    buffers = outs(3)
+    assert b.load_chain(LAYOUT, [1, 2, 3], buffers) == [SIZE] * 3
+    assert bytes(buffers[2]) == payload(3)
+    assert b.lookup(LAYOUT, [1, 2, 3]) == (3, "CCC")  # promoted
+    assert b.flow.promotions["shared"] == 3
+    a.close()
+    b.close()
+
+
+def test_lookup_of_1000_hashes_is_well_under_a_millisecond(tmp_path: Path) -> None:
+    store = make_store(tmp_path, dram_capacity=2000 * 16, nvme_dir="")
+    hashes = [(i * 2654435761) % 2**64 for i in range(1000)]
+    store.store_chain(LAYOUT, hashes, [b"x" * 16] * 1000)
+    assert store.lookup(LAYOUT, hashes) == (1000, "C" * 1000)
+    timings = []
+    for _ in range(50):
+        started = time.perf_counter()
+        store.lookup(LAYOUT, hashes)
+        timings.append(time.perf_counter() - started)
+    assert statistics.median(timings) < 0.001, timings
+
+
+def test_config_rejects_bad_policies() -> None:
+    import pytest
+
+    from router.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        AgentConfig(write_policy="sometimes").validate()
+    with pytest.raises(ConfigError):
+        AgentConfig(dram_low_watermark=0.99, dram_high_watermark=0.5).validate()
+    assert dataclasses.replace(AgentConfig(), write_policy="eager").validate().write_policy == "eager"
