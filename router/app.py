@@ -9,7 +9,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,6 +20,7 @@ from router.pool import WorkerPool
 from router.prompt_tokens import PromptTokens
 from router.proxy import Proxy
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS, parse_body, parse_json_object, unknown_model
+from router.upstream import UpstreamPool
 from strategies import RouteRequest, Strategy, create_strategy
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class Gateway:
         self.strategy.attach_metrics(self.metrics)
         # tokenizing costs CPU: only for strategies that read the prompt's tokens
         self.prompts = PromptTokens(config, self.metrics) if self.strategy.needs_prompt_tokens else None
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamPool | None = None
         self._pool: WorkerPool | None = None
         self._proxy: Proxy | None = None
 
@@ -55,15 +55,13 @@ class Gateway:
 
     async def start(self) -> None:
         cfg = self.config
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=cfg.max_connections_per_worker, keepalive_timeout=60, ttl_dns_cache=300,
+        self._upstream = UpstreamPool(
+            limit_per_host=cfg.max_connections_per_worker, connect_timeout=cfg.connect_timeout_s
         )
-        # auto_decompress off: compressed answers pass through byte for byte with their Content-Encoding.
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, raise_for_status=False)
-        self._pool = WorkerPool(cfg, self._session, self.metrics, on_removed=self.strategy.forget_worker)
+        self._pool = WorkerPool(cfg, self._upstream, self.metrics, on_removed=self.strategy.forget_worker)
         for spec in cfg.worker:
             self._pool.add(spec)
-        self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._session)
+        self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream)
         await self._pool.start()
 
     async def stop(self) -> None:
@@ -71,8 +69,8 @@ class Gateway:
             self.prompts.close()
         if self._pool is not None:
             await self._pool.stop()
-        if self._session is not None:
-            await self._session.close()
+        if self._upstream is not None:
+            self._upstream.close()
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -260,7 +258,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_delete("/admin/workers", admin_remove_worker)
     for path in ("/tokenize", "/detokenize"):
         app.router.add_post(path, passthrough)
-    app.router.add_route("*", "/v1/{tail:.*}", passthrough)
+    for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+        app.router.add_route(method, "/v1/{tail:.*}", passthrough)
     return app
 
 

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 
 from router.config import GatewayConfig, WorkerSpec
 from router.metrics import GatewayMetrics
+from router.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +107,12 @@ class WorkerPool:
     def __init__(
         self,
         config: GatewayConfig,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
         metrics: GatewayMetrics,
         on_removed: Callable[[str], None] | None = None,
     ) -> None:
         self._config = config
-        self._session = session
+        self._upstream = upstream
         self._metrics = metrics
         self._on_removed = on_removed
         self._workers: dict[str, Worker] = {}
@@ -255,17 +255,15 @@ class WorkerPool:
 
     async def _probe(self, worker: Worker) -> None:
         cfg = self._config
-        timeout = aiohttp.ClientTimeout(total=cfg.health_timeout_s)
         try:
-            async with self._session.get(worker.url + "/health", timeout=timeout) as resp:
-                await resp.read()
-                ok = resp.status == 200
-                error = None if ok else f"health probe answered {resp.status}"
+            status, _ = await self._upstream.fetch(worker.url + "/health", cfg.health_timeout_s)
+            ok = status == 200
+            error = None if ok else f"health probe answered {status}"
             if ok and (
                 not worker.healthy or time.monotonic() - worker.models_fetched_at > cfg.models_refresh_s
             ):
                 await self._fetch_models(worker)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (UpstreamError, TimeoutError, ValueError) as exc:
             ok, error = False, f"health probe failed: {describe_error(exc)}"
         if ok:
             worker.consecutive_failures = 0
@@ -277,11 +275,13 @@ class WorkerPool:
                 self._set_health(worker, False)
 
     async def _fetch_models(self, worker: Worker) -> None:
-        timeout = aiohttp.ClientTimeout(total=self._config.health_timeout_s)
-        async with self._session.get(worker.url + "/v1/models", timeout=timeout) as resp:
-            if resp.status != 200:
-                raise ValueError(f"/v1/models answered {resp.status}")
-            listing = orjson.loads(await resp.read())
+        """Raises ValueError when the listing is missing or malformed."""
+        status, body = await self._upstream.fetch(worker.url + "/v1/models", self._config.health_timeout_s)
+        if status != 200:
+            raise ValueError(f"/v1/models answered {status}")
+        listing = orjson.loads(body)
+        if not isinstance(listing, dict):
+            raise ValueError("/v1/models did not answer a JSON object")
         cards = {
             card["id"]: card
             for card in listing.get("data", [])
@@ -292,13 +292,12 @@ class WorkerPool:
         worker.models_fetched_at = time.monotonic()
 
     async def _scrape_load(self, worker: Worker) -> None:
-        timeout = aiohttp.ClientTimeout(total=self._config.health_timeout_s)
         try:
-            async with self._session.get(worker.url + "/metrics", timeout=timeout) as resp:
-                if resp.status != 200:
-                    return
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            status, body = await self._upstream.fetch(worker.url + "/metrics", self._config.health_timeout_s)
+            if status != 200:
+                return
+            text = body.decode()
+        except (UpstreamError, TimeoutError, UnicodeDecodeError):
             return  # load is advisory; health is decided by the probe
         values = parse_load_gauges(text)
         for attr, value in values.items():

@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from router.config import GatewayConfig
 from router.errors import GatewayError, no_worker
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool, describe_error
+from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from strategies.base import Decision, RouteRequest, Strategy
 
 log = logging.getLogger(__name__)
@@ -47,9 +46,10 @@ class _Retry(Exception):
 class _OpenStream:
     """A streamed answer whose first chunk has arrived: everything needed to relay the rest."""
 
-    upstream: aiohttp.ClientResponse
+    upstream: UpstreamResponse
+    chunks: AsyncIterator[bytes]
     first: bytes
-    headers: CIMultiDict[str]
+    headers: list[tuple[str, str]]
     worker: Worker
     model_label: str
 
@@ -63,16 +63,13 @@ class Proxy:
         pool: WorkerPool,
         strategy: Strategy,
         metrics: GatewayMetrics,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
     ) -> None:
         self._config = config
         self._pool = pool
         self._strategy = strategy
         self._metrics = metrics
-        self._session = session
-        self._client_timeout = aiohttp.ClientTimeout(
-            total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
-        )
+        self._upstream = upstream
 
     def _candidates(self, model: str | None, tried: set[str]) -> Sequence[Worker]:
         workers = self._pool.eligible(model) if model else self._pool.healthy()
@@ -120,22 +117,23 @@ class Proxy:
             type="upstream_error", code="upstream_failed",
         )
 
-    def _upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
-        headers: CIMultiDict[str] = CIMultiDict()
-        for name in FORWARDED_REQUEST_HEADERS:
-            value = request.headers.get(name)
-            if value is not None:
-                headers[name] = value
+    def _upstream_headers(self, request: web.Request) -> list[tuple[str, str]]:
+        headers = [(name, value) for name in FORWARDED_REQUEST_HEADERS if (value := request.headers.get(name))]
         if self._config.upstream_api_key:
-            headers["Authorization"] = f"Bearer {self._config.upstream_api_key}"
+            headers.append(("Authorization", f"Bearer {self._config.upstream_api_key}"))
         elif "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
+            headers.append(("Authorization", request.headers["Authorization"]))
         return headers
 
     def _connection_lost(self, worker: Worker, exc: BaseException) -> _Retry:
         self._pool.report_connection_error(worker, describe_error(exc))
         self._metrics.retries.labels("connection_error").inc()
         return _Retry(f"{worker.url}: {describe_error(exc)}")
+
+    def _timeout(self, worker: Worker, model_label: str, what: str, seconds: float) -> GatewayError:
+        worker.last_error = f"{what} after {seconds:g} s"
+        self._metrics.requests.labels(model_label, worker.url, "504").inc()
+        return GatewayError(504, f"worker {what} within {seconds:g} s", type="timeout", code="upstream_timeout")
 
     async def _attempt(
         self,
@@ -147,43 +145,39 @@ class Proxy:
         started: float,
     ) -> web.Response | _OpenStream:
         """One try on one worker: a whole answer, or a stream whose first chunk has arrived."""
+        cfg = self._config
         worker = decision.worker
         model_label = route.model or ""
         try:
-            async with asyncio.timeout(self._config.ttfb_timeout_s):
-                upstream = await self._session.request(
-                    request.method, worker.url + request.rel_url.path_qs, data=body,
-                    headers=self._upstream_headers(request), timeout=self._client_timeout,
-                    allow_redirects=False,
+            async with asyncio.timeout(cfg.ttfb_timeout_s):
+                upstream = await self._upstream.request(
+                    request.method, worker.url + request.rel_url.raw_path_qs, self._upstream_headers(request), body,
+                    read_timeout=cfg.read_timeout_s,
                 )
         except TimeoutError:
-            self._metrics.requests.labels(model_label, worker.url, "504").inc()
-            raise GatewayError(
-                504, f"worker did not answer within {self._config.ttfb_timeout_s:g} s",
-                type="timeout", code="upstream_timeout",
-            ) from None
-        except aiohttp.ClientConnectionError as exc:
+            raise self._timeout(worker, model_label, "did not answer", cfg.ttfb_timeout_s) from None
+        except UpstreamError as exc:
             raise self._connection_lost(worker, exc) from None
         self._strategy.on_routed(route, decision)
         handed_over = False
         try:
             if upstream.status in RETRYABLE_STATUSES:
-                await upstream.read()
                 worker.last_error = f"answered {upstream.status}"
                 self._metrics.requests.labels(model_label, worker.url, str(upstream.status)).inc()
                 self._metrics.retries.labels(f"status_{upstream.status}").inc()
                 raise _Retry(f"{worker.url} answered {upstream.status}")
-            headers = CIMultiDict(
-                (k, v) for k, v in upstream.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS
-            )
+            headers = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
             try:
                 if stream and upstream.status == 200:
-                    first = await upstream.content.readany()
+                    chunks = upstream.chunks()
+                    first = await anext(chunks, b"")
                     handed_over = True
-                    return _OpenStream(upstream, first, headers, worker, model_label)
+                    return _OpenStream(upstream, chunks, first, headers, worker, model_label)
                 data = await upstream.read()
-            except aiohttp.ClientConnectionError as exc:
+            except UpstreamError as exc:
                 raise self._connection_lost(worker, exc) from None
+            except TimeoutError:
+                raise self._timeout(worker, model_label, "went silent", cfg.read_timeout_s) from None
             elapsed = time.perf_counter() - started
             self._metrics.ttfb.labels(model_label).observe(elapsed)
             self._metrics.request_duration.labels(model_label).observe(elapsed)
@@ -194,7 +188,7 @@ class Proxy:
             raise
         finally:
             if not handed_over:
-                _close(upstream)
+                upstream.close()
 
     async def _relay(
         self, request: web.Request, stream: _OpenStream, started: float, deadline: float
@@ -210,7 +204,7 @@ class Proxy:
                 await response.prepare(request)
                 if stream.first:
                     await response.write(stream.first)
-                async for chunk in upstream.content.iter_any():
+                async for chunk in stream.chunks:
                     await response.write(chunk)
                 await response.write_eof()
         except ConnectionResetError:
@@ -218,21 +212,14 @@ class Proxy:
         except asyncio.CancelledError:
             status = CLIENT_CLOSED
             raise
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             worker.last_error = f"stream broke: {describe_error(exc)}"
             status = "502"
             if request.transport is not None:
                 request.transport.close()
         finally:
-            _close(upstream)
+            upstream.close()
             self._metrics.requests.labels(label, worker.url, status).inc()
             self._metrics.request_duration.labels(label).observe(time.perf_counter() - started)
         return response
 
-
-def _close(upstream: aiohttp.ClientResponse) -> None:
-    """Release a finished answer's connection for reuse; drop an unfinished one so the worker sees it end."""
-    if upstream.content.is_eof():
-        upstream.release()
-    else:
-        upstream.close()

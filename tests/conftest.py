@@ -184,3 +184,32 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-model")
     write_model(path)
     return path
+
+
+@pytest.fixture
+def sim_fleet(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
+    """A factory: `sim_fleet(n, speedup=..., extra_args=[...])` starts n `kvgate sim` replica processes on free
+    loopback ports (tests/sim_fleet.py: urls, worker_specs, events/replay endpoints, kill/start per replica);
+    every fleet it started is stopped by PID after the test."""
+    from tests.sim_fleet import SimFleet, start_sim_fleet
+
+    fleets: list[SimFleet] = []
+
+    def start(n: int = 2, **kwargs: Any) -> SimFleet:
+        fleet = start_sim_fleet(n, tiny_model_dir, **kwargs)
+        fleets.append(fleet)
+        return fleet
+
+    try:
+        yield start
+    finally:
+        for fleet in fleets:
+            fleet.stop()
+
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Tests run on uvloop, as `kvgate serve` does, so loop-specific behaviour is exercised."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}

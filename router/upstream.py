@@ -1,0 +1,333 @@
+"""The gateway's HTTP/1.1 client to its workers: pooled keep-alive connections, one write per request.
+
+Every proxied request pays for this client, so it is kept lean: requests are serialised into one buffer and
+written with one call, responses are parsed by llhttp (through `httptools`) straight from the protocol's
+`data_received`, and body chunks are handed over as they arrive. Measured on the proxy path it costs about a
+third of aiohttp's client (see bench/overhead.py).
+
+A connection taken from the idle pool may have been closed by the worker in the meantime (vLLM's keep-alive is
+5 s): if it fails before any response byte arrives, the request is sent once more on a fresh connection, so a
+stale socket is never mistaken for a dead worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+# Idle connections older than this are closed rather than reused (below uvicorn's/vLLM's 5 s keep-alive).
+IDLE_TTL_S = 4.0
+# Above this many buffered body bytes the socket stops reading until the consumer catches up.
+HIGH_WATER = 1 << 20
+
+
+class UpstreamError(Exception):
+    """The worker could not be reached, or the connection broke before the response was complete."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """The connection could not be opened (refused, unreachable, connect timeout)."""
+
+
+class _Stale(Exception):
+    """A reused connection failed before any response byte: send again on a fresh one."""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection and the response currently being read from it."""
+
+    def __init__(self, key: tuple[str, int]) -> None:
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[str, str]] = []
+        self.keep_alive = False
+        self.got_bytes = False
+        self.headers_done = False
+        self.complete = False
+        self.error: BaseException | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+
+    # --- asyncio.Protocol ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamError("unexpected protocol upgrade from worker"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed HTTP response from worker: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if not self.complete:
+            if self.headers_done and not self.keep_alive and exc is None:
+                self.on_message_complete()  # body delimited by connection close
+            else:
+                self._fail(UpstreamError(f"worker closed the connection{': ' + str(exc) if exc else ''}"))
+
+    # --- httptools callbacks ---
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # --- consumer side ---
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout: float | None) -> None:
+        """Wait for the next parser event (headers, a chunk, the end or an error)."""
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        handle = loop.call_later(timeout, _expire, waiter) if timeout else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if handle is not None:
+                handle.cancel()
+
+    def take(self) -> bytes:
+        data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
+        self._chunks.clear()
+        self._buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    def has_data(self) -> bool:
+        return bool(self._chunks)
+
+    def send(self, payload: bytes) -> None:
+        self._reset()
+        assert self.transport is not None
+        self.transport.write(payload)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class UpstreamResponse:
+    """A worker's response whose headers have arrived; read the body whole or chunk by chunk, then let go."""
+
+    def __init__(self, pool: UpstreamPool, conn: _Connection, read_timeout: float | None) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._read_timeout = read_timeout
+        self._done = False
+        self.status = conn.status
+        self.headers = conn.headers
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive; raises UpstreamError if the connection breaks, TimeoutError on silence."""
+        conn = self._conn
+        while True:
+            if conn.has_data():
+                yield conn.take()
+                continue
+            if conn.error is not None:
+                raise conn.error
+            if conn.complete:
+                self._finish()
+                return
+            await conn.wait(self._read_timeout)
+
+    async def read(self) -> bytes:
+        parts = [chunk async for chunk in self.chunks()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pool._release(self._conn)
+
+    def close(self) -> None:
+        """Let go of the response: a finished one returns its connection to the pool, an unfinished one
+        drops it so the worker sees the request end."""
+        if self._done:
+            return
+        self._done = True
+        conn = self._conn
+        if conn.complete and not conn.has_data() and conn.error is None:
+            self._pool._release(conn)
+        else:
+            self._pool._drop(conn)
+
+
+class UpstreamPool:
+    """Keep-alive connections to every worker, at most `limit_per_host` open per worker."""
+
+    def __init__(self, *, limit_per_host: int, connect_timeout: float) -> None:
+        self._limit = limit_per_host
+        self._connect_timeout = connect_timeout
+        self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
+        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+        self._in_use: dict[_Connection, asyncio.Semaphore] = {}
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        headers: Iterable[tuple[str, str]] = (),
+        body: bytes | None = None,
+        *,
+        read_timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """Send a request and wait for the response headers (callers bound that wait with asyncio.timeout)."""
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        if parts.scheme != "http":
+            raise UpstreamConnectError(f"only http:// workers are supported, not {parts.scheme}://")
+        target = parts.path or "/"
+        if parts.query:
+            target += "?" + parts.query
+        lines = [f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"]
+        lines += [f"{name}: {value}\r\n" for name, value in headers]
+        if body is not None or method in ("POST", "PUT", "PATCH"):
+            lines.append(f"Content-Length: {len(body or b'')}\r\n")
+        lines.append("\r\n")
+        payload = "".join(lines).encode("latin-1") + (body or b"")
+        key = (host, port)
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = asyncio.Semaphore(self._limit)
+        await slots.acquire()
+        try:
+            conn = self._take_idle(key)
+            if conn is not None:
+                try:
+                    return await self._exchange(conn, payload, read_timeout, reused=True, slots=slots)
+                except _Stale:
+                    pass
+            conn = await self._open(key)
+            return await self._exchange(conn, payload, read_timeout, reused=False, slots=slots)
+        except BaseException:
+            slots.release()
+            raise
+
+    def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.transport is not None and not conn.transport.is_closing() and now - conn.idle_since < IDLE_TTL_S:
+                return conn
+            if conn.transport is not None:
+                conn.transport.close()
+        return None
+
+    async def _open(self, key: tuple[str, int]) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Connection(key), key[0], key[1])
+        except TimeoutError:
+            raise UpstreamConnectError(f"connect to {key[0]}:{key[1]} timed out") from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}") from None
+        return conn
+
+    async def _exchange(
+        self, conn: _Connection, payload: bytes, read_timeout: float | None, *, reused: bool,
+        slots: asyncio.Semaphore,
+    ) -> UpstreamResponse:
+        conn.send(payload)
+        try:
+            while not conn.headers_done:
+                if conn.error is not None:
+                    if reused and not conn.got_bytes:
+                        raise _Stale()
+                    raise conn.error
+                await conn.wait(None)
+        except BaseException:
+            if conn.transport is not None:
+                conn.transport.abort()
+            raise
+        self._in_use[conn] = slots
+        return UpstreamResponse(self, conn, read_timeout)
+
+    def _release(self, conn: _Connection) -> None:
+        slots = self._in_use.pop(conn, None)
+        if slots is not None:
+            slots.release()
+        if conn.keep_alive and conn.transport is not None and not conn.transport.is_closing():
+            conn.idle_since = time.monotonic()
+            self._idle.setdefault(conn.key, collections.deque()).append(conn)
+        elif conn.transport is not None:
+            conn.transport.close()
+
+    def _drop(self, conn: _Connection) -> None:
+        slots = self._in_use.pop(conn, None)
+        if slots is not None:
+            slots.release()
+        if conn.transport is not None:
+            conn.transport.abort()
+
+    async def fetch(self, url: str, timeout: float) -> tuple[int, bytes]:
+        """GET a small resource (health, models, metrics) within `timeout` seconds."""
+        async with asyncio.timeout(timeout):
+            response = await self.request("GET", url)
+            try:
+                return response.status, await response.read()
+            finally:
+                response.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                if conn.transport is not None:
+                    conn.transport.close()
+        self._idle.clear()
+        for conn in list(self._in_use):
+            if conn.transport is not None:
+                conn.transport.abort()
+

@@ -1,0 +1,147 @@
+"""The gateway's upstream HTTP client against real servers, including ones that misbehave on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from bench.procs import free_port
+from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool
+from tests.conftest import running_standin
+
+
+@asynccontextmanager
+async def raw_server(reply: Callable[[asyncio.StreamReader, asyncio.StreamWriter], object]) -> AsyncIterator[str]:
+    """A TCP server that answers each connection with hand-written bytes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reply(reader, writer)  # type: ignore[misc]
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            await reader.readexactly(int(line.split(b":")[1]))
+    return head
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[UpstreamPool]:
+    p = UpstreamPool(limit_per_host=4, connect_timeout=1.0)
+    yield p
+    p.close()
+
+
+async def test_json_stream_and_keep_alive_reuse(pool: UpstreamPool) -> None:
+    async with running_standin() as worker:
+        for _ in range(3):
+            resp = await pool.request("POST", worker.url + "/v1/completions", [("Content-Type", "application/json")],
+                                      b'{"model": "tiny", "prompt": "x", "max_tokens": 3}')
+            assert resp.status == 200
+            assert b'" t0 t1 t2"' in await resp.read()
+            resp.close()
+        resp = await pool.request("POST", worker.url + "/v1/completions", [],
+                                  b'{"model": "tiny", "prompt": "x", "max_tokens": 50, "stream": true}')
+        chunks = [c async for c in resp.chunks()]
+        resp.close()
+        assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
+        assert len(pool._idle[("127.0.0.1", int(worker.url.rsplit(":", 1)[1]))]) == 1  # one connection, reused
+
+
+async def test_connection_refused_is_a_connect_error(pool: UpstreamPool) -> None:
+    with pytest.raises(UpstreamConnectError):
+        await pool.request("GET", f"http://127.0.0.1:{free_port()}/health")
+
+
+async def test_stale_idle_connection_is_replaced_not_reported(pool: UpstreamPool) -> None:
+    """The server answers one request per connection, then closes when the next one arrives (as a server
+    whose keep-alive timer fired just as the request was sent)."""
+    served = dropped = 0
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served, dropped
+        await read_request(reader)
+        served += 1
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await read_request(reader)
+        dropped += 1
+
+    async with raw_server(reply) as url:
+        for _ in range(3):
+            assert await pool.fetch(url + "/x", 2.0) == (200, b"ok")
+        assert served == 3 and dropped == 2
+
+
+async def test_body_delimited_by_close_and_chunked(pool: UpstreamPool) -> None:
+    async def close_delimited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello ")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"world")
+        await writer.drain()
+
+    async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"6\r\n world\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_server(close_delimited) as url:
+        assert await pool.fetch(url, 2.0) == (200, b"hello world")
+    async with raw_server(chunked) as url:
+        assert await pool.fetch(url, 2.0) == (200, b"hello world")
+
+
+async def test_truncated_and_malformed_answers_raise(pool: UpstreamPool) -> None:
+    async def truncated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly a bit")
+        await writer.drain()
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SMTP ready\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+
+    async with raw_server(truncated) as url:
+        resp = await pool.request("GET", url)
+        with pytest.raises(UpstreamError, match="closed"):
+            await resp.read()
+        resp.close()
+    async with raw_server(garbage) as url:
+        with pytest.raises(UpstreamError, match="malformed"):
+            await pool.request("GET", url)
+
+
+async def test_read_timeout_on_silence_and_slot_released(pool: UpstreamPool) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await writer.drain()
+        await asyncio.sleep(2)
+
+    async with raw_server(silent) as url:
+        for _ in range(6):  # more than limit_per_host: slots must come back after each failure
+            resp = await pool.request("GET", url, read_timeout=0.1)
+            with pytest.raises(TimeoutError):
+                await resp.read()
+            resp.close()
