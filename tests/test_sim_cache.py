@@ -3,26 +3,27 @@ kept, prefix hits, preemption, and events that describe the cache exactly at eve
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
 from bench.sim.kv_cache import BlockPool, KvCacheManager
 from bench.sim.scheduler import Scheduler, SimRequest, Status
 from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from router.vllm_hash import event_hash, make_block_hasher
 
 BS = 4
 
 
-def sha(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    return hashlib.sha256(repr((parent, tuple(tokens))).encode()).digest()
+HASHER, _ = make_block_hasher("sha256")
 
 
-def event_hash(digest: bytes) -> int:
-    return int.from_bytes(digest[-8:], "big")
+def sha(parent: bytes | None, tokens: Sequence[int], extra: Any = None) -> bytes:
+    assert extra is None
+    return HASHER(parent, tokens)
 
 
 def hashes(tokens: Sequence[int]) -> list[bytes]:

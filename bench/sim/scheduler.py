@@ -14,10 +14,12 @@ import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench.sim.kv_cache import Digest, KvBlock, KvCacheManager
 
-BlockHasher = Callable[[Digest | None, Sequence[int]], Digest]
+# vLLM's hash_block_tokens: (parent digest or None, the block's token ids, extra keys) -> digest
+BlockHasher = Callable[[Digest | None, Sequence[int], tuple[Any, ...] | None], Digest]
 
 
 class Status(enum.Enum):
@@ -32,14 +34,16 @@ class SimRequest:
     """One sequence in the engine: its tokens, how many are computed, its block hashes, its progress."""
 
     __slots__ = (
-        "all_token_ids", "arrival_time", "block_hashes", "eos_token_id", "finish_reason", "first_token_time",
+        "all_token_ids", "arrival_time", "block_hashes", "eos_token_id", "finish_reason", "first_block_extra",
+        "first_token_time",
         "listener", "max_tokens", "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_prompt_tokens",
         "output_plan", "output_token_ids", "request_id", "status", "stop_at",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, output_plan: list[int],
                  block_hashes: list[Digest], arrival_time: float, stop_at: int | None = None,
-                 eos_token_id: int = -1, listener: Callable[[SimRequest], None] | None = None) -> None:
+                 eos_token_id: int = -1, listener: Callable[[SimRequest], None] | None = None,
+                 first_block_extra: tuple[Any, ...] | None = None) -> None:
         self.request_id = request_id
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -57,6 +61,7 @@ class SimRequest:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.listener = listener            # called after each step that produced tokens or finished it
+        self.first_block_extra = first_block_extra  # extra keys of block 0 (cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -220,7 +225,8 @@ class Scheduler:
             if request.num_tokens % bs == 0:
                 hashes = request.block_hashes
                 parent = hashes[-1] if hashes else None
-                hashes.append(self.hasher(parent, request.all_token_ids[-bs:]))
+                extra = None if hashes else request.first_block_extra
+                hashes.append(self.hasher(parent, request.all_token_ids[-bs:], extra))
             n_out += 1
             if n_out >= request.max_tokens:
                 request.finish_reason = "length"

@@ -1,0 +1,47 @@
+"""`kvgate sim`: run a simulated vLLM fleet (one replica, or `--replicas N` processes)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from bench.sim.config import ReplicaConfig, replica_config
+from bench.sim.config import add_arguments as add_config_arguments
+from router.aio import run_until_signalled
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--log-level", default="info", help="log level: debug, info, warning, error")
+
+
+def _announce(config: ReplicaConfig) -> None:
+    e = config.engine
+    print(f"replica {config.index}: {config.url} events={config.events_endpoint} replay={config.replay_endpoint} "
+          f"profile={config.profile.name} blocks={e.num_gpu_blocks}x{e.block_size} "
+          f"max_model_len={e.max_model_len} speedup={e.speedup:g}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    index = args.replica_index
+    if args.replicas < 1:
+        print("kvgate sim: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        configs = [replica_config(args, i) for i in ([index] if index is not None else range(args.replicas))]
+    except (ValueError, OSError) as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
+        return 2
+    if index is None and args.replicas > 1:
+        from bench.sim.fleet import run_fleet
+
+        argv = sys.argv[sys.argv.index("sim") + 1:] if "sim" in sys.argv else []
+        return run_fleet(argv, args.replicas)
+
+    from bench.sim.server import serve_replica
+
+    run_until_signalled(serve_replica(configs[0], _announce))
+    return 0

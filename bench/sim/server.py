@@ -1,0 +1,511 @@
+"""One simulated replica's HTTP server: vLLM's OpenAI-compatible API over the simulated engine.
+
+Routes and formats follow vLLM 0.32: `/v1/completions` and `/v1/chat/completions` (JSON or SSE chunks ending in
+`data: [DONE]`), `/v1/models`, `/health`, `/version`, `/tokenize`, `/detokenize`, `/metrics`,
+`POST /reset_prefix_cache`; errors are `{"error": {"message", "type", "param", "code"}}`. `GET /sim/blocks` shows
+the cached block set (what KV events announced) for tests and debugging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from bench.sim.config import ReplicaConfig
+from bench.sim.engine import SimEngine
+from bench.sim.metrics import SimCollector, metrics_registry, render
+from bench.sim.scheduler import SimRequest
+from router.kv_events import KvEventPublisher
+from router.tokenizer import ModelTokenizer, TokenizationError
+from router.vllm_hash import cache_salt_extra_keys, event_hash, hash_fn, none_hash, use_int_event_hashes
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.32.0+kvgate.sim"
+JSON = "application/json"
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+DONE = b"data: [DONE]\n\n"
+# streamed tokens are written in one chunk per engine step (vLLM sends one event per token: so do we)
+
+
+class ApiError(Exception):
+    """A request vLLM would refuse: status, OpenAI-style type and message."""
+
+    def __init__(self, status: int, message: str, type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, self.type)
+
+
+def error_response(status: int, message: str, type: str = "BadRequestError") -> web.Response:
+    body = {"error": {"message": message, "type": type, "param": None, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type=JSON)
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type=JSON)
+
+
+_WORD = re.compile(r"^ [a-z]{2,10}$")
+
+
+class OutputVocabulary:
+    """The synthetic output: a fixed table of word tokens, cycled from a start that depends on the prompt."""
+
+    def __init__(self, tokenizer: ModelTokenizer, size: int = 64) -> None:
+        ids: list[int] = []
+        for tid in range(tokenizer.vocab_size):
+            if _WORD.match(tokenizer.decode([tid])):
+                ids.append(tid)
+                if len(ids) == size:
+                    break
+        if not ids:  # an unusual vocabulary: take any plain tokens
+            ids = [t for t in range(tokenizer.vocab_size) if tokenizer.decode([t], skip_special_tokens=True)][:size]
+        self.ids = ids
+        self.text = {tid: tokenizer.decode([tid]) for tid in ids}
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
+        self.text[self.eos_token_id] = ""
+
+    def plan(self, prompt: list[int]) -> list[int]:
+        start = (sum(prompt[-8:]) + len(prompt)) % len(self.ids)
+        return self.ids[start:] + self.ids[:start]
+
+    def detokenize(self, ids: list[int]) -> str:
+        text = self.text
+        return "".join([text[t] for t in ids])
+
+
+class Replica:
+    """The app state of one replica: config, tokenizer, engine, metrics."""
+
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.config = config
+        self.tokenizer = ModelTokenizer(config.model_dir)
+        self.vocab = OutputVocabulary(self.tokenizer)
+        fn, none = hash_fn(config.hash_algo), none_hash(config.hash_algo)
+
+        def hasher(parent: bytes | None, token_ids: Sequence[int], extra: tuple[Any, ...] | None = None) -> bytes:
+            # vLLM's hash_block_tokens
+            return fn((parent or none, tuple(token_ids), extra))
+
+        to_event: Callable[[bytes], int | bytes] = event_hash if use_int_event_hashes() else bytes
+        publisher = None
+        if config.kv_events is not None:
+            ev = config.kv_events
+            publisher = KvEventPublisher(ev.endpoint, ev.replay_endpoint, topic=ev.topic,
+                                         buffer_steps=ev.buffer_steps, hwm=ev.hwm)
+        self.engine = SimEngine(config.engine, config.profile, hasher, to_event, publisher)
+        self.hasher = hasher
+        self.model_names = frozenset(config.served_model_names)
+        self.default_model = config.served_model_names[0]
+        self.collector = SimCollector(self.default_model, self.engine.counters, self.engine.gauges)
+        self.registry = metrics_registry(self.collector)
+        self.created = int(time.time())
+
+    # --- building requests -------------------------------------------------------------------------------------
+
+    def check_model(self, body: Mapping[str, Any]) -> str:
+        model = body.get("model")
+        if model is None:
+            return self.default_model
+        if model not in self.model_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
+        return str(model)
+
+    def block_hashes(self, token_ids: list[int], extra: tuple[Any, ...] | None) -> list[bytes]:
+        bs = self.config.engine.block_size
+        hashes: list[bytes] = []
+        parent: bytes | None = None
+        hasher = self.hasher
+        for end in range(bs, len(token_ids) + 1, bs):
+            parent = hasher(parent, token_ids[end - bs:end], extra)
+            extra = None
+            hashes.append(parent)
+        return hashes
+
+    def new_request(self, prompt: list[int], max_tokens: int | None, ignore_eos: bool,
+                    listener: Callable[[SimRequest], None], cache_salt: str | None = None) -> SimRequest:
+        max_len = self.config.engine.max_model_len
+        n = len(prompt)
+        if n == 0:
+            raise ApiError(400, "The prompt cannot be empty.")
+        if n >= max_len:
+            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, your request "
+                                f"has {n} input tokens. Please reduce the length of the input messages.")
+        if max_tokens is None:
+            max_tokens = max_len - n
+            stop_at = None if ignore_eos else self.config.output_len
+        else:
+            if n + max_tokens > max_len:
+                raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                                    f"model's maximum context length is {max_len} tokens and your request has {n} "
+                                    f"input tokens ({max_tokens} > {max_len} - {n}).")
+            stop_at = None
+        if stop_at is not None and stop_at >= max_tokens:
+            stop_at = None
+        extra = cache_salt_extra_keys(cache_salt)
+        return SimRequest(uuid.uuid4().hex, prompt, max_tokens, self.vocab.plan(prompt),
+                          self.block_hashes(prompt, extra), time.monotonic(), stop_at=stop_at,
+                          eos_token_id=self.vocab.eos_token_id, listener=listener, first_block_extra=extra)
+
+
+REPLICA = web.AppKey("replica", Replica)
+
+
+def _int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ApiError(400, f"`{name}` must be an integer")
+    if value < minimum:
+        raise ApiError(400, f"`{name}` must be at least {minimum}, got {value}.")
+    return value
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"JSON decode error: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _prompts(body: Mapping[str, Any]) -> list[Any]:
+    """A completions `prompt` as a list of single prompts (text or token ids), as vLLM accepts it."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            return list(prompt)
+    if prompt is None:
+        raise ApiError(400, "`prompt` is required")
+    raise ApiError(400, "`prompt` must be a string, a list of strings, a list of token ids or a list of lists "
+                        "of token ids")
+
+
+class _Sequence:
+    """One sequence of a request as its handler sees it: the engine request and a wake-up event."""
+
+    __slots__ = ("event", "request", "sent")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.sent = 0
+        self.request: SimRequest
+
+    def notify(self, _request: SimRequest) -> None:
+        self.event.set()
+
+
+def _usage(replica: Replica, requests: list[SimRequest]) -> dict[str, Any]:
+    prompt = sum(r.num_prompt_tokens for r in requests)
+    completion = sum(len(r.output_token_ids) for r in requests)
+    details = ({"cached_tokens": sum(max(r.num_cached_tokens, 0) for r in requests)}
+               if replica.config.enable_prompt_tokens_details else None)
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+            "prompt_tokens_details": details}
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    replica = request.app[REPLICA]
+    try:
+        body = await _read_json(request)
+        model = replica.check_model(body)
+        max_tokens = _int_field(body, "max_completion_tokens", 1) if chat else None
+        if max_tokens is None:
+            max_tokens = _int_field(body, "max_tokens", 1)
+        if max_tokens is None and not chat:
+            max_tokens = 16  # vLLM's default for /v1/completions
+        n = _int_field(body, "n", 1)
+        if n is not None and n != 1:
+            raise ApiError(400, "the simulator supports n=1 only")
+        ignore_eos = bool(body.get("ignore_eos", False))
+        stream = bool(body.get("stream", False))
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict):
+            raise ApiError(400, "`stream_options` must be an object")
+        if stream_options and not stream:
+            raise ApiError(400, "Stream options can only be defined when `stream=True`.")
+        if chat:
+            prompts = [replica.tokenizer.prompt_ids(body, chat=True)]
+        else:
+            prompts = [p if isinstance(p, list) else
+                       replica.tokenizer.encode(p, add_special_tokens=bool(body.get("add_special_tokens", True)))
+                       for p in _prompts(body)]
+            for p in prompts:
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    raise ApiError(400, "token-id prompts must hold integers only")
+        vocab_size = replica.tokenizer.vocab_size
+        for p in prompts:
+            if p and (max(p) >= vocab_size or min(p) < 0):
+                raise ApiError(400, f"Token id {max(p) if max(p) >= vocab_size else min(p)} is out of vocabulary")
+        cache_salt = body.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.")
+        seqs: list[_Sequence] = []
+        for p in prompts:
+            seq = _Sequence()
+            seq.request = replica.new_request(p, max_tokens, ignore_eos, seq.notify, cache_salt)
+            seqs.append(seq)
+    except TokenizationError as exc:
+        return error_response(400, str(exc))
+    except ApiError as exc:
+        return exc.response()
+
+    engine = replica.engine
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    rid = prefix + seqs[0].request.request_id
+    created = int(time.time())
+    for seq in seqs:
+        engine.add_request(seq.request)
+    try:
+        async with asyncio.timeout(replica.config.request_timeout_s):
+            if stream:
+                return await _stream(request, replica, seqs, chat, rid, created, model,
+                                     bool(stream_options.get("include_usage")))
+            for seq in seqs:
+                while not seq.request.finished:
+                    seq.event.clear()
+                    await seq.event.wait()
+    except TimeoutError:
+        return error_response(504, "request timed out in the simulated engine", "TimeoutError")
+    finally:
+        for seq in seqs:
+            if not seq.request.finished:
+                engine.abort(seq.request.request_id)
+    requests_ = [s.request for s in seqs]
+    vocab = replica.vocab
+    if chat:
+        r = requests_[0]
+        out: dict[str, Any] = {
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {
+                "role": "assistant", "content": vocab.detokenize(r.output_token_ids), "refusal": None,
+                "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
+                "reasoning_content": None}, "logprobs": None, "finish_reason": r.finish_reason, "stop_reason": None}],
+            "service_tier": None, "system_fingerprint": None, "usage": _usage(replica, requests_),
+            "prompt_logprobs": None, "kv_transfer_params": None,
+        }
+    else:
+        out = {
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": i, "text": vocab.detokenize(r.output_token_ids), "logprobs": None,
+                         "finish_reason": r.finish_reason, "stop_reason": None, "prompt_logprobs": None}
+                        for i, r in enumerate(requests_)],
+            "service_tier": None, "system_fingerprint": None, "usage": _usage(replica, requests_),
+            "kv_transfer_params": None,
+        }
+    return _json(out)
+
+
+async def _stream(request: web.Request, replica: Replica, seqs: list[_Sequence], chat: bool, rid: str,
+                  created: int, model: str, include_usage: bool) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    text = replica.vocab.text
+    dumps = orjson.dumps
+    if chat:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]}
+        await response.write(b"data: " + dumps(first) + b"\n\n")
+    else:
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    pending = list(seqs)
+    while pending:
+        # wait until any sequence has news; one engine step usually updates all of them
+        if not any(s.event.is_set() for s in pending):
+            waiters = [asyncio.ensure_future(s.event.wait()) for s in pending] if len(pending) > 1 else None
+            if waiters is None:
+                await pending[0].event.wait()
+            else:
+                try:
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waiters:
+                        w.cancel()
+        parts: list[bytes] = []
+        for i, seq in enumerate(seqs):
+            if not seq.event.is_set():
+                continue
+            seq.event.clear()
+            r = seq.request
+            tokens = r.output_token_ids
+            end = len(tokens)
+            while seq.sent < end:
+                tok = tokens[seq.sent]
+                seq.sent += 1
+                last = seq.sent == end and r.finished
+                if chat:
+                    choice: dict[str, Any] = {"index": i, "delta": {"content": text[tok]}, "logprobs": None,
+                                              "finish_reason": r.finish_reason if last else None}
+                    if last:
+                        choice["stop_reason"] = None
+                    chunk: dict[str, Any] = {**head, "choices": [choice]}
+                else:
+                    chunk = {**head, "choices": [{"index": i, "text": text[tok], "logprobs": None,
+                                                  "finish_reason": r.finish_reason if last else None,
+                                                  "stop_reason": None}], "usage": None}
+                parts.append(b"data: " + dumps(chunk) + b"\n\n")
+            if r.finished and seq in pending:
+                pending.remove(seq)
+        if parts:
+            await response.write(b"".join(parts))
+    tail = b""
+    if include_usage:
+        tail = b"data: " + dumps({**head, "choices": [], "usage": _usage(replica, [s.request for s in seqs])}) + b"\n\n"
+    await response.write(tail + DONE)
+    await response.write_eof()
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    replica = request.app[REPLICA]
+    data = [{"id": name, "object": "model", "created": replica.created, "owned_by": "vllm",
+             "root": replica.config.model_dir, "parent": None, "max_model_len": replica.config.engine.max_model_len,
+             "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": replica.created,
+                             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                             "organization": "*", "group": None, "is_blocking": False}]}
+            for name in replica.config.served_model_names]
+    return _json({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": VERSION})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    replica = request.app[REPLICA]
+    try:
+        body = await _read_json(request)
+        replica.check_model(body)
+        ids = replica.tokenizer.prompt_ids(body, chat="messages" in body)
+    except TokenizationError as exc:
+        return error_response(400, str(exc))
+    except ApiError as exc:
+        return exc.response()
+    token_strs = None
+    if body.get("return_token_strs"):
+        token_strs = [replica.tokenizer.decode([t]) for t in ids]
+    return _json({"count": len(ids), "max_model_len": replica.config.engine.max_model_len, "tokens": ids,
+                  "token_strs": token_strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    replica = request.app[REPLICA]
+    try:
+        body = await _read_json(request)
+        replica.check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ApiError(400, "`tokens` must be a list of token ids")
+        if any(t < 0 or t >= replica.tokenizer.vocab_size for t in tokens):
+            raise ApiError(400, "token id out of vocabulary")
+    except ApiError as exc:
+        return exc.response()
+    return _json({"prompt": replica.tokenizer.decode(tokens)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = render(request.app[REPLICA].registry)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    if not request.app[REPLICA].engine.reset_prefix_cache():
+        return error_response(409, "cannot reset the prefix cache while requests hold blocks", "ConflictError")
+    return web.Response(status=200)
+
+
+async def sim_blocks(request: web.Request) -> web.Response:
+    """The cached block set, as the replica's KV events describe it: [[hash, blocks holding it], ...]."""
+    engine = request.app[REPLICA].engine
+    pool = engine.pool
+    hashes = [[h.hex() if isinstance(h, bytes) else h, n] for h, n in pool.cached_hashes().items()]
+    return _json({
+        "block_size": pool.block_size, "num_gpu_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
+        "hashes": hashes, "free_order": pool.free_order() if request.query.get("free_order") else None,
+        "next_event_seq": engine.publisher.next_seq if engine.publisher else None,
+        "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+        "steps": engine.steps,
+    })
+
+
+@web.middleware
+async def api_key_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    key = request.app[REPLICA].config.api_key
+    if key and request.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {key}":
+        return _json({"error": "Unauthorized"}, status=401)
+    result: web.StreamResponse = await handler(request)
+    return result
+
+
+def create_replica_app(config: ReplicaConfig) -> web.Application:
+    replica = Replica(config)
+    app = web.Application(middlewares=[api_key_middleware] if config.api_key else [],
+                          client_max_size=64 * 1024 * 1024)
+    app[REPLICA] = replica
+
+    async def lifecycle(app: web.Application) -> Any:
+        await replica.engine.start()
+        yield
+        await replica.engine.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_get("/sim/blocks", sim_blocks)
+    return app
+
+
+async def serve_replica(config: ReplicaConfig, ready: Callable[[ReplicaConfig], None] | None = None) -> None:
+    """Run one replica until cancelled."""
+    app = create_replica_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port, backlog=1024).start()
+        if ready is not None:
+            ready(config)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
