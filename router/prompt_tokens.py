@@ -71,6 +71,7 @@ class SegmentCachingTokenizer(ModelTokenizer):
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._limit = cache_entries
         self._lock = threading.Lock()
+        self.encoded_chars = 0  # characters that went through the tokenizer on the cached path (cache misses)
         self._cut = self._cut_pattern()
         if self._cut is not None and not self._cuts_are_exact():
             log.warning("tokenizer in %s: encoding pieces cut at special tokens differs from whole-text encoding;"
@@ -122,6 +123,7 @@ class SegmentCachingTokenizer(ModelTokenizer):
             # one call for every new piece: the tokenizer spreads a batch over its threads, and the fast
             # variant skips the offsets nobody reads here
             encoded = iter(e.ids for e in self._tok.encode_batch_fast(missing, add_special_tokens=False))
+            self.encoded_chars += sum(map(len, missing))
             with self._lock:
                 for i, piece in enumerate(pieces):
                     if found[i] is None:
@@ -340,6 +342,8 @@ class PromptTokens:
 
     def _tokenize(self, tokenizer: ModelTokenizer, body: Mapping[str, Any], chat: bool,
                   root: BlockKey) -> PromptKeys:
+        if not chat:
+            body = {**body, "prompt": _first_prompt(body.get("prompt"))}
         ids = tokenizer.prompt_ids(body, chat=chat)
         return self._from_ids(ids, root)
 

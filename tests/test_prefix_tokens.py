@@ -1,0 +1,211 @@
+"""The gateway's tokenization service: exact ids with the model's tokenizer, multi-turn piece caching, text mode,
+tenant salts, LoRA roots, Hugging Face cache layouts, the thread pool, and wiring into the request path."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.block_keys import block_keys, root_key
+from router.config import ConfigError, GatewayConfig, WorkerSpec
+from router.metrics import GatewayMetrics
+from router.pool import Worker
+from router.prompt_tokens import (
+    INLINE_CHARS,
+    TEXT,
+    TOKENS,
+    PromptTokens,
+    parse_model_dirs,
+    resolve_model_dir,
+)
+from router.tokenizer import ModelTokenizer
+from strategies import RouteRequest
+from tests.conftest import running_gateway, running_standin
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+WORDS = Path(random.__file__).read_text().split()
+
+
+def words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def service(model_dirs: list[str], **overrides: Any) -> PromptTokens:
+    return PromptTokens(GatewayConfig(model_dir=model_dirs, block_size=16, **overrides), GatewayMetrics())
+
+
+async def test_chat_turns_match_the_tokenizer_and_encode_only_new_text(tiny_model_dir: Path) -> None:
+    prompts = service([str(tiny_model_dir)])
+    reference = ModelTokenizer(tiny_model_dir)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": words(1, 600)}]
+    tokenizer = None
+    for turn in range(4):
+        messages.append({"role": "user", "content": words(10 + turn, 40 + 30 * turn)})
+        body = {"model": "tiny", "messages": list(messages)}
+        before = tokenizer.encoded_chars if tokenizer else 0
+        found = await prompts.keys(CHAT, "tiny", body, {})
+        tokenizer = await prompts.tokenizer("tiny")
+        assert tokenizer is not None
+        expected = reference.prompt_ids(body, chat=True)
+        assert found.mode == TOKENS and found.token_ids == expected
+        assert found.prompt_tokens == len(expected)
+        assert found.block_keys == block_keys(expected, 16, root_key("tiny"))
+        if turn:
+            # only the new user turn, the previous assistant turn and the generation prompt were encoded
+            new_text = len(messages[-1]["content"]) + len(messages[-2]["content"]) + 64
+            assert tokenizer.encoded_chars - before < new_text
+        messages.append({"role": "assistant", "content": words(20 + turn, 30)})
+    prompts.close()
+
+
+async def test_completions_text_and_token_id_prompts(tiny_model_dir: Path) -> None:
+    prompts = service([f"tiny={tiny_model_dir}"])
+    reference = ModelTokenizer(tiny_model_dir)
+    text = words(3, 200)
+    found = await prompts.keys(COMPLETIONS, "tiny", {"prompt": text}, {})
+    assert found.token_ids == reference.encode(text, add_special_tokens=True)
+    assert found.token_ids[0] == reference.bos_token_id
+    batch = await prompts.keys(COMPLETIONS, "tiny", {"prompt": [text, "other"]}, {})
+    assert batch.block_keys == found.block_keys  # a batch routes by its first prompt
+    ids = list(range(5, 105))
+    exact = await prompts.keys(COMPLETIONS, "tiny", {"prompt": ids}, {})
+    assert exact.token_ids == ids and exact.block_keys == block_keys(ids, 16, root_key("tiny"))
+    # another model without a tokenizer: token ids stay exact, text falls back to labelled text mode
+    untokenized = await prompts.keys(COMPLETIONS, "other", {"prompt": ids}, {})
+    assert untokenized.mode == TOKENS and untokenized.block_keys == block_keys(ids, 16, root_key("other"))
+    by_text = await prompts.keys(COMPLETIONS, "other", {"prompt": text}, {})
+    assert by_text.mode == TEXT and by_text.token_ids is None
+    prompts.close()
+
+
+async def test_text_mode_blocks_characters_and_never_collides_with_token_keys() -> None:
+    prompts = service([])
+    system = "You are a support agent for ACME. " * 40
+    a = await prompts.keys(CHAT, "m", {"messages": [{"role": "system", "content": system},
+                                                     {"role": "user", "content": "first question? " * 10}]}, {})
+    b = await prompts.keys(CHAT, "m", {"messages": [{"role": "system", "content": system},
+                                                     {"role": "user", "content": "another one! " * 10}]}, {})
+    assert a.mode == TEXT and a.token_ids is None
+    assert a.prompt_tokens == pytest.approx((len(system) + 160) / 4, abs=5)
+    shared = len(system) // 64  # 16 tokens x 4 characters per block
+    assert a.block_keys[:shared] == b.block_keys[:shared]
+    assert a.block_keys != b.block_keys
+    completion = await prompts.keys(COMPLETIONS, "m", {"prompt": system}, {})
+    assert completion.mode == TEXT and len(completion.block_keys) == len(system) // 64
+    assert not set(completion.block_keys) & set(block_keys([ord(c) for c in system], 64, root_key("m")))
+    histogram = prompts._metrics.tokenize_duration.labels(TEXT)  # type: ignore[union-attr]
+    assert histogram._sum.get() > 0
+    prompts.close()
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+async def test_tenants_with_different_salts_never_share_keys(tiny_model_dir: Path, with_tokenizer: bool) -> None:
+    prompts = service([str(tiny_model_dir)] if with_tokenizer else [], tenant_header="X-Tenant")
+    body = {"messages": [{"role": "system", "content": words(5, 300)}, {"role": "user", "content": "hi"}]}
+    plain = await prompts.keys(CHAT, "tiny", body, {})
+    alice = await prompts.keys(CHAT, "tiny", {**body, "cache_salt": "alice"}, {})
+    alice2 = await prompts.keys(CHAT, "tiny", {**body, "cache_salt": "alice"}, {"X-Tenant": "bob"})
+    bob = await prompts.keys(CHAT, "tiny", body, {"X-Tenant": "bob"})
+    assert len(plain.block_keys) > 10
+    assert alice.block_keys == alice2.block_keys  # the body's cache_salt wins over the header
+    for x, y in ((plain, alice), (plain, bob), (alice, bob)):
+        assert not set(x.block_keys) & set(y.block_keys)
+    prompts.close()
+
+
+async def test_lora_adapter_uses_its_base_tokenizer_and_its_own_keys(tiny_model_dir: Path) -> None:
+    prompts = service([f"tiny={tiny_model_dir}"])
+    worker = Worker(spec=WorkerSpec("http://127.0.0.1:1"), healthy=True, models=frozenset({"tiny", "sql-lora"}))
+    worker.model_cards = {"tiny": {"id": "tiny", "parent": None},
+                          "sql-lora": {"id": "sql-lora", "root": "/adapters/sql", "parent": "tiny"}}
+    body = {"model": "sql-lora", "messages": [{"role": "user", "content": words(9, 200)}]}
+    lora = RouteRequest(model="sql-lora", path=CHAT, body=body, headers={})
+    base = RouteRequest(model="tiny", path=CHAT, body={**body, "model": "tiny"}, headers={})
+    await prompts.fill(lora, [worker])
+    await prompts.fill(base, [worker])
+    assert lora.token_ids == base.token_ids and lora.token_ids  # tokenized by the base model's tokenizer
+    assert lora.prompt_tokens == len(lora.token_ids)
+    assert lora.block_keys and not set(lora.block_keys) & set(base.block_keys)
+    prompts.close()
+
+
+def test_model_dirs_and_hugging_face_cache_layout(tiny_model_dir: Path, tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    repo = hub / "models--acme--tiny-chat"
+    snapshot = repo / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    assert resolve_model_dir(tiny_model_dir) == tiny_model_dir
+    assert resolve_model_dir(repo) == snapshot
+    assert resolve_model_dir(hub, "acme/tiny-chat") == snapshot
+    with pytest.raises(ConfigError):
+        resolve_model_dir(hub, "acme/absent")
+    assert parse_model_dirs([f"acme/tiny-chat={hub}", str(tiny_model_dir)]) == (
+        {"acme/tiny-chat": str(hub)}, str(tiny_model_dir))
+    with pytest.raises(ConfigError):
+        parse_model_dirs([str(tiny_model_dir), str(hub)])
+    with pytest.raises(ConfigError):
+        service([f"acme/absent={hub}"])
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_dir: Path) -> None:
+    prompts = service([str(tiny_model_dir)])
+    await prompts.tokenizer("tiny")
+    body = {"messages": [{"role": "user", "content": words(11, 60_000)}]}
+    assert len(body["messages"][0]["content"]) > 100 * INLINE_CHARS
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    started = time.perf_counter()
+    found = await prompts.keys(CHAT, "tiny", body, {})
+    took = time.perf_counter() - started
+    stop.set()
+    await task
+    assert found.prompt_tokens > 50_000
+    assert took > 0.02, took  # long enough that blocking the loop would show
+    assert max(gaps) < took / 2, (max(gaps), took)
+    prompts.close()
+
+
+async def test_gateway_fills_route_keys_only_for_strategies_that_read_them(
+    tiny_model_dir: Path, http: aiohttp.ClientSession,
+) -> None:
+    async with running_standin() as a, running_standin() as b:
+        async with running_gateway([a.url, b.url], strategy="round_robin") as gw:
+            assert gw.gateway.prompts is None
+        async with running_gateway([a.url, b.url], strategy="prefix", model_dir=[str(tiny_model_dir)]) as gw:
+            assert gw.gateway.prompts is not None
+            system = words(2, 400)
+            for i in range(6):
+                body = {"model": "tiny", "max_tokens": 2,
+                        "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]}
+                async with http.post(gw.url + CHAT, json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+            # one worker got them all: the first was a miss, the rest hits on the same worker
+            assert sorted((a.stats.requests, b.stats.requests)) == [0, 6]
+            async with http.get(gw.url + "/metrics") as resp:
+                text = await resp.text()
+            assert 'kvgate_routing_decisions_total{reason="miss",strategy="prefix"} 1.0' in text
+            assert 'kvgate_routing_decisions_total{reason="hit",strategy="prefix"} 5.0' in text
+            assert 'kvgate_tokenize_duration_seconds_count{mode="tokens"} 6.0' in text
+            assert "kvgate_prefix_trie_nodes" in text and "kvgate_prefix_match_ratio_bucket" in text
