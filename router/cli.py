@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("bench.demo", "start a local fleet and the gateway, send traffic, show where it went"),
     "bench": ("bench.cli", "benchmarks (overhead, ...)"),
     "standin": ("bench.standin", "run stand-in OpenAI-compatible workers (for tests and benchmarks)"),
+    "agent": ("agent.cli", "run the KV tier agent (DRAM / NVMe / shared tiers) beside a vLLM replica"),
     "sim": ("bench.sim.cli", "run a simulated vLLM fleet: paged prefix cache, time model, KV events, metrics"),
     "make-model": ("bench.make_model", "write a tiny Llama model directory (tokenizer, config, weights)"),
 }

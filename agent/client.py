@@ -1,0 +1,226 @@
+"""A blocking client of the tier agent's local API, for the vLLM connector (scheduler and worker processes) and
+the simulator.
+
+The client creates a shared-memory file (in /dev/shm), lets the agent map it, then unlinks it: both processes keep
+the mapping, nothing is left behind if either dies. Block bytes are written to / read from that region in place;
+only offsets and hashes cross the socket. Every call has a timeout; a failed call closes the connection and the
+next call reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from agent.block import BlockHash
+from agent.protocol import (
+    FRAME,
+    MAX_FRAME,
+    AgentError,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Load,
+    LoadReply,
+    Lookup,
+    LookupReply,
+    Reply,
+    Stats,
+    StatsReply,
+    Store,
+    StoreReply,
+    frame,
+    reply_decoder,
+)
+
+Buffer = bytes | bytearray | memoryview
+
+
+class AgentClient:
+    def __init__(self, socket_path: str, shm_bytes: int = 64 * 2**20, timeout_s: float = 5.0,
+                 name: str = "") -> None:
+        self.socket_path = socket_path
+        self.shm_bytes = shm_bytes
+        self.timeout_s = timeout_s
+        self.name = name
+        self._sock: socket.socket | None = None
+        self._shm: mmap.mmap | None = None
+        self.shm: memoryview | None = None  # the shared region, valid while connected
+
+    # -- connection ------------------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        if self._sock is not None:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise AgentError(f"cannot reach the tier agent at {self.socket_path}: {exc}") from exc
+        self._sock = sock
+        path = None
+        try:
+            if self.shm_bytes > 0:
+                path = f"/dev/shm/kvgate-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, self.shm_bytes)
+                    self._shm = mmap.mmap(fd, self.shm_bytes)
+                finally:
+                    os.close(fd)
+                self.shm = memoryview(self._shm)
+            reply = self._call(Hello(shm_path=path, client=self.name))
+            if not isinstance(reply, HelloReply):
+                raise AgentError(f"unexpected hello reply {reply!r}")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # both sides hold the mapping now
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.shm is not None:
+            self.shm.release()
+            self.shm = None
+        if self._shm is not None:
+            with contextlib.suppress(BufferError):
+                self._shm.close()
+            self._shm = None
+
+    def __enter__(self) -> AgentClient:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, request: msgspec.Struct) -> Reply:
+        self.connect()
+        sock = self._sock
+        assert sock is not None
+        try:
+            sock.sendall(frame(request))
+            (size,) = FRAME.unpack(self._recv_exact(sock, FRAME.size))
+            if size > MAX_FRAME:
+                raise AgentError(f"reply frame of {size} bytes")
+            reply = reply_decoder.decode(self._recv_exact(sock, size))
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.close()
+            raise AgentError(f"tier agent call failed: {exc}") from exc
+        if isinstance(reply, ErrorReply):
+            raise AgentError(reply.message)
+        return reply
+
+    @staticmethod
+    def _recv_exact(sock: socket.socket, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError("the tier agent closed the connection")
+            got += k
+        return bytes(buf)
+
+    def _expect(self, reply: Reply, kind: type[Any]) -> Any:
+        if not isinstance(reply, kind):
+            raise AgentError(f"expected {kind.__name__}, got {type(reply).__name__}")
+        return reply
+
+    # -- API -------------------------------------------------------------------------------------------------
+
+    def lookup(self, layout: int, hashes: Sequence[BlockHash], probe_ms: int = 0) -> tuple[int, str]:
+        """How many leading blocks the agent holds and where (C DRAM, D NVMe, S shared)."""
+        reply: LookupReply = self._expect(self._call(Lookup(layout=layout, hashes=list(hashes),
+                                                            probe_ms=probe_ms)), LookupReply)
+        return reply.count, reply.where
+
+    def max_blocks(self, block_bytes: int) -> int:
+        """How many blocks of this size fit in one shared-memory batch."""
+        self.connect()
+        return max(1, self.shm_bytes // block_bytes) if self.shm_bytes else 1 << 30
+
+    def store_in_place(self, layout: int, hashes: Sequence[BlockHash], offsets: Sequence[int],
+                       lengths: Sequence[int], parent: BlockHash | None = None) -> int:
+        """Store blocks the caller already wrote into `self.shm` at these offsets."""
+        reply: StoreReply = self._expect(self._call(Store(layout=layout, hashes=list(hashes), parent=parent,
+                                                          offsets=list(offsets), lengths=list(lengths))),
+                                         StoreReply)
+        return reply.stored
+
+    def store(self, layout: int, hashes: Sequence[BlockHash], payloads: Sequence[Buffer],
+              parent: BlockHash | None = None) -> int:
+        """Store a chain of blocks (copied into shared memory batch by batch, or sent inline without it)."""
+        self.connect()
+        if self.shm is None:
+            reply: StoreReply = self._expect(self._call(Store(layout=layout, hashes=list(hashes), parent=parent,
+                                                              data=[bytes(p) for p in payloads])), StoreReply)
+            return reply.stored
+        stored = 0
+        i = 0
+        while i < len(hashes):
+            offsets: list[int] = []
+            lengths: list[int] = []
+            pos = 0
+            j = i
+            while j < len(hashes) and pos + len(payloads[j]) <= len(self.shm):
+                n = len(payloads[j])
+                self.shm[pos: pos + n] = payloads[j]
+                offsets.append(pos)
+                lengths.append(n)
+                pos += n
+                j += 1
+            if j == i:
+                raise AgentError(f"a block of {len(payloads[i])} bytes does not fit {len(self.shm)} bytes of shm")
+            stored += self.store_in_place(layout, hashes[i:j], offsets, lengths,
+                                          parent if i == 0 else hashes[i - 1])
+            i = j
+        return stored
+
+    def load_in_place(self, layout: int, hashes: Sequence[BlockHash], block_bytes: int) -> list[int]:
+        """Load the leading run of blocks into `self.shm` (block i at i * block_bytes); their lengths."""
+        self.connect()
+        count = len(hashes)
+        if count > self.max_blocks(block_bytes):
+            raise AgentError(f"{count} blocks of {block_bytes} bytes do not fit the shared memory")
+        reply: LoadReply = self._expect(self._call(Load(layout=layout, hashes=list(hashes), block_bytes=block_bytes,
+                                                        offsets=[i * block_bytes for i in range(count)])),
+                                        LoadReply)
+        return reply.lengths
+
+    def load(self, layout: int, hashes: Sequence[BlockHash], block_bytes: int) -> list[bytes]:
+        """Load the leading run of blocks as bytes (a copy; for tests and the simulator)."""
+        self.connect()
+        if self.shm is None:
+            reply: LoadReply = self._expect(self._call(Load(layout=layout, hashes=list(hashes),
+                                                            block_bytes=block_bytes)), LoadReply)
+            return reply.data
+        out: list[bytes] = []
+        step = self.max_blocks(block_bytes)
+        for i in range(0, len(hashes), step):
+            chunk = hashes[i: i + step]
+            lengths = self.load_in_place(layout, chunk, block_bytes)
+            assert self.shm is not None
+            out.extend(bytes(self.shm[k * block_bytes: k * block_bytes + n]) for k, n in enumerate(lengths))
+            if len(lengths) < len(chunk):
+                break
+        return out
+
+    def stats(self) -> StatsReply:
+        result: StatsReply = self._expect(self._call(Stats()), StatsReply)
+        return result

@@ -1,0 +1,109 @@
+"""Wire types of the agent's local API (Unix socket): small msgpack control messages, block bytes in shared memory.
+
+A frame is a 4-byte little-endian length followed by one msgpack message, tagged by `op`. A client first sends
+`Hello` naming a shared-memory file it created; afterwards `Store` / `Load` refer to block bytes by offset and
+length inside that region, so KV bytes never travel through the socket. A client without shared memory (e.g. a
+remote simulator) sends and receives the bytes inline (`data`) instead.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from agent.block import BlockHash
+
+FRAME = struct.Struct("<I")
+MAX_FRAME = 256 * 2**20
+PROTOCOL_VERSION = 1
+
+
+class Hello(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
+    shm_path: str | None = None  # a file in /dev/shm the client created and sized; the agent maps it
+    client: str = ""
+
+
+class Lookup(msgspec.Struct, tag="lookup", tag_field="op", kw_only=True):
+    layout: int
+    hashes: list[BlockHash]
+    probe_ms: int = 0  # > 0: wait up to this long for the shared backend to be asked about unknown blocks
+
+
+class Store(msgspec.Struct, tag="store", tag_field="op", kw_only=True):
+    """Consecutive blocks of one prefix: block i's parent is block i-1, block 0's is `parent`."""
+
+    layout: int
+    hashes: list[BlockHash]
+    parent: BlockHash | None = None
+    offsets: list[int] = []  # in the client's shared memory ...
+    lengths: list[int] = []
+    data: list[bytes] = []  # ... or inline
+
+
+class Load(msgspec.Struct, tag="load", tag_field="op", kw_only=True):
+    """Load the leading run of these blocks; block i goes to `offsets[i]`, at most `block_bytes` long."""
+
+    layout: int
+    hashes: list[BlockHash]
+    block_bytes: int
+    offsets: list[int] = []  # empty: reply with the bytes inline
+
+
+class Stats(msgspec.Struct, tag="stats", tag_field="op", kw_only=True):
+    pass
+
+
+Request = Hello | Lookup | Store | Load | Stats
+
+
+class HelloReply(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
+    version: int
+    pid: int
+
+
+class LookupReply(msgspec.Struct, tag="lookup", tag_field="op", kw_only=True):
+    count: int
+    where: str  # one character per block: C (DRAM), D (NVMe), S (shared)
+
+
+class StoreReply(msgspec.Struct, tag="store", tag_field="op", kw_only=True):
+    stored: int
+
+
+class LoadReply(msgspec.Struct, tag="load", tag_field="op", kw_only=True):
+    lengths: list[int]  # one per loaded block, a leading run of the request's hashes
+    data: list[bytes] = []
+
+
+class TierInfo(msgspec.Struct, kw_only=True):
+    used_bytes: int
+    blocks: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+
+
+class StatsReply(msgspec.Struct, tag="stats", tag_field="op", kw_only=True):
+    tiers: dict[str, TierInfo]
+
+
+class ErrorReply(msgspec.Struct, tag="error", tag_field="op", kw_only=True):
+    message: str
+
+
+Reply = HelloReply | LookupReply | StoreReply | LoadReply | StatsReply | ErrorReply
+
+
+class AgentError(Exception):
+    """The agent answered with an error, or the connection to it failed."""
+
+
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    body = encoder.encode(message)
+    return FRAME.pack(len(body)) + body

@@ -1,0 +1,308 @@
+"""The tier agent process: the local block API on a Unix socket, KV events, Prometheus metrics, upkeep tasks.
+
+Lookups are answered on the event loop from local state (sub-millisecond, no I/O). Stores and loads run on a
+thread pool because NVMe and shared-tier I/O blocks; block bytes move through the client's shared memory, which
+this process maps once per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from agent.config import AgentConfig
+from agent.metrics import AgentMetrics
+from agent.protocol import (
+    FRAME,
+    MAX_FRAME,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Load,
+    LoadReply,
+    Lookup,
+    LookupReply,
+    Reply,
+    Stats,
+    StatsReply,
+    Store,
+    StoreReply,
+    TierInfo,
+    frame,
+    request_decoder,
+)
+from agent.store import TierStore
+from router.kv_events import KvEventPublisher
+
+log = logging.getLogger(__name__)
+
+
+def _remove_socket(path: Path, make_parent: bool = False) -> None:
+    if make_parent:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+
+
+class Connection:
+    """One client: its shared-memory mapping, if it sent one."""
+
+    def __init__(self) -> None:
+        self.shm: mmap.mmap | None = None
+        self.view: memoryview | None = None
+
+    def attach(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            self.shm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.shm)
+
+    def region(self, offset: int, length: int) -> memoryview:
+        if self.view is None:
+            raise ValueError("no shared memory attached: send Hello with shm_path, or bytes inline")
+        if offset < 0 or length < 0 or offset + length > len(self.view):
+            raise ValueError(f"region {offset}+{length} outside the {len(self.view)}-byte shared memory")
+        return self.view[offset: offset + length]
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+        if self.shm is not None:
+            with contextlib.suppress(BufferError):
+                self.shm.close()
+            self.shm = None
+
+
+class TierAgent:
+    def __init__(self, config: AgentConfig, store: TierStore | None = None) -> None:
+        self.config = config
+        self.store = store or TierStore.from_config(config)
+        self.metrics = AgentMetrics(self.store)
+        self.publisher: KvEventPublisher | None = None
+        self._pool = ThreadPoolExecutor(max(2, config.io_threads), thread_name_prefix="kvgate-agent-req")
+        self._server: asyncio.AbstractServer | None = None
+        self._http: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._connections: set[asyncio.Task[Any]] = set()
+        self.started_at = time.time()
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.config.events_endpoint:
+            self.publisher = KvEventPublisher(self.config.events_endpoint, self.config.replay_endpoint or None,
+                                              topic=self.config.events_topic)
+            await self.publisher.start()
+        path = Path(self.config.socket_path)
+        _remove_socket(path, make_parent=True)
+        self._server = await asyncio.start_unix_server(self._serve_client, path=str(path), limit=2**20)
+        if self.config.metrics_port:
+            app = web.Application()
+            app.router.add_get("/metrics", self._metrics)
+            app.router.add_get("/health", self._health)
+            self._http = web.AppRunner(app, access_log=None)
+            await self._http.setup()
+            await web.TCPSite(self._http, self.config.metrics_host, self.config.metrics_port).start()
+        self._tasks = [
+            loop.create_task(self._every(self.config.events_interval_s, self._flush_events)),
+            loop.create_task(self._every(0.2, self._in_thread(self.store.maintain))),
+        ]
+        if self.store.shared is not None:
+            self._tasks.append(loop.create_task(self._every(self.config.shared_index_refresh_s,
+                                                            self._in_thread(self.store.refresh_shared_index))))
+            self._tasks.append(loop.create_task(self._every(self.config.shared_sweep_interval_s,
+                                                            self._in_thread(self.store.sweep_shared))))
+        log.info("tier agent on %s: %s", path, ", ".join(
+            f"{t.name} {t.usage().capacity_bytes or 'unbounded'}" for t in self.store.tiers))
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in [*self._tasks, *self._connections]:
+            task.cancel()
+        for task in [*self._tasks, *self._connections]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            _remove_socket(Path(self.config.socket_path))
+        if self._http is not None:
+            await self._http.cleanup()
+        self._flush_events_now()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        await asyncio.to_thread(self.store.drain, 5.0)
+        self.store.close(wait=False)
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.close()
+
+    # -- background ------------------------------------------------------------------------------------------
+
+    def _in_thread(self, fn: Callable[[], object]) -> Callable[[], Any]:
+        async def run() -> None:
+            await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        return run
+
+    async def _every(self, interval: float, fn: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                result = fn()
+                if asyncio.iscoroutine(result):
+                    await asyncio.wait_for(result, max(30.0, interval * 10))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("agent upkeep task failed")
+
+    def _flush_events(self) -> None:
+        self._flush_events_now()
+
+    def _flush_events_now(self) -> None:
+        events = self.store.drain_events()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+
+    # -- HTTP ------------------------------------------------------------------------------------------------
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "uptime_s": round(time.time() - self.started_at, 1)})
+
+    # -- the block API ---------------------------------------------------------------------------------------
+
+    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        conn = Connection()
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(FRAME.size)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                (size,) = FRAME.unpack(header)
+                if size > MAX_FRAME:
+                    writer.write(frame(ErrorReply(message=f"frame of {size} bytes is too large")))
+                    return
+                body = await reader.readexactly(size)
+                reply = await self._answer(conn, body)
+                writer.write(frame(reply))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._connections.discard(task)
+            conn.close()
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1)
+
+    async def _answer(self, conn: Connection, body: bytes) -> Reply:
+        op = "invalid"
+        try:
+            request = request_decoder.decode(body)
+            op = type(request).__name__.lower()
+            self.metrics.requests.labels(op).inc()
+            loop = asyncio.get_running_loop()
+            if isinstance(request, Lookup):
+                return await self._lookup(request)
+            if isinstance(request, Store):
+                return await loop.run_in_executor(self._pool, self._store, conn, request)
+            if isinstance(request, Load):
+                return await loop.run_in_executor(self._pool, self._load, conn, request)
+            if isinstance(request, Hello):
+                if request.shm_path:
+                    conn.close()
+                    conn.attach(request.shm_path)
+                return HelloReply(version=PROTOCOL_VERSION, pid=os.getpid())
+            if isinstance(request, Stats):
+                return self._stats()
+            raise ValueError(f"unknown request {request!r}")
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, OSError) as exc:
+            self.metrics.request_errors.labels(op).inc()
+            return ErrorReply(message=f"{type(exc).__name__}: {exc}")
+
+    async def _lookup(self, request: Lookup) -> LookupReply:
+        started = time.perf_counter()
+        count, where = self.store.lookup(request.layout, request.hashes)
+        self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        if count < len(request.hashes) and self.store.shared is not None:
+            rest = request.hashes[count:]
+            if request.probe_ms > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                        self._pool, self.store.probe_shared, request.layout, rest), request.probe_ms / 1000)
+                count, where = self.store.lookup(request.layout, request.hashes)
+            else:  # learn in the background: the next lookup of this prefix will know
+                self.store.probe_shared_in_background(request.layout, rest)
+        return LookupReply(count=count, where=where)
+
+    def _store(self, conn: Connection, request: Store) -> StoreReply:
+        if request.data:
+            payloads: list[Any] = list(request.data)
+        else:
+            payloads = [conn.region(o, n) for o, n in zip(request.offsets, request.lengths, strict=True)]
+        if len(payloads) != len(request.hashes):
+            raise ValueError(f"{len(request.hashes)} hashes but {len(payloads)} blocks")
+        try:
+            stored = self.store.store_chain(request.layout, request.hashes, payloads, request.parent)
+        finally:
+            for p in payloads:
+                if isinstance(p, memoryview):
+                    p.release()
+        return StoreReply(stored=stored)
+
+    def _load(self, conn: Connection, request: Load) -> LoadReply:
+        inline = not request.offsets
+        if inline:
+            buffers = [memoryview(bytearray(request.block_bytes)) for _ in request.hashes]
+        else:
+            if len(request.offsets) != len(request.hashes):
+                raise ValueError(f"{len(request.hashes)} hashes but {len(request.offsets)} offsets")
+            buffers = [conn.region(o, request.block_bytes) for o in request.offsets]
+        try:
+            lengths = self.store.load_chain(request.layout, request.hashes, buffers)
+            data = [bytes(b[:n]) for b, n in zip(buffers, lengths, strict=False)] if inline else []
+        finally:
+            for b in buffers:
+                b.release()
+        return LoadReply(lengths=lengths, data=data)
+
+    def _stats(self) -> StatsReply:
+        tiers = {}
+        for tier in self.store.tiers:
+            usage = tier.usage()
+            tiers[tier.name] = TierInfo(used_bytes=usage.used_bytes, blocks=usage.blocks,
+                                        capacity_bytes=usage.capacity_bytes, hits=tier.stats.hits,
+                                        misses=tier.stats.misses)
+        return StatsReply(tiers=tiers)

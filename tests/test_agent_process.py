@@ -1,0 +1,230 @@
+"""The `kvgate agent` process end to end: its socket API with shared memory, KV events, metrics, kill -9 during
+writes, and Valkey going away and coming back mid-run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import xxhash
+import zmq
+
+from agent.block import HEADER_SIZE, key_name
+from agent.client import AgentClient
+from agent.protocol import AgentError
+from bench.procs import free_port
+from bench.procs import stop as stop_process
+from router.kv_events import BlockStored, decode_batch
+from tests.conftest import ValkeyServer, kvgate_command
+
+LAYOUT = 0x5EED
+BLOCK = 4096
+
+
+def content(block_hash: int, size: int = BLOCK) -> bytes:
+    """Deterministic bytes for a hash, so any served block can be checked against what it must be."""
+    seed = xxhash.xxh64_digest(block_hash.to_bytes(8, "big"))
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+class AgentProcess:
+    def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str) -> None:
+        self.socket = str(tmp_path / "agent.sock")
+        self.metrics_port = free_port()
+        self.cmd = kvgate_command("agent", "--socket-path", self.socket, "--metrics-port", str(self.metrics_port),
+                                  "--metrics-host", "127.0.0.1", *flags)
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+            try:
+                with AgentClient(self.socket, shm_bytes=0, timeout_s=1) as client:
+                    client.stats()
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1):
+                    return
+            except (AgentError, OSError):
+                time.sleep(0.05)
+        raise TimeoutError("agent did not come up")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            body: bytes = response.read()
+            return body.decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+        for line in self.metrics().splitlines():
+            if line.startswith(wanted + " "):
+                return float(line.split()[-1])
+        raise KeyError(wanted)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, sig)
+
+
+@pytest.fixture
+def agents(subprocess_env: dict[str, str]) -> Iterator[list[AgentProcess]]:
+    started: list[AgentProcess] = []
+    yield started
+    for agent in started:
+        agent.stop()
+
+
+def test_store_lookup_load_events_and_metrics(tmp_path: Path, agents: list[AgentProcess],
+                                              subprocess_env: dict[str, str]) -> None:
+    events = f"ipc://{tmp_path}/events"
+    replay = f"ipc://{tmp_path}/replay"
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB", "--nvme-dir", str(tmp_path / "nvme"),
+                         "--nvme-fsync", "--write-policy", "eager", "--events-endpoint", events,
+                         "--replay-endpoint", replay, "--block-size", "32")
+    agents.append(agent)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(events)
+    time.sleep(0.2)  # let the subscription reach the publisher (the replay below covers what it misses)
+    hashes = list(range(1000, 1010))
+    with AgentClient(agent.socket, shm_bytes=16 * BLOCK) as client:  # 16 blocks fit: stores go in 1 batch
+        assert client.store(LAYOUT, hashes, [content(h) for h in hashes], parent=999) == 10
+        assert client.lookup(LAYOUT, [*hashes, 5]) == (10, "C" * 10)
+        assert client.lookup(LAYOUT + 1, hashes) == (0, "")
+        loaded = client.load(LAYOUT, [*hashes, 5], BLOCK)
+        assert loaded == [content(h) for h in hashes]
+        assert client.load_in_place(LAYOUT, hashes[:3], BLOCK) == [BLOCK] * 3
+        assert client.shm is not None and bytes(client.shm[BLOCK: 2 * BLOCK]) == content(hashes[1])
+    with AgentClient(agent.socket, shm_bytes=0) as inline:  # no shared memory: bytes inline
+        assert inline.load(LAYOUT, hashes[:2], BLOCK) == [content(h) for h in hashes[:2]]
+        assert inline.store(LAYOUT, [7], [content(7)]) == 1
+    seen: dict[str, set[Any]] = {"CPU": set(), "DISK": set()}
+    poller_deadline = time.monotonic() + 5
+    while time.monotonic() < poller_deadline and not (set(hashes) <= seen["CPU"] and set(hashes) <= seen["DISK"]):
+        if sub.poll(200):
+            _topic, _seq, payload = sub.recv_multipart()
+            for event in decode_batch(payload).events:
+                if isinstance(event, BlockStored):
+                    assert event.block_size == 32
+                    seen.setdefault(event.medium or "", set()).update(event.block_hashes)
+    assert set(hashes) <= seen["CPU"] and set(hashes) <= seen["DISK"]
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(replay)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    replayed: set[Any] = set()
+    while dealer.poll(2000):
+        frames = dealer.recv_multipart()
+        if frames[2] == (-1).to_bytes(8, "big", signed=True):
+            break
+        for event in decode_batch(frames[3]).events:
+            if isinstance(event, BlockStored) and event.medium == "CPU":
+                replayed.update(event.block_hashes)
+    assert set(hashes) <= replayed
+    dealer.close(0)
+    sub.close(0)
+    ctx.term()
+    assert agent.metric("kvgate_agent_tier_blocks", tier="dram") == 11
+    assert agent.metric("kvgate_agent_tier_blocks", tier="nvme") == 11
+    assert agent.metric("kvgate_agent_hits_total", tier="dram") >= 15
+    assert agent.metric("kvgate_agent_write_through_total", tier="nvme") == 11
+    assert agent.metric("kvgate_agent_load_seconds_count", tier="dram") >= 15
+    assert agent.metric("kvgate_agent_tier_bytes", tier="nvme") == 11 * (BLOCK + HEADER_SIZE)
+
+
+def test_kill_9_during_writes_never_serves_a_torn_block(tmp_path: Path, agents: list[AgentProcess],
+                                                        subprocess_env: dict[str, str]) -> None:
+    nvme = tmp_path / "nvme"
+    flags = ("--dram-capacity", "0", "--nvme-dir", str(nvme), "--no-nvme-fsync", "--nvme-min-free", "0")
+    agent = AgentProcess(tmp_path, subprocess_env, *flags)
+    agents.append(agent)
+    big = 256 * 1024  # big blocks widen the window in which a write is half done
+    written: list[int] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        with contextlib.suppress(AgentError), AgentClient(agent.socket, shm_bytes=4 * big, timeout_s=2) as client:
+            h = 1
+            while not stop.is_set():
+                client.store(LAYOUT, [h, h + 1], [content(h, big), content(h + 1, big)])
+                written.extend((h, h + 1))
+                h += 2
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    time.sleep(0.8)
+    assert agent.proc is not None
+    agent.proc.send_signal(signal.SIGKILL)
+    agent.proc.wait(5)
+    stop.set()
+    thread.join(5)
+    assert len(written) > 4
+    # plant a torn block as a crash mid-copy would (bypassing rename): it must not be served either
+    torn_key = (LAYOUT, 10**9)
+    torn = nvme / "blocks" / key_name(torn_key)[-2:] / key_name(torn_key)
+    torn.parent.mkdir(exist_ok=True)
+    whole = (nvme / "blocks").rglob("*")
+    sample = next(p for p in whole if p.is_file())
+    torn.write_bytes(sample.read_bytes()[: HEADER_SIZE + 100])
+    agent.start()
+    files = [p for p in (nvme / "blocks").rglob("*") if p.is_file()]
+    assert list((nvme / "tmp").iterdir()) == []
+    assert agent.metric("kvgate_agent_tier_bytes", tier="nvme") == sum(p.stat().st_size for p in files)
+    assert agent.metric("kvgate_agent_tier_blocks", tier="nvme") == len(files)
+    with AgentClient(agent.socket, shm_bytes=4 * big) as client:
+        served = 0
+        for h in [*range(1, max(written) + 3), 10**9]:
+            for data in client.load(LAYOUT, [h], big):
+                assert data == content(h, big), f"block {h} served with wrong bytes"
+                served += 1
+        assert served >= len(written) - 2  # every acknowledged write survived (no fsync needed for kill -9)
+    assert agent.metric("kvgate_agent_read_errors_total", tier="nvme") == 1  # the torn one
+
+
+def test_valkey_stopped_mid_run(tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str],
+                                valkey: ValkeyServer) -> None:
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "64MiB", "--write-policy", "eager",
+                         "--shared-backend", "redis", "--shared-url", valkey.url, "--shared-timeout-s", "0.3",
+                         "--shared-retry-s", "0.3")
+    agents.append(agent)
+    raw = redis.Redis.from_url(valkey.url)
+    with AgentClient(agent.socket, shm_bytes=2**20) as client:
+        client.store(LAYOUT, [1, 2], [content(1), content(2)])
+        deadline = time.monotonic() + 5
+        while not raw.exists(f"kvgate:{key_name((LAYOUT, 2))}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert raw.exists(f"kvgate:{key_name((LAYOUT, 1))}")
+        valkey.stop()
+        started = time.monotonic()
+        for h in range(10, 30):  # the local tiers keep serving: no request fails, none hangs
+            assert client.store(LAYOUT, [h], [content(h)]) == 1
+            assert client.load(LAYOUT, [1, 2, h], BLOCK) == [content(1), content(2), content(h)]
+            assert client.lookup(LAYOUT, [1, 2, h, 999], probe_ms=50)[0] == 3
+        assert time.monotonic() - started < 10
+        deadline = time.monotonic() + 5
+        while agent.metric("kvgate_agent_backend_errors_total", tier="shared") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        valkey.start()
+        raw = redis.Redis.from_url(valkey.url)
+        deadline = time.monotonic() + 10
+        h = 100
+        while not raw.exists(f"kvgate:{key_name((LAYOUT, h))}"):  # writes reach Valkey again
+            assert time.monotonic() < deadline, "the agent did not reconnect to Valkey"
+            h += 1
+            client.store(LAYOUT, [h], [content(h)])
+            time.sleep(0.1)
+    assert os.path.exists(agent.socket)
