@@ -31,7 +31,7 @@ class EventLog:
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
-        self.state: Counter[int] = Counter()
+        self.state: Counter[int | bytes] = Counter()
         self.seqs: list[int] = []
         self.events: list[Any] = []
 
@@ -55,7 +55,7 @@ class EventLog:
                 return False
 
 
-def apply(events: list[Any], state: Counter[int], log: list[Any] | None = None) -> None:
+def apply(events: list[Any], state: Counter[int | bytes], log: list[Any] | None = None) -> None:
     for e in events:
         if log is not None:
             log.append(e)
@@ -71,7 +71,7 @@ def apply(events: list[Any], state: Counter[int], log: list[Any] | None = None) 
             state.clear()
 
 
-async def blocks(http: aiohttp.ClientSession, url: str) -> dict[int, int]:
+async def blocks(http: aiohttp.ClientSession, url: str) -> dict[int | bytes, int]:
     async with http.get(url + "/sim/blocks") as resp:
         body = await resp.json()
     return {h: n for h, n in body["hashes"]}
@@ -83,7 +83,7 @@ async def replay(ctx: zmq.asyncio.Context, endpoint: str, start: int = 0) -> lis
     sock.connect(endpoint)
     try:
         await sock.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
+        out: list[tuple[int, bytes]] = []
         while True:
             assert await sock.poll(5000), "no replay answer"
             frames = await sock.recv_multipart()
@@ -132,7 +132,7 @@ async def test_events_rebuild_the_block_set_after_every_request(
         stored = [e for e in log.events if isinstance(e, BlockStored)]
         assert all(e.medium == "GPU" and e.block_size == BS for e in stored)
         # hashes recomputed from the events' token ids (chained by parent) equal the events' hashes
-        by_hash: dict[int, bytes] = {}
+        by_hash: dict[int | bytes, bytes] = {}
         for e in stored:
             assert len(e.token_ids) == BS * len(e.block_hashes)
             if e.parent_block_hash is None:
@@ -144,7 +144,7 @@ async def test_events_rebuild_the_block_set_after_every_request(
         # replay from 0 rebuilds the same set, frame for frame the same batches
         replayed = await replay(ctx, replica.replay)
         assert [s for s, _ in replayed] == log.seqs
-        state: Counter[int] = Counter()
+        state: Counter[int | bytes] = Counter()
         for _, payload in replayed:
             apply(decode_batch(payload).events, state)
         assert dict(state) == await blocks(http, replica.url)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -113,6 +113,7 @@ class Replica:
         self.collector = SimCollector(self.default_model, self.engine.counters, self.engine.gauges)
         self.registry = metrics_registry(self.collector)
         self.created = int(time.time())
+        self.vocab_size = self.tokenizer.vocab_size
 
     # --- building requests -------------------------------------------------------------------------------------
 
@@ -156,7 +157,7 @@ class Replica:
         if stop_at is not None and stop_at >= max_tokens:
             stop_at = None
         extra = cache_salt_extra_keys(cache_salt)
-        return SimRequest(uuid.uuid4().hex, prompt, max_tokens, self.vocab.plan(prompt),
+        return SimRequest(os.urandom(16).hex(), prompt, max_tokens, self.vocab.plan(prompt),
                           self.block_hashes(prompt, extra), time.monotonic(), stop_at=stop_at,
                           eos_token_id=self.vocab.eos_token_id, listener=listener, first_block_extra=extra)
 
@@ -192,8 +193,8 @@ def _prompts(body: Mapping[str, Any]) -> list[Any]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [prompt]
+        if type(prompt[0]) is int:
+            return [prompt]  # token ids, checked by the caller
         if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
             return list(prompt)
     if prompt is None:
@@ -248,16 +249,18 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if chat:
             prompts = [replica.tokenizer.prompt_ids(body, chat=True)]
         else:
-            prompts = [p if isinstance(p, list) else
-                       replica.tokenizer.encode(p, add_special_tokens=bool(body.get("add_special_tokens", True)))
-                       for p in _prompts(body)]
-            for p in prompts:
-                if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                    raise ApiError(400, "token-id prompts must hold integers only")
-        vocab_size = replica.tokenizer.vocab_size
-        for p in prompts:
-            if p and (max(p) >= vocab_size or min(p) < 0):
-                raise ApiError(400, f"Token id {max(p) if max(p) >= vocab_size else min(p)} is out of vocabulary")
+            prompts = []
+            for p in _prompts(body):
+                if isinstance(p, list):  # token ids from the client: check them as vLLM does
+                    if not all(type(t) is int for t in p):
+                        raise ApiError(400, "token-id prompts must hold integers only")
+                    if p and (max(p) >= replica.vocab_size or min(p) < 0):
+                        bad = max(p) if max(p) >= replica.vocab_size else min(p)
+                        raise ApiError(400, f"Token id {bad} is out of vocabulary")
+                    prompts.append(p)
+                else:
+                    prompts.append(replica.tokenizer.encode(
+                        p, add_special_tokens=bool(body.get("add_special_tokens", True))))
         cache_salt = body.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.")
