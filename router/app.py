@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.config import ConfigError, GatewayConfig, WorkerSpec
+from router.discovery import WorkerDiscovery
 from router.errors import GatewayError, bad_request, error_response, no_worker
 from router.metrics import GatewayMetrics
 from router.pool import WorkerPool
@@ -42,6 +43,7 @@ class Gateway:
         self._upstream: UpstreamPool | None = None
         self._pool: WorkerPool | None = None
         self._proxy: Proxy | None = None
+        self._discovery: WorkerDiscovery | None = None
 
     @property
     def pool(self) -> WorkerPool:
@@ -63,8 +65,17 @@ class Gateway:
             self._pool.add(spec)
         self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream)
         await self._pool.start()
+        if cfg.discover:
+            self._discovery = WorkerDiscovery(cfg, self._pool, self.metrics)
+            await self._discovery.start()
+
+    @property
+    def discovery(self) -> WorkerDiscovery | None:
+        return self._discovery
 
     async def stop(self) -> None:
+        if self._discovery is not None:
+            await self._discovery.stop()
         if self.prompts is not None:
             self.prompts.close()
         if self._pool is not None:

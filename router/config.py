@@ -71,6 +71,12 @@ def _parse_worker(text: str) -> WorkerSpec:
     return WorkerSpec.parse(text)
 
 
+def _parse_discover(text: str) -> str:
+    from router.discovery import parse_source  # discovery imports this module
+
+    return str(parse_source(text))
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Everything `kvgate serve` can be told."""
@@ -97,6 +103,18 @@ class GatewayConfig:
     metrics_interval_s: float = option(1.0, "interval between scrapes of each worker's /metrics")
     models_refresh_s: float = option(30.0, "interval between refreshes of each worker's /v1/models")
     drain_timeout_s: float = option(600.0, "longest wait for in-flight requests of a removed worker")
+    # worker discovery (issue 8): router/discovery.py
+    discover: list[str] = option(
+        [], "worker discovery source, repeatable: dns:NAME:PORT (one worker per A/AAAA record of NAME, e.g. a "
+        "headless service) or file:PATH (YAML list or one URL per line, re-read when it changes)",
+        parse=_parse_discover,
+    )
+    discover_interval_s: float = option(5.0, "interval between discovery rounds (DNS lookups, file checks)")
+    discover_nameserver: str = option(
+        "", "DNS server for dns: discovery, IP or IP:PORT; empty = the system resolver (getaddrinfo)"
+    )
+    discover_events_port: int = option(0, "KV-event PUB port on each discovered host, as tcp://HOST:PORT; 0 = none")
+    discover_replay_port: int = option(0, "KV-event replay port on each discovered host; 0 = none")
     log_level: str = option("info", "log level: debug, info, warning, error")
     # prefix-aware routing (issue 4): tokenization, block keys, the prefix trie, the `prefix` strategy
     model_dir: list[str] = option(

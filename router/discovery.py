@@ -1,0 +1,289 @@
+"""Worker discovery: keep the pool in step with a DNS name (a headless service's A/AAAA records) or a file.
+
+Each round, every source says which workers it sees now; workers that appeared are added to the pool, workers
+that vanished are removed through `WorkerPool.remove`, so their in-flight requests drain. A source that fails a
+round (DNS timeout, unreadable file) keeps its last answer: a flaky resolver must not empty the fleet. Discovery
+only ever removes workers it added itself; static `--worker` entries and admin-added workers are left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import dns.asyncresolver
+import dns.exception
+import dns.resolver
+import yaml
+from prometheus_client import Counter, Gauge
+
+from router.config import ConfigError, GatewayConfig, WorkerSpec
+from router.metrics import GatewayMetrics
+from router.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+class DiscoveryError(Exception):
+    """A source could not answer this round; its previous answer stands."""
+
+
+@dataclass(frozen=True)
+class DnsSource:
+    """`dns:NAME:PORT`: one worker per A/AAAA record of NAME, all serving HTTP on PORT."""
+
+    name: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"dns:{self.name}:{self.port}"
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """`file:PATH`: a YAML list of workers (strings or {url, events, replay}), or one worker per line."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return f"file:{self.path}"
+
+
+Source = DnsSource | FileSource
+
+
+def parse_source(text: str) -> Source:
+    """Parse `dns:NAME:PORT` or `file:PATH`; raises ConfigError."""
+    kind, sep, rest = text.strip().partition(":")
+    if sep and kind == "dns":
+        name, sep, port = rest.rpartition(":")
+        if sep and name and port.isdigit() and 0 < int(port) < 65536:
+            return DnsSource(name.rstrip("."), int(port))
+        raise ConfigError(f"DNS discovery is dns:NAME:PORT: {text!r}")
+    if sep and kind == "file" and rest:
+        return FileSource(rest)
+    raise ConfigError(f"discovery source must be dns:NAME:PORT or file:PATH: {text!r}")
+
+
+def _host_in_url(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def worker_for_address(address: str, port: int, config: GatewayConfig) -> WorkerSpec:
+    """The worker at one resolved address, its event endpoints from the configured ports on the same host."""
+    host = _host_in_url(address)
+    return WorkerSpec(
+        url=f"http://{host}:{port}",
+        events=f"tcp://{host}:{config.discover_events_port}" if config.discover_events_port else None,
+        replay=f"tcp://{host}:{config.discover_replay_port}" if config.discover_replay_port else None,
+    )
+
+
+def with_event_template(spec: WorkerSpec, config: GatewayConfig) -> WorkerSpec:
+    """A listed worker without its own event endpoints gets the template's, on its URL's host."""
+    if spec.events or spec.replay or not (config.discover_events_port or config.discover_replay_port):
+        return spec
+    authority = spec.url.split("://", 1)[1].split("/", 1)[0]
+    host = authority.rsplit(":", 1)[0] if not authority.endswith("]") else authority
+    return dataclasses.replace(
+        spec,
+        events=f"tcp://{host}:{config.discover_events_port}" if config.discover_events_port else None,
+        replay=f"tcp://{host}:{config.discover_replay_port}" if config.discover_replay_port else None,
+    )
+
+
+def parse_workers_file(text: str) -> list[WorkerSpec]:
+    """A YAML list (or `workers:` mapping) of worker specs, or plain lines `URL[;events=..;replay=..]`."""
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError:
+        loaded = None
+    if isinstance(loaded, dict) and "workers" in loaded:
+        loaded = loaded["workers"]
+    if isinstance(loaded, list):
+        return [WorkerSpec.from_yaml(item) for item in loaded]
+    if loaded is not None and not isinstance(loaded, str):
+        raise ConfigError("a workers file holds a YAML list, a `workers:` list, or one URL per line")
+    specs = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            specs.append(WorkerSpec.parse(line))
+    return specs
+
+
+def _nameserver(text: str) -> tuple[str, int]:
+    """`HOST`, `HOST:PORT`, `[V6]:PORT` or a bare IPv6 address -> (address, port)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, port = text[1:].partition("]")
+        return host, int(port.lstrip(":") or 53)
+    if text.count(":") == 1:
+        host, port = text.split(":")
+        return host, int(port)
+    return text, 53
+
+
+class DiscoveryMetrics:
+    """Discovery's metrics, registered in the gateway's registry."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.workers = Gauge("kvgate_discovered_workers", "Workers each discovery source sees now", ["source"],
+                             registry=metrics.registry)
+        self.errors = Counter("kvgate_discovery_errors", "Discovery rounds a source failed (last answer kept)",
+                              ["source"], registry=metrics.registry)
+
+
+class WorkerDiscovery:
+    """Polls every configured source each `discover_interval_s` and reconciles the pool with what they see."""
+
+    def __init__(self, config: GatewayConfig, pool: WorkerPool, metrics: GatewayMetrics) -> None:
+        self._config = config
+        self._pool = pool
+        self._sources = [parse_source(text) for text in config.discover]
+        self._metrics = DiscoveryMetrics(metrics)
+        self._seen: dict[Source, dict[str, WorkerSpec]] = {}
+        self._file_text: dict[str, str] = {}
+        self._added: dict[str, WorkerSpec] = {}   # workers this discovery put in the pool, by URL
+        self._task: asyncio.Task[None] | None = None
+        self._resolver: dns.asyncresolver.Resolver | None = None
+        self._timeout = max(0.5, min(5.0, config.discover_interval_s))
+        if config.discover_nameserver:
+            address, port = _nameserver(config.discover_nameserver)
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                raise ConfigError(f"discover_nameserver must be an IP address: {address!r}") from None
+            self._resolver = dns.asyncresolver.Resolver(configure=False)
+            self._resolver.nameservers = [address]
+            self._resolver.port = port
+            self._resolver.lifetime = self._timeout
+
+    @property
+    def workers(self) -> dict[str, WorkerSpec]:
+        """The workers discovery has in the pool now, by URL."""
+        return dict(self._added)
+
+    async def start(self) -> None:
+        """Run one round (so discovered workers exist when the gateway starts serving), then poll."""
+        if not self._sources:
+            return
+        await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._poll(), name="worker discovery")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.discover_interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("worker discovery round failed")
+
+    async def refresh(self) -> None:
+        """One round: ask every source, then add and remove workers."""
+        answers = await asyncio.gather(*(self._lookup(s) for s in self._sources), return_exceptions=True)
+        for source, answer in zip(self._sources, answers, strict=True):
+            if isinstance(answer, DiscoveryError | ConfigError | OSError):
+                self._metrics.errors.labels(str(source)).inc()
+                log.warning("discovery %s failed, keeping its last answer: %s", source, answer)
+                continue
+            if isinstance(answer, BaseException):
+                raise answer
+            if answer != self._seen.get(source):
+                log.info("discovery %s sees %d workers: %s", source, len(answer), ", ".join(sorted(answer)))
+            self._seen[source] = answer
+            self._metrics.workers.labels(str(source)).set(len(answer))
+        await self._reconcile()
+
+    async def _reconcile(self) -> None:
+        wanted: dict[str, WorkerSpec] = {}
+        for seen in self._seen.values():
+            for url, spec in seen.items():
+                wanted.setdefault(url, spec)
+        for url, spec in list(self._added.items()):
+            if wanted.get(url) != spec:
+                # gone, or its endpoints changed: drain it; a changed one comes back once the drain is over
+                del self._added[url]
+                with contextlib.suppress(KeyError):
+                    self._pool.remove(url)
+                    log.info("discovery: worker %s removed (draining)", url)
+        added = False
+        for url, spec in wanted.items():
+            if url in self._added:
+                continue
+            try:
+                self._pool.add(spec)
+            except KeyError:
+                continue  # configured statically, added by an admin, or still draining: try again next round
+            self._added[url] = spec
+            added = True
+            log.info("discovery: worker %s added", url)
+        if added:
+            await self._pool.probe_all()
+
+    async def _lookup(self, source: Source) -> dict[str, WorkerSpec]:
+        if isinstance(source, DnsSource):
+            addresses = await self._resolve(source.name)
+            specs = [worker_for_address(a, source.port, self._config) for a in addresses]
+        else:
+            specs = [with_event_template(s, self._config) for s in await self._read_file(source.path)]
+        return {spec.url: spec for spec in specs}
+
+    async def _resolve(self, name: str) -> list[str]:
+        if self._resolver is None:
+            return await self._resolve_system(name)
+        addresses: list[str] = []
+        for rdtype in ("A", "AAAA"):
+            try:
+                answer = await self._resolver.resolve(name, rdtype, search=False)
+            except dns.resolver.NXDOMAIN:
+                return []  # the name is gone: a headless service with no ready endpoints
+            except dns.resolver.NoAnswer:
+                continue
+            except dns.exception.DNSException as exc:
+                raise DiscoveryError(f"{rdtype} {name}: {type(exc).__name__}: {exc}") from exc
+            addresses.extend(sorted(rdata.to_text() for rdata in answer))
+        return addresses
+
+    async def _resolve_system(self, name: str) -> list[str]:
+        """The system resolver (getaddrinfo: /etc/hosts, resolv.conf, a container runtime's DNS)."""
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(name, None, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP), self._timeout
+            )
+        except socket.gaierror as exc:
+            if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+                return []
+            raise DiscoveryError(f"{name}: {exc}") from exc
+        except TimeoutError as exc:
+            raise DiscoveryError(f"{name}: no answer within {self._timeout} s") from exc
+        return sorted({str(info[4][0]) for info in infos})
+
+    async def _read_file(self, path: str) -> list[WorkerSpec]:
+        try:
+            text = await asyncio.to_thread(Path(path).read_text)
+        except OSError as exc:
+            raise DiscoveryError(f"cannot read {path}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise DiscoveryError(f"{path} is not text: {exc}") from exc
+        if self._file_text.get(path) != text:
+            self._file_text[path] = text
+            log.info("discovery: workers file %s changed", path)
+        try:
+            return parse_workers_file(text)
+        except ConfigError as exc:
+            raise DiscoveryError(f"{path}: {exc}") from exc
