@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "what the gateway adds over direct access to the workers"),
+    "prefix": ("bench.prefix_bench", "prefix routing: tokenize/trie costs, and hit rate and TTFT vs round_robin"),
 }
 
 
