@@ -27,7 +27,7 @@ from router.prompt_tokens import (
 )
 from router.tokenizer import ModelTokenizer
 from strategies import RouteRequest
-from tests.conftest import running_gateway, running_standin
+from tests.conftest import eventually, running_gateway, running_standin
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -209,3 +209,10 @@ async def test_gateway_fills_route_keys_only_for_strategies_that_read_them(
             assert 'kvgate_routing_decisions_total{reason="hit",strategy="prefix"} 5.0' in text
             assert 'kvgate_tokenize_duration_seconds_count{mode="tokens"} 6.0' in text
             assert "kvgate_prefix_trie_nodes" in text and "kvgate_prefix_match_ratio_bucket" in text
+            # removing the worker that holds the prefix purges it from the trie
+            strategy = gw.gateway.strategy
+            holder = a.url if a.stats.requests else b.url
+            assert len(strategy.trie) > 0  # type: ignore[attr-defined]
+            async with http.delete(gw.url + "/admin/workers", params={"url": holder}) as resp:
+                assert resp.status == 202
+            await eventually(lambda: len(strategy.trie) == 0)  # type: ignore[attr-defined]
