@@ -16,8 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from router.config import ConfigError, GatewayConfig, WorkerSpec
 from router.discovery import WorkerDiscovery
 from router.errors import GatewayError, bad_request, error_response, no_worker
+from router.kv_index import InMemoryKvIndex, measure_entry_bytes
+from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
-from router.pool import WorkerPool
+from router.pool import Worker, WorkerPool
 from router.prompt_tokens import PromptTokens
 from router.proxy import Proxy
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS, parse_body, parse_json_object, unknown_model
@@ -44,6 +46,7 @@ class Gateway:
         self._pool: WorkerPool | None = None
         self._proxy: Proxy | None = None
         self._discovery: WorkerDiscovery | None = None
+        self.kv_events: KvEventHub | None = None
 
     @property
     def pool(self) -> WorkerPool:
@@ -60,7 +63,14 @@ class Gateway:
         self._upstream = UpstreamPool(
             limit_per_host=cfg.max_connections_per_worker, connect_timeout=cfg.connect_timeout_s
         )
-        self._pool = WorkerPool(cfg, self._upstream, self.metrics, on_removed=self.strategy.forget_worker)
+        if self.strategy.uses_kv_events:
+            index = InMemoryKvIndex(cfg.kv_index_max_entries)
+            self.kv_events = KvEventHub(index, self.metrics, self._base_model, replay_timeout_s=cfg.kv_replay_timeout_s,
+                                        resync_s=cfg.kv_resync_s)
+            self.strategy.attach_kv(index, self.kv_events.trusted)
+            self.metrics.kv_index_entry_bytes.set(measure_entry_bytes())
+        self._pool = WorkerPool(cfg, self._upstream, self.metrics, on_added=self._worker_added,
+                                on_removed=self._worker_removed)
         for spec in cfg.worker:
             self._pool.add(spec)
         self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream)
@@ -68,6 +78,24 @@ class Gateway:
         if cfg.discover:
             self._discovery = WorkerDiscovery(cfg, self._pool, self.metrics)
             await self._discovery.start()
+
+    def _worker_added(self, worker: Worker) -> None:
+        spec = worker.spec
+        if self.kv_events is not None and spec.events:
+            self.kv_events.watch([EventSource(worker.url, spec.events, spec.replay)])
+
+    def _worker_removed(self, url: str) -> None:
+        self.strategy.forget_worker(url)
+        if self.kv_events is not None:
+            self.kv_events.forget_worker(url)
+
+    def _base_model(self, url: str) -> str | None:
+        """The base model a worker serves (its card without a `parent`): the root of its events' block keys."""
+        worker = self.pool.get(url)
+        if worker is None:
+            return None
+        bases = [m for m, card in worker.model_cards.items() if card.get("parent") in (None, m)]
+        return bases[0] if bases else None
 
     @property
     def discovery(self) -> WorkerDiscovery | None:
@@ -80,6 +108,8 @@ class Gateway:
             self.prompts.close()
         if self._pool is not None:
             await self._pool.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self._upstream is not None:
             self._upstream.close()
 

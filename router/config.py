@@ -136,7 +136,20 @@ class GatewayConfig:
     prefix_prefill_tokens_per_s: float = option(
         20000.0, "prefix: rate at which a worker's queued prefill tokens are assumed to drain"
     )
-
+    # KV-aware routing (issue 5): KV events, the block index, the `kv` strategy
+    kv_cost_cpu: float = option(0.1, "kv: cost of a block held in the agent's DRAM tier, as a share of recomputing it")
+    kv_cost_disk: float = option(0.25, "kv: cost of a block on the agent's NVMe tier, as a share of recomputing it")
+    kv_cost_shared: float = option(
+        0.4, "kv: cost of a block in the fleet-shared tier (reachable from every worker), share of recomputing it"
+    )
+    kv_pending_ttl_s: float = option(
+        2.0, "kv: seconds a routed request's blocks count as predicted on its worker before events confirm them"
+    )
+    kv_index_max_entries: int = option(20_000_000, "kv: most (block, worker) entries in the block index")
+    kv_replay_timeout_s: float = option(2.0, "kv: timeout of one replay request to an event source")
+    kv_resync_s: float = option(
+        300.0, "kv: after missed events, seconds a worker is routed approximately before its map is trusted again"
+    )
 
 
 C = TypeVar("C")
@@ -206,7 +219,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         env = env_prefix + f.name.upper()
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         shown = default if default not in ("", []) else "none"
         help_text = f"{f.metadata['help']} (default: {shown}; env {env})"
         if _is_list(_field_type(cls, f)):

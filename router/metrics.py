@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKENIZE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-
 
 
 class GatewayMetrics:
@@ -87,12 +88,63 @@ class GatewayMetrics:
             "kvgate_prefix_trie_evictions", "Prefix-trie nodes removed, by reason (capacity, ttl)", ["reason"],
             registry=r,
         )
-
+        # KV events and the block index (the `kv` strategy)
+        self.kv_events_applied = Counter(
+            "kvgate_kv_events_applied", "KV events applied to the block index, by worker and event type",
+            ["worker", "type"], registry=r,
+        )
+        self.kv_gaps = Counter(
+            "kvgate_kv_event_gaps", "Sequence gaps seen in a worker's KV event stream", ["worker"], registry=r,
+        )
+        self.kv_replays = Counter(
+            "kvgate_kv_event_replays", "Replay requests by outcome (repaired, timeout)", ["worker", "outcome"],
+            registry=r,
+        )
+        self.kv_resets = Counter(
+            "kvgate_kv_state_resets",
+            "Times a worker's known blocks were forgotten, by reason (gap, publisher_restart, late_start)",
+            ["worker", "reason"], registry=r,
+        )
+        self.kv_decode_errors = Counter(
+            "kvgate_kv_event_decode_errors", "Malformed KV event messages dropped, by reason", ["worker", "reason"],
+            registry=r,
+        )
+        self.kv_unmapped_blocks = Counter(
+            "kvgate_kv_unmapped_blocks", "Stored blocks whose gateway key could not be derived (unknown parent)",
+            ["worker"], registry=r,
+        )
+        self.kv_index_entries = Gauge(
+            "kvgate_kv_index_entries", "(block, worker) entries in the KV block index", registry=r,
+        )
+        self.kv_index_entry_bytes = Gauge(
+            "kvgate_kv_index_entry_bytes", "Measured memory per (block, worker) index entry, bytes", registry=r,
+        )
+        self.actual_cached_tokens = Counter(
+            "kvgate_actual_cached_tokens",
+            "Prompt tokens the engines reported cached (usage.prompt_tokens_details.cached_tokens)",
+            ["strategy"], registry=r,
+        )
+        self.usage_prompt_tokens = Counter(
+            "kvgate_usage_prompt_tokens", "Prompt tokens of answers that reported cached tokens (their denominator)",
+            ["strategy"], registry=r,
+        )
+        self.usage_predicted_tokens = Counter(
+            "kvgate_usage_predicted_cached_tokens",
+            "Predicted cached tokens of the answers that reported cached tokens (compare with actual)",
+            ["strategy"], registry=r,
+        )
+        self.worker_prefix_hits = Gauge(
+            "kvgate_worker_prefix_cache_hit_tokens", "vllm:prefix_cache_hits_total last scraped from the worker",
+            ["worker"], registry=r,
+        )
+        self.worker_prefix_queries = Gauge(
+            "kvgate_worker_prefix_cache_query_tokens",
+            "vllm:prefix_cache_queries_total last scraped from the worker", ["worker"], registry=r,
+        )
 
     def forget_worker(self, url: str) -> None:
         """Drop a removed worker's label sets so dashboards stop showing it."""
-        for gauge in (self.in_flight, self.healthy, self.worker_waiting, self.worker_running, self.worker_kv_usage):
-            try:
+        for gauge in (self.in_flight, self.healthy, self.worker_waiting, self.worker_running, self.worker_kv_usage,
+                      self.worker_prefix_hits, self.worker_prefix_queries):
+            with contextlib.suppress(KeyError):
                 gauge.remove(url)
-            except KeyError:
-                pass

@@ -28,6 +28,8 @@ LOAD_GAUGES = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
 }
 
 
@@ -47,6 +49,8 @@ class Worker:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    prefix_hits: float = 0.0  # tokens, the engine's own counters
+    prefix_queries: float = 0.0
     models_fetched_at: float = 0.0
     load_scraped_at: float = 0.0
 
@@ -75,6 +79,7 @@ class Worker:
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
             "load": {"running": self.running, "waiting": self.waiting, "kv_cache_usage": self.kv_usage},
+            "prefix_cache": {"hit_tokens": self.prefix_hits, "query_tokens": self.prefix_queries},
         }
 
 
@@ -109,11 +114,13 @@ class WorkerPool:
         config: GatewayConfig,
         upstream: UpstreamPool,
         metrics: GatewayMetrics,
+        on_added: Callable[[Worker], None] | None = None,
         on_removed: Callable[[str], None] | None = None,
     ) -> None:
         self._config = config
         self._upstream = upstream
         self._metrics = metrics
+        self._on_added = on_added
         self._on_removed = on_removed
         self._workers: dict[str, Worker] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -169,6 +176,8 @@ class WorkerPool:
         self._metrics.in_flight.labels(spec.url).set(0)
         if self._running:
             self._start_task(worker)
+        if self._on_added is not None:
+            self._on_added(worker)
         return worker
 
     def remove(self, url: str) -> Worker:
@@ -307,6 +316,8 @@ class WorkerPool:
         m.worker_running.labels(worker.url).set(worker.running)
         m.worker_waiting.labels(worker.url).set(worker.waiting)
         m.worker_kv_usage.labels(worker.url).set(worker.kv_usage)
+        m.worker_prefix_hits.labels(worker.url).set(worker.prefix_hits)
+        m.worker_prefix_queries.labels(worker.url).set(worker.prefix_queries)
 
     def _set_health(self, worker: Worker, healthy: bool) -> None:
         if worker.healthy == healthy:

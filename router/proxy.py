@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import orjson
 from aiohttp import web
 
 from router.config import GatewayConfig
@@ -47,6 +48,7 @@ class _OpenStream:
     """A streamed answer whose first chunk has arrived: everything needed to relay the rest."""
 
     upstream: UpstreamResponse
+    decision: Decision
     chunks: AsyncIterator[bytes]
     first: bytes
     headers: list[tuple[str, str]]
@@ -125,6 +127,17 @@ class Proxy:
             headers.append(("Authorization", request.headers["Authorization"]))
         return headers
 
+    def _count_usage(self, decision: Decision, data: bytes) -> None:
+        """Predicted against actual cached tokens, when the engine reports them (`--enable-prompt-tokens-details`)."""
+        usage = usage_cached_tokens(data)
+        if usage is None:
+            return
+        prompt, cached = usage
+        name = self._strategy.name
+        self._metrics.actual_cached_tokens.labels(name).inc(cached)
+        self._metrics.usage_prompt_tokens.labels(name).inc(prompt)
+        self._metrics.usage_predicted_tokens.labels(name).inc(min(decision.predicted_cached_tokens, prompt))
+
     def _connection_lost(self, worker: Worker, exc: BaseException) -> _Retry:
         self._pool.report_connection_error(worker, describe_error(exc))
         self._metrics.retries.labels("connection_error").inc()
@@ -172,7 +185,7 @@ class Proxy:
                     chunks = upstream.chunks()
                     first = await anext(chunks, b"")
                     handed_over = True
-                    return _OpenStream(upstream, chunks, first, headers, worker, model_label)
+                    return _OpenStream(upstream, decision, chunks, first, headers, worker, model_label)
                 data = await upstream.read()
             except UpstreamError as exc:
                 raise self._connection_lost(worker, exc) from None
@@ -182,6 +195,7 @@ class Proxy:
             self._metrics.ttfb.labels(model_label).observe(elapsed)
             self._metrics.request_duration.labels(model_label).observe(elapsed)
             self._metrics.requests.labels(model_label, worker.url, str(upstream.status)).inc()
+            self._count_usage(decision, data)
             return web.Response(status=upstream.status, body=data, headers=headers)
         except asyncio.CancelledError:
             self._metrics.requests.labels(model_label, worker.url, CLIENT_CLOSED).inc()
@@ -206,6 +220,8 @@ class Proxy:
                     await response.write(stream.first)
                 async for chunk in stream.chunks:
                     await response.write(chunk)
+                    if CACHED_TOKENS in chunk:
+                        self._count_usage(stream.decision, chunk)
                 await response.write_eof()
         except ConnectionResetError:
             status = CLIENT_CLOSED
@@ -223,3 +239,25 @@ class Proxy:
             self._metrics.request_duration.labels(label).observe(time.perf_counter() - started)
         return response
 
+
+CACHED_TOKENS = b'"cached_tokens"'
+
+
+def usage_cached_tokens(data: bytes) -> tuple[int, int] | None:
+    """(prompt_tokens, cached_tokens) from an answer's `usage` — a JSON body or SSE events — if it has them."""
+    if CACHED_TOKENS not in data:
+        return None
+    if data.lstrip()[:1] == b"{":
+        documents = [data]
+    else:
+        documents = [line[5:] for line in data.split(b"\n") if line.startswith(b"data:") and CACHED_TOKENS in line]
+    for document in documents:
+        try:
+            usage = orjson.loads(document).get("usage")
+            prompt = usage["prompt_tokens"]
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
+            continue
+        if isinstance(prompt, int) and isinstance(cached, int):
+            return prompt, cached
+    return None

@@ -11,6 +11,7 @@ from strategies.base import Decision, RouteRequest, Strategy
 STRATEGIES: dict[str, str] = {
     "round_robin": "strategies.round_robin:RoundRobin",
     "least_load": "strategies.least_load:LeastLoad",
+    "kv": "strategies.kv:KvAware",
     "prefix": "strategies.prefix:PrefixAffinity",
 }
 

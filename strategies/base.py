@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from router.config import GatewayConfig
+from router.kv_index import KvBlockIndex
 from router.metrics import GatewayMetrics
 from router.pool import Worker
 
@@ -40,6 +41,8 @@ class Strategy(abc.ABC):
     name: ClassVar[str]
     # whether `choose` reads token_ids / block_keys; the gateway tokenizes only for strategies that do
     needs_prompt_tokens: ClassVar[bool] = False
+    # whether the gateway should subscribe to the workers' KV events and hand the strategy its block index
+    uses_kv_events: ClassVar[bool] = False
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -50,6 +53,10 @@ class Strategy(abc.ABC):
 
     def attach_metrics(self, metrics: GatewayMetrics) -> None:  # noqa: B027 - optional hook
         """Called once by the gateway with its metrics, for strategies that export their own."""
+
+    def attach_kv(self, index: KvBlockIndex, trusted: Callable[[str], bool]) -> None:  # noqa: B027
+        """Called once by the gateway, for strategies with `uses_kv_events`: the block index fed by KV events
+        and `trusted(worker_url)`, true while the index's picture of that worker is complete."""
 
     def on_routed(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once the request was sent to the chosen worker."""

@@ -89,9 +89,8 @@ class PrefixAffinity(Strategy):
         prompt = max(request.prompt_tokens, len(keys) * bs)
         # vLLM always computes a prompt's last token, so a fully cached prompt still hits one block short
         cacheable = ((prompt - 1) // bs) * bs if prompt > 0 else 0
-        matched = self.trie.match(keys) if keys else {}
-        cached = [min(matched.get(w.url, 0) * bs, cacheable) for w in workers]
-        scores = [self.score(w, prompt - c, now) for w, c in zip(workers, cached, strict=True)]
+        cached, saved = self.predict(keys, workers, cacheable)
+        scores = [self.score(w, prompt - round(v), now) for w, v in zip(workers, saved, strict=True)]
         best = min(scores)
         tied = [i for i, s in enumerate(scores) if s <= best + 1e-9]
         if len(tied) > 1:
@@ -108,9 +107,19 @@ class PrefixAffinity(Strategy):
         # request, or every request of the burst would be a miss.
         self._queue(worker.url).add(prompt - predicted, now)
         if keys:
-            self.trie.insert(keys, worker.url)
+            self.remember(keys, worker.url)
         self._record(prompt, predicted)
         return Decision(worker, reason, predicted)
+
+    def predict(self, keys: Sequence[int], workers: Sequence[Worker], cacheable: int) -> tuple[list[int], list[float]]:
+        """Per worker: the prompt tokens predicted cached there, and the prefill tokens that saves."""
+        matched = self.trie.match(keys) if keys else {}
+        cached = [min(matched.get(w.url, 0) * self.block_size, cacheable) for w in workers]
+        return cached, [float(c) for c in cached]
+
+    def remember(self, keys: Sequence[int], worker: str) -> None:
+        """The request with these block keys was sent to `worker`."""
+        self.trie.insert(keys, worker)
 
     def _record(self, prompt: int, predicted: int) -> None:
         metrics = self._metrics

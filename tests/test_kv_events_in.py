@@ -1,0 +1,234 @@
+"""KV events into the block index: real ZMQ sockets speaking vLLM's wire format, including misbehaving ones."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from bench.procs import free_port
+from router.block_keys import block_keys, root_key
+from router.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
+from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex, measure_entry_bytes
+from router.kv_subscriber import EventSource, KvEventHub
+from router.metrics import GatewayMetrics
+from tests.conftest import eventually
+
+WORKER = "http://127.0.0.1:9"
+BS = 4
+TOKENS = list(range(100, 132))  # 8 blocks of 4
+ROOT = root_key("tiny")
+KEYS = block_keys(TOKENS, BS, ROOT)
+
+
+class Publisher:
+    """A vLLM-style publisher whose every message the test controls: PUB for batches, ROUTER for replay."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.pub = ctx.socket(zmq.PUB)
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.buffer: dict[int, bytes] = {}
+        self.seq = 0
+        self.task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    @property
+    def source(self) -> EventSource:
+        return EventSource(WORKER, f"tcp://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{self.replay_port}")
+
+    async def send(self, events: list[KvEvent], *, deliver: bool = True) -> int:
+        seq, self.seq = self.seq, self.seq + 1
+        payload = encode_batch(events)
+        self.buffer[seq] = payload
+        if deliver:
+            await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+        return seq
+
+    async def raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    async def _serve_replay(self) -> None:
+        while True:
+            identity, _, start = await self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq in sorted(self.buffer):
+                if seq >= first:
+                    await self.router.send_multipart([identity, b"", b"kv", seq.to_bytes(8, "big"), self.buffer[seq]])
+            await self.router.send_multipart([identity, b"", b"", END_OF_REPLAY, b""])
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.pub.close(0)
+        self.router.close(0)
+
+
+@asynccontextmanager
+async def hub_and_publisher(**kw: float) -> AsyncIterator[tuple[KvEventHub, Publisher, GatewayMetrics]]:
+    ctx = zmq.asyncio.Context()
+    publisher = Publisher(ctx)
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny", **kw)
+    try:
+        yield hub, publisher, metrics
+    finally:
+        await hub.close()
+        publisher.close()
+        ctx.destroy(0)
+
+
+def stored(hashes: list[int], tokens: list[int], parent: int | None = None, medium: str = "GPU") -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, medium=medium)
+
+
+def held(hub: KvEventHub) -> set[tuple[int, str]]:
+    index = hub.index
+    assert isinstance(index, InMemoryKvIndex)
+    return index.holds(WORKER)
+
+
+def metric(metrics: GatewayMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def connected(hub: KvEventHub, publisher: Publisher) -> None:
+    """Publish a marker until the subscriber sees it (PUB drops messages sent before a SUB connects)."""
+    marker = (block_keys([9, 9, 9, 9], BS, ROOT)[0], GPU)
+    for attempt in range(100):
+        await publisher.send([stored([10_000 + attempt], [9, 9, 9, 9])])
+        try:
+            await eventually(lambda: marker in held(hub), timeout=0.3)
+            break
+        except AssertionError:
+            continue
+    await publisher.send([AllBlocksCleared()])
+    await eventually(lambda: not held(hub))
+
+
+async def test_stored_removed_cleared_with_gateway_keys() -> None:
+    async with hub_and_publisher() as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        # engine hashes are arbitrary: the index holds the gateway's own keys computed from the token ids
+        await publisher.send([stored([11, 12], TOKENS[:8]), stored([13, 14], TOKENS[8:16], parent=12)])
+        await eventually(lambda: held(hub) == {(k, GPU) for k in KEYS[:4]})
+        assert hub.index.lookup(KEYS, [WORKER, "other"])[WORKER].blocks == 4
+        assert hub.index.lookup(KEYS, ["other"])["other"].blocks == 0
+        # an offload tier re-announces a block without token ids; the same block twice counts twice
+        await publisher.send([BlockStored(block_hashes=[11], medium="CPU", token_ids=[], block_size=BS),
+                              stored([11], TOKENS[:4])])
+        await eventually(lambda: (KEYS[0], CPU) in held(hub))
+        await publisher.send([BlockRemoved(block_hashes=[11], medium="GPU"), BlockRemoved(block_hashes=[999])])
+        await asyncio.sleep(0.1)
+        assert (KEYS[0], GPU) in held(hub)  # announced twice, removed once
+        await publisher.send([BlockRemoved(block_hashes=[11, 14], medium="GPU")])
+        await eventually(lambda: (KEYS[0], GPU) not in held(hub) and (KEYS[3], GPU) not in held(hub))
+        run = hub.index.lookup(KEYS, [WORKER])[WORKER]
+        assert run.blocks == 3 and run.by_tier == {CPU: 1, GPU: 2}
+        await publisher.send([AllBlocksCleared()])
+        await eventually(lambda: not held(hub))
+        assert metric(metrics, "kvgate_kv_events_applied_total", worker=WORKER, type="BlockStored") >= 4
+
+
+async def test_shared_tier_reaches_every_worker_and_salt_separates() -> None:
+    async with hub_and_publisher() as (hub, publisher, _):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        await publisher.send([stored([1, 2], TOKENS[:8], medium="SHARED")])
+        await eventually(lambda: len(held(hub)) == 2)
+        runs = hub.index.lookup(KEYS, [WORKER, "http://elsewhere:1"])
+        assert runs["http://elsewhere:1"].by_tier == {SHARED: 2}
+        salted = BlockStored(block_hashes=[5], parent_block_hash=None, token_ids=TOKENS[:4], block_size=BS,
+                             medium="GPU", extra_keys=[["tenant-a"]])
+        await publisher.send([salted])
+        salted_key = block_keys(TOKENS[:4], BS, root_key("tiny", None, "tenant-a"))[0]
+        await eventually(lambda: (salted_key, GPU) in held(hub))
+        assert salted_key != KEYS[0]
+
+
+async def test_garbage_is_counted_and_dropped() -> None:
+    async with hub_and_publisher() as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        before = publisher.seq
+        await publisher.raw([b"only one frame"])
+        await publisher.raw([b"kv", b"short", b"x"])
+        await publisher.raw([b"kv", before.to_bytes(8, "big"), b"\xc1\xff not msgpack"])
+        await publisher.raw([b"kv", before.to_bytes(8, "big"), encode_batch([])[:-3]])
+        await eventually(lambda: metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER,
+                                        reason="payload") == 2)
+        assert metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="frames") == 2
+        await publisher.send([stored([1], TOKENS[:4])])
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU)})
+        assert hub.trusted(WORKER)
+
+
+async def test_gap_repaired_from_replay() -> None:
+    async with hub_and_publisher() as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        await publisher.send([stored([1], TOKENS[:4])], deliver=False)  # lost on the way
+        await publisher.send([stored([2], TOKENS[4:8], parent=1)])
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU), (KEYS[1], GPU)})
+        assert metric(metrics, "kvgate_kv_event_gaps_total", worker=WORKER) == 1
+        assert metric(metrics, "kvgate_kv_event_replays_total", worker=WORKER, outcome="repaired") == 1
+        assert hub.trusted(WORKER)
+
+
+async def test_gap_the_replay_cannot_cover_marks_worker_partial() -> None:
+    async with hub_and_publisher(resync_s=0.5) as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        await publisher.send([stored([1], TOKENS[:4])])
+        await eventually(lambda: bool(held(hub)))
+        lost = await publisher.send([stored([2], TOKENS[4:8], parent=1)], deliver=False)
+        del publisher.buffer[lost]  # overrun: the replay buffer no longer has it
+        await publisher.send([stored([7], [1, 2, 3, 4])])
+        await eventually(lambda: metric(metrics, "kvgate_kv_state_resets_total", worker=WORKER, reason="gap") == 1)
+        assert not hub.trusted(WORKER)  # routed by the approximate trie meanwhile
+        assert held(hub) == {(block_keys([1, 2, 3, 4], BS, ROOT)[0], GPU)}  # stale state forgotten, new kept
+        await asyncio.sleep(0.6)
+        assert hub.trusted(WORKER)
+
+
+async def test_publisher_restart_and_late_gateway_start() -> None:
+    async with hub_and_publisher() as (hub, publisher, metrics):
+        # the engine already holds blocks when the gateway starts: recovered from the replay buffer
+        await publisher.send([stored([1, 2], TOKENS[:8])], deliver=False)
+        hub.watch([publisher.source])
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU), (KEYS[1], GPU)})
+        assert hub.trusted(WORKER)
+        await connected(hub, publisher)
+        # the publisher restarts: sequence numbers begin at 0 again and its cache is empty
+        publisher.seq = 0
+        publisher.buffer.clear()
+        await publisher.send([stored([3], TOKENS[:4])])
+        await eventually(lambda: metric(metrics, "kvgate_kv_state_resets_total", worker=WORKER,
+                                        reason="publisher_restart") == 1)
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU)})
+        assert hub.trusted(WORKER)
+
+
+async def test_index_bound_and_entry_size() -> None:
+    index = InMemoryKvIndex(max_entries=1000)
+    for w in range(3):
+        index.add(f"w{w}", range(w * 1000, w * 1000 + 600), GPU)
+    assert index.entries() <= 1000 and index.dropped > 0
+    index.clear("w2")
+    assert all(w != "w2" for holders in index._holders.values() for w in holders)
+    assert 50 < measure_entry_bytes(blocks=2000) < 1000
+
+
+@pytest.mark.parametrize("port", [free_port()])
+async def test_unreachable_source_does_not_block(port: int) -> None:
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny", replay_timeout_s=0.2)
+    hub.watch([EventSource(WORKER, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}")])
+    await asyncio.sleep(0.5)
+    assert not hub.trusted(WORKER)
+    await asyncio.wait_for(hub.close(), 3)
