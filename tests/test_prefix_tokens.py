@@ -216,3 +216,26 @@ async def test_gateway_fills_route_keys_only_for_strategies_that_read_them(
             async with http.delete(gw.url + "/admin/workers", params={"url": holder}) as resp:
                 assert resp.status == 202
             await eventually(lambda: len(strategy.trie) == 0)  # type: ignore[attr-defined]
+
+
+def test_piece_cache_gives_whole_text_ids_on_awkward_conversations(tiny_model_dir: Path) -> None:
+    from router.prompt_tokens import SegmentCachingTokenizer
+
+    cached = SegmentCachingTokenizer(tiny_model_dir, cache_entries=64)  # small: evictions happen too
+    reference = ModelTokenizer(tiny_model_dir)
+    rng = random.Random(5)
+    fragments = ["<|im_start|>", "<|im_end|>", "<s>", "<|endoftext|>", " ", "  ", "\n", "\n\n", "\t", "é", "日本語",
+                 "🙂", "<|im", "start|>", "def f(x):\n    return x\n", "'s", " don't", "1234567", "..."]
+    conversation: list[dict[str, Any]] = []
+    for turn in range(40):
+        content = "".join(rng.choice(fragments) if rng.random() < 0.4 else words(rng.randrange(10**6), 5)
+                          for _ in range(rng.randrange(1, 30)))
+        conversation.append({"role": ("user", "assistant", "system")[turn % 3], "content": content})
+        body: dict[str, Any] = {"messages": list(conversation)}
+        if turn % 7 == 3:
+            body["tools"] = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+        assert cached.prompt_ids(body, chat=True) == reference.prompt_ids(body, chat=True), turn
+        text = reference.render_chat(conversation)
+        assert cached.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+        assert cached.encode(text, add_special_tokens=True) == reference.encode(text, add_special_tokens=True)
+    assert cached.cached_pieces == 64
