@@ -187,11 +187,46 @@ async def test_reset_prefix_cache(fleet: SimFleet, client: aiohttp.ClientSession
     _, body = await post(client, url + "/v1/completions", req)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     async with client.post(url + "/reset_prefix_cache") as resp:
-        assert resp.status == 200
+        assert resp.status == 200 and await resp.json() == {"success": True}
     async with client.get(url + "/sim/blocks") as resp:
         assert (await resp.json())["hashes"] == []
     _, body = await post(client, url + "/v1/completions", req)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    # refused while a request holds blocks (as vLLM), unless running requests are preempted first
+    long_req = {"model": MODEL, "prompt": "busy " + LONG, "max_tokens": 300}
+    task = asyncio.ensure_future(post(client, url + "/v1/completions", long_req))
+    for _ in range(100):
+        async with client.get(url + "/sim/blocks") as resp:
+            if (await resp.json())["running"]:
+                break
+        await asyncio.sleep(0.01)
+    async with client.post(url + "/reset_prefix_cache") as resp:
+        assert await resp.json() == {"success": False}
+    async with client.post(url + "/reset_prefix_cache?reset_running_requests=true") as resp:
+        assert await resp.json() == {"success": True}
+    status, body = await task   # the preempted request recomputes and completes
+    assert status == 200 and body["usage"]["completion_tokens"] == 300
+
+
+async def test_cache_salt_and_return_token_ids(fleet: SimFleet, client: aiohttp.ClientSession) -> None:
+    url = fleet.urls[0]
+    prompt = list(range(700, 760))
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "return_token_ids": True}
+    _, first = await post(client, url + "/v1/completions", {**base, "cache_salt": "tenant-a"})
+    choice = first["choices"][0]
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 3
+    _, other = await post(client, url + "/v1/completions", {**base, "cache_salt": "tenant-b"})
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0     # another tenant shares nothing
+    _, same = await post(client, url + "/v1/completions", {**base, "cache_salt": "tenant-a"})
+    assert same["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    status, body = await post(client, url + "/v1/completions", {**base, "cache_salt": ""})
+    assert status == 400
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "ids please"}], "max_tokens": 2,
+            "return_token_ids": True}
+    _, body = await post(client, url + "/v1/chat/completions", chat)
+    status, tok = await post(client, url + "/tokenize", {"model": MODEL, "messages": chat["messages"]})
+    assert body["prompt_token_ids"] == tok["tokens"] and len(body["choices"][0]["token_ids"]) == 2
 
 
 async def test_client_disconnect_aborts_the_request(fleet: SimFleet, client: aiohttp.ClientSession) -> None:

@@ -105,7 +105,9 @@ class SimEngine:
             self.counters.success["abort"] += 1
             self._flush_events()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        if reset_running_requests:
+            self.counters.preemptions += self.scheduler.preempt_all()
         ok = self.pool.reset_prefix_cache()
         self._flush_events()
         return ok

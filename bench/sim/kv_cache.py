@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -120,8 +121,12 @@ class BlockPool:
         return next(iter(holders.values()))
 
     def cache_full_blocks(self, blocks: Sequence[KvBlock], block_hashes: Sequence[Digest], num_cached: int,
-                          num_full: int, token_ids: Sequence[int]) -> None:
-        """Give blocks[num_cached:num_full] their hashes and announce them in one `BlockStored`."""
+                          num_full: int, token_ids: Sequence[int],
+                          first_block_extra: tuple[Any, ...] | None = None) -> None:
+        """Give blocks[num_cached:num_full] their hashes and announce them in one `BlockStored`.
+
+        `first_block_extra` is block 0's hash extra keys (cache_salt); events carry them untagged, one entry
+        per block (None for a block without extra keys), as vLLM's `to_event_extra_keys`."""
         if num_cached >= num_full:
             return
         new_hashes: list[EventHash] = []
@@ -140,9 +145,13 @@ class BlockPool:
         if self.enable_events and new_hashes:
             bs = self.block_size
             parent = self._event_hash(block_hashes[num_cached - 1]) if num_cached > 0 else None
+            extra: list[Any] = [None] * len(new_hashes)
+            if num_cached == 0 and first_block_extra:
+                extra[0] = tuple(key[1:] if key[0] == "mm" else key[1] for key in first_block_extra)
             self.events.append(BlockStored(
                 block_hashes=new_hashes, parent_block_hash=parent,
                 token_ids=list(token_ids[num_cached * bs:num_full * bs]), block_size=bs, medium="GPU",
+                extra_keys=extra, group_idx=0, kv_cache_spec_kind="full_attention",
             ))
 
     def get_new_blocks(self, n: int) -> list[KvBlock]:
@@ -168,7 +177,7 @@ class BlockPool:
                 del self.cached[digest]
         block.block_hash = None
         if self.enable_events:
-            self.events.append(BlockRemoved(block_hashes=[self._event_hash(digest)], medium="GPU"))
+            self.events.append(BlockRemoved(block_hashes=[self._event_hash(digest)], medium="GPU", group_idx=0))
 
     def touch(self, blocks: Iterable[KvBlock]) -> None:
         """Take prefix-hit blocks into use; a free one leaves the free queue (so it cannot be evicted)."""
@@ -246,7 +255,7 @@ class KvCacheManager:
 
     def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                        new_computed_blocks: Sequence[KvBlock], block_hashes: Sequence[Digest],
-                       all_token_ids: Sequence[int]) -> bool:
+                       all_token_ids: Sequence[int], first_block_extra: tuple[Any, ...] | None = None) -> bool:
         """Reserve blocks for `num_new_tokens` more tokens; False (and nothing changed) if the pool is short.
 
         `num_computed_tokens` counts the tokens already computed including `new_computed_blocks` (prefix hits).
@@ -273,7 +282,8 @@ class KvCacheManager:
             num_full = min(needed_tokens, len(all_token_ids)) // bs
             num_full = min(num_full, len(block_hashes))
             if num_full > table.num_cached:
-                self.pool.cache_full_blocks(table.blocks, block_hashes, table.num_cached, num_full, all_token_ids)
+                self.pool.cache_full_blocks(table.blocks, block_hashes, table.num_cached, num_full, all_token_ids,
+                                            first_block_extra)
                 table.num_cached = num_full
         return True
 

@@ -134,6 +134,13 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
+    def preempt_all(self) -> int:
+        """Move every running request back to the waiting queue (newest first, so FIFO order is kept)."""
+        n = len(self.running)
+        while self.running:
+            self._preempt(self.running.pop())
+        return n
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -149,7 +156,7 @@ class Scheduler:
                 continue
             while True:
                 ok = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, (),
-                                       request.block_hashes, request.all_token_ids)
+                                       request.block_hashes, request.all_token_ids, request.first_block_extra)
                 if ok:
                     break
                 victim = self.running.pop()  # the newest running request (FCFS priority)
@@ -187,7 +194,7 @@ class Scheduler:
                     break
                 num_new = min(num_new, budget)
                 if not kv.allocate_slots(request.request_id, num_hit, num_new, hits, request.block_hashes,
-                                         request.all_token_ids):
+                                         request.all_token_ids, request.first_block_extra):
                     break
                 self.waiting.popleft()
                 self.running.append(request)

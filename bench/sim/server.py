@@ -157,7 +157,7 @@ class Replica:
         if stop_at is not None and stop_at >= max_tokens:
             stop_at = None
         extra = cache_salt_extra_keys(cache_salt)
-        return SimRequest(os.urandom(16).hex(), prompt, max_tokens, self.vocab.plan(prompt),
+        return SimRequest(os.urandom(8).hex(), prompt, max_tokens, self.vocab.plan(prompt),
                           self.block_hashes(prompt, extra), time.monotonic(), stop_at=stop_at,
                           eos_token_id=self.vocab.eos_token_id, listener=listener, first_block_extra=extra)
 
@@ -217,13 +217,19 @@ class _Sequence:
         self.event.set()
 
 
-def _usage(replica: Replica, requests: list[SimRequest]) -> dict[str, Any]:
+def _usage(replica: Replica, requests: list[SimRequest], stream_final: bool = False) -> dict[str, Any]:
+    """vLLM's UsageInfo; in the streamed usage chunk None fields are left out (exclude_none)."""
     prompt = sum(r.num_prompt_tokens for r in requests)
     completion = sum(len(r.output_token_ids) for r in requests)
-    details = ({"cached_tokens": sum(max(r.num_cached_tokens, 0) for r in requests)}
-               if replica.config.enable_prompt_tokens_details else None)
-    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-            "prompt_tokens_details": details}
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                             "completion_tokens": completion}
+    if replica.config.enable_prompt_tokens_details:
+        usage["prompt_tokens_details"] = {"cached_tokens": max(requests[-1].num_cached_tokens, 0)}
+    elif not stream_final:
+        usage["prompt_tokens_details"] = None
+    if not stream_final:
+        usage["completion_tokens_details"] = None
+    return usage
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -240,6 +246,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if n is not None and n != 1:
             raise ApiError(400, "the simulator supports n=1 only")
         ignore_eos = bool(body.get("ignore_eos", False))
+        return_ids = bool(body.get("return_token_ids", False))
         stream = bool(body.get("stream", False))
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
@@ -284,7 +291,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         async with asyncio.timeout(replica.config.request_timeout_s):
             if stream:
                 return await _stream(request, replica, seqs, chat, rid, created, model,
-                                     bool(stream_options.get("include_usage")))
+                                     bool(stream_options.get("include_usage")), return_ids)
             for seq in seqs:
                 while not seq.request.finished:
                     seq.event.clear()
@@ -296,51 +303,60 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             if not seq.request.finished:
                 engine.abort(seq.request.request_id)
     requests_ = [s.request for s in seqs]
-    vocab = replica.vocab
+    text = replica.vocab.detokenize
     if chat:
         r = requests_[0]
         out: dict[str, Any] = {
             "id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {
-                "role": "assistant", "content": vocab.detokenize(r.output_token_ids), "refusal": None,
-                "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
-                "reasoning_content": None}, "logprobs": None, "finish_reason": r.finish_reason, "stop_reason": None}],
+                "role": "assistant", "content": text(r.output_token_ids), "refusal": None, "annotations": None,
+                "audio": None, "function_call": None, "reasoning": None},
+                "logprobs": None, "finish_reason": r.finish_reason, "stop_reason": None,
+                "token_ids": r.output_token_ids if return_ids else None, "routed_experts": None}],
             "service_tier": None, "system_fingerprint": None, "usage": _usage(replica, requests_),
-            "prompt_logprobs": None, "kv_transfer_params": None,
+            "prompt_logprobs": None, "prompt_token_ids": r.all_token_ids[:r.num_prompt_tokens] if return_ids else None,
+            "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         }
     else:
         out = {
             "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": vocab.detokenize(r.output_token_ids), "logprobs": None,
-                         "finish_reason": r.finish_reason, "stop_reason": None, "prompt_logprobs": None}
+            "choices": [{"index": i, "text": text(r.output_token_ids), "logprobs": None,
+                         "finish_reason": r.finish_reason, "stop_reason": None,
+                         "token_ids": r.output_token_ids if return_ids else None, "prompt_logprobs": None,
+                         "prompt_token_ids": r.all_token_ids[:r.num_prompt_tokens] if return_ids else None,
+                         "routed_experts": None}
                         for i, r in enumerate(requests_)],
             "service_tier": None, "system_fingerprint": None, "usage": _usage(replica, requests_),
-            "kv_transfer_params": None,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         }
     return _json(out)
 
 
 async def _stream(request: web.Request, replica: Replica, seqs: list[_Sequence], chat: bool, rid: str,
-                  created: int, model: str, include_usage: bool) -> web.StreamResponse:
+                  created: int, model: str, include_usage: bool, return_ids: bool) -> web.StreamResponse:
+    """vLLM's SSE chunks (serialised with exclude_unset): one per token, a role chunk first for chat, an
+    optional usage chunk, then `data: [DONE]`."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     text = replica.vocab.text
     dumps = orjson.dumps
+    obj = "chat.completion.chunk" if chat else "text_completion"
     if chat:
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}]}
+        first = {"id": rid, "object": obj, "created": created, "model": model,
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}],
+                 "prompt_token_ids": seqs[0].request.all_token_ids[:seqs[0].request.num_prompt_tokens]
+                 if return_ids else None,
+                 "prompt_text": None}
         await response.write(b"data: " + dumps(first) + b"\n\n")
-    else:
-        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     pending = list(seqs)
     while pending:
         # wait until any sequence has news; one engine step usually updates all of them
         if not any(s.event.is_set() for s in pending):
-            waiters = [asyncio.ensure_future(s.event.wait()) for s in pending] if len(pending) > 1 else None
-            if waiters is None:
+            if len(pending) == 1:
                 await pending[0].event.wait()
             else:
+                waiters = [asyncio.ensure_future(s.event.wait()) for s in pending]
                 try:
                     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -356,27 +372,34 @@ async def _stream(request: web.Request, replica: Replica, seqs: list[_Sequence],
             end = len(tokens)
             while seq.sent < end:
                 tok = tokens[seq.sent]
+                first_chunk = seq.sent == 0
                 seq.sent += 1
                 last = seq.sent == end and r.finished
+                finish = r.finish_reason if last else None
                 if chat:
                     choice: dict[str, Any] = {"index": i, "delta": {"content": text[tok]}, "logprobs": None,
-                                              "finish_reason": r.finish_reason if last else None}
+                                              "finish_reason": finish}
                     if last:
                         choice["stop_reason"] = None
-                    chunk: dict[str, Any] = {**head, "choices": [choice]}
+                    choice["token_ids"] = [tok] if return_ids else None
                 else:
-                    chunk = {**head, "choices": [{"index": i, "text": text[tok], "logprobs": None,
-                                                  "finish_reason": r.finish_reason if last else None,
-                                                  "stop_reason": None}], "usage": None}
+                    choice = {"index": i, "text": text[tok], "logprobs": None, "finish_reason": finish,
+                              "stop_reason": None}
+                    choice["prompt_token_ids"] = (r.all_token_ids[:r.num_prompt_tokens]
+                                                  if return_ids and first_chunk else None)
+                    choice["token_ids"] = [tok] if return_ids else None
+                chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
                 parts.append(b"data: " + dumps(chunk) + b"\n\n")
             if r.finished and seq in pending:
                 pending.remove(seq)
+        if not pending:  # the last tokens, the usage chunk and [DONE] go out in one write
+            if include_usage:
+                usage = _usage(replica, [s.request for s in seqs], stream_final=True)
+                parts.append(b"data: " + dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                                "choices": [], "usage": usage}) + b"\n\n")
+            parts.append(DONE)
         if parts:
             await response.write(b"".join(parts))
-    tail = b""
-    if include_usage:
-        tail = b"data: " + dumps({**head, "choices": [], "usage": _usage(replica, [s.request for s in seqs])}) + b"\n\n"
-    await response.write(tail + DONE)
     await response.write_eof()
     return response
 
@@ -447,9 +470,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
-    if not request.app[REPLICA].engine.reset_prefix_cache():
-        return error_response(409, "cannot reset the prefix cache while requests hold blocks", "ConflictError")
-    return web.Response(status=200)
+    """vLLM 0.32's dev endpoint: `{"success": bool}`; refused while requests hold blocks unless
+    `?reset_running_requests=true`, which preempts them first (they recompute afterwards)."""
+    preempt = request.query.get("reset_running_requests", "false").lower() in ("1", "true")
+    return _json({"success": request.app[REPLICA].engine.reset_prefix_cache(preempt)})
 
 
 async def sim_blocks(request: web.Request) -> web.Response:
