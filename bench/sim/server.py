@@ -49,9 +49,23 @@ class ApiError(Exception):
         return error_response(self.status, self.message, self.type)
 
 
-def error_response(status: int, message: str, type: str = "BadRequestError") -> web.Response:
-    body = {"error": {"message": message, "type": type, "param": None, "code": status}}
+def error_response(status: int, message: str, type: str = "BadRequestError",
+                   param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type, "param": param, "code": status}}
     return web.Response(status=status, body=orjson.dumps(body), content_type=JSON)
+
+
+class InvalidRequest(ApiError):
+    """A body that does not validate: vLLM answers these from its RequestValidationError handler, with
+    type "Bad Request", the field as `param` and a "1 validation error:" message."""
+
+    def __init__(self, param: str, message: str, kind: str = "value_error") -> None:
+        super().__init__(400, f"1 validation error:\n  {{'type': '{kind}', 'loc': '{param}', 'msg': '{message}'}}",
+                         "Bad Request")
+        self.param = param
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, self.type, self.param)
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -113,7 +127,8 @@ class Replica:
         self.collector = SimCollector(self.default_model, self.engine.counters, self.engine.gauges)
         self.registry = metrics_registry(self.collector)
         self.created = int(time.time())
-        self.vocab_size = self.tokenizer.vocab_size
+        # token ids above the tokenizer's are accepted up to the model's vocabulary (as vLLM)
+        self.vocab_size = max(self.tokenizer.vocab_size, _config_vocab_size(config.model_dir))
 
     # --- building requests -------------------------------------------------------------------------------------
 
@@ -140,20 +155,24 @@ class Replica:
                     listener: Callable[[SimRequest], None], cache_salt: str | None = None) -> SimRequest:
         max_len = self.config.engine.max_model_len
         n = len(prompt)
+        # vLLM 0.32's checks and messages (renderers/params.py, v1/engine/input_processor.py)
         if n == 0:
-            raise ApiError(400, "The prompt cannot be empty.")
-        if n >= max_len:
-            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, your request "
-                                f"has {n} input tokens. Please reduce the length of the input messages.")
+            raise ApiError(400, "The decoder prompt cannot be empty")
+        if n > max_len:
+            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, your prompt "
+                                f"contains {n} input tokens, which exceeds this limit even without any output "
+                                f"tokens. Please reduce the length of the input prompt.")
+        if n == max_len:
+            raise ApiError(400, f"The decoder prompt (length {n}) plus the number of requested output tokens (at "
+                                f"least 1) is longer than the maximum model length of {max_len}. Make sure that "
+                                f"`max_model_len` is no smaller than the number of text tokens (prompt + "
+                                f"requested output tokens).")
+        stop_at = None
         if max_tokens is None:
-            max_tokens = max_len - n
             stop_at = None if ignore_eos else self.config.output_len
+            max_tokens = max_len - n
         else:
-            if n + max_tokens > max_len:
-                raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
-                                    f"model's maximum context length is {max_len} tokens and your request has {n} "
-                                    f"input tokens ({max_tokens} > {max_len} - {n}).")
-            stop_at = None
+            max_tokens = min(max_tokens, max_len - n)  # vLLM clamps to the room left in the context
         if stop_at is not None and stop_at >= max_tokens:
             stop_at = None
         extra = cache_salt_extra_keys(cache_salt)
@@ -165,14 +184,24 @@ class Replica:
 REPLICA = web.AppKey("replica", Replica)
 
 
+def _config_vocab_size(model_dir: str) -> int:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            value = orjson.loads(f.read()).get("vocab_size")
+    except (OSError, orjson.JSONDecodeError):
+        return 0
+    return value if isinstance(value, int) else 0
+
+
 def _int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ApiError(400, f"`{name}` must be an integer")
+        raise InvalidRequest(f"body.{name}", "Input should be a valid integer", "int_type")
     if value < minimum:
-        raise ApiError(400, f"`{name}` must be at least {minimum}, got {value}.")
+        raise InvalidRequest(f"body.{name}", f"Input should be greater than or equal to {minimum}",
+                             "greater_than_equal")
     return value
 
 
@@ -181,9 +210,9 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"JSON decode error: {exc}") from exc
+        raise InvalidRequest("body", f"JSON decode error ({exc})", "json_invalid") from exc
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise InvalidRequest("body", "Input should be a valid dictionary", "model_attributes_type")
     return body
 
 
@@ -198,9 +227,9 @@ def _prompts(body: Mapping[str, Any]) -> list[Any]:
         if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
             return list(prompt)
     if prompt is None:
-        raise ApiError(400, "`prompt` is required")
-    raise ApiError(400, "`prompt` must be a string, a list of strings, a list of token ids or a list of lists "
-                        "of token ids")
+        raise InvalidRequest("body.prompt", "Field required", "missing")
+    raise InvalidRequest("body.prompt", "Input should be a string, a list of strings, a list of token ids or a "
+                                        "list of lists of token ids", "union_tag_invalid")
 
 
 class _Sequence:
@@ -244,15 +273,15 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             max_tokens = 16  # vLLM's default for /v1/completions
         n = _int_field(body, "n", 1)
         if n is not None and n != 1:
-            raise ApiError(400, "the simulator supports n=1 only")
+            raise InvalidRequest("body.n", "the simulator supports n=1 only")
         ignore_eos = bool(body.get("ignore_eos", False))
         return_ids = bool(body.get("return_token_ids", False))
         stream = bool(body.get("stream", False))
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
-            raise ApiError(400, "`stream_options` must be an object")
+            raise InvalidRequest("body.stream_options", "Input should be a valid dictionary", "dict_type")
         if stream_options and not stream:
-            raise ApiError(400, "Stream options can only be defined when `stream=True`.")
+            raise InvalidRequest("body", "Value error, Stream options can only be defined when `stream=True`.")
         if chat:
             prompts = [replica.tokenizer.prompt_ids(body, chat=True)]
         else:
@@ -260,7 +289,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             for p in _prompts(body):
                 if isinstance(p, list):  # token ids from the client: check them as vLLM does
                     if not all(type(t) is int for t in p):
-                        raise ApiError(400, "token-id prompts must hold integers only")
+                        raise InvalidRequest("body.prompt", "Input should be a valid integer", "int_type")
                     if p and (max(p) >= replica.vocab_size or min(p) < 0):
                         bad = max(p) if max(p) >= replica.vocab_size else min(p)
                         raise ApiError(400, f"Token id {bad} is out of vocabulary")
@@ -456,9 +485,9 @@ async def detokenize(request: web.Request) -> web.Response:
         replica.check_model(body)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise ApiError(400, "`tokens` must be a list of token ids")
+            raise InvalidRequest("body.tokens", "Input should be a valid list of integers", "list_type")
         if any(t < 0 or t >= replica.tokenizer.vocab_size for t in tokens):
-            raise ApiError(400, "token id out of vocabulary")
+            raise ApiError(400, "Token id out of vocabulary")
     except ApiError as exc:
         return exc.response()
     return _json({"prompt": replica.tokenizer.decode(tokens)})
