@@ -147,6 +147,15 @@ async def test_errors_like_vllm_and_replica_keeps_serving(fleet: SimFleet, clien
     status, body = await post(client, url + "/v1/completions",
                               {"model": MODEL, "prompt": list(range(500)), "max_tokens": 100})
     assert status == 200 and body["usage"]["completion_tokens"] == 12
+    # a long text (tokenized in a thread): refused with its exact token count
+    big = "lorem ipsum dolor " * 1500
+    _, tok = await post(client, url + "/tokenize", {"model": MODEL, "prompt": big})
+    status, body = await post(client, url + "/v1/completions", {"model": MODEL, "prompt": big})
+    assert status == 400 and f"contains {tok['count']} input tokens" in body["error"]["message"]
+    messages = [{"role": "user", "content": big}]
+    _, tok = await post(client, url + "/tokenize", {"model": MODEL, "messages": messages})
+    status, body = await post(client, url + "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert status == 400 and f"contains {tok['count']} input tokens" in body["error"]["message"]
     status, body = await post(client, url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "7"})
     assert status == 400
     status, body = await post(client, url + "/v1/completions", {"model": MODEL, "prompt": [99999]})

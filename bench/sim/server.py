@@ -9,6 +9,7 @@ the cached block set (what KV events announced) for tests and debugging.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ VERSION = "0.32.0+kvgate.sim"
 JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
+OFFLOAD_BYTES = 16 * 1024  # request bodies above this are tokenized off the event loop
 # streamed tokens are written in one chunk per engine step (vLLM sends one event per token: so do we)
 
 
@@ -282,8 +284,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             raise InvalidRequest("body.stream_options", "Input should be a valid dictionary", "dict_type")
         if stream_options and not stream:
             raise InvalidRequest("body", "Value error, Stream options can only be defined when `stream=True`.")
+        # a long request is tokenized in a thread, so the engine's steps keep their pace meanwhile
+        offload = (request.content_length or 0) > OFFLOAD_BYTES
         if chat:
-            prompts = [replica.tokenizer.prompt_ids(body, chat=True)]
+            if offload:
+                prompts = [await asyncio.get_running_loop().run_in_executor(
+                    None, functools.partial(replica.tokenizer.prompt_ids, body, chat=True))]
+            else:
+                prompts = [replica.tokenizer.prompt_ids(body, chat=True)]
         else:
             prompts = []
             for p in _prompts(body):
@@ -295,8 +303,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                         raise ApiError(400, f"Token id {bad} is out of vocabulary")
                     prompts.append(p)
                 else:
-                    prompts.append(replica.tokenizer.encode(
-                        p, add_special_tokens=bool(body.get("add_special_tokens", True))))
+                    encode = functools.partial(replica.tokenizer.encode, p,
+                                               add_special_tokens=bool(body.get("add_special_tokens", True)))
+                    prompts.append(await asyncio.get_running_loop().run_in_executor(None, encode)
+                                   if offload else encode())
         cache_salt = body.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.")
