@@ -441,7 +441,8 @@ def _parse_tool_call_arguments(message: Message) -> None:
         if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(
                 call.get("function"), Mapping):
             raise TokenizationError("chat completions only support assistant tool_calls of type 'function'.")
-        function = dict(call["function"])
+        # vLLM validates messages against the OpenAI TypedDicts, which keeps only their keys, in their order
+        function = {k: call["function"][k] for k in ("arguments", "name") if k in call["function"]}
         arguments = function.get("arguments")
         parsed: Any = {}
         if arguments:
@@ -455,7 +456,7 @@ def _parse_tool_call_arguments(message: Message) -> None:
             if not isinstance(parsed, dict):
                 parsed = {}
         function["arguments"] = parsed
-        calls[i] = {**call, "function": function}
+        calls[i] = {k: (function if k == "function" else call[k]) for k in ("id", "function", "type") if k in call}
 
 
 def _consolidate_system(conversation: list[Message]) -> list[Message]:

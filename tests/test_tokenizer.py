@@ -55,7 +55,8 @@ def test_message_normalisation_like_vllm(tok: ModelTokenizer) -> None:
                  {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
              {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}]}]
     text = tok.render_chat(calls, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in text  # arguments parsed to a dict
+    # arguments parsed to a dict, keys in the order of the OpenAI TypedDict vLLM validates against
+    assert '<tool_call>\n{"arguments": {"x": 1}, "name": "f"}\n</tool_call>' in text
     assert "<|im_start|>tool\n42<|im_end|>" in text
     # request tools reach the template as vLLM's pydantic model_dump() gives them
     ids = tok.prompt_ids({"messages": calls, "tools": [{"type": "function", "function": {"name": "f"}}]}, chat=True)
