@@ -8,6 +8,8 @@ import importlib
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "what the gateway adds over direct access to the workers"),
     "prefix": ("bench.prefix_bench", "prefix routing: tokenize/trie costs, and hit rate and TTFT vs round_robin"),
+    "sim-throughput": ("bench.sim_throughput", "requests/s one simulated replica process sustains"),
+    "sim-ttft": ("bench.sim_ttft_curve", "TTFT vs prompt length: a sim profile's model and a live replica"),
 }
 
 

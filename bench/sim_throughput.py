@@ -5,7 +5,7 @@ with a lean keep-alive HTTP client (router.upstream, on uvloop) at a fixed concu
 reports requests/s, latency percentiles and the replica's CPU seconds per request (from /proc), so the
 capacity of one core is known even when the load generator shares the machine. Prints a table and writes JSON.
 
-    python -m bench.sim_throughput --model-dir DIR [--seconds 5] [--concurrency 64] [--out sim_throughput.json]
+    kvgate bench sim-throughput [--seconds 5] [--concurrency 64] [--out sim_throughput.json]
 """
 
 from __future__ import annotations
@@ -109,8 +109,7 @@ def run_scenario(name: str, url: str, model: str, concurrency: int, seconds: flo
                   round(cpu_per * 1e3, 4), round(1 / cpu_per, 1) if n else 0.0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", help="model dir (default: make one with kvgate make-model in a temp dir)")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -118,8 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="llama-3.1-8b-h100")
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="default: all")
     parser.add_argument("--out", default="sim_throughput.json")
-    args = parser.parse_args(argv)
 
+
+def _options(args: argparse.Namespace) -> list[str]:
+    out = [f"--seconds={args.seconds:g}", f"--concurrency={args.concurrency}", f"--speedup={args.speedup:g}",
+           f"--profile={args.profile}"]
+    return out + [f"--scenario={s}" for s in args.scenario or []]
+
+
+def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir
         if model_dir is None:
@@ -147,12 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r.scenario:<22} {r.concurrency:>5} {r.requests_per_s:>9.1f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} "
               f"{r.replica_cpu_ms_per_request:>11.3f} {r.replica_core_capacity_rps:>13.1f} {r.errors:>6}")
-    report = {"command": " ".join([Path(sys.executable).name, "-m", "bench.sim_throughput", *(argv or sys.argv[1:])]),
-              "cpu_count": os.cpu_count(), "speedup": args.speedup, "profile": args.profile,
+    report = {"command": " ".join(["kvgate", "bench", "sim-throughput", *_options(args)]),
+              "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0], "speedup": args.speedup,
+              "profile": args.profile,
               "results": [asdict(r) for r in results]}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0 if all(r.errors == 0 for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

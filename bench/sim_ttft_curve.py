@@ -3,7 +3,7 @@ actually takes (measured over HTTP with streaming, one request at a time, cold a
 
 Prints the profile's parameters and the table, writes JSON and a PNG (matplotlib):
 
-    python -m bench.sim_ttft_curve [--profile llama-3.1-8b-h100] [--out-dir docs]
+    kvgate bench sim-ttft [--profile llama-3.1-8b-h100] [--out-dir docs]
 """
 
 from __future__ import annotations
@@ -110,15 +110,16 @@ def describe(profile: Profile) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PROFILES))
     parser.add_argument("--max-tokens", type=int, default=32768, help="longest prompt measured")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--speedup", type=float, default=1.0, help="run the replica faster; times are scaled back")
     parser.add_argument("--model-only", action="store_true", help="no replica: only the model's curve")
     parser.add_argument("--out-dir", default="docs")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     profile = PROFILES[args.profile]
     lengths = [n for n in LENGTHS if n <= args.max_tokens]
     measured: dict[int, dict[str, float]] = {}
@@ -168,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     plot(out_dir / f"{stem}.png", profile, rows)
     print(f"wrote {out_dir / stem}.json and .png")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
