@@ -73,7 +73,7 @@ def key_name(key: BlockKey) -> str:
     layout_id, block_hash = key
     if isinstance(block_hash, int):
         return f"{layout_id:016x}-{block_hash:016x}"
-    return f"{layout_id:016x}-b{block_hash.hex()}"
+    return f"{layout_id:016x}-x{block_hash.hex()}"  # "x" is not a hex digit: never read as an int key
 
 
 def parse_key_name(name: str) -> BlockKey | None:
@@ -83,7 +83,7 @@ def parse_key_name(name: str) -> BlockKey | None:
         return None
     try:
         layout_id = int(layout, 16)
-        if rest.startswith("b"):
+        if rest.startswith("x"):
             return layout_id, bytes.fromhex(rest[1:])
         if len(rest) != 16:
             return None

@@ -19,11 +19,11 @@ from typing import Any
 
 import msgspec
 
-from agent.block import BlockHash
 from agent.protocol import (
     FRAME,
     MAX_FRAME,
     AgentError,
+    BlockHash,
     ErrorReply,
     Hello,
     HelloReply,
@@ -108,7 +108,16 @@ class AgentClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, request: msgspec.Struct) -> Reply:
+    def _call(self, request: msgspec.Struct, retry: bool = False) -> Reply:
+        """One request; `retry` re-sends once on a fresh connection (for calls that do not use the shared
+        memory, which a reconnect replaces) -- e.g. after the agent restarted."""
+        if retry and self._sock is not None:
+            try:
+                return self._call(request)
+            except AgentError as exc:
+                if self._sock is not None:  # the agent answered with an error: nothing to retry
+                    raise
+                del exc
         self.connect()
         sock = self._sock
         assert sock is not None
@@ -147,7 +156,7 @@ class AgentClient:
     def lookup(self, layout: int, hashes: Sequence[BlockHash], probe_ms: int = 0) -> tuple[int, str]:
         """How many leading blocks the agent holds and where (C DRAM, D NVMe, S shared)."""
         reply: LookupReply = self._expect(self._call(Lookup(layout=layout, hashes=list(hashes),
-                                                            probe_ms=probe_ms)), LookupReply)
+                                                            probe_ms=probe_ms), retry=True), LookupReply)
         return reply.count, reply.where
 
     def max_blocks(self, block_bytes: int) -> int:
@@ -222,5 +231,5 @@ class AgentClient:
         return out
 
     def stats(self) -> StatsReply:
-        result: StatsReply = self._expect(self._call(Stats()), StatsReply)
+        result: StatsReply = self._expect(self._call(Stats(), retry=True), StatsReply)
         return result

@@ -12,7 +12,8 @@ import struct
 
 import msgspec
 
-from agent.block import BlockHash
+# as in agent.block (not imported: this module also loads inside vLLM's environment, which lacks xxhash)
+BlockHash = int | bytes
 
 FRAME = struct.Struct("<I")
 MAX_FRAME = 256 * 2**20

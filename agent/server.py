@@ -125,8 +125,10 @@ class TierAgent:
             loop.create_task(self._every(0.2, self._in_thread(self.store.maintain))),
         ]
         if self.store.shared is not None:
+            # learn what other replicas already put in the shared tier right away, then periodically
             self._tasks.append(loop.create_task(self._every(self.config.shared_index_refresh_s,
-                                                            self._in_thread(self.store.refresh_shared_index))))
+                                                            self._in_thread(self.store.refresh_shared_index),
+                                                            first_delay=0.0)))
             self._tasks.append(loop.create_task(self._every(self.config.shared_sweep_interval_s,
                                                             self._in_thread(self.store.sweep_shared))))
         log.info("tier agent on %s: %s", path, ", ".join(
@@ -168,9 +170,9 @@ class TierAgent:
             await asyncio.get_running_loop().run_in_executor(self._pool, fn)
         return run
 
-    async def _every(self, interval: float, fn: Callable[[], Any]) -> None:
+    async def _every(self, interval: float, fn: Callable[[], Any], first_delay: float | None = None) -> None:
+        await asyncio.sleep(interval if first_delay is None else first_delay)
         while True:
-            await asyncio.sleep(interval)
             try:
                 result = fn()
                 if asyncio.iscoroutine(result):
@@ -179,6 +181,7 @@ class TierAgent:
                 raise
             except Exception:
                 log.exception("agent upkeep task failed")
+            await asyncio.sleep(interval)
 
     def _flush_events(self) -> None:
         self._flush_events_now()

@@ -51,7 +51,8 @@ def test_pack_verify_round_trip_and_corruption() -> None:
 
 
 def test_key_names_round_trip() -> None:
-    keys: list[tuple[int, int | bytes]] = [(1, 2**64 - 1), (0, 0), (LAYOUT, b"\x01" * 32)]
+    keys: list[tuple[int, int | bytes]] = [(1, 2**64 - 1), (0, 0), (LAYOUT, b"\x01" * 32), (2, 0xB0 << 56),
+                                           (3, b"\xbb" * 8)]
     for k in keys:
         assert parse_key_name(key_name(k)) == k
     assert parse_key_name("garbage") is None

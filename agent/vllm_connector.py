@@ -1,0 +1,376 @@
+"""A vLLM KV connector that keeps a replica's KV blocks in the local kvgate tier agent.
+
+Load it with
+  --kv-transfer-config '{"kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector",
+                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                         "kv_connector_extra_config": {"agent_socket": "/tmp/kvgate-agent.sock"}}'
+(kvgate must be importable by vLLM's Python, e.g. PYTHONPATH=<kvgate checkout>).
+
+Scheduler side: for a new request, ask the agent how many of its leading full blocks (vLLM's own block hashes,
+in KV-event form) beyond the local prefix-cache hit it holds; plan those as a synchronous load, and plan every
+block that becomes fully computed as a save. Worker side: `start_load_kv` copies planned blocks from the agent
+(through shared memory) into the paged KV cache before the forward pass; `wait_for_save` copies newly computed
+full blocks out of the paged cache into shared memory and hands them to the agent. A block the agent cannot
+supply whole and verified is reported through `get_block_ids_with_load_errors`, so vLLM recomputes it (with
+kv_load_failure_policy=recompute) -- never wrong KV; saves of a request whose load failed are skipped that step.
+
+Tensors are handled generically (block dimension found from the cache's block count; index_select /
+index_copy_ per layer), so the same code serves CPU caches `[num_blocks, kv_heads, block_size, 2*head_dim]` and
+GPU caches such as `[2, num_blocks, block_size, kv_heads, head_dim]` (for GPU, the shared memory is registered
+as pinned host memory so the copies are plain DMA).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from agent.client import AgentClient
+from agent.protocol import AgentError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
+
+_MASK64 = (1 << 64) - 1
+_WHERE_SOURCE = {"C": CacheHitSource.HOST, "D": CacheHitSource.DISK, "S": CacheHitSource.EXTERNAL_UNSPECIFIED}
+
+
+def event_hash(block_hash: bytes) -> int:
+    """vLLM's block hash in the form its KV events carry (low 8 bytes, big-endian), so agent keys match them."""
+    return int.from_bytes(block_hash, "big") & _MASK64
+
+
+def layout_id(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int) -> int:
+    """Blocks are only interchangeable between engines with the same model, dtype, block size and sharding."""
+    import hashlib
+
+    if "layout" in extra:
+        text = str(extra["layout"])
+    else:
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        text = "|".join(str(x) for x in (
+            model.model, model.dtype, vllm_config.cache_config.cache_dtype, vllm_config.cache_config.block_size,
+            model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
+            parallel.tensor_parallel_size, parallel.pipeline_parallel_size))
+    text += f"|rank={tp_rank}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+@dataclass
+class BlockTransfer:
+    req_id: str
+    block_ids: list[int]
+    hashes: list[int]
+    parent: int | None = None
+
+
+@dataclass
+class KvgateConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _CacheLayer:
+    name: str
+    tensor: torch.Tensor
+    block_dim: int
+    block_shape: tuple[int, ...]
+    block_bytes: int
+
+
+class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._block_size: int = vllm_config.cache_config.block_size
+        self._probe_ms = int(extra.get("probe_ms", 0))
+        socket_path = str(extra.get("agent_socket", os.environ.get("KVGATE_AGENT_SOCKET_PATH",
+                                                                    "/tmp/kvgate-agent.sock")))
+        timeout = float(extra.get("timeout_s", 5.0))
+        rank = 0
+        if role == KVConnectorRole.WORKER:
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                rank = get_tensor_model_parallel_rank()
+            except Exception:  # not initialised (single process): rank 0
+                rank = 0
+        self._layout = layout_id(vllm_config, extra, rank)
+        shm_bytes = int(extra.get("shm_bytes", 256 * 2**20)) if role == KVConnectorRole.WORKER else 0
+        self._client = AgentClient(socket_path, shm_bytes=shm_bytes, timeout_s=timeout,
+                                   name=f"vllm-{role.name.lower()}-{os.getpid()}")
+        self._last_agent_error = 0.0
+        # scheduler side
+        self._lookups: dict[str, tuple[int, str]] = {}  # req_id -> (first block index asked, where string)
+        self._pending_loads: dict[str, BlockTransfer] = {}
+        self._saved_upto: dict[str, int] = {}  # req_id -> leading blocks already held by the agent
+        self._requests: dict[str, Request] = {}
+        # worker side
+        self._layers: list[_CacheLayer] = []
+        self._block_bytes = 0
+        self._shm_tensor: torch.Tensor | None = None
+        self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()
+        log.info("kvgate connector (%s): agent %s, layout %016x", role.name, socket_path, self._layout)
+
+    def _agent_failed(self, what: str, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_agent_error > 10:
+            log.warning("kvgate agent unavailable during %s (continuing without it): %s", what, exc)
+            self._last_agent_error = now
+
+    # ==========================================================================================================
+    # scheduler side
+    # ==========================================================================================================
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        start = num_computed_tokens // self._block_size
+        # at least the last prompt token must be computed by the engine
+        loadable = min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
+        self._lookups[request.request_id] = (start, "")
+        if start >= loadable:
+            return 0, False
+        hashes = [event_hash(h) for h in request.block_hashes[start:loadable]]
+        try:
+            count, where = self._client.lookup(self._layout, hashes, probe_ms=self._probe_ms)
+        except AgentError as exc:
+            self._agent_failed("lookup", exc)
+            return 0, False
+        self._lookups[request.request_id] = (start, where[:count])
+        log.debug("kvgate lookup %s: %d local, %d of %d asked held by the agent (%s)", request.request_id, start,
+                  count, len(hashes), where[:count])
+        return count * self._block_size, False
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        if num_external_tokens == 0:
+            return {}
+        _start, where = self._lookups.get(request.request_id, (0, ""))
+        counts: dict[Any, int] = {}
+        for code in where[: num_external_tokens // self._block_size]:
+            source = _WHERE_SOURCE.get(code, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            counts[source] = counts.get(source, 0) + self._block_size
+        if sum(counts.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return counts
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        self._requests[req_id] = request
+        start, _where = self._lookups.get(req_id, (0, ""))
+        count = num_external_tokens // self._block_size
+        self._saved_upto.setdefault(req_id, start + count)
+        if count <= 0:
+            return
+        block_ids = blocks.get_block_ids()[0][start: start + count]
+        hashes = [event_hash(h) for h in request.block_hashes[start: start + count]]
+        self._pending_loads[req_id] = BlockTransfer(req_id, list(block_ids), hashes)
+        self._saved_upto[req_id] = start + count
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvgateConnectorMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self._plan_save(meta, new_req.req_id, new_req.num_computed_tokens + scheduled.get(new_req.req_id, 0),
+                            list(new_req.block_ids[0]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if self._kv_cache_manager is None:
+                break
+            computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            self._plan_save(meta, req_id, computed, list(self._kv_cache_manager.get_block_ids(req_id)[0]))
+        return meta
+
+    def _plan_save(self, meta: KvgateConnectorMetadata, req_id: str, computed_after_step: int,
+                   block_ids: list[int]) -> None:
+        request = self._requests.get(req_id)
+        if request is None:
+            return
+        first = self._saved_upto.get(req_id, 0)
+        full = min(computed_after_step // self._block_size, len(request.block_hashes), len(block_ids))
+        if full <= first:
+            return
+        hashes = [event_hash(h) for h in request.block_hashes[first:full]]
+        parent = event_hash(request.block_hashes[first - 1]) if first > 0 else None
+        meta.saves.append(BlockTransfer(req_id, block_ids[first:full], hashes, parent))
+        self._saved_upto[req_id] = full
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)
+        self._saved_upto.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        return False, None
+
+    # ==========================================================================================================
+    # worker side
+    # ==========================================================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self._kv_cache_config.num_blocks
+        layers = []
+        for name, tensor in kv_caches.items():
+            if tensor.shape[0] == num_blocks:
+                block_dim = 0
+            elif tensor.dim() > 1 and tensor.shape[1] == num_blocks:
+                block_dim = 1
+            else:
+                raise ValueError(f"kvgate connector: cannot find the block dimension of {name} {tuple(tensor.shape)}")
+            shape = tuple(s for d, s in enumerate(tensor.shape) if d != block_dim)
+            layers.append(_CacheLayer(name, tensor, block_dim, shape, tensor.numel() // num_blocks
+                                      * tensor.element_size()))
+        self._layers = layers
+        self._block_bytes = sum(layer.block_bytes for layer in layers)
+        log.info("kvgate connector: %d layers, %d bytes per block", len(layers), self._block_bytes)
+
+    def _shm(self) -> torch.Tensor:
+        self._client.connect()
+        if self._shm_tensor is None:
+            assert self._client.shm is not None
+            self._shm_tensor = torch.frombuffer(self._client.shm, dtype=torch.uint8)
+            if any(layer.tensor.is_cuda for layer in self._layers):
+                # page-locked: host<->device copies become direct DMA, no bounce buffer
+                torch.cuda.cudart().cudaHostRegister(self._shm_tensor.data_ptr(), self._shm_tensor.numel(), 0)
+        return self._shm_tensor
+
+    def _reset_shm(self) -> None:
+        self._shm_tensor = None
+        self._client.close()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvgateConnectorMetadata)
+        self._failed_loads.clear()
+        for transfer in meta.loads:
+            loaded = self._load(transfer)
+            if loaded < len(transfer.block_ids):
+                log.warning("kvgate connector: %d of %d blocks of %s could not be loaded; vLLM recomputes them",
+                            len(transfer.block_ids) - loaded, len(transfer.block_ids), transfer.req_id)
+                self._load_errors.update(transfer.block_ids[loaded:])
+                self._failed_loads.add(transfer.req_id)
+
+    def _load(self, transfer: BlockTransfer) -> int:
+        """Copy the transfer's blocks into the paged cache; how many leading blocks arrived whole."""
+        if not self._layers:
+            return 0
+        for attempt in range(2):  # a second try on a fresh connection (the agent may have restarted)
+            try:
+                return self._load_once(transfer)
+            except AgentError as exc:
+                self._reset_shm()
+                if attempt:
+                    self._agent_failed("load", exc)
+        return 0
+
+    def _load_once(self, transfer: BlockTransfer) -> int:
+        loaded = 0
+        shm = self._shm()
+        step = self._client.max_blocks(self._block_bytes)
+        for i in range(0, len(transfer.hashes), step):
+            hashes = transfer.hashes[i: i + step]
+            lengths = self._client.load_in_place(self._layout, hashes, self._block_bytes)
+            whole = 0
+            for n in lengths:
+                if n != self._block_bytes:
+                    break
+                whole += 1
+            if whole:
+                self._copy_in(shm, transfer.block_ids[i: i + whole])
+            loaded += whole
+            if whole < len(hashes):
+                break
+        return loaded
+
+    def _copy_in(self, shm: torch.Tensor, block_ids: list[int]) -> None:
+        n = len(block_ids)
+        rows = shm[: n * self._block_bytes].view(n, self._block_bytes)
+        offset = 0
+        for layer in self._layers:
+            device = layer.tensor.device
+            src = rows[:, offset: offset + layer.block_bytes].view(layer.tensor.dtype)
+            src = src.view(n, *layer.block_shape)
+            if layer.block_dim != 0:
+                src = src.movedim(0, layer.block_dim)
+            index = torch.tensor(block_ids, dtype=torch.long, device=device)
+            layer.tensor.index_copy_(layer.block_dim, index, src.to(device, non_blocking=False))
+            offset += layer.block_bytes
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish inside start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # all layers of a block are saved together in wait_for_save, once the forward pass is done
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata() or not self._layers:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvgateConnectorMetadata)
+        for transfer in meta.saves:
+            if transfer.req_id in self._failed_loads:
+                continue  # this step computed on top of blocks that failed to load: do not keep its KV
+            for attempt in range(2):
+                try:
+                    self._save(transfer)
+                    break
+                except AgentError as exc:
+                    self._reset_shm()
+                    if attempt:
+                        self._agent_failed("save", exc)
+                        return
+
+    def _save(self, transfer: BlockTransfer) -> None:
+        shm = self._shm()
+        step = self._client.max_blocks(self._block_bytes)
+        for i in range(0, len(transfer.hashes), step):
+            block_ids = transfer.block_ids[i: i + step]
+            n = len(block_ids)
+            rows = shm[: n * self._block_bytes].view(n, self._block_bytes)
+            offset = 0
+            for layer in self._layers:
+                index = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
+                src = layer.tensor.index_select(layer.block_dim, index)
+                if layer.block_dim != 0:
+                    src = src.movedim(layer.block_dim, 0)
+                src = src.reshape(n, -1).view(torch.uint8)
+                rows[:, offset: offset + layer.block_bytes].copy_(src)
+                offset += layer.block_bytes
+            parent = transfer.parent if i == 0 else transfer.hashes[i - 1]
+            self._client.store_in_place(self._layout, transfer.hashes[i: i + step],
+                                        [k * self._block_bytes for k in range(n)], [self._block_bytes] * n, parent)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._shm_tensor = None
+        self._client.close()
