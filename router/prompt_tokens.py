@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # text mode: one "token" is this many characters, one block is block_size of them
 INLINE_CHARS = 2048  # prompts shorter than this are tokenized on the event loop (the thread hop costs more)
+PARALLEL_CHARS = 8192  # new chat text longer than this is encoded on the tokenizer's own threads
 TOKENS, TEXT = "tokens", "text"
 _SELF_CHECK = [
     [{"role": "system", "content": "You are a careful assistant.\n"}, {"role": "user", "content": "Hi there!"}],
@@ -68,9 +69,10 @@ class SegmentCachingTokenizer(ModelTokenizer):
 
     def __init__(self, model_dir: str | Path, cache_entries: int) -> None:
         super().__init__(model_dir)
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()  # piece -> ids, ids as uint32
         self._limit = cache_entries
         self._lock = threading.Lock()
+        self._local = threading.local()  # the token bytes of the last prompt this thread encoded
         self.encoded_chars = 0  # characters that went through the tokenizer on the cached path (cache misses)
         self._cut = self._cut_pattern()
         if self._cut is not None and not self._cuts_are_exact():
@@ -111,34 +113,117 @@ class SegmentCachingTokenizer(ModelTokenizer):
         starts.append(len(text))
         pieces = [text[starts[i]:starts[i + 1]] for i in range(len(starts) - 1)]
         cache = self._pieces
-        found: list[list[int] | None] = []
+        found: list[tuple[list[int], bytes] | None] = []
         with self._lock:
             for piece in pieces:
-                ids = cache.get(piece)
-                if ids is not None:
+                hit = cache.get(piece)
+                if hit is not None:
                     cache.move_to_end(piece)
-                found.append(ids)
-        missing = [piece for piece, ids in zip(pieces, found, strict=True) if ids is None]
+                found.append(hit)
+        missing = [piece for piece, hit in zip(pieces, found, strict=True) if hit is None]
         if missing:
-            # one call for every new piece: the tokenizer spreads a batch over its threads, and the fast
-            # variant skips the offsets nobody reads here
-            encoded = iter(e.ids for e in self._tok.encode_batch_fast(missing, add_special_tokens=False))
-            self.encoded_chars += sum(map(len, missing))
+            size = sum(map(len, missing))
+            if size > PARALLEL_CHARS:
+                # one call for every new piece: the tokenizer spreads a batch over its threads, and the fast
+                # variant skips the offsets nobody reads here
+                encoded = iter(e.ids for e in self._tok.encode_batch_fast(missing, add_special_tokens=False))
+            else:  # a new turn: waking the tokenizer's thread pool would cost more than encoding it here
+                encoded = iter(self._tok.encode(piece, add_special_tokens=False).ids for piece in missing)
+            self.encoded_chars += size
             with self._lock:
                 for i, piece in enumerate(pieces):
                     if found[i] is None:
-                        found[i] = cache[piece] = next(encoded)
+                        ids = next(encoded)
+                        found[i] = cache[piece] = (ids, array("I", ids).tobytes())
                 while len(cache) > self._limit:
                     cache.popitem(last=False)
         out: list[int] = []
-        for ids in found:
-            assert ids is not None
-            out += ids
+        chunks: list[bytes] = []
+        for hit in found:
+            assert hit is not None
+            out += hit[0]
+            chunks.append(hit[1])
+        # converting a long id list to bytes for hashing costs more than joining the pieces' bytes
+        self._local.last = (out, b"".join(chunks))
         return out
+
+    def prompt_ids_and_bytes(self, body: Mapping[str, Any], *, chat: bool) -> tuple[list[int], bytes]:
+        """`prompt_ids`, and the ids as native uint32 bytes (what block hashing reads)."""
+        self._local.last = None
+        ids = self.prompt_ids(body, chat=chat)
+        last = self._local.last
+        self._local.last = None
+        if last is not None and last[0] is ids:
+            return ids, last[1]
+        return ids, array("I", ids).tobytes()
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._pieces.clear()
 
     @property
     def cached_pieces(self) -> int:
         return len(self._pieces)
+
+
+class ChainMemo:
+    """Block keys of recent prompts, so a prompt extending one hashed before (a conversation's next turn, a
+    shared system prompt) hashes only its new blocks. Recent prompts are grouped by their first block; each
+    group keeps the last few, and a new prompt reuses the keys of the longest common full-block prefix."""
+
+    def __init__(self, block_size: int, groups: int = 256, per_group: int = 4) -> None:
+        self.block_size = block_size
+        self._step = block_size * 4  # bytes per block of uint32 token ids
+        self._groups: OrderedDict[tuple[BlockKey, bytes], list[tuple[bytes, list[BlockKey]]]] = OrderedDict()
+        self._max_groups = groups
+        self._per_group = per_group
+        self._lock = threading.Lock()
+        self.reused_blocks = 0
+
+    def _common_blocks(self, old: bytes, new: bytes, limit: int) -> int:
+        step = self._step
+        if new.startswith(old[: limit * step]):  # the usual case: the old prompt is a prefix of the new one
+            return limit
+        lo, hi = 0, limit - 1  # largest n with equal first n blocks; probe one block, confirm the prefix once
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if old[(mid - 1) * step: mid * step] == new[(mid - 1) * step: mid * step]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo if new.startswith(old[: lo * step]) else 0
+
+    def keys(self, data: bytes, root: BlockKey) -> list[BlockKey]:
+        """Chained keys of every full block of `data` (token ids as native uint32), as `block_keys` gives."""
+        step = self._step
+        blocks = len(data) // step
+        if blocks == 0:
+            return []
+        head = (root, data[:step])
+        with self._lock:
+            candidates = list(self._groups.get(head, ()))
+        reuse, reused = 0, []
+        for old, old_keys in candidates:
+            n = self._common_blocks(old, data, min(len(old_keys), blocks))
+            if n > reuse:
+                reuse, reused = n, old_keys
+        keys = reused[:reuse]
+        if reuse < blocks:
+            tail = array("I")
+            tail.frombytes(data[reuse * step: blocks * step])
+            keys += block_keys(tail, self.block_size, keys[-1] if keys else root)
+        self.reused_blocks += reuse
+        with self._lock:
+            group = self._groups.get(head)
+            if group is None:
+                group = self._groups[head] = []
+            else:
+                self._groups.move_to_end(head)
+            group.insert(0, (data, keys))
+            del group[self._per_group:]
+            while len(self._groups) > self._max_groups:
+                self._groups.popitem(last=False)
+        return keys
 
 
 def resolve_model_dir(path: str | Path, model: str | None = None) -> Path:
@@ -240,6 +325,7 @@ class PromptTokens:
         self._loading: dict[str, asyncio.Future[SegmentCachingTokenizer | None]] = {}
         self._failed: set[str] = set()
         self._directories: dict[str, str | None] = {}  # model -> resolved directory, or None for text mode
+        self._chains = ChainMemo(config.block_size)
         self._executor = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="kvgate-tokenize")
         for name, directory in self._named.items():
             resolve_model_dir(directory, name)  # fail at start-up, not on the first request
@@ -249,6 +335,12 @@ class PromptTokens:
             except ConfigError:
                 if not Path(self._default).is_dir():
                     raise
+
+    def clear_caches(self) -> None:
+        """Forget every cached piece and chain (benchmarks measure cold costs with it)."""
+        for tokenizer in self._tokenizers.values():
+            tokenizer.clear_cache()
+        self._chains = ChainMemo(self.block_size)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -317,10 +409,10 @@ class PromptTokens:
             size = _text_size(body, chat)
             try:
                 if size < INLINE_CHARS:
-                    result = self._tokenize(tokenizer, body, chat, root)
+                    result = self.tokenize_now(tokenizer, body, chat, root)
                 else:
                     result = await asyncio.get_running_loop().run_in_executor(
-                        self._executor, self._tokenize, tokenizer, body, chat, root)
+                        self._executor, self.tokenize_now, tokenizer, body, chat, root)
             except TokenizationError as exc:
                 log.debug("tokenization failed, routing by text: %s", exc)
         if result is None:
@@ -340,12 +432,13 @@ class PromptTokens:
     def _from_ids(self, ids: list[int], root: BlockKey) -> PromptKeys:
         return PromptKeys(block_keys(ids, self.block_size, root), len(ids), ids, TOKENS)
 
-    def _tokenize(self, tokenizer: ModelTokenizer, body: Mapping[str, Any], chat: bool,
-                  root: BlockKey) -> PromptKeys:
+    def tokenize_now(self, tokenizer: SegmentCachingTokenizer, body: Mapping[str, Any], chat: bool,
+                     root: BlockKey) -> PromptKeys:
+        """Tokenize and hash on the calling thread (`keys` decides which thread that is)."""
         if not chat:
             body = {**body, "prompt": _first_prompt(body.get("prompt"))}
-        ids = tokenizer.prompt_ids(body, chat=chat)
-        return self._from_ids(ids, root)
+        ids, data = tokenizer.prompt_ids_and_bytes(body, chat=chat)
+        return PromptKeys(self._chains.keys(data, root), len(ids), ids, TOKENS)
 
     def _from_text(self, text: str, root: BlockKey) -> PromptKeys:
         # a different root than token mode: character blocks must never be mistaken for token blocks

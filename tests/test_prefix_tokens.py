@@ -239,3 +239,42 @@ def test_piece_cache_gives_whole_text_ids_on_awkward_conversations(tiny_model_di
         assert cached.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
         assert cached.encode(text, add_special_tokens=True) == reference.encode(text, add_special_tokens=True)
     assert cached.cached_pieces == 64
+
+
+async def test_next_turn_reuses_the_block_keys_of_the_previous_turn(tiny_model_dir: Path) -> None:
+    prompts = service([str(tiny_model_dir)])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": words(1, 500)},
+                                      {"role": "user", "content": words(2, 50)}]
+    first = await prompts.keys(CHAT, "tiny", {"messages": messages}, {})
+    assert prompts._chains.reused_blocks == 0
+    messages += [{"role": "assistant", "content": words(3, 40)}, {"role": "user", "content": words(4, 30)}]
+    second = await prompts.keys(CHAT, "tiny", {"messages": messages}, {})
+    assert second.token_ids is not None
+    assert second.block_keys == block_keys(second.token_ids, 16, root_key("tiny"))  # still exact
+    assert second.block_keys[: len(first.block_keys) - 1] == first.block_keys[:-1]
+    assert prompts._chains.reused_blocks >= len(first.block_keys) - 1
+    # a prompt diverging inside the first turn reuses only what it shares, and is still exact
+    changed = [messages[0], {"role": "user", "content": words(2, 25) + " different"}]
+    third = await prompts.keys(CHAT, "tiny", {"messages": changed}, {})
+    assert third.token_ids is not None
+    assert third.block_keys == block_keys(third.token_ids, 16, root_key("tiny"))
+    prompts.close()
+
+
+def test_chain_memo_matches_block_keys_whatever_it_reuses() -> None:
+    from array import array
+
+    from router.prompt_tokens import ChainMemo
+
+    memo = ChainMemo(block_size=4, groups=8, per_group=2)
+    rng = random.Random(3)
+    root = root_key("m")
+    base = [rng.randrange(50) for _ in range(64)]
+    variants = [base, [*base, 1, 2, 3, 4, 5], base[:30] + [7] * 40,
+                [*base[:8], 9, *base[9:]],  # differs in block 2 only: later blocks equal again
+                [rng.randrange(3) for _ in range(40)], base[:3]]
+    for _ in range(3):
+        for ids in variants:
+            assert memo.keys(array("I", ids).tobytes(), root) == block_keys(ids, 4, root)
+            assert memo.keys(array("I", ids).tobytes(), root_key("other")) == block_keys(ids, 4, root_key("other"))
+    assert memo.reused_blocks > 0
