@@ -171,11 +171,12 @@ class ChainMemo:
     shared system prompt) hashes only its new blocks. Recent prompts are grouped by their first block; each
     group keeps the last few, and a new prompt reuses the keys of the longest common full-block prefix."""
 
-    def __init__(self, block_size: int, groups: int = 256, per_group: int = 4) -> None:
+    def __init__(self, block_size: int, max_bytes: int = 32 << 20, per_group: int = 4) -> None:
         self.block_size = block_size
         self._step = block_size * 4  # bytes per block of uint32 token ids
         self._groups: OrderedDict[tuple[BlockKey, bytes], list[tuple[bytes, list[BlockKey]]]] = OrderedDict()
-        self._max_groups = groups
+        self._max_bytes = max_bytes  # token-id bytes kept (the keys add 1/(2 x block size) of that again)
+        self._bytes = 0
         self._per_group = per_group
         self._lock = threading.Lock()
         self.reused_blocks = 0
@@ -220,9 +221,13 @@ class ChainMemo:
             else:
                 self._groups.move_to_end(head)
             group.insert(0, (data, keys))
+            self._bytes += len(data)
+            for dropped, _ in group[self._per_group:]:
+                self._bytes -= len(dropped)
             del group[self._per_group:]
-            while len(self._groups) > self._max_groups:
-                self._groups.popitem(last=False)
+            while self._bytes > self._max_bytes and len(self._groups) > 1:
+                for dropped, _ in self._groups.popitem(last=False)[1]:
+                    self._bytes -= len(dropped)
         return keys
 
 

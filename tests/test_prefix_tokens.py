@@ -266,7 +266,7 @@ def test_chain_memo_matches_block_keys_whatever_it_reuses() -> None:
 
     from router.prompt_tokens import ChainMemo
 
-    memo = ChainMemo(block_size=4, groups=8, per_group=2)
+    memo = ChainMemo(block_size=4, max_bytes=600, per_group=2)
     rng = random.Random(3)
     root = root_key("m")
     base = [rng.randrange(50) for _ in range(64)]
