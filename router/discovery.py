@@ -21,7 +21,6 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 import yaml
-from prometheus_client import Counter, Gauge
 
 from router.config import ConfigError, GatewayConfig, WorkerSpec
 from router.metrics import GatewayMetrics
@@ -130,16 +129,6 @@ def _nameserver(text: str) -> tuple[str, int]:
     return text, 53
 
 
-class DiscoveryMetrics:
-    """Discovery's metrics, registered in the gateway's registry."""
-
-    def __init__(self, metrics: GatewayMetrics) -> None:
-        self.workers = Gauge("kvgate_discovered_workers", "Workers each discovery source sees now", ["source"],
-                             registry=metrics.registry)
-        self.errors = Counter("kvgate_discovery_errors", "Discovery rounds a source failed (last answer kept)",
-                              ["source"], registry=metrics.registry)
-
-
 class WorkerDiscovery:
     """Polls every configured source each `discover_interval_s` and reconciles the pool with what they see."""
 
@@ -147,7 +136,7 @@ class WorkerDiscovery:
         self._config = config
         self._pool = pool
         self._sources = [parse_source(text) for text in config.discover]
-        self._metrics = DiscoveryMetrics(metrics)
+        self._metrics = metrics
         self._seen: dict[Source, dict[str, WorkerSpec]] = {}
         self._file_text: dict[str, str] = {}
         self._added: dict[str, WorkerSpec] = {}   # workers this discovery put in the pool, by URL
@@ -197,7 +186,7 @@ class WorkerDiscovery:
         answers = await asyncio.gather(*(self._lookup(s) for s in self._sources), return_exceptions=True)
         for source, answer in zip(self._sources, answers, strict=True):
             if isinstance(answer, DiscoveryError | ConfigError | OSError):
-                self._metrics.errors.labels(str(source)).inc()
+                self._metrics.discovery_errors.labels(str(source)).inc()
                 log.warning("discovery %s failed, keeping its last answer: %s", source, answer)
                 continue
             if isinstance(answer, BaseException):
@@ -205,7 +194,7 @@ class WorkerDiscovery:
             if answer != self._seen.get(source):
                 log.info("discovery %s sees %d workers: %s", source, len(answer), ", ".join(sorted(answer)))
             self._seen[source] = answer
-            self._metrics.workers.labels(str(source)).set(len(answer))
+            self._metrics.discovered_workers.labels(str(source)).set(len(answer))
         await self._reconcile()
 
     async def _reconcile(self) -> None:

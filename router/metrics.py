@@ -63,6 +63,14 @@ class GatewayMetrics:
         self.ejections = Counter(
             "kvgate_worker_ejections", "Times a worker was marked unhealthy", ["worker"], registry=r,
         )
+        # worker discovery (router/discovery.py)
+        self.discovered_workers = Gauge(
+            "kvgate_discovered_workers", "Workers each discovery source sees now", ["source"], registry=r,
+        )
+        self.discovery_errors = Counter(
+            "kvgate_discovery_errors", "Discovery rounds a source failed (its last answer kept)", ["source"],
+            registry=r,
+        )
         # prefix-aware routing
         self.tokenize_duration = Histogram(
             "kvgate_tokenize_duration_seconds", "Time to tokenize and hash one prompt, by mode (tokens or text)",

@@ -1,0 +1,381 @@
+"""docker/ as far as this machine allows: both compose files parse (`docker compose config`), promtool accepts the
+Prometheus config, the Kubernetes manifests pass an offline schema check, and the demo stack's own commands run
+here as processes (no Docker engine): a request goes through the gateway to a simulated replica, the real
+Prometheus scrapes every component, and every metric the Grafana dashboard queries is exported."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy_stack import (
+    PROGRAMS,
+    LocalStack,
+    compose_config,
+    exported_names,
+    fetch_text,
+    http_json,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+COMPOSE_FILES = [DOCKER / "compose.gpu.yaml", DOCKER / "compose.demo.yaml"]
+DASHBOARD = DOCKER / "grafana" / "dashboards" / "kvgate.json"
+K8S = DOCKER / "k8s"
+K8S_VERSION = "1.31.0"
+
+
+def need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is not installed: run scripts/system-deps.sh")
+    return path
+
+
+# --- compose --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_file_parses(path: Path) -> None:
+    need("docker")
+    out = subprocess.run(["docker", "compose", "-f", str(path), "config", "--quiet"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+
+
+def _flag(command: list[str], name: str) -> list[str]:
+    """Values of `--name=V` and `--name V` in a command."""
+    values = []
+    for i, arg in enumerate(command):
+        if arg.startswith(name + "="):
+            values.append(arg.split("=", 1)[1])
+        elif arg == name and i + 1 < len(command):
+            values.append(command[i + 1])
+    return values
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_stack_shape(path: Path) -> None:
+    """Every replica has an agent beside it, KV events on, and a --worker line with its event endpoints."""
+    services = compose_config(path)["services"]
+    replicas = sorted(n for n in services if n.startswith("replica-"))
+    assert len(replicas) >= 2
+    gateway = services["gateway"]["command"]
+    assert _flag(gateway, "--strategy") == ["kv"]
+    workers = _flag(gateway, "--worker")
+    block_sizes = set(_flag(gateway, "--block-size"))
+    for name in replicas:
+        index = name.split("-", 1)[1]
+        replica, agent = services[name], services[f"agent-{index}"]
+        assert f"http://{name}:8000;events=tcp://{name}:5557;replay=tcp://{name}:5558" in workers
+        run_volume = {v["source"] for v in agent["volumes"] if v["target"] == "/run/kvgate"}
+        assert run_volume and run_volume <= {v["source"] for v in replica["volumes"]}, "agent socket not shared"
+        assert _flag(agent["command"], "--shared-url") == ["redis://valkey:6379/0"]
+        block_sizes |= set(_flag(agent["command"], "--block-size")) | set(_flag(replica["command"], "--block-size"))
+        if replica["image"].startswith("kvgate-vllm"):
+            command = replica["command"]
+            assert "--enable-prefix-caching" in command
+            events = json.loads(_flag(command, "--kv-events-config")[0])
+            assert events["enable_kv_cache_events"] and events["endpoint"] == "tcp://*:5557"
+            assert events["replay_endpoint"] == "tcp://*:5558"
+            connector = json.loads(_flag(command, "--kv-transfer-config")[0])
+            module = ROOT / (connector["kv_connector_module_path"].replace(".", "/") + ".py")
+            assert f"class {connector['kv_connector']}(" in module.read_text()
+            assert replica["ipc"] == f"service:agent-{index}" and agent["ipc"] == "shareable"
+            assert any(d["capabilities"] == ["gpu"] for d in replica["deploy"]["resources"]["reservations"]["devices"])
+        else:
+            assert replica["command"][0] == "sim"
+    assert len(block_sizes) == 1, f"block sizes differ: {block_sizes}"
+    assert {"valkey", "prometheus", "grafana"} <= set(services)
+
+
+# --- Dockerfile -------------------------------------------------------------------------------------------------
+
+
+def test_dockerfile_is_multistage_nonroot_pinned() -> None:
+    text = (DOCKER / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?", text, re.M)
+    assert len(stages) >= 2 and stages[-1][1] == "runtime"
+    for arg in re.findall(r"^ARG \w+_IMAGE=(\S+)", text, re.M):
+        assert ":" in arg and not arg.endswith(":latest"), arg
+    runtime = text[text.index("AS runtime"):]
+    users = re.findall(r"^USER (\S+)", runtime, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.search(r"^HEALTHCHECK ", runtime, re.M)
+    assert re.search(r'^ENTRYPOINT \["kvgate"\]', runtime, re.M)
+
+
+def test_image_requirements_pin_every_dependency() -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover - Python 3.10
+        pytest.skip("tomllib needs Python 3.11")
+    pins: dict[str, str] = {}
+    for line in (DOCKER / "requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep, f"not pinned: {line}"
+            pins[canonicalize_name(name)] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for dep in project["dependencies"]:
+        req = Requirement(dep)
+        if req.marker is not None and not req.marker.evaluate({"sys_platform": "linux"}):
+            continue
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} missing from docker/requirements.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{req.name}=={pins[name]} not in {req.specifier}"
+
+
+# --- Prometheus config ----------------------------------------------------------------------------------------
+
+
+def test_promtool_accepts_prometheus_config() -> None:
+    out = subprocess.run([need("promtool"), "check", "config", str(DOCKER / "prometheus.yml")],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_prometheus_scrapes_every_component(path: Path) -> None:
+    scrape = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    services = compose_config(path)["services"]
+    for name, spec in services.items():
+        if name == "gateway":
+            assert "gateway:8000" in targets
+        elif name.startswith("replica-"):
+            assert f"{name}:8000" in targets
+        elif name.startswith("agent-"):
+            port = _flag(spec["command"], "--metrics-port")[0]
+            assert f"{name}:{port}" in targets
+
+
+# --- Grafana ---------------------------------------------------------------------------------------------------
+
+
+def dashboard_metrics() -> set[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs
+    return {m for e in exprs for m in re.findall(r"\b(?:kvgate_[a-z0-9_]+|vllm:[a-z0-9_:]+)", e)}
+
+
+def test_grafana_provisioning_matches_dashboard() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    sources = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    uids = {s["uid"] for s in sources["datasources"]}
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] in uids, panel["title"]
+    provider = yaml.safe_load((DOCKER / "grafana/provisioning/dashboards/kvgate.yaml").read_text())["providers"][0]
+    for path in COMPOSE_FILES:
+        grafana = compose_config(path)["services"]["grafana"]
+        mounts = {v["target"]: Path(v["source"]) for v in grafana["volumes"]}
+        assert mounts[provider["options"]["path"]] == DASHBOARD.parent
+        assert mounts["/etc/grafana/provisioning"] == DOCKER / "grafana" / "provisioning"
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("hit rate", "predicted vs actual", "time to first token", "routing decisions", "in flight",
+                  "health", "kv events", "tier occupancy", "hits by tier"):
+        assert topic in titles, topic
+
+
+# --- Kubernetes ----------------------------------------------------------------------------------------------------
+
+
+def k8s_documents() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(
+        p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    docs = []
+    for name in kustomization["resources"]:
+        docs.extend(d for d in yaml.safe_load_all((K8S / name).read_text()) if d)
+    return docs
+
+
+def test_k8s_manifests_pass_the_schema_check() -> None:
+    import kubernetes_validate
+
+    docs = k8s_documents()
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    # the check can fail: an unknown field and a missing required one are refused
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    broken = copy.deepcopy(deployment)
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+    broken = copy.deepcopy(deployment)
+    del broken["spec"]["template"]["spec"]["containers"][0]["name"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+def test_k8s_manifests_wire_together(tmp_path: Path) -> None:
+    from router.config import GatewayConfig, load_config
+    from router.discovery import DnsSource, parse_source
+    from router.serve import ENV_PREFIX
+
+    docs = k8s_documents()
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    for service in (d for d in docs if d["kind"] == "Service"):
+        selected = [w for w in workloads
+                    if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert selected, f"Service {service['metadata']['name']} selects no workload"
+    for workload in workloads:
+        assert workload["spec"]["selector"]["matchLabels"].items() <= workload["spec"]["template"]["metadata"][
+            "labels"].items()
+
+    gateway = by[("Deployment", "kvgate-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
+
+    # the ConfigMap's kvgate.yaml is a valid gateway config that discovers the headless Service
+    (tmp_path / "kvgate.yaml").write_text(by[("ConfigMap", "kvgate-config")]["data"]["kvgate.yaml"])
+    import argparse
+
+    cfg = load_config(GatewayConfig, ENV_PREFIX, argparse.Namespace(config=str(tmp_path / "kvgate.yaml")), {})
+    assert cfg.strategy == "kv"
+    headless = by[("Service", "vllm-headless")]
+    assert headless["spec"]["clusterIP"] == "None"
+    source = parse_source(cfg.discover[0])
+    assert isinstance(source, DnsSource)
+    assert source.name == f"vllm-headless.{headless['metadata']['namespace']}.svc.cluster.local"
+    ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
+    assert (source.port, cfg.discover_events_port, cfg.discover_replay_port) == (
+        ports["http"], ports["kv-events"], ports["kv-replay"])
+
+    # the agent is a sidecar of the vLLM pod, sharing /dev/shm and the socket directory
+    pod = by[("StatefulSet", "vllm")]["spec"]["template"]["spec"]
+    agent = next(c for c in pod["initContainers"] if c["name"] == "tier-agent")
+    vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
+    assert agent["restartPolicy"] == "Always"
+    shared = {m["mountPath"] for m in agent["volumeMounts"]} & {m["mountPath"] for m in vllm["volumeMounts"]}
+    assert {"/dev/shm", "/run/kvgate"} <= shared
+    assert "--kv-events-config" in " ".join(vllm["args"]) and "agent.vllm_connector" in " ".join(vllm["args"])
+    valkey = by[("Service", "valkey")]
+    assert any(f"redis://valkey.{valkey['metadata']['namespace']}.svc.cluster.local:6379" in a for a in agent["args"])
+
+
+# --- the demo stack, run here ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """compose.demo.yaml's services as local processes (Grafana aside: it has no Debian package)."""
+    need("prometheus")
+    config = compose_config(DOCKER / "compose.demo.yaml")
+    stack = LocalStack(config, tmp_path_factory.mktemp("demo"), PROGRAMS)
+    # this test's Prometheus scrapes every second (the stack's file says 5 s)
+    prom = stack.services["prometheus"]
+    try:
+        for name in stack.order():
+            if name == "grafana":
+                continue
+            if name == "prometheus":
+                stack.mounts(prom)  # writes the rewritten prometheus.yml
+                copy_path = stack.workdir / "binds" / "prometheus" / "prometheus.yml"
+                copy_path.write_text(copy_path.read_text().replace("scrape_interval: 5s", "scrape_interval: 1s"))
+            stack.start(name)
+            restart = stack.services[name].spec.get("restart")
+            if restart == "no":
+                stack.run_to_completion(name)
+            else:
+                stack.wait_ready(name)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_demo_stack_serves_a_request_end_to_end(demo_stack: LocalStack) -> None:
+    gateway = demo_stack.services["gateway"].url(8000)
+    status, listing = http_json(gateway + "/admin/workers")
+    assert status == 200
+    workers = {w["url"]: w for w in listing["workers"]}
+    for name in ("replica-0", "replica-1"):
+        replica = demo_stack.services[name]
+        worker = workers[replica.url(8000)]
+        assert worker["events"] == f"tcp://127.0.0.1:{replica.port(5557)}"
+    deadline = time.monotonic() + 15
+    while not all(w["healthy"] for w in workers.values()):
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)
+        workers = {w["url"]: w for w in http_json(gateway + "/admin/workers")[1]["workers"]}
+
+    system = "You are the demo assistant of a prefix-aware router. " * 20
+    body = {"model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]}
+    status, first = http_json(gateway + "/v1/chat/completions", body)
+    assert status == 200, first
+    assert first["choices"][0]["message"]["role"] == "assistant"
+    # the second request with the same long prefix finds it cached (the kv strategy sends it where it is)
+    deadline = time.monotonic() + 10
+    while True:
+        status, second = http_json(gateway + "/v1/chat/completions", body)
+        assert status == 200, second
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if cached > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert cached >= second["usage"]["prompt_tokens"] // 2
+
+    # every agent runs the three tiers the compose file gives it
+    for name in ("agent-0", "agent-1"):
+        text = fetch_text(demo_stack.services[name].url(9400) + "/metrics")
+        for tier in ("dram", "nvme", "shared"):
+            assert f'kvgate_agent_tier_capacity_bytes{{tier="{tier}"}}' in text, text[:2000]
+
+
+def test_dashboard_queries_only_exported_metrics(demo_stack: LocalStack) -> None:
+    exported: set[str] = set()
+    for name in ("gateway", "replica-0", "agent-0"):
+        port = 9400 if name.startswith("agent") else 8000
+        exported |= exported_names(fetch_text(demo_stack.services[name].url(port) + "/metrics"))
+    missing = sorted(dashboard_metrics() - exported)
+    assert not missing, f"the dashboard queries metrics no component exports: {missing}"
+
+
+def test_prometheus_scrapes_the_demo_stack(demo_stack: LocalStack) -> None:
+    # some traffic, so request counters exist
+    gateway = demo_stack.services["gateway"].url(8000)
+    status, _ = http_json(gateway + "/v1/completions", {"model": "tiny", "prompt": "count me", "max_tokens": 2})
+    assert status == 200
+    api = demo_stack.services["prometheus"].url(9090) + "/api/v1/query?query="
+
+    def query(expr: str) -> list[dict[str, Any]]:
+        status, answer = http_json(api + urllib.parse.quote(expr))
+        assert status == 200 and answer["status"] == "success", answer
+        result: list[dict[str, Any]] = answer["data"]["result"]
+        return result
+
+    deadline = time.monotonic() + 30
+    while True:
+        up = {(r["metric"]["job"], r["metric"]["instance"]): r["value"][1] for r in query("up")}
+        requests = query("sum(kvgate_requests_total)")
+        if (len(up) >= 6 and all(v == "1" for v in up.values()) and requests
+                and float(requests[0]["value"][1]) >= 1):
+            break
+        assert time.monotonic() < deadline, f"Prometheus did not scrape the stack in time: up={up} " \
+                                            f"requests={requests}"
+        time.sleep(0.5)
+    assert {job for job, _ in up} == {"kvgate-gateway", "vllm", "kvgate-agent", "prometheus"}
+    hits = query("sum by (replica) (vllm:prefix_cache_queries_total)")
+    assert {r["metric"]["replica"] for r in hits} == {"replica-0", "replica-1"}
+    tiers = query("count by (tier) (kvgate_agent_tier_capacity_bytes)")
+    assert tiers
