@@ -231,19 +231,24 @@ async def run_workload(
 
 
 async def measure_fleet(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    port, events, replay = free_port(), free_port(), free_port()
-    # the replicas take consecutive ports from these bases
-    proc = spawn_kvgate(["sim", "--replicas", str(args.replicas), "--port", str(port), "--events-port", str(events),
-                         "--replay-port", str(replay), "--model-dir", str(model_dir), "--served-model-name",
-                         "tiny", "--speedup", str(args.speedup), "--block-size", "16",
-                         "--num-gpu-blocks-override", str(args.gpu_blocks), "--log-level", "warning"])
-    urls = [f"http://127.0.0.1:{port + i}" for i in range(args.replicas)]
+    # one `kvgate sim --replicas 1` process per replica, each on its own free ports
+    procs = []
+    urls = []
     try:
+        for _ in range(args.replicas):
+            port = free_port()
+            procs.append(spawn_kvgate([
+                "sim", "--replicas", "1", "--port", str(port), "--events-port", str(free_port()),
+                "--replay-port", str(free_port()), "--model-dir", str(model_dir), "--served-model-name", "tiny",
+                "--speedup", str(args.speedup), "--block-size", "16",
+                "--num-gpu-blocks-override", str(args.gpu_blocks), "--log-level", "warning"]))
+            urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             wait_http(url + "/health", 60)
         results = [await run_workload(urls, s, model_dir, args) for s in args.strategies.split(",")]
     finally:
-        stop(proc)
+        for proc in procs:
+            stop(proc)
     return {"replicas": args.replicas, "speedup": args.speedup, "request_cost_tokens": args.request_cost,
             "prefill_weight": args.prefill_weight, "gpu_blocks_per_replica": args.gpu_blocks,
             "groups": args.groups, "system_words": args.system_words, "user_words": args.user_words,
