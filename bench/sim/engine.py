@@ -73,6 +73,7 @@ class SimEngine:
         self.counters = EngineCounters()
         self.clock = clock
         self.steps = 0
+        self.lag_s = 0.0  # how far steps ran behind the model (CPU-bound at a high speedup); 0 when keeping up
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -152,8 +153,10 @@ class SimEngine:
                 await asyncio.sleep(delay)
             else:
                 await asyncio.sleep(0)
-            last_end = end
             now = clock()
+            if now - end > _SCHEDULE_SLACK_S:
+                self.lag_s += now - end - _SCHEDULE_SLACK_S
+            last_end = end
             sampled, finished = scheduler.update_from_output(out, now)
             self._account(sampled, finished, now)
             self._flush_events()
@@ -164,6 +167,7 @@ class SimEngine:
         for request in sampled:
             if len(request.output_token_ids) == 1:
                 c.prompt_tokens += request.num_prompt_tokens
+                c.prompt_tokens_cached += max(request.num_cached_tokens, 0)
                 c.ttft.observe(now - request.arrival_time)
         for request in finished:
             reason = request.finish_reason or "length"

@@ -51,6 +51,7 @@ class EngineCounters:
     """What the engine counts; read at scrape time."""
 
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
     success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
@@ -102,6 +103,8 @@ class SimCollector(Collector):
                       g.prefix_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", c.preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
+        yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix cache hits).",
+                      c.prompt_tokens_cached)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*names, "finished_reason"])

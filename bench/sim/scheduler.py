@@ -34,10 +34,25 @@ class SimRequest:
     """One sequence in the engine: its tokens, how many are computed, its block hashes, its progress."""
 
     __slots__ = (
-        "all_token_ids", "arrival_time", "block_hashes", "eos_token_id", "finish_reason", "first_block_extra",
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "eos_token_id",
+        "finish_reason",
+        "finished",
+        "first_block_extra",
         "first_token_time",
-        "listener", "max_tokens", "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_prompt_tokens",
-        "output_plan", "output_token_ids", "request_id", "status", "stop_at",
+        "listener",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_plan",
+        "output_token_ids",
+        "request_id",
+        "status",
+        "stop_at",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, output_plan: list[int],
@@ -59,6 +74,7 @@ class SimRequest:
         self.arrival_time = arrival_time
         self.first_token_time = 0.0
         self.status = Status.WAITING
+        self.finished = False               # FINISHED or ABORTED
         self.finish_reason: str | None = None
         self.listener = listener            # called after each step that produced tokens or finished it
         self.first_block_extra = first_block_extra  # extra keys of block 0 (cache_salt)
@@ -67,9 +83,6 @@ class SimRequest:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
-    @property
-    def finished(self) -> bool:
-        return self.status in (Status.FINISHED, Status.ABORTED)
 
 
 @dataclass
@@ -123,6 +136,7 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
         request.status = Status.ABORTED
+        request.finished = True
         request.finish_reason = "abort"
         self.kv.free(request_id)
 
@@ -149,8 +163,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_new, budget, self.max_model_len - 1 - request.num_computed_tokens)
+            computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) - computed, budget, self.max_model_len - 1 - computed)
             if num_new <= 0:
                 i += 1
                 continue
@@ -216,33 +230,39 @@ class Scheduler:
         touched: list[SimRequest] = []
         finished: list[SimRequest] = []
         bs = self.block_size
+        max_model_len = self.max_model_len
+        hasher = self.hasher
         for chunk in out.chunks:
             request = chunk.request
-            if request.finished or request.num_computed_tokens < request.num_tokens:
+            all_ids = request.all_token_ids
+            if request.finished or request.num_computed_tokens < len(all_ids):
                 continue  # aborted meanwhile, or a prefill chunk that is not the last one
-            n_out = len(request.output_token_ids)
+            outputs = request.output_token_ids
+            n_out = len(outputs)
             if request.stop_at is not None and n_out + 1 == request.stop_at and request.eos_token_id >= 0:
                 token = request.eos_token_id
             else:
-                token = request.output_plan[n_out % len(request.output_plan)]
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
+                plan = request.output_plan
+                token = plan[n_out % len(plan)]
+            outputs.append(token)
+            all_ids.append(token)
             if n_out == 0:
                 request.first_token_time = now
-            if request.num_tokens % bs == 0:
+            n_tokens = len(all_ids)
+            if n_tokens % bs == 0:
                 hashes = request.block_hashes
-                parent = hashes[-1] if hashes else None
                 extra = None if hashes else request.first_block_extra
-                hashes.append(self.hasher(parent, request.all_token_ids[-bs:], extra))
+                hashes.append(hasher(hashes[-1] if hashes else None, all_ids[-bs:], extra))
             n_out += 1
             if n_out >= request.max_tokens:
                 request.finish_reason = "length"
             elif request.stop_at is not None and n_out >= request.stop_at:
                 request.finish_reason = "stop"
-            elif request.num_tokens >= self.max_model_len:
+            elif n_tokens >= max_model_len:
                 request.finish_reason = "length"
             if request.finish_reason is not None:
                 request.status = Status.FINISHED
+                request.finished = True
                 finished.append(request)
             touched.append(request)
         if finished:

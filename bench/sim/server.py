@@ -93,6 +93,7 @@ class OutputVocabulary:
         self.text = {tid: tokenizer.decode([tid]) for tid in ids}
         self.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
         self.text[self.eos_token_id] = ""
+        self.json_text = {tid: orjson.dumps(text) for tid, text in self.text.items()}  # for streamed chunks
 
     def plan(self, prompt: list[int]) -> list[int]:
         start = (sum(prompt[-8:]) + len(prompt)) % len(self.ids)
@@ -388,6 +389,17 @@ async def _stream(request: web.Request, replica: Replica, seqs: list[_Sequence],
                  if return_ids else None,
                  "prompt_text": None}
         await response.write(b"data: " + dumps(first) + b"\n\n")
+    # the chunk of a token that is neither the last nor carries ids is `pre + "text" + post`: built once
+    json_text = replica.vocab.json_text
+    fast = not return_ids
+    head = dumps({"id": rid, "object": obj, "created": created, "model": model})[:-1]
+    if chat:
+        pres = [b"data: " + head + b',"choices":[{"index":%d,"delta":{"content":' % i for i in range(len(seqs))]
+        post = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+    else:
+        pres = [b"data: " + head + b',"choices":[{"index":%d,"text":' % i for i in range(len(seqs))]
+        post = (b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+                b'"token_ids":null}]}\n\n')
     pending = list(seqs)
     while pending:
         # wait until any sequence has news; one engine step usually updates all of them
@@ -414,6 +426,9 @@ async def _stream(request: web.Request, replica: Replica, seqs: list[_Sequence],
                 first_chunk = seq.sent == 0
                 seq.sent += 1
                 last = seq.sent == end and r.finished
+                if fast and not last:
+                    parts.append(pres[i] + json_text[tok] + post)
+                    continue
                 finish = r.finish_reason if last else None
                 if chat:
                     choice: dict[str, Any] = {"index": i, "delta": {"content": text[tok]}, "logprobs": None,
@@ -525,7 +540,7 @@ async def sim_blocks(request: web.Request) -> web.Response:
         "hashes": hashes, "free_order": pool.free_order() if request.query.get("free_order") else None,
         "next_event_seq": engine.publisher.next_seq if engine.publisher else None,
         "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-        "steps": engine.steps,
+        "steps": engine.steps, "lag_s": round(engine.lag_s, 6),
     })
 
 
@@ -566,7 +581,8 @@ def create_replica_app(config: ReplicaConfig) -> web.Application:
 async def serve_replica(config: ReplicaConfig, ready: Callable[[ReplicaConfig], None] | None = None) -> None:
     """Run one replica until cancelled."""
     app = create_replica_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # uvicorn's (vLLM's) keep-alive is 5 s: idle connections are closed as vLLM would close them
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=5.0)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port, backlog=1024).start()
