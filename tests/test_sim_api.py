@@ -111,7 +111,13 @@ async def test_streaming_formats(fleet: SimFleet, client: aiohttp.ClientSession)
     url = fleet.urls[0]
     req = {"model": MODEL, "prompt": "stream me", "max_tokens": 5}
     _, plain = await post(client, url + "/v1/completions", req)
-    chunks = [orjson.loads(c) for c in await sse(client, url + "/v1/completions", {**req, "stream": True})]
+    raw = await sse(client, url + "/v1/completions", {**req, "stream": True})
+    chunks = [orjson.loads(c) for c in raw]
+    # vLLM 0.32's fields in its order, compact JSON (pydantic's model_dump_json(exclude_unset=True))
+    assert all(orjson.dumps(c) == r for c, r in zip(chunks, raw, strict=True))
+    assert all(list(c) == ["id", "object", "created", "model", "choices"] for c in chunks)
+    assert all(list(c["choices"][0]) == ["index", "text", "logprobs", "finish_reason", "stop_reason",
+                                         "prompt_token_ids", "token_ids"] for c in chunks)
     assert len(chunks) == 5
     assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
@@ -122,8 +128,14 @@ async def test_streaming_formats(fleet: SimFleet, client: aiohttp.ClientSession)
 
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}
-    chunks = [orjson.loads(c) for c in await sse(client, url + "/v1/chat/completions", chat)]
+    raw = await sse(client, url + "/v1/chat/completions", chat)
+    chunks = [orjson.loads(c) for c in raw]
+    assert all(orjson.dumps(c) == r for c, r in zip(chunks, raw, strict=True))
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert list(chunks[0]) == ["id", "object", "created", "model", "choices", "prompt_token_ids", "prompt_text"]
+    assert list(chunks[1]["choices"][0]) == ["index", "delta", "logprobs", "finish_reason", "token_ids"]
+    assert list(chunks[-2]["choices"][0]) == ["index", "delta", "logprobs", "finish_reason", "stop_reason",
+                                              "token_ids"]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     content = chunks[1:-1]
     assert len(content) == 4 and all("content" in c["choices"][0]["delta"] for c in content)
