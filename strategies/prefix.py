@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
@@ -67,6 +67,7 @@ class PrefixAffinity(Strategy):
         self._evictions = 0
         self._expirations = 0
         self._random = random.Random()
+        self.clock: Callable[[], float] = time.monotonic  # injectable: tests freeze it
 
     def attach_metrics(self, metrics: GatewayMetrics) -> None:
         self._metrics = metrics
@@ -83,7 +84,7 @@ class PrefixAffinity(Strategy):
                 + self.request_cost * worker.outstanding)
 
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
-        now = time.monotonic()
+        now = self.clock()
         keys = request.block_keys
         bs = self.block_size
         prompt = max(request.prompt_tokens, len(keys) * bs)

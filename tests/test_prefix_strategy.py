@@ -21,6 +21,7 @@ def make(n: int = 4, **overrides: Any) -> tuple[PrefixAffinity, list[Worker]]:
     config = GatewayConfig(strategy="prefix", block_size=BS, **overrides)
     strategy = create_strategy(config)
     assert isinstance(strategy, PrefixAffinity)
+    strategy.clock = lambda: 1000.0  # frozen: queued prefill drains only when a test moves time
     workers = [Worker(spec=WorkerSpec(f"http://127.0.0.1:{9000 + i}"), healthy=True, models=frozenset({"tiny"}))
                for i in range(n)]
     return strategy, workers
@@ -147,3 +148,17 @@ def test_forget_worker_purges_and_metrics_are_recorded() -> None:
     assert len(strategy.trie) == 0
     rest = [w for w in workers if w is not first.worker]
     assert strategy.choose(request(prompt), rest).reason == MISS
+
+
+def test_queued_prefill_drains_with_time() -> None:
+    strategy, workers = make(2)
+    now = [1000.0]
+    strategy.clock = lambda: now[0]
+    system = tokens(1, 1000)
+    first = strategy.choose(request(system + tokens(2, 40)), workers)
+    for _ in range(3):  # three cold prompts queued behind it on the same worker...
+        strategy._queue(first.worker.url).add(2000, now[0])
+    assert strategy.choose(request(system + tokens(3, 40)), workers).reason == SPILL  # ...so it spills
+    now[0] += 1.0  # a second later the 20,000 tokens/s estimate has drained both queues
+    decision = strategy.choose(request(system + tokens(4, 40)), workers)
+    assert decision.reason == HIT and decision.predicted_cached_tokens >= 992
