@@ -77,6 +77,14 @@ def _parse_discover(text: str) -> str:
     return str(parse_source(text))
 
 
+def _parse_nameserver(text: str) -> str:
+    from router.discovery import parse_nameserver
+
+    if text.strip():
+        parse_nameserver(text)
+    return text.strip()
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Everything `kvgate serve` can be told."""
@@ -111,7 +119,8 @@ class GatewayConfig:
     )
     discover_interval_s: float = option(5.0, "interval between discovery rounds (DNS lookups, file checks)")
     discover_nameserver: str = option(
-        "", "DNS server for dns: discovery, IP or IP:PORT; empty = the system resolver (getaddrinfo)"
+        "", "DNS server for dns: discovery, IP or IP:PORT; empty = the system resolver (getaddrinfo)",
+        parse=_parse_nameserver,
     )
     discover_events_port: int = option(0, "KV-event PUB port on each discovered host, as tcp://HOST:PORT; 0 = none")
     discover_replay_port: int = option(0, "KV-event replay port on each discovered host; 0 = none")
@@ -142,8 +151,13 @@ class GatewayConfig:
     kv_cost_shared: float = option(
         0.4, "kv: cost of a block in the fleet-shared tier (reachable from every worker), share of recomputing it"
     )
-    kv_pending_ttl_s: float = option(
-        2.0, "kv: seconds a routed request's blocks count as predicted on its worker before events confirm them"
+    kv_pending_grace_s: float = option(
+        0.1, "kv: seconds a finished request's blocks still count as predicted on its worker, for its KV events "
+        "to arrive (while it is in flight they always count)"
+    )
+    kv_affinity: float = option(
+        0.5, "kv: pull of the worker a prefix was last sent to when the engines no longer hold it, as a share of "
+        "the prefill it would save if they did (keeps a group in one place instead of copying it around)"
     )
     kv_index_max_entries: int = option(20_000_000, "kv: most (block, worker) entries in the block index")
     kv_replay_timeout_s: float = option(2.0, "kv: timeout of one replay request to an event source")

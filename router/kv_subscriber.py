@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
+import xxhash
 import zmq
 import zmq.asyncio
 
@@ -60,6 +61,7 @@ class SourceState:
 
     held: dict[tuple[BlockHash, str], _Holding] = field(default_factory=dict)
     expected: int | None = None  # next sequence number
+    last_digest: int | None = None  # of the last applied payload: tells a restarted publisher's history apart
     partial_since: float | None = None  # when the picture became incomplete; None = complete
 
 
@@ -133,10 +135,16 @@ class KvEventHub:
                 state.partial_since = None
         return True
 
+    def engine_hashes(self, worker: str, tier: str) -> set[BlockHash]:
+        """The engine block hashes the worker's sources say it holds on `tier` (for checks and debugging)."""
+        return {h for source in self._sources.get(worker, ()) for (h, t) in self._states[source].held if t == tier}
+
     # --- receiving ------------------------------------------------------------------------------------------
 
     async def _subscribe(self, source: EventSource) -> None:
-        """Receive forever; ZMQ reconnects by itself (with backoff) when the publisher restarts."""
+        """Receive forever. ZMQ reconnects by itself (with backoff) when the publisher restarts; every
+        (re)connection is reconciled against the replay buffer, since a restarted engine's first batches are
+        usually published before the subscription is back."""
         # block keys start from the worker's model: wait until its model list is known
         while self._model_of(source.worker) is None:  # noqa: ASYNC110
             await asyncio.sleep(0.1)
@@ -145,19 +153,30 @@ class KvEventHub:
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
             sock.setsockopt(zmq.RCVHWM, 100_000)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            poller = zmq.asyncio.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             try:
                 sock.connect(source.endpoint)
-                if self._states[source].expected is None and source.replay:
-                    await self._initial_replay(source)
+                if self._states[source].expected is None:
+                    await self._reconcile(source)
+                connections = 0
                 while True:
-                    frames = await sock.recv_multipart()
-                    await self._receive(source, frames)
-                    backoff = 0.1
+                    ready = dict(await poller.poll())
+                    if monitor in ready:
+                        await monitor.recv_multipart()
+                        connections += 1
+                        if connections > 1:  # a reconnection: the publisher may have restarted meanwhile
+                            await self._reconcile(source)
+                    if sock in ready:
+                        await self._receive(source, await sock.recv_multipart())
+                        backoff = 0.1
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug or a broken socket must not end the subscription
@@ -165,6 +184,8 @@ class KvEventHub:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             finally:
+                sock.disable_monitor()
+                monitor.close(linger=0)
                 sock.close(linger=0)
 
     async def _receive(self, source: EventSource, frames: list[bytes]) -> None:
@@ -195,39 +216,62 @@ class KvEventHub:
             self._reset(source, "late_start", partial=True)
         self._apply(source, batch.events)
         state.expected = seq + 1
+        state.last_digest = xxhash.xxh3_64_intdigest(frames[2])
 
-    async def _initial_replay(self, source: EventSource) -> None:
-        """A gateway that starts while the engine already holds blocks recovers them from the replay buffer."""
+    async def _reconcile(self, source: EventSource) -> None:
+        """Align the state with the publisher's replay buffer: recover blocks announced before we listened,
+        batches missed while disconnected, and notice a publisher that restarted (its history is not ours)."""
         state = self._states[source]
+        if not source.replay:
+            return  # the live stream decides (a late start is marked partial)
         try:
             batches = await self._replay(source, 0)
         except _Gap:
-            return  # the live stream decides (a late start is marked partial)
-        if not batches:
-            state.expected = 0
             return
-        if batches[0][0] != 0:
-            self._reset(source, "late_start", partial=True)
-        for seq, events in batches:
-            self._apply(source, events)
+        expected = state.expected
+        if expected is not None and not _same_history(state, batches):
+            self._reset(source, "publisher_restart", partial=False)
+            expected = None
+        if expected is None:
+            if batches and batches[0][0] != 0:
+                self._reset(source, "late_start", partial=True)
+            todo = batches
+            state.expected = 0
+        else:
+            todo = [(seq, payload) for seq, payload in batches if seq >= expected]
+            if todo and todo[0][0] != expected:
+                self._reset(source, "gap", partial=True)
+            if todo:
+                self._metrics.kv_replays.labels(source.worker, "repaired").inc()
+        for seq, payload in todo:
+            self._apply(source, self._decode(source, payload))
             state.expected = seq + 1
+            state.last_digest = xxhash.xxh3_64_intdigest(payload)
 
     async def _fill_gap(self, source: EventSource, start: int, stop: int) -> None:
         if not source.replay:
             raise _Gap(f"missed batches {start}..{stop - 1} and no replay endpoint")
-        batches = [(s, e) for s, e in await self._replay(source, start) if s < stop]
+        batches = [(s, p) for s, p in await self._replay(source, start) if s < stop]
         if not batches or batches[0][0] != start or batches[-1][0] != stop - 1:
             first = batches[0][0] if batches else None
             raise _Gap(f"replay could not cover batches {start}..{stop - 1} (first buffered: {first})")
-        for _, events in batches:
-            self._apply(source, events)
+        for _, payload in batches:
+            self._apply(source, self._decode(source, payload))
         self._metrics.kv_replays.labels(source.worker, "repaired").inc()
 
-    async def _replay(self, source: EventSource, start: int) -> list[tuple[int, list[object]]]:
+    def _decode(self, source: EventSource, payload: bytes) -> list[object]:
+        try:
+            return list(decode_batch(payload).events)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._metrics.kv_decode_errors.labels(source.worker, "replay_payload").inc()
+            return []
+
+    async def _replay(self, source: EventSource, start: int) -> list[tuple[int, bytes]]:
+        """The buffered batches with seq >= start, as (seq, payload), in order."""
         assert source.replay is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        batches: list[tuple[int, list[object]]] = []
+        batches: list[tuple[int, bytes]] = []
         try:
             sock.connect(source.replay)
             async with asyncio.timeout(self._replay_timeout_s):
@@ -239,10 +283,8 @@ class KvEventHub:
                     _, _topic, seq_bytes, payload = frames
                     if seq_bytes == END_OF_REPLAY:
                         break
-                    try:
-                        batches.append((int.from_bytes(seq_bytes, "big"), list(decode_batch(payload).events)))
-                    except (msgspec.DecodeError, msgspec.ValidationError):
-                        self._metrics.kv_decode_errors.labels(source.worker, "replay_payload").inc()
+                    if len(seq_bytes) == 8:
+                        batches.append((int.from_bytes(seq_bytes, "big"), payload))
         except TimeoutError:
             self._metrics.kv_replays.labels(source.worker, "timeout").inc()
             raise _Gap(f"replay from {source.replay} timed out") from None
@@ -364,3 +406,14 @@ def _salt(event: BlockStored) -> str | None:
         return strings[-1] if strings else None
     return first if isinstance(first, str) and first != event.lora_name else None
 
+
+def _same_history(state: SourceState, batches: list[tuple[int, bytes]]) -> bool:
+    """Whether the replay buffer continues what this source told us, or belongs to a restarted publisher."""
+    expected = state.expected
+    if not expected:
+        return True
+    for seq, payload in batches:
+        if seq == expected - 1:
+            return xxhash.xxh3_64_intdigest(payload) == state.last_digest
+    # our last batch is not in the buffer: overrun (same history, a gap) unless the publisher is behind us
+    return bool(batches) and batches[-1][0] >= expected - 1

@@ -110,6 +110,7 @@ class Proxy:
                 last_error = str(exc)
             finally:
                 self._pool.release(worker)
+                self._strategy.on_finished(route, decision)
         if not tried:
             if route.model and self._pool.knows_model(route.model):
                 raise no_worker(f"no healthy worker serves model `{route.model}` right now")

@@ -61,5 +61,8 @@ class Strategy(abc.ABC):
     def on_routed(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once the request was sent to the chosen worker."""
 
+    def on_finished(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
+        """Called once the attempt on the chosen worker ended (answered, failed or cancelled)."""
+
     def forget_worker(self, url: str) -> None:  # noqa: B027 - optional hook
         """Called when a worker leaves the pool; drop any state kept about it."""

@@ -9,20 +9,22 @@ the queue it joins there — with the saving taken from the KV block index inste
                                 + SHARED blocks * (1 - kv_cost_shared) ) the fleet-shared tier, reachable by all
 
 counting the leading run of the prompt's blocks a worker holds (each block at the cheapest tier it is on).
-Requests routed in the last `kv_pending_ttl_s` whose events have not arrived yet count as GPU blocks on their
-worker (a short-TTL trie), so a burst of requests with one new prefix does not scatter before the first one's
-events arrive. Workers without an event source, or whose event stream had a gap the replay could not repair,
-are judged by the approximate trie of routing decisions, exactly as `prefix` judges them.
+Requests in flight (and for `kv_pending_grace_s` after they finish, while their events travel) count as GPU
+blocks on their worker, so a burst of requests with one new prefix does not scatter before the first one's
+events arrive; once their events are in, only the index speaks, so evicted blocks stop counting at once.
+Workers without an event source, or whose event stream had a gap the replay could not repair, are judged by
+the approximate trie of routing decisions, exactly as `prefix` judges them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 
 from router.config import GatewayConfig
 from router.kv_index import CPU, DISK, GPU, SHARED, KvBlockIndex
 from router.pool import Worker
-from router.prefix_trie import PrefixTrie
+from strategies.base import Decision, RouteRequest
 from strategies.prefix import PrefixAffinity
 
 
@@ -32,9 +34,10 @@ class KvAware(PrefixAffinity):
 
     def __init__(self, config: GatewayConfig) -> None:
         super().__init__(config)
-        self.pending = PrefixTrie(max_nodes=200_000, ttl_s=config.kv_pending_ttl_s)
+        self.pending = PendingBlocks()
         self.saving = {GPU: 1.0, CPU: 1.0 - config.kv_cost_cpu, DISK: 1.0 - config.kv_cost_disk,
                        SHARED: 1.0 - config.kv_cost_shared}
+        self.affinity = config.kv_affinity
         self.index: KvBlockIndex | None = None
         self._trusted: Callable[[str], bool] = lambda url: False
 
@@ -48,19 +51,18 @@ class KvAware(PrefixAffinity):
         bs = self.block_size
         known = [w.url for w in workers if self._trusted(w.url)]
         runs = self.index.lookup(keys, known) if self.index is not None and known else {}
-        pending = self.pending.match(keys)
-        guessed = self.trie.match(keys) if len(known) < len(workers) else {}
+        guessed = self.trie.match(keys)
         cached: list[int] = []
         saved: list[float] = []
         for worker in workers:
             run = runs.get(worker.url)
             if run is None:  # no trustworthy events: the approximate trie, as `prefix` does
-                blocks = max(guessed.get(worker.url, 0), pending.get(worker.url, 0))
+                blocks = max(guessed.get(worker.url, 0), self.pending.match(keys, worker.url))
                 tokens = min(blocks * bs, cacheable)
                 cached.append(tokens)
                 saved.append(float(tokens))
                 continue
-            fresh = pending.get(worker.url, 0)
+            fresh = self.pending.match(keys, worker.url)
             if fresh > run.blocks:  # routed there just now: count the blocks its events will announce
                 gain = {GPU: fresh - run.blocks}
                 blocks, by_tier = fresh, {**run.by_tier, GPU: run.by_tier.get(GPU, 0) + gain[GPU]}
@@ -68,14 +70,64 @@ class KvAware(PrefixAffinity):
                 blocks, by_tier = run.blocks, run.by_tier
             tokens = min(blocks * bs, cacheable)
             weight = sum(self.saving[tier] * n for tier, n in by_tier.items()) / blocks if blocks else 0.0
+            # where the prefix was sent before keeps a weaker pull: it keeps a group on one worker when the
+            # engines have evicted it everywhere, instead of scattering copies of it over the fleet
+            affinity = self.affinity * min(guessed.get(worker.url, 0) * bs, cacheable)
             cached.append(tokens)
-            saved.append(tokens * weight)
+            saved.append(max(tokens * weight, affinity))
         return cached, saved
 
     def remember(self, keys: Sequence[int], worker: str) -> None:
         super().remember(keys, worker)
-        self.pending.insert(keys, worker)
+        self.pending.add(worker, keys)
+
+    def on_finished(self, request: RouteRequest, decision: Decision) -> None:
+        if request.block_keys:
+            asyncio.get_running_loop().call_later(
+                self.config.kv_pending_grace_s, self.pending.discard, decision.worker.url, request.block_keys)
 
     def forget_worker(self, url: str) -> None:
         super().forget_worker(url)
         self.pending.forget_worker(url)
+
+
+class PendingBlocks:
+    """Block keys of requests routed but not yet confirmed by KV events: per worker, a multiset of keys.
+
+    Keys are chained, so a request holding key i holds every key before it: whether a worker has key i pending
+    is monotone in i, and the longest pending run is a binary search."""
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, dict[int, int]] = {}
+
+    def add(self, worker: str, keys: Sequence[int]) -> None:
+        counts = self._by_worker.setdefault(worker, {})
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+
+    def discard(self, worker: str, keys: Sequence[int]) -> None:
+        counts = self._by_worker.get(worker)
+        if counts is None:
+            return
+        for key in keys:
+            left = counts.get(key, 0) - 1
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
+
+    def match(self, keys: Sequence[int], worker: str) -> int:
+        counts = self._by_worker.get(worker)
+        if not counts or not keys or keys[0] not in counts:
+            return 0
+        lo, hi = 0, len(keys) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid] in counts:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo + 1
+
+    def forget_worker(self, worker: str) -> None:
+        self._by_worker.pop(worker, None)
