@@ -117,16 +117,22 @@ def parse_workers_file(text: str) -> list[WorkerSpec]:
     return specs
 
 
-def _nameserver(text: str) -> tuple[str, int]:
-    """`HOST`, `HOST:PORT`, `[V6]:PORT` or a bare IPv6 address -> (address, port)."""
+def parse_nameserver(text: str) -> tuple[str, int]:
+    """`IP`, `IP:PORT`, `[V6]:PORT` or a bare IPv6 address -> (address, port); raises ConfigError."""
     text = text.strip()
+    host, port = text, "53"
     if text.startswith("["):
-        host, _, port = text[1:].partition("]")
-        return host, int(port.lstrip(":") or 53)
-    if text.count(":") == 1:
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":") or "53"
+    elif text.count(":") == 1:
         host, port = text.split(":")
-        return host, int(port)
-    return text, 53
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"discover_nameserver must be an IP address, optionally with :PORT: {text!r}") from None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"discover_nameserver has a bad port: {text!r}")
+    return host, int(port)
 
 
 class WorkerDiscovery:
@@ -144,11 +150,7 @@ class WorkerDiscovery:
         self._resolver: dns.asyncresolver.Resolver | None = None
         self._timeout = max(0.5, min(5.0, config.discover_interval_s))
         if config.discover_nameserver:
-            address, port = _nameserver(config.discover_nameserver)
-            try:
-                ipaddress.ip_address(address)
-            except ValueError:
-                raise ConfigError(f"discover_nameserver must be an IP address: {address!r}") from None
+            address, port = parse_nameserver(config.discover_nameserver)
             self._resolver = dns.asyncresolver.Resolver(configure=False)
             self._resolver.nameservers = [address]
             self._resolver.port = port

@@ -10,6 +10,7 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,11 +20,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.procs import free_port, wait_for_port
+from bench.procs import free_port, wait_for_port, wait_http
 from bench.procs import stop as stop_process
 from bench.standin import StandinBehaviour, create_standin_app
 from router.config import ConfigError, GatewayConfig, load_config
-from router.discovery import DnsSource, FileSource, parse_source, parse_workers_file
+from router.discovery import DnsSource, FileSource, parse_nameserver, parse_source, parse_workers_file
 from router.serve import ENV_PREFIX, add_arguments
 from tests.conftest import RunningGateway, Standin, eventually, running_gateway, running_standin
 
@@ -149,6 +150,12 @@ def test_discover_options_from_flags_env_and_yaml(tmp_path: Path) -> None:
         ["dns:vllm-headless:8000"], 2.0, 5558)
     with pytest.raises(ConfigError):
         load_config(GatewayConfig, ENV_PREFIX, parser.parse_args(["--discover", "dns:nope"]), environ={})
+    for bad in ("vllm.internal", "10.0.0.1:dns", "[::1]:99999"):
+        with pytest.raises(ConfigError):
+            load_config(GatewayConfig, ENV_PREFIX, parser.parse_args(["--discover-nameserver", bad]), environ={})
+    assert parse_nameserver("[fd00::10]:5353") == ("fd00::10", 5353)
+    assert parse_nameserver("fd00::10") == ("fd00::10", 53)
+    assert parse_nameserver("127.0.0.1") == ("127.0.0.1", 53)
 
 
 def test_workers_file_formats() -> None:
@@ -275,3 +282,45 @@ async def test_file_discovery_rereads_on_change(tmp_path: Path, http: aiohttp.Cl
             await eventually(lambda: (w := gw.gateway.pool.get(s2.url)) is not None
                              and w.spec.events == "tcp://127.0.0.1:6002", timeout=5)
             await eventually(lambda: healthy(gw) == {s1.url, s2.url, static.url}, timeout=5)
+
+
+# --- discovered workers stream KV events to the gateway ----------------------------------------------------------
+
+
+async def test_dns_discovered_replica_streams_kv_events(
+    dnsmasq: Dnsmasq, http: aiohttp.ClientSession, tiny_model_dir: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A `kvgate sim` replica on 127.0.0.2, found through DNS: the gateway subscribes to tcp://127.0.0.2:EVENTS
+    (from the events-port template) and applies the replica's BlockStored events."""
+    port, events, replay = free_port(), free_port(), free_port()
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "sim", "--host", "127.0.0.2", "--port", str(port),
+         "--events-port", str(events), "--replay-port", str(replay), "--model-dir", str(tiny_model_dir),
+         "--served-model-name", "tiny", "--block-size", "16", "--log-level", "warning"],
+        env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.2:{port}"
+        await asyncio.to_thread(wait_http, url + "/health", 30)
+        dnsmasq.set_records("127.0.0.2")
+        async with running_gateway(
+            [], strategy="kv", model_dir=[str(tiny_model_dir)], block_size=16, discover=[f"dns:{NAME}:{port}"],
+            discover_nameserver=dnsmasq.nameserver, discover_interval_s=0.2, discover_events_port=events,
+            discover_replay_port=replay,
+        ) as gw:
+            worker = gw.gateway.pool.get(url)
+            assert worker is not None and worker.spec.events == f"tcp://127.0.0.2:{events}"
+            await eventually(lambda: url in healthy(gw))
+            # new prompts until events arrive: the subscription may still be connecting when the first is published
+            deadline = asyncio.get_running_loop().time() + 15
+            n = 0
+            while metric(gw, "kvgate_kv_events_applied_total", worker=url, type="BlockStored") == 0:
+                assert asyncio.get_running_loop().time() < deadline, "no KV event from the discovered replica"
+                n += 1
+                body = {"model": "tiny", "prompt": f"request {n}: kv events from a discovered replica " * 8,
+                        "max_tokens": 2}
+                async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                await asyncio.sleep(0.3)
+    finally:
+        stop_process(sim)
