@@ -1,0 +1,58 @@
+"""A `kvgate agent` process for tests: started by PID on a Unix socket and a free metrics port, with helpers to
+read its Prometheus metrics."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from agent.client import AgentClient
+from agent.protocol import AgentError
+from bench.procs import free_port
+from bench.procs import stop as stop_process
+from tests.conftest import kvgate_command
+
+
+class AgentProcess:
+    def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str) -> None:
+        self.socket = str(tmp_path / "agent.sock")
+        self.metrics_port = free_port()
+        self.cmd = kvgate_command("agent", "--socket-path", self.socket, "--metrics-port", str(self.metrics_port),
+                                  "--metrics-host", "127.0.0.1", *flags)
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+            try:
+                with AgentClient(self.socket, shm_bytes=0, timeout_s=1) as client:
+                    client.stats()
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1):
+                    return
+            except (AgentError, OSError):
+                time.sleep(0.05)
+        raise TimeoutError("agent did not come up")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            body: bytes = response.read()
+            return body.decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+        for line in self.metrics().splitlines():
+            if line.startswith(wanted + " "):
+                return float(line.split()[-1])
+        raise KeyError(wanted)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, sig)
