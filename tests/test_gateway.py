@@ -238,16 +238,17 @@ async def test_least_load_avoids_busy_worker(http: aiohttp.ClientSession) -> Non
     async with running_standin() as busy, running_standin() as idle, running_gateway(
         [busy.url, idle.url], strategy="least_load"
     ) as gw:
-        busy.behaviour.first_token_delay_s = 1.0
-        slow = [asyncio.create_task(post(http, gw.url + "/v1/completions", COMPLETION)) for _ in range(2)]
-        await eventually(lambda: busy.stats.requests + idle.stats.requests == 2)
-        # the two slow requests went one to each worker; now make the idle one fast
-        idle.behaviour.first_token_delay_s = 0.0
-        await eventually(lambda: idle.stats.completed == idle.stats.requests)
+        busy.behaviour.first_token_delay_s = 5.0
+        slow: list[asyncio.Task[Any]] = []
+        while busy.stats.requests == 0:  # ties are random: send until one request is stuck on the busy worker
+            slow.append(asyncio.create_task(post(http, gw.url + "/v1/completions", COMPLETION)))
+            await eventually(lambda: busy.stats.requests + idle.stats.requests == len(slow))
+        sent_to_idle = idle.stats.requests
         for _ in range(6):
             assert (await post(http, gw.url + "/v1/completions", COMPLETION))[0] == 200
-        assert busy.stats.requests == 1  # everything else avoided the busy worker
-        await asyncio.gather(*slow)
+        assert busy.stats.requests == 1 and idle.stats.requests == sent_to_idle + 6
+        for task in slow:
+            task.cancel()
 
 
 async def test_admin_add_remove_with_drain(http: aiohttp.ClientSession) -> None:
