@@ -11,12 +11,15 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 
+from bench.sim.perf_model import PROFILES
 from router.kv_events import decode_batch
 from tests.conftest import ROOT, kvgate_command
+from tests.sim_fleet import SimFleet
 
 
 def _free(port: int) -> bool:
@@ -132,3 +135,14 @@ def test_bad_flags_exit_with_a_message(tiny_model_dir: Path) -> None:
         kvgate_command("sim", "--model-dir", str(tiny_model_dir), "--kv-events-config", "{not json"),
         env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "--kv-events-config" in proc.stderr
+
+
+def test_vllm_serve_flags_are_accepted(sim_fleet: Callable[..., SimFleet]) -> None:
+    """A `vllm serve` command line works unchanged; --gpu-memory-utilization sizes the cache as in vLLM."""
+    fleet = sim_fleet(1, extra_args=["--enforce-eager", "--load-format", "dummy", "--dtype", "bfloat16",
+                                     "--seed", "0", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "8",
+                                     "--trust-remote-code", "--disable-log-requests"])
+    with urllib.request.urlopen(fleet.urls[0] + "/sim/blocks", timeout=5) as resp:
+        state = json.loads(resp.read())
+    expected = PROFILES["llama-3.1-8b-h100"].num_gpu_blocks(16, 0.5)
+    assert state["num_gpu_blocks"] == expected < PROFILES["llama-3.1-8b-h100"].num_gpu_blocks(16)

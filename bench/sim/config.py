@@ -47,6 +47,7 @@ class ReplicaConfig:
     host: str
     port: int
     model_dir: str
+    tokenizer_dir: str
     served_model_names: tuple[str, ...]
     profile: Profile
     engine: EngineConfig
@@ -114,6 +115,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--enable-prompt-tokens-details", action="store_true",
                       help="report usage.prompt_tokens_details.cached_tokens")
     vllm.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (as vLLM)")
+    vllm.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model-dir)")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                      help="fraction of the profile's GPU memory vLLM may use; sizes the KV cache (default 0.9)")
+
+    ignored = parser.add_argument_group("accepted for compatibility with `vllm serve`, no effect here")
+    for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
+                 "--enable-log-requests"):
+        ignored.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--load-format", "--dtype", "--seed", "--tensor-parallel-size", "--pipeline-parallel-size",
+                 "--uvicorn-log-level", "--kv-cache-dtype", "--swap-space"):
+        ignored.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
 def _model_max_len(model_dir: str) -> int | None:
@@ -131,7 +143,8 @@ def replica_config(args: argparse.Namespace, index: int) -> ReplicaConfig:
     block_size = args.block_size or profile.block_size
     engine = EngineConfig(
         block_size=block_size,
-        num_gpu_blocks=args.num_gpu_blocks_override or profile.num_gpu_blocks(block_size),
+        num_gpu_blocks=args.num_gpu_blocks_override or profile.num_gpu_blocks(block_size,
+                                                                              args.gpu_memory_utilization),
         max_num_seqs=args.max_num_seqs or profile.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or profile.max_num_batched_tokens,
         max_model_len=args.max_model_len or _model_max_len(args.model_dir) or profile.max_model_len,
@@ -165,6 +178,7 @@ def replica_config(args: argparse.Namespace, index: int) -> ReplicaConfig:
         host=args.host,
         port=args.port + index,
         model_dir=args.model_dir,
+        tokenizer_dir=args.tokenizer or args.model_dir,
         served_model_names=tuple(args.served_model_name or [args.model_dir]),
         profile=profile,
         engine=engine,

@@ -49,16 +49,22 @@ class Profile:
     mfu: float                   # achieved fraction of peak FLOP/s in prefill-heavy steps
     bandwidth_efficiency: float  # achieved fraction of peak bandwidth in decode steps
     step_overhead_s: float       # scheduler, sampling, launch and output processing per step
-    kv_cache_bytes: float        # memory left for the KV cache after weights and activations
+    kv_cache_bytes: float        # memory left for the KV cache after weights and activations, at 0.9 utilization
     max_model_len: int
     max_num_seqs: int            # vLLM's default for this accelerator class (OpenAI server)
     max_num_batched_tokens: int  # idem
     sources: str = ""
     block_size: int = 16         # vLLM's default --block-size on this platform (16 on GPUs, 128 on CPU)
+    device_memory_bytes: float = 0.0  # all GPUs' memory; 0 = the KV budget does not follow the utilization
 
-    def num_gpu_blocks(self, block_size: int) -> int:
+    def kv_budget(self, gpu_memory_utilization: float = 0.9) -> float:
+        """KV-cache bytes at vLLM's `--gpu-memory-utilization` (default 0.9)."""
+        return self.kv_cache_bytes + self.device_memory_bytes * (gpu_memory_utilization - 0.9)
+
+    def num_gpu_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9) -> int:
         """Blocks that fit in the KV-cache memory, as vLLM's profiling run would find."""
-        return int(self.kv_cache_bytes // (self.model.kv_bytes_per_token * block_size))
+        budget = self.kv_budget(gpu_memory_utilization)
+        return max(0, int(budget // (self.model.kv_bytes_per_token * block_size)))
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         """Seconds one engine step takes (before `speedup`).
@@ -133,6 +139,7 @@ PROFILES: dict[str, Profile] = {
             bandwidth_efficiency=0.75,
             step_overhead_s=0.0015,
             kv_cache_bytes=_kv_budget(80e9, 1, 0.9, LLAMA_3_1_8B.weight_bytes, 3.0e9),
+            device_memory_bytes=80e9 * 1,
             max_model_len=131072,
             max_num_seqs=1024,
             max_num_batched_tokens=8192,
@@ -149,6 +156,7 @@ PROFILES: dict[str, Profile] = {
             bandwidth_efficiency=0.75,
             step_overhead_s=0.002,
             kv_cache_bytes=_kv_budget(80e9, 1, 0.9, LLAMA_3_1_8B.weight_bytes, 3.0e9),
+            device_memory_bytes=80e9 * 1,
             max_model_len=131072,
             max_num_seqs=1024,
             max_num_batched_tokens=8192,
@@ -164,6 +172,7 @@ PROFILES: dict[str, Profile] = {
             bandwidth_efficiency=0.8,
             step_overhead_s=0.002,
             kv_cache_bytes=_kv_budget(24e9, 1, 0.9, LLAMA_3_1_8B.weight_bytes, 1.5e9),
+            device_memory_bytes=24e9 * 1,
             max_model_len=32768,
             max_num_seqs=256,
             max_num_batched_tokens=2048,
@@ -180,6 +189,7 @@ PROFILES: dict[str, Profile] = {
             bandwidth_efficiency=0.65,
             step_overhead_s=0.003,
             kv_cache_bytes=_kv_budget(80e9, 4, 0.9, LLAMA_3_1_70B.weight_bytes, 3.0e9),
+            device_memory_bytes=80e9 * 4,
             max_model_len=131072,
             max_num_seqs=1024,
             max_num_batched_tokens=8192,

@@ -109,7 +109,7 @@ class Replica:
 
     def __init__(self, config: ReplicaConfig) -> None:
         self.config = config
-        self.tokenizer = ModelTokenizer(config.model_dir)
+        self.tokenizer = ModelTokenizer(config.tokenizer_dir)
         self.vocab = OutputVocabulary(self.tokenizer)
         fn, none = hash_fn(config.hash_algo), none_hash(config.hash_algo)
 
