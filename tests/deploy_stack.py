@@ -29,9 +29,20 @@ from bench.procs import stop as stop_process
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def compose_command() -> list[str]:
+    """`docker compose` (the Docker CLI with the Compose plugin scripts/system-deps.sh links), else the same
+    Compose CLI standalone (`docker-compose` from the dev extras) where no Docker CLI is installed."""
+    if shutil.which("docker"):
+        return ["docker", "compose"]
+    standalone = shutil.which("docker-compose") or str(Path(sys.executable).parent / "docker-compose")
+    if not Path(standalone).exists():
+        raise RuntimeError("neither docker nor docker-compose found: install the dev extras")
+    return [standalone]
+
+
 def compose_config(path: Path) -> dict[str, Any]:
     """The compose file as Compose resolves it."""
-    out = subprocess.run(["docker", "compose", "-f", str(path), "config", "--format", "json"],
+    out = subprocess.run([*compose_command(), "-f", str(path), "config", "--format", "json"],
                          capture_output=True, text=True, timeout=60, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"docker compose config failed for {path}: {out.stderr.strip()}")

@@ -22,6 +22,7 @@ import yaml
 from tests.deploy_stack import (
     PROGRAMS,
     LocalStack,
+    compose_command,
     compose_config,
     exported_names,
     fetch_text,
@@ -48,8 +49,7 @@ def need(tool: str) -> str:
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
 def test_compose_file_parses(path: Path) -> None:
-    need("docker")
-    out = subprocess.run(["docker", "compose", "-f", str(path), "config", "--quiet"], capture_output=True,
+    out = subprocess.run([*compose_command(), "-f", str(path), "config", "--quiet"], capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
 
