@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -146,3 +147,20 @@ def test_vllm_serve_flags_are_accepted(sim_fleet: Callable[..., SimFleet]) -> No
         state = json.loads(resp.read())
     expected = PROFILES["llama-3.1-8b-h100"].num_gpu_blocks(16, 0.5)
     assert state["num_gpu_blocks"] == expected < PROFILES["llama-3.1-8b-h100"].num_gpu_blocks(16)
+
+
+def test_request_timeout_aborts_and_frees(sim_fleet: Callable[..., SimFleet]) -> None:
+    fleet = sim_fleet(1, extra_args=["--request-timeout-s", "0.3"])
+    url = fleet.urls[0]
+    req = urllib.request.Request(url + "/v1/completions", method="POST",
+                                 data=json.dumps({"model": "tiny", "prompt": [5] * 40, "max_tokens": 1000}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=10)
+        raise AssertionError("a 1000-token answer at ~8 ms per step cannot finish in 0.3 s")
+    except urllib.error.HTTPError as e:
+        assert e.code == 504 and json.loads(e.read())["error"]["code"] == 504
+    with urllib.request.urlopen(url + "/sim/blocks", timeout=5) as resp:
+        state = json.loads(resp.read())
+    assert state["running"] == 0 and state["num_free_blocks"] == state["num_gpu_blocks"] - 1
+    assert complete(url, [1, 2, 3])["usage"]

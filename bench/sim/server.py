@@ -337,6 +337,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                     seq.event.clear()
                     await seq.event.wait()
     except TimeoutError:
+        if stream:  # the headers are out: the stream breaks off, as vLLM's does when a request is aborted
+            raise
         return error_response(504, "request timed out in the simulated engine", "TimeoutError")
     finally:
         for seq in seqs:
