@@ -229,7 +229,7 @@ def make_weights(out: Path, python: str | None = None) -> Path:
         raise RuntimeError(f"--with-weights needs torch: none here and no {interpreter}; "
                            "run scripts/vllm-env.sh")
     subprocess.run([interpreter, str(Path(__file__).resolve()), "--weights-only", str(out)], check=True,
-                   timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
     return out / WEIGHTS_FILE
 
 

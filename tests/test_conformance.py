@@ -37,8 +37,10 @@ SIM_AVAILABLE = importlib.util.find_spec("bench.sim.cli") is not None
 # real vLLM first: the sha256_cbor server is stopped before the session's sha256 server (vllm_server) starts
 TARGETS = ["vllm-sha256_cbor", "vllm-sha256"] + (["sim-sha256_cbor", "sim-sha256"] if SIM_AVAILABLE else [])
 NUM_BLOCKS = 128  # --num-gpu-blocks-override: small enough to force evictions
+# the keys of a BlockStored / BlockRemoved map, in order, for a plain request (no LoRA, salt or media)
 STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-               "lora_name"]
+               "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"]
+REMOVED_KEYS = ["type", "block_hashes", "medium", "group_idx"]
 
 
 @pytest.fixture(scope="module", params=TARGETS)
@@ -155,7 +157,7 @@ def test_event_framing_fields_and_struct_encoding(engine: EngineServer, tap: Eve
         for ev in raw[1]:
             assert next(iter(ev)) == "type"
             if ev["type"] == "BlockStored":
-                assert list(ev)[:len(STORED_KEYS)] == STORED_KEYS, list(ev)
+                assert list(ev) == STORED_KEYS, list(ev)
                 assert ev["medium"] == "GPU" and ev["block_size"] == bs and ev["lora_id"] is None
                 assert all(isinstance(h, int) and 0 <= h < 2**64 for h in ev["block_hashes"])
                 assert len(ev["token_ids"]) == bs * len(ev["block_hashes"])
@@ -195,6 +197,24 @@ def test_block_hashes_recomputed_from_token_ids(engine: EngineServer, tap: Event
     # with another seed nothing would match: the check can fail
     assert block_hashes(tokens, bs, engine.hash_algo, seed="1")[0] != block_hashes(
         tokens, bs, engine.hash_algo, seed=engine.seed)[0]
+
+
+def test_cache_salt_changes_hashes_and_isolates_the_cache(engine: EngineServer, tap: EventTap) -> None:
+    bs = engine.block_size
+    prompt = unique_prompt(2 * bs + 1, "salt")
+    body = {"model": engine.model, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"}
+    post(engine, "/v1/completions", body)
+    events = tap.collect(stored_for(prompt, bs))
+    stored = [e for e in events if isinstance(e, BlockStored) and e.token_ids[:bs] == prompt[:bs]]
+    assert len(stored) == 1
+    salted = [event_hash(d) for d in block_hashes(prompt, bs, engine.hash_algo, seed=engine.seed,
+                                                  cache_salt="tenant-a")]
+    assert stored[0].block_hashes == salted
+    assert stored[0].extra_keys == [["tenant-a"], None]  # untagged, first block only (msgpack: tuple → list)
+    unsalted = complete(engine, prompt)["usage"]["prompt_tokens_details"]
+    assert (unsalted or {}).get("cached_tokens", 0) == 0  # another tenant's blocks are not shared
+    again = post(engine, "/v1/completions", body)["usage"]["prompt_tokens_details"]
+    assert again["cached_tokens"] == 2 * bs
 
 
 def test_replay_socket(engine: EngineServer, tap: EventTap) -> None:
@@ -247,7 +267,8 @@ def test_eviction_and_reset_events(engine: EngineServer, tap: EventTap) -> None:
     removed_raw = [ev for f in tap.frames for ev in msgspec.msgpack.decode(f[2])[1] if ev["type"] == "BlockRemoved"]
     assert removed_raw
     for ev in removed_raw:
-        assert list(ev)[:3] == ["type", "block_hashes", "medium"] and ev["medium"] == "GPU", ev
+        assert list(ev) == REMOVED_KEYS and ev["medium"] == "GPU" and ev["group_idx"] == 0, ev
+        assert len(ev["block_hashes"]) == 1  # vLLM sends one event per evicted block
     # least recently used first: the oldest prompt's blocks go before the second one's
     second = {event_hash(d) for d in block_hashes(prompts[1], bs, engine.hash_algo, seed=engine.seed)}
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]

@@ -8,6 +8,7 @@ Usable on its own: `python -m tests.vllm_server MODEL_DIR` starts a real vLLM an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -29,9 +30,10 @@ HASH_SEED = "0"  # PYTHONHASHSEED for every engine, so NONE_HASH is known
 EVENTS_TOPIC = "kv-events"
 
 
+@functools.cache
 def ensure_vllm_venv(timeout_s: float = 1800.0) -> Path:
     """The vLLM venv's Python; runs scripts/vllm-env.sh (install once, cached) if it is missing or broken.
-    Raises RuntimeError (never skips) when vLLM cannot be installed."""
+    Raises RuntimeError (never skips) when vLLM cannot be installed. Checked once per process."""
     proc = subprocess.run(["bash", str(VLLM_ENV_SCRIPT)], capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "KVGATE_VLLM_VENV": str(VLLM_VENV)})
     if proc.returncode != 0 or not VLLM_PYTHON.exists():
