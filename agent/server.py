@@ -99,7 +99,7 @@ class TierAgent:
         self._server: asyncio.AbstractServer | None = None
         self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._connections: set[asyncio.Task[Any]] = set()
+        self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         self.started_at = time.time()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -137,11 +137,14 @@ class TierAgent:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in [*self._tasks, *self._connections]:
+        for task in self._tasks:
             task.cancel()
+        # end client connections by closing them (cancelling a stream handler task trips asyncio on 3.11)
+        for writer in self._connections.values():
+            writer.close()
         for task in [*self._tasks, *self._connections]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+                await asyncio.wait_for(asyncio.shield(task), 5)
         self._tasks.clear()
         if self._server is not None:
             with contextlib.suppress(Exception):
@@ -205,7 +208,7 @@ class TierAgent:
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
+        self._connections[task] = writer
         conn = Connection()
         try:
             while True:
@@ -224,7 +227,7 @@ class TierAgent:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            self._connections.discard(task)
+            self._connections.pop(task, None)
             conn.close()
             writer.close()
             with contextlib.suppress(Exception):

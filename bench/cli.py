@@ -7,9 +7,11 @@ import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "what the gateway adds over direct access to the workers"),
+    "kv": ("bench.kv_bench", "KV events applied per second, index lookup and decision cost, bytes per entry"),
     "prefix": ("bench.prefix_bench", "prefix routing: tokenize/trie costs, and hit rate and TTFT vs round_robin"),
     "sim-throughput": ("bench.sim_throughput", "requests/s one simulated replica process sustains"),
     "sim-ttft": ("bench.sim_ttft_curve", "TTFT vs prompt length: a sim profile's model and a live replica"),
+    "agent": ("bench.agent_bench", "tier agent: DRAM/NVMe/Redis tiers vs memcpy/file/redis-py, lookup latency"),
 }
 
 

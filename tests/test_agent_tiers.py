@@ -122,9 +122,11 @@ def test_nvme_store_read_and_restart(tmp_path: Path) -> None:
 
 def test_nvme_external_deletion_and_corruption_are_misses(tmp_path: Path) -> None:
     tier = NvmeTier(tmp_path, capacity=1 << 20, fsync=False)
-    for i in range(3):
+    for i in range(4):
         tier.store(key(i), payload(i))
     files = {p.name: p for p in (tmp_path / "blocks").rglob("*") if p.is_file()}
+    with files[key_name(key(3))].open("ab") as f:
+        f.write(b"trailing junk")  # longer than its header says
     files[key_name(key(0))].unlink()
     path1 = files[key_name(key(1))]
     data = bytearray(path1.read_bytes())
@@ -134,7 +136,8 @@ def test_nvme_external_deletion_and_corruption_are_misses(tmp_path: Path) -> Non
     assert read(tier, key(0)) is None
     assert read(tier, key(1)) is None
     assert read(tier, key(2)) is None
-    assert tier.stats.checksum_failures == 1 and tier.stats.read_errors == 1
+    assert read(tier, key(3)) is None
+    assert tier.stats.checksum_failures == 1 and tier.stats.read_errors == 2
     assert tier.usage().blocks == 0 and tier.usage().used_bytes == 0
     assert not path1.exists()  # a corrupt block is removed, not served again
 

@@ -58,35 +58,35 @@ class DramTier:
         if size > self.capacity:
             self.stats.add("refused")
             return None
-        with self._lock:
-            existing = self._blocks.get(key)
-            if existing is not None:
-                self._blocks.move_to_end(key)
+        with self._lock:  # the DRAM tier's counters are only touched under its own lock
+            blocks = self._blocks
+            if key in blocks:
+                blocks.move_to_end(key)
                 return []
-            evicted = self._evict_locked(self.capacity - size, protect=parent)
+            evicted = self._evict_locked(self.capacity - size, protect=parent) if self._used + size > \
+                self.capacity else []
             block = DramBlock(bytearray(payload), None, 0, digest)
             if parent is not None:
-                parent_block = self._blocks.get(parent)
+                parent_block = blocks.get(parent)
                 if parent_block is not None:
                     parent_block.children += 1
                     block.parent = parent
-            self._blocks[key] = block
+            blocks[key] = block
             self._used += size
-        self.stats.add("stores")
+            self.stats.stores += 1
         return evicted
 
     def read_into(self, key: BlockKey, out: memoryview) -> int | None:
         with self._lock:
             block = self._blocks.get(key)
             if block is None or len(block.data) > len(out):
-                missing = True
-            else:
-                missing = False
-                size = len(block.data)
-                out[:size] = block.data
-                self._blocks.move_to_end(key)
-        self.stats.add("misses" if missing else "hits")
-        return None if missing else size
+                self.stats.misses += 1
+                return None
+            size = len(block.data)
+            out[:size] = block.data
+            self._blocks.move_to_end(key)
+            self.stats.hits += 1
+            return size
 
     def get(self, key: BlockKey) -> DramBlock | None:
         """The resident block itself (no copy), for demotion and write-through; does not touch LRU order."""
@@ -143,8 +143,7 @@ class DramTier:
                 break
             self._remove_locked(*victim)
             evicted.append(victim)
-        if evicted:
-            self.stats.add("evictions", len(evicted))
+        self.stats.evictions += len(evicted)
         return evicted
 
     def _remove_locked(self, key: BlockKey, block: DramBlock) -> None:

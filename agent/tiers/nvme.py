@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -61,23 +62,34 @@ def write_file_atomically(tmp_dir: Path, final: Path, parts: list[Buffer], fsync
 
 
 def read_block_file(path: Path, key: BlockKey, out: memoryview) -> int:
-    """Read and verify a block file into `out`; raises OSError, BlockError or ChecksumError."""
-    with open(path, "rb", buffering=0) as f:
-        header = f.read(HEADER_SIZE)
+    """Read and verify a block file into `out` (header, payload and an EOF probe in one preadv); raises
+    OSError, BlockError or ChecksumError."""
+    header = bytearray(HEADER_SIZE)
+    probe = bytearray(1)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = os.preadv(fd, [header, out, probe], 0)
+        if got < HEADER_SIZE:
+            raise BlockError(f"torn block: {got}-byte file")
         layout_id, length, digest = decode_header(header)
         if layout_id != key[0]:
             raise BlockError(f"layout {layout_id:#x} where {key[0]:#x} was asked for")
         if length > len(out):
             raise BlockError(f"block of {length} bytes does not fit a {len(out)}-byte buffer")
-        view = out[:length]
-        got = 0
-        while got < length:
-            n = f.readinto(view[got:])
-            if not n:
-                raise BlockError(f"torn block: {got} of {length} payload bytes")
-            got += n
-        if f.read(1):
+        if got > HEADER_SIZE + length:
             raise BlockError("block file longer than its header says")
+        if got < HEADER_SIZE + length:
+            # short read (rare for regular files): read the rest, then probe once more for trailing bytes
+            while got < HEADER_SIZE + length:
+                n = os.preadv(fd, [out[got - HEADER_SIZE: length]], got)
+                if n == 0:
+                    raise BlockError(f"torn block: {got - HEADER_SIZE} of {length} payload bytes")
+                got += n
+            if os.pread(fd, 1, got):
+                raise BlockError("block file longer than its header says")
+    finally:
+        os.close(fd)
+    view = out[:length]
     if checksum(view) != digest:
         raise ChecksumError(f"checksum mismatch in {path.name}")
     return length
@@ -103,6 +115,9 @@ class NvmeTier:
         self._pending: dict[BlockKey, int] = {}  # being written: reserved bytes
         self._used = 0
         self._lock = threading.Lock()
+        self._shards: set[str] = set()  # shard directories known to exist
+        self._free = 0
+        self._free_checked = 0.0
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self._rebuild()
@@ -173,9 +188,16 @@ class NvmeTier:
         final = self._path(key)
         for attempt in range(2):
             try:
-                final.parent.mkdir(exist_ok=True)
+                if final.parent.name not in self._shards:
+                    final.parent.mkdir(exist_ok=True)
+                    self._shards.add(final.parent.name)
                 write_file_atomically(self.tmp_dir, final, [header, payload], self.fsync)
                 return True
+            except FileNotFoundError:  # the shard directory was removed behind our back: recreate it once
+                self._shards.discard(final.parent.name)
+                if attempt:
+                    self.stats.add("backend_errors")
+                    return False
             except OSError as exc:
                 if exc.errno not in _FULL:
                     log.warning("nvme tier: cannot write %s: %s", final.name, exc)
@@ -188,11 +210,19 @@ class NvmeTier:
         return False
 
     def _has_free(self, size: int) -> bool:
-        try:
-            st = os.statvfs(self.root)
-        except OSError:
+        """Free space check against `min_free`; statvfs at most every 0.5 s, debited by our own writes between."""
+        now = time.monotonic()
+        if now - self._free_checked > 0.5:
+            try:
+                st = os.statvfs(self.root)
+            except OSError:
+                return False
+            self._free, self._free_checked = st.f_bavail * st.f_frsize, now
+        if self._free < self.min_free + size:
+            self._free_checked = 0.0  # look again next time: space may have been freed
             return False
-        return st.f_bavail * st.f_frsize >= self.min_free + size
+        self._free -= size
+        return True
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         with self._lock:
