@@ -11,6 +11,7 @@ Tiers are vLLM's `medium` strings: "GPU" (the engine's own cache), and the tier 
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -64,7 +65,9 @@ class KvBlockIndex(abc.ABC):
 
 
 class InMemoryKvIndex(KvBlockIndex):
-    """The index in this process: block key → {worker: tier bit mask}, plus per-worker key sets for `clear`.
+    """The index in this process. Workers get small ids; for each block key the index keeps a bit mask of the
+    workers holding it on GPU (the common case, so a lookup is a few integer operations per block) and, only
+    for blocks in the tier agent's tiers, a map worker id → tier bit mask.
 
     Bounded by `max_entries` (block, worker) pairs: beyond it the oldest blocks are dropped, since without
     their removal events the gateway can no longer be sure of them anyway.
@@ -72,82 +75,158 @@ class InMemoryKvIndex(KvBlockIndex):
 
     def __init__(self, max_entries: int = 10_000_000) -> None:
         self.max_entries = max_entries
-        self._holders: dict[BlockKey, dict[str, int]] = {}
-        self._by_worker: dict[str, set[BlockKey]] = {}
+        self._ids: dict[str, int] = {}
+        self._free_ids: list[int] = []
+        self._gpu: dict[BlockKey, int] = {}  # key -> bit mask of worker ids
+        self._lower: dict[BlockKey, dict[int, int]] = {}  # key -> {worker id: mask of non-GPU tier bits}
+        self._shared: dict[BlockKey, int] = {}  # key -> how many workers hold it in the shared tier
+        self._by_worker: dict[int, dict[BlockKey, None]] = {}  # insertion-ordered: oldest first
         self._entries = 0
         self.dropped = 0
 
+    def _id(self, worker: str) -> int:
+        wid = self._ids.get(worker)
+        if wid is None:
+            wid = self._free_ids.pop() if self._free_ids else len(self._ids)
+            self._ids[worker] = wid
+            self._by_worker[wid] = {}
+        return wid
+
+    def _tiers_of(self, key: BlockKey, wid: int) -> int:
+        mask = _BIT[GPU] if self._gpu.get(key, 0) >> wid & 1 else 0
+        lower = self._lower.get(key)
+        return mask | (lower.get(wid, 0) if lower else 0)
+
     def lookup(self, keys: Sequence[BlockKey], workers: Iterable[str]) -> dict[str, PrefixRun]:
         runs = {w: PrefixRun() for w in workers}
-        live = list(runs)
-        holders_of = self._holders
-        shared_bit = _BIT[SHARED]
-        for key in keys:
-            holders = holders_of.get(key)
-            if not holders:
-                break
-            shared = any(mask & shared_bit for mask in holders.values())
-            still = []
-            for worker in live:
-                mask = holders.get(worker, 0)
-                tier = _cheapest(mask) if mask else (SHARED if shared else None)
-                if tier is None:
-                    continue
-                run = runs[worker]
-                run.blocks += 1
+        ids = {self._ids[w]: w for w in runs if w in self._ids}
+        wanted = sum(1 << wid for wid in ids)
+        if not wanted and not self._shared:
+            return runs
+        ends: dict[int, int] = {}
+        live = wanted
+        gpu, lower, shared = self._gpu, self._lower, self._shared
+        for i, key in enumerate(keys):
+            held = gpu.get(key, 0)
+            if lower:
+                tiers = lower.get(key)
+                if tiers:
+                    for holder in tiers:
+                        held |= 1 << holder
+                if key in shared:
+                    held = wanted
+            held &= live
+            if held != live:
+                gone = live & ~held
+                while gone:
+                    low = gone & -gone
+                    ends[low.bit_length() - 1] = i
+                    gone ^= low
+                live = held
+                if not live:
+                    break
+        shared_run = 0
+        if shared and len(ids) < len(runs):  # workers the index never heard of reach the shared tier only
+            while shared_run < len(keys) and keys[shared_run] in shared:
+                shared_run += 1
+        for worker, run in runs.items():
+            wid = self._ids.get(worker)
+            if wid is None:
+                if shared_run:
+                    run.blocks, run.by_tier = shared_run, {SHARED: shared_run}
+                continue
+            blocks = ends.get(wid, len(keys))
+            run.blocks = blocks
+            if not blocks:
+                continue
+            if not lower:
+                run.by_tier = {GPU: blocks}
+                continue
+            for key in keys[:blocks]:
+                mask = self._tiers_of(key, wid)
+                tier = _cheapest(mask) if mask else SHARED
                 run.by_tier[tier] = run.by_tier.get(tier, 0) + 1
-                still.append(worker)
-            live = still
-            if not live:
-                break
         return runs
 
     def add(self, worker: str, keys: Iterable[BlockKey], tier: str) -> None:
-        bit = _BIT[tier]
-        held = self._by_worker.setdefault(worker, set())
+        wid = self._id(worker)
+        bit = 1 << wid
+        held = self._by_worker[wid]
+        gpu = tier == GPU
+        tier_bit = _BIT[tier]
         for key in keys:
-            holders = self._holders.get(key)
-            if holders is None:
-                holders = self._holders[key] = {}
-            mask = holders.get(worker, 0)
-            if not mask:
+            before = self._tiers_of(key, wid)
+            if before & tier_bit:
+                continue
+            if not before:
                 self._entries += 1
-                held.add(key)
-            holders[worker] = mask | bit
+                held[key] = None
+            if gpu:
+                self._gpu[key] = self._gpu.get(key, 0) | bit
+            else:
+                tiers = self._lower.setdefault(key, {})
+                tiers[wid] = tiers.get(wid, 0) | tier_bit
+                if tier == SHARED:
+                    self._shared[key] = self._shared.get(key, 0) + 1
         if self._entries > self.max_entries:
             self._shrink()
 
     def remove(self, worker: str, keys: Iterable[BlockKey], tier: str) -> None:
-        bit = _BIT[tier]
-        held = self._by_worker.get(worker)
+        wid = self._ids.get(worker)
+        if wid is None:
+            return
         for key in keys:
-            holders = self._holders.get(key)
-            if holders is None or worker not in holders:
-                continue
-            mask = holders[worker] & ~bit
-            if mask:
-                holders[worker] = mask
-                continue
-            del holders[worker]
+            self._drop(key, wid, _BIT[tier])
+
+    def _drop(self, key: BlockKey, wid: int, tier_bits: int) -> None:
+        """Take `tier_bits` of `key` away from worker `wid`."""
+        before = self._tiers_of(key, wid)
+        if not before & tier_bits:
+            return
+        if tier_bits & _BIT[GPU]:
+            left = self._gpu.get(key, 0) & ~(1 << wid)
+            if left:
+                self._gpu[key] = left
+            else:
+                self._gpu.pop(key, None)
+        lower_bits = tier_bits & ~_BIT[GPU] & before
+        if lower_bits:
+            tiers = self._lower[key]
+            remaining = tiers[wid] & ~lower_bits
+            if remaining:
+                tiers[wid] = remaining
+            else:
+                del tiers[wid]
+                if not tiers:
+                    del self._lower[key]
+            if lower_bits & _BIT[SHARED]:
+                count = self._shared[key] - 1
+                if count:
+                    self._shared[key] = count
+                else:
+                    del self._shared[key]
+        if not self._tiers_of(key, wid):
             self._entries -= 1
-            if held is not None:
-                held.discard(key)
-            if not holders:
-                del self._holders[key]
+            self._by_worker[wid].pop(key, None)
 
     def clear(self, worker: str) -> None:
-        for key in self._by_worker.pop(worker, set()):
-            holders = self._holders.get(key)
-            if holders is not None and holders.pop(worker, None) is not None:
-                self._entries -= 1
-                if not holders:
-                    del self._holders[key]
+        wid = self._ids.pop(worker, None)
+        if wid is None:
+            return
+        everything = sum(_BIT.values())
+        for key in list(self._by_worker[wid]):
+            self._drop(key, wid, everything)
+        del self._by_worker[wid]
+        self._free_ids.append(wid)
 
     def holds(self, worker: str) -> set[tuple[BlockKey, str]]:
         """Every (key, tier) the worker holds (for tests and debugging)."""
+        wid = self._ids.get(worker)
+        if wid is None:
+            return set()
         out: set[tuple[BlockKey, str]] = set()
-        for key in self._by_worker.get(worker, ()):
-            mask = self._holders[key].get(worker, 0)
+        for key in self._by_worker[wid]:
+            mask = self._tiers_of(key, wid)
             out.update((key, tier) for tier in TIERS if mask & _BIT[tier])
         return out
 
@@ -155,13 +234,13 @@ class InMemoryKvIndex(KvBlockIndex):
         return self._entries
 
     def _shrink(self) -> None:
-        excess = self._entries - int(self.max_entries * 0.9)
-        for key in list(self._holders)[: max(excess, 1)]:
-            holders = self._holders.pop(key)
-            for worker in holders:
-                self._by_worker.get(worker, set()).discard(key)
-            self._entries -= len(holders)
-            self.dropped += len(holders)
+        """Drop each worker's oldest blocks (insertion order), in proportion, until 10% below the bound."""
+        everything = sum(_BIT.values())
+        share = 1 - int(self.max_entries * 0.9) / self._entries
+        for wid, keys in list(self._by_worker.items()):
+            for key in list(keys)[: math.ceil(len(keys) * share)]:
+                self._drop(key, wid, everything)
+                self.dropped += 1
 
 
 def _cheapest(mask: int) -> str:

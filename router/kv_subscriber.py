@@ -26,7 +26,7 @@ import xxhash
 import zmq
 import zmq.asyncio
 
-from router.block_keys import BlockKey, chain_key, root_key
+from router.block_keys import BlockKey, block_keys, root_key
 from router.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, decode_batch
 from router.kv_index import TIERS, KvBlockIndex, tier_of
 from router.metrics import GatewayMetrics
@@ -159,6 +159,7 @@ class KvEventHub:
             sock.setsockopt(zmq.RCVHWM, 100_000)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
             poller = zmq.asyncio.Poller()
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
@@ -175,7 +176,9 @@ class KvEventHub:
                         if connections > 1:  # a reconnection: the publisher may have restarted meanwhile
                             await self._reconcile(source)
                     if sock in ready:
-                        await self._receive(source, await sock.recv_multipart())
+                        # drain what has arrived without a round through the event loop per message
+                        while (frames := _recv_now(raw)) is not None:
+                            await self._receive(source, frames)
                         backoff = 0.1
             except asyncio.CancelledError:
                 raise
@@ -352,18 +355,18 @@ class KvEventHub:
             if parent is None:
                 self._metrics.kv_unmapped_blocks.labels(worker).inc(len(event.block_hashes))
                 return
-            for i, engine_hash in enumerate(event.block_hashes):
-                parent = chain_key(parent, tokens[i * size:(i + 1) * size])
-                hash_keys[engine_hash] = parent
-                new_keys.append(self._hold(state, engine_hash, tier, parent))
+            keys = block_keys(tokens[: size * len(event.block_hashes)], size, parent)
+            for engine_hash, key in zip(event.block_hashes, keys, strict=True):
+                hash_keys[engine_hash] = key
+                new_keys.append(self._hold(state, engine_hash, tier, key))
         else:
             # an offload tier re-announcing blocks the engine described before
             for engine_hash in event.block_hashes:
-                key = hash_keys.get(engine_hash)
-                if key is None:
+                known = hash_keys.get(engine_hash)
+                if known is None:
                     self._metrics.kv_unmapped_blocks.labels(worker).inc()
                     continue
-                new_keys.append(self._hold(state, engine_hash, tier, key))
+                new_keys.append(self._hold(state, engine_hash, tier, known))
         if new_keys:
             self.index.add(worker, new_keys, tier)
 
@@ -417,3 +420,10 @@ def _same_history(state: SourceState, batches: list[tuple[int, bytes]]) -> bool:
             return xxhash.xxh3_64_intdigest(payload) == state.last_digest
     # our last batch is not in the buffer: overrun (same history, a gap) unless the publisher is behind us
     return bool(batches) and batches[-1][0] >= expected - 1
+
+
+def _recv_now(sock: zmq.Socket[bytes]) -> list[bytes] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None

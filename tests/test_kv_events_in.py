@@ -220,7 +220,8 @@ async def test_index_bound_and_entry_size() -> None:
         index.add(f"w{w}", range(w * 1000, w * 1000 + 600), GPU)
     assert index.entries() <= 1000 and index.dropped > 0
     index.clear("w2")
-    assert all(w != "w2" for holders in index._holders.values() for w in holders)
+    assert index.holds("w2") == set() and index.lookup(range(2000, 2600), ["w2"])["w2"].blocks == 0
+    assert index.entries() == len(index.holds("w0")) + len(index.holds("w1"))
     assert 50 < measure_entry_bytes(blocks=2000) < 1000
 
 
@@ -232,3 +233,44 @@ async def test_unreachable_source_does_not_block(port: int) -> None:
     await asyncio.sleep(0.5)
     assert not hub.trusted(WORKER)
     await asyncio.wait_for(hub.close(), 3)
+
+
+def test_index_lookup_matches_a_brute_force_model() -> None:
+    """Random adds and removes over workers and tiers; every lookup equals the definition computed naively."""
+    import random
+
+    from router.kv_index import DISK, TIERS
+
+    rng = random.Random(7)
+    index = InMemoryKvIndex()
+    model: dict[str, set[tuple[int, str]]] = {f"w{i}": set() for i in range(5)}
+    chains = [[rng.getrandbits(64) for _ in range(30)] for _ in range(4)]
+    for step in range(3000):
+        worker, chain, tier = rng.choice(list(model)), rng.choice(chains), rng.choice([GPU, GPU, CPU, DISK, SHARED])
+        lo = rng.randrange(len(chain))
+        keys = chain[lo:lo + rng.randrange(1, 8)]
+        if rng.random() < 0.6:
+            index.add(worker, keys, tier)
+            model[worker].update((k, tier) for k in keys)
+        else:
+            index.remove(worker, keys, tier)
+            model[worker].difference_update((k, tier) for k in keys)
+        if step % 50 == 0 and rng.random() < 0.5:
+            index.clear(worker)
+            model[worker] = set()
+        assert index.holds(worker) == model[worker]
+        probe = rng.choice(chains)
+        asked = [*model, "stranger"]
+        runs = index.lookup(probe, asked)
+        shared = {k for held in model.values() for k, t in held if t == SHARED}
+        for w in asked:
+            mine = model.get(w, set())
+            expect, by_tier = 0, {}
+            for key in probe:
+                tiers = [t for t in TIERS if (key, t) in mine] or ([SHARED] if key in shared else [])
+                if not tiers:
+                    break
+                expect += 1
+                by_tier[tiers[0]] = by_tier.get(tiers[0], 0) + 1
+            assert (runs[w].blocks, runs[w].by_tier) == (expect, by_tier), (step, w)
+    assert index.entries() == sum(len({k for k, _ in held}) for held in model.values())
