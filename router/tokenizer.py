@@ -11,8 +11,8 @@ renderer) would feed its engine for the same request:
   `messages`, `tools`, `documents`, `add_generation_prompt`, and the accepted `chat_template_kwargs`), then the text
   is encoded with `add_special_tokens` (default false for chat).
 
-Encoding runs in Rust (`tokenizers` releases the GIL), so the methods may be called from a thread pool; the
-template environment is immutable once built.
+Encoding runs in Rust without the GIL (`encode_batch_fast`), so the methods may be called from a thread pool
+and run in parallel with the event loop; the template environment is immutable once built.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class ModelTokenizer:
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {self.model_dir}")
         self._tok = Tokenizer.from_file(str(tokenizer_file))
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         config_file = self.model_dir / "tokenizer_config.json"
         config: dict[str, Any] = (json.loads(config_file.read_text(encoding="utf-8"))
                                   if config_file.is_file() else {})
@@ -196,7 +197,9 @@ class ModelTokenizer:
         return None if bos is None else self.token_id(bos)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Text → ids. `encode_batch_fast` releases the GIL while it runs (plain `encode` holds it, measured with
+        tokenizers 0.23) and skips the character offsets; the ids are the same."""
+        ids: list[int] = self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:

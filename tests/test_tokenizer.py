@@ -97,3 +97,33 @@ def test_thread_pool_gives_the_same_ids(tok: ModelTokenizer) -> None:
     with ThreadPoolExecutor(4) as pool:
         parallel = list(pool.map(lambda b: tok.prompt_ids(b, chat=True), bodies))
     assert parallel == serial
+
+
+def test_encoding_releases_the_gil(tok: ModelTokenizer) -> None:
+    """A Python thread keeps running while a long prompt is encoded (plain `Tokenizer.encode` would freeze it)."""
+    import threading
+    import time
+
+    text = "def f(x):\n    return [y * 2 for y in range(x)]  # héllo\n" * 8_000  # ~400 KB, ~0.3 s
+    spins = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            spins[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        before, t0 = spins[0], time.perf_counter()
+        time.sleep(0.1)
+        rate = (spins[0] - before) / (time.perf_counter() - t0)  # spins per second with the GIL free
+        before = spins[0]
+        tok.encode(text, add_special_tokens=False)
+        during = spins[0] - before
+    finally:
+        stop.set()
+        thread.join(5)
+    # held for the whole call, the spinner would get at most a switch interval or two (5 ms each)
+    assert during > rate * 0.05, (during, rate)
