@@ -189,9 +189,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def sim_fleet(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
     """A factory: `sim_fleet(n, speedup=..., extra_args=[...])` starts n `kvgate sim` replica processes on free
-    loopback ports (tests/sim_fleet.py: urls, worker_specs, events/replay endpoints, kill/start per replica);
+    loopback ports (bench/sim/launch.py: urls, worker_specs, events/replay endpoints, kill/start per replica);
     every fleet it started is stopped by PID after the test."""
-    from tests.sim_fleet import SimFleet, start_sim_fleet
+    from bench.sim.launch import SimFleet, start_sim_fleet
 
     fleets: list[SimFleet] = []
 

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.sim_fleet import SimFleet, start_sim_fleet
+from bench.sim.launch import SimFleet, start_sim_fleet
 
 MODEL = "tiny"
 LONG = "The quick brown fox jumps over the lazy dog while the cat watches from the window sill. " * 6

@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from router.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from router.vllm_hash import block_hashes, event_hash
-from tests.sim_fleet import SimFleet
+from bench.sim.launch import SimFleet
 
 MODEL = "tiny"
 BS = 16

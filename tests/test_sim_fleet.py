@@ -20,7 +20,7 @@ import zmq
 from bench.sim.perf_model import PROFILES
 from router.kv_events import decode_batch
 from tests.conftest import ROOT, kvgate_command
-from tests.sim_fleet import SimFleet
+from bench.sim.launch import SimFleet
 
 
 def _free(port: int) -> bool:

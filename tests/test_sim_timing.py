@@ -9,7 +9,7 @@ from collections.abc import Callable
 import aiohttp
 
 from bench.sim.perf_model import PROFILES
-from tests.sim_fleet import SimFleet
+from bench.sim.launch import SimFleet
 
 PROFILE = PROFILES["llama-3.1-8b-h100"]
 SLACK_S = 0.06  # HTTP, tokenization, hashing and timer granularity on a shared 2-core machine

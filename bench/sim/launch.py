@@ -1,4 +1,4 @@
-"""Simulated vLLM fleets for tests: N `kvgate sim` replicas as real processes on free loopback ports.
+"""Simulated vLLM fleets for benchmarks and tests: N `kvgate sim` replicas as real processes on free loopback ports.
 
     fleet = start_sim_fleet(3, model_dir, speedup=10)      # or the `sim_fleet` fixture (a factory)
     fleet.urls                 # ["http://127.0.0.1:PORT", ...]
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.procs import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 @dataclass
