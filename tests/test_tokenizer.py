@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ def test_chat_is_templated_then_encoded_without_special_tokens(tok: ModelTokeniz
     ids = tok.prompt_ids(body, chat=True)
     assert ids == tok.encode(text, add_special_tokens=False)
     bos, im_start = tok.bos_token_id, tok.token_id("<|im_start|>")
+    assert bos is not None and im_start is not None
     assert ids[:2] == [bos, im_start] and ids.count(bos) == 1
     # add_special_tokens on a chat request adds BOS on top of the template's
     assert tok.prompt_ids({**body, "add_special_tokens": True}, chat=True) == [bos, *ids]
@@ -50,7 +52,7 @@ def test_message_normalisation_like_vllm(tok: ModelTokenizer) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert "user\na\nb<|im_end|>" in tok.render_chat(parts)
     assert "user\n<|im_end|>" in tok.render_chat([{"role": "user", "content": None}])
-    calls = [{"role": "user", "content": "q"},
+    calls: list[dict[str, Any]] = [{"role": "user", "content": "q"},
              {"role": "assistant", "content": None, "tool_calls": [
                  {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
              {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}]}]
