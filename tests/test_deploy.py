@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -379,3 +380,62 @@ def test_prometheus_scrapes_the_demo_stack(demo_stack: LocalStack) -> None:
     assert {r["metric"]["replica"] for r in hits} == {"replica-0", "replica-1"}
     tiers = query("count by (tier) (kvgate_agent_tier_capacity_bytes)")
     assert tiers
+
+
+# --- the vLLM command lines, parsed by vLLM itself ---------------------------------------------------------------
+
+VLLM_PARSE = r"""
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    parser = make_arg_parser(FlexibleArgumentParser())
+    try:
+        args = parser.parse_args(argv)
+        validate_parsed_serve_args(args)
+    except SystemExit as exc:
+        results.append({"error": f"exit {exc.code}"})
+        continue
+    events, transfer = args.kv_events_config, args.kv_transfer_config
+    results.append({
+        "model": args.model_tag, "block_size": args.block_size, "prefix_caching": args.enable_prefix_caching,
+        "prompt_tokens_details": args.enable_prompt_tokens_details,
+        "events": events and {"on": events.enable_kv_cache_events, "endpoint": events.endpoint,
+                              "replay": events.replay_endpoint, "publisher": events.publisher},
+        "connector": transfer and {"name": transfer.kv_connector, "module": transfer.kv_connector_module_path,
+                                   "role": transfer.kv_role, "extra": transfer.kv_connector_extra_config},
+    })
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.vllm
+def test_vllm_command_lines_parse_with_vllm() -> None:
+    """compose.gpu.yaml's and the StatefulSet's `vllm serve` arguments, through vLLM 0.32's own parser."""
+    from tests.vllm_server import ensure_vllm_venv
+
+    python = ensure_vllm_venv()
+    services = compose_config(DOCKER / "compose.gpu.yaml")["services"]
+    argvs = []
+    for name in sorted(n for n in services if n.startswith("replica-")):
+        assert services[name]["entrypoint"] == ["vllm", "serve"]
+        argvs.append(services[name]["command"])
+    pod = next(d for d in k8s_documents() if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
+    assert vllm["command"] == ["vllm", "serve"]
+    argvs.append(vllm["args"])
+    argvs.append([*vllm["args"], "--no-such-flag"])  # the parser refuses what vLLM does not know
+    out = subprocess.run([str(python), "-c", VLLM_PARSE, json.dumps(argvs)], capture_output=True, text=True,
+                         timeout=300, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    *good, bad = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" in bad
+    for parsed in good:
+        assert "error" not in parsed, parsed
+        assert parsed["block_size"] == 16 and parsed["prefix_caching"] and parsed["prompt_tokens_details"]
+        assert parsed["events"] == {"on": True, "endpoint": "tcp://*:5557", "replay": "tcp://*:5558",
+                                    "publisher": "zmq"}
+        assert parsed["connector"] == {"name": "KvgateConnector", "module": "agent.vllm_connector",
+                                       "role": "kv_both", "extra": {"agent_socket": "/run/kvgate/agent.sock"}}
