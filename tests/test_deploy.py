@@ -336,6 +336,14 @@ def test_demo_stack_serves_a_request_end_to_end(demo_stack: LocalStack) -> None:
         time.sleep(0.2)
     assert cached >= second["usage"]["prompt_tokens"] // 2
 
+    # the gateway applies KV events from the endpoints the compose file gives it
+    exposition = fetch_text(gateway + "/metrics")
+    served = [w for w in workers if re.search(
+        rf'kvgate_kv_events_applied_total\{{type="BlockStored",worker="{re.escape(w)}"\}} [1-9]', exposition)
+        or re.search(rf'kvgate_kv_events_applied_total\{{worker="{re.escape(w)}",type="BlockStored"\}} [1-9]',
+                     exposition)]
+    assert served, "no KV events applied from any replica"
+
     # every agent runs the three tiers the compose file gives it
     for name in ("agent-0", "agent-1"):
         text = fetch_text(demo_stack.services[name].url(9400) + "/metrics")
