@@ -243,6 +243,19 @@ def test_k8s_manifests_wire_together(tmp_path: Path) -> None:
         assert workload["spec"]["selector"]["matchLabels"].items() <= workload["spec"]["template"]["metadata"][
             "labels"].items()
 
+    for workload in workloads:
+        pod = workload["spec"]["template"]["spec"]
+        templates = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in pod["containers"] + pod.get("initContainers", []):
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes or mount["name"] in templates, mount
+        for volume in volumes.values():
+            if "persistentVolumeClaim" in volume:
+                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in by, volume
+            if "configMap" in volume:
+                assert ("ConfigMap", volume["configMap"]["name"]) in by, volume
+
     gateway = by[("Deployment", "kvgate-gateway")]["spec"]["template"]["spec"]["containers"][0]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
