@@ -138,9 +138,9 @@ class SimEngine:
             now = clock()
             start = last_end if now - last_end < _SCHEDULE_SLACK_S else now
             out = scheduler.schedule()
-            self._flush_events()
             if out.empty:
                 # nothing fits this step (cannot happen with a validated config); do not spin
+                self._flush_events()
                 await asyncio.sleep(0.001)
                 last_end = clock()
                 continue
@@ -159,6 +159,7 @@ class SimEngine:
             last_end = end
             sampled, finished = scheduler.update_from_output(out, now)
             self._account(sampled, finished, now)
+            # as vLLM: what a step stored or evicted is published as one batch once the step has run
             self._flush_events()
 
     def _account(self, sampled: list[SimRequest], finished: list[SimRequest], now: float) -> None:
