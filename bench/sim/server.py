@@ -377,7 +377,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 async def _stream(request: web.Request, replica: Replica, seqs: list[_Sequence], chat: bool, rid: str,
                   created: int, model: str, include_usage: bool, return_ids: bool) -> web.StreamResponse:
     """vLLM's SSE chunks (serialised with exclude_unset): one per token, a role chunk first for chat, an
-    optional usage chunk, then `data: [DONE]`."""
+    optional usage chunk, then `data: [DONE]`. As in vLLM, even the role chunk waits for the engine's first
+    output, so a client's time to first byte is the time to first token."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     text = replica.vocab.text
@@ -390,7 +391,9 @@ async def _stream(request: web.Request, replica: Replica, seqs: list[_Sequence],
                  "prompt_token_ids": seqs[0].request.all_token_ids[:seqs[0].request.num_prompt_tokens]
                  if return_ids else None,
                  "prompt_text": None}
-        await response.write(b"data: " + dumps(first) + b"\n\n")
+        role_chunk = b"data: " + dumps(first) + b"\n\n"
+    else:
+        role_chunk = b""
     # the chunk of a token that is neither the last nor carries ids is `pre + "text" + post`: built once
     json_text = replica.vocab.json_text
     fast = not return_ids
@@ -415,7 +418,8 @@ async def _stream(request: web.Request, replica: Replica, seqs: list[_Sequence],
                 finally:
                     for w in waiters:
                         w.cancel()
-        parts: list[bytes] = []
+        parts: list[bytes] = [role_chunk] if role_chunk else []
+        role_chunk = b""
         for i, seq in enumerate(seqs):
             if not seq.event.is_set():
                 continue
