@@ -223,3 +223,19 @@ def test_events_rebuild_the_block_set_at_every_step(seed: int) -> None:
         if r.status == Status.FINISHED:
             assert len(r.output_token_ids) == r.max_tokens and r.finish_reason == "length"
             assert r.block_hashes == hashes(r.all_token_ids)
+
+
+def test_a_new_request_is_admitted_only_if_its_whole_prompt_fits() -> None:
+    """vLLM 0.32's scheduler_reserve_full_isl: the first chunk fitting is not enough."""
+    s = make(num_blocks=9, budget=8, max_model_len=32)
+    s.add_request(req("holder", list(range(1, 10)), max_tokens=20))     # 3 blocks, decoding for a while
+    s.update_from_output(s.schedule(), 0.0)
+    s.update_from_output(s.schedule(), 0.0)
+    assert s.kv.pool.num_free_blocks == 5
+    s.add_request(req("big", list(range(100, 124))))                    # 6 blocks; its first chunk needs 2
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["holder"]
+    assert s.requests["big"].status == Status.WAITING
+    s.update_from_output(out, 0.0)
+    run_until_idle(s)
+    assert "big" not in s.requests   # admitted and finished once the holder was done

@@ -255,10 +255,13 @@ class KvCacheManager:
 
     def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                        new_computed_blocks: Sequence[KvBlock], block_hashes: Sequence[Digest],
-                       all_token_ids: Sequence[int], first_block_extra: tuple[Any, ...] | None = None) -> bool:
+                       all_token_ids: Sequence[int], first_block_extra: tuple[Any, ...] | None = None,
+                       full_sequence_must_fit: bool = False) -> bool:
         """Reserve blocks for `num_new_tokens` more tokens; False (and nothing changed) if the pool is short.
 
         `num_computed_tokens` counts the tokens already computed including `new_computed_blocks` (prefix hits).
+        `full_sequence_must_fit` is vLLM 0.32's admission gate (`scheduler_reserve_full_isl`, on by default): a
+        new request is admitted only if its whole sequence, not just its first chunk, fits in the free blocks.
         """
         table = self.tables.get(request_id)
         if table is None:
@@ -268,6 +271,12 @@ class KvCacheManager:
         required = -(-needed_tokens // bs)
         num_new = required - len(table.blocks) - len(new_computed_blocks)
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if full_sequence_must_fit:
+            full = -(-min(len(all_token_ids), self.max_model_len) // bs)
+            if full - len(table.blocks) - len(new_computed_blocks) + evictable_hits > self.pool.num_free_blocks:
+                if not table.blocks:
+                    del self.tables[request_id]
+                return False
         if num_new + evictable_hits > self.pool.num_free_blocks:
             if not table.blocks:
                 del self.tables[request_id]

@@ -208,7 +208,8 @@ class Scheduler:
                     break
                 num_new = min(num_new, budget)
                 if not kv.allocate_slots(request.request_id, num_hit, num_new, hits, request.block_hashes,
-                                         request.all_token_ids, request.first_block_extra):
+                                         request.all_token_ids, request.first_block_extra,
+                                         full_sequence_must_fit=True):
                     break
                 self.waiting.popleft()
                 self.running.append(request)
