@@ -81,8 +81,11 @@ class Gateway:
 
     def _worker_added(self, worker: Worker) -> None:
         spec = worker.spec
-        if self.kv_events is not None and spec.events:
-            self.kv_events.watch([EventSource(worker.url, spec.events, spec.replay)])
+        if self.kv_events is not None:
+            sources = [EventSource(worker.url, events, replay, name)
+                       for name, events, replay in (("engine", spec.events, spec.replay),
+                                                    ("agent", spec.agent_events, spec.agent_replay)) if events]
+            self.kv_events.watch(sources)
 
     def _worker_removed(self, url: str) -> None:
         self.strategy.forget_worker(url)

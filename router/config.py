@@ -34,23 +34,30 @@ def option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One upstream replica: its HTTP base URL and, optionally, its KV-event endpoints."""
+    """One upstream replica: its HTTP base URL and, optionally, its KV-event endpoints — the engine's, and its
+    tier agent's (whose events name the agent's tiers)."""
 
     url: str
     events: str | None = None
     replay: str | None = None
+    agent_events: str | None = None
+    agent_replay: str | None = None
+
+    ATTRIBUTES = ("events", "replay", "agent_events", "agent_replay")
 
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
-        """Parse `http://host:port;events=tcp://host:5557;replay=tcp://host:5558`."""
+        """Parse `http://host:port;events=tcp://host:5557;replay=tcp://host:5558` (+ `agent_events=`,
+        `agent_replay=`)."""
         url, *attrs = (part.strip() for part in text.split(";"))
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"worker URL must start with http:// or https://: {text!r}")
         values: dict[str, str] = {}
         for attr in attrs:
             key, sep, value = attr.partition("=")
-            if not sep or key not in ("events", "replay"):
-                raise ConfigError(f"unknown worker attribute {attr!r} in {text!r} (expected events=, replay=)")
+            if not sep or key not in cls.ATTRIBUTES:
+                raise ConfigError(f"unknown worker attribute {attr!r} in {text!r} "
+                                  f"(expected {', '.join(a + '=' for a in cls.ATTRIBUTES)})")
             values[key] = value
         return cls(url=url.rstrip("/"), **values)
 
@@ -59,11 +66,11 @@ class WorkerSpec:
         if isinstance(value, str):
             return cls.parse(value)
         if isinstance(value, Mapping) and isinstance(value.get("url"), str):
-            unknown = set(value) - {"url", "events", "replay"}
+            unknown = set(value) - {"url", *cls.ATTRIBUTES}
             if unknown:
                 raise ConfigError(f"unknown worker keys {sorted(unknown)}")
-            spec = cls.parse(value["url"])
-            return dataclasses.replace(spec, events=value.get("events"), replay=value.get("replay"))
+            endpoints: dict[str, Any] = {a: value.get(a) for a in cls.ATTRIBUTES}
+            return cls(url=cls.parse(value["url"]).url, **endpoints)
         raise ConfigError(f"a worker is a URL string or a mapping with 'url': {value!r}")
 
 
@@ -92,7 +99,8 @@ class GatewayConfig:
     host: str = option("0.0.0.0", "address the gateway listens on")
     port: int = option(8000, "port the gateway listens on")
     worker: list[WorkerSpec] = option(
-        [], "upstream vLLM replica, repeatable: URL[;events=ENDPOINT;replay=ENDPOINT]", parse=_parse_worker
+        [], "upstream vLLM replica, repeatable: URL[;events=EP;replay=EP;agent_events=EP;agent_replay=EP]",
+        parse=_parse_worker
     )
     strategy: str = option("round_robin", "routing strategy (see `kvgate strategies`)")
     api_key: list[str] = option([], "accepted client API key (Authorization: Bearer), repeatable; none = open")

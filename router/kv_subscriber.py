@@ -151,6 +151,7 @@ class KvEventHub:
         backoff = 0.1
         while True:
             sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.IPV6, 1)  # endpoints of workers discovered by AAAA records are IPv6
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
@@ -273,6 +274,7 @@ class KvEventHub:
         """The buffered batches with seq >= start, as (seq, payload), in order."""
         assert source.replay is not None
         sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.LINGER, 0)
         batches: list[tuple[int, bytes]] = []
         try:

@@ -71,6 +71,8 @@ class Worker:
             "url": self.url,
             "events": self.spec.events,
             "replay": self.spec.replay,
+            "agent_events": self.spec.agent_events,
+            "agent_replay": self.spec.agent_replay,
             "models": sorted(self.models),
             "healthy": self.healthy,
             "draining": self.draining,

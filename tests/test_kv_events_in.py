@@ -274,3 +274,34 @@ def test_index_lookup_matches_a_brute_force_model() -> None:
                 by_tier[tiers[0]] = by_tier.get(tiers[0], 0) + 1
             assert (runs[w].blocks, runs[w].by_tier) == (expect, by_tier), (step, w)
     assert index.entries() == sum(len({k for k, _ in held}) for held in model.values())
+
+
+async def test_engine_and_agent_sources_of_one_worker() -> None:
+    """The agent's events (its own publisher) name tiers for blocks the engine described; a block the engine
+    evicted but the agent keeps still counts, at the agent's tier."""
+    ctx = zmq.asyncio.Context()
+    engine, agent = Publisher(ctx), Publisher(ctx)
+    hub = KvEventHub(InMemoryKvIndex(), GatewayMetrics(), lambda url: "tiny")
+    agent_source = EventSource(WORKER, f"tcp://127.0.0.1:{agent.port}", f"tcp://127.0.0.1:{agent.replay_port}",
+                               "agent")
+    try:
+        hub.watch([engine.source, agent_source])
+        await connected(hub, engine)
+        await engine.send([stored([1, 2], TOKENS[:8])])
+        await eventually(lambda: len(held(hub)) == 2)
+        for _ in range(100):  # the agent's subscription may still be joining: resend until it lands
+            await agent.send([BlockStored(block_hashes=[1, 2], medium="CPU", token_ids=[], block_size=BS)])
+            try:
+                await eventually(lambda: (KEYS[1], CPU) in held(hub), timeout=0.3)
+                break
+            except AssertionError:
+                continue
+        await engine.send([BlockRemoved(block_hashes=[1, 2], medium="GPU")])
+        await eventually(lambda: held(hub) == {(KEYS[0], CPU), (KEYS[1], CPU)})
+        assert hub.index.lookup(KEYS, [WORKER])[WORKER].by_tier == {CPU: 2}
+        assert hub.trusted(WORKER)
+    finally:
+        await hub.close()
+        engine.close()
+        agent.close()
+        ctx.destroy(0)
