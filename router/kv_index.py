@@ -251,9 +251,11 @@ def _cheapest(mask: int) -> str:
 
 
 def measure_entry_bytes(blocks: int = 20_000, workers: int = 4) -> float:
-    """Bytes one (block, worker) entry costs in the in-memory index, measured with tracemalloc."""
+    """Bytes one (block, worker) entry costs in the in-memory index, measured with tracemalloc (0 if tracing)."""
     import tracemalloc
 
+    if tracemalloc.is_tracing():
+        return 0.0  # someone else is measuring; do not disturb them
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]

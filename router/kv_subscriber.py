@@ -86,6 +86,7 @@ class KvEventHub:
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._states: dict[EventSource, SourceState] = {}
         self._sources: dict[str, list[EventSource]] = {}
+        self._unwatching: set[asyncio.Task[None]] = set()
         self._hash_keys: dict[str, dict[BlockHash, BlockKey]] = {}  # worker -> engine hash -> gateway key
 
     # --- lifecycle ------------------------------------------------------------------------------------------
@@ -110,9 +111,12 @@ class KvEventHub:
 
     def forget_worker(self, worker: str) -> None:
         """Synchronous form of `unwatch` for pool callbacks."""
-        asyncio.get_running_loop().create_task(self.unwatch(worker))
+        task = asyncio.get_running_loop().create_task(self.unwatch(worker))
+        self._unwatching.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._unwatching.discard)
 
     async def close(self) -> None:
+        await asyncio.gather(*self._unwatching, return_exceptions=True)
         for worker in list(self._tasks):
             await self.unwatch(worker)
         self._ctx.destroy(linger=0)
