@@ -11,6 +11,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "prefix": ("bench.prefix_bench", "prefix routing: tokenize/trie costs, and hit rate and TTFT vs round_robin"),
     "sim-throughput": ("bench.sim_throughput", "requests/s one simulated replica process sustains"),
     "sim-ttft": ("bench.sim_ttft_curve", "TTFT vs prompt length: a sim profile's model and a live replica"),
+    "compare": ("bench.compare", "kvgate strategies, sglang-router, vllm-router on one sim fleet"),
+    "vsim": ("bench.vsim", "virtual-time fleet simulation of a whole trace, 8-64 replicas, with or without tiers"),
     "agent": ("bench.agent_bench", "tier agent: DRAM/NVMe/Redis tiers vs memcpy/file/redis-py, lookup latency"),
 }
 

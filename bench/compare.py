@@ -1,0 +1,282 @@
+"""`kvgate bench compare`: one workload, one simulated fleet, a list of routers run one after another.
+
+For each target (bench/targets.py: kvgate strategies, sglang-router, vllm-router) the runner resets every
+replica's prefix cache (`POST /reset_prefix_cache`), starts the router, checks it answers a probe request,
+resets again, replays the workload through it (streamed completions; open loop by arrival times or Poisson, or
+closed loop at a fixed concurrency) and reads the replicas' counters before and after. Beside every run: the
+hit rate an ideal single unbounded cache would reach on the same request sequence. A target that cannot be
+installed or started is reported with its error, never dropped. Writes `report.json` (every figure),
+`report.md` and PNG plots (TTFT CDF per target, hit rate vs the bound, per-replica load) into `--out`.
+
+    kvgate bench compare --workload tenants --replicas 4 --speedup 10 --out out/compare
+    kvgate bench compare --workload mooncake --limit 200 --block-tokens 32 --time-scale 4 \
+        --targets kvgate:kv,sglang:cache_aware
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench import loadgen, workloads
+from bench.make_model import write_model
+from bench.report import write_markdown, write_plots
+from bench.sim.launch import ROOT, SimFleet, start_sim_fleet
+from bench.targets import DEFAULT_TARGETS, Target, TargetError, TargetSettings, parse_target
+from bench.workloads import PromptVocabulary, Workload
+
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+MODEL = "tiny"
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", choices=["mooncake", "tenants", "multi_turn", "rag", "no_overlap"], default="tenants")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake JSONL trace")
+    g.add_argument("--limit", type=int, default=200, help="trace: requests replayed")
+    g.add_argument("--offset", type=int, default=0, help="trace: records skipped first")
+    g.add_argument("--time-scale", type=float, default=1.0, help="trace: replay this many times faster")
+    g.add_argument("--block-tokens", type=int, default=512,
+                   help="trace: tokens per hash_id (512 = the trace; smaller shrinks every prompt alike)")
+    g.add_argument("--max-output-tokens", type=int, default=None, help="trace: cap on output_length")
+    g.add_argument("--tenants", type=int, default=8)
+    g.add_argument("--prefix-tokens", type=int, default=512, help="tenants: system prompt length P")
+    g.add_argument("--users", type=int, default=4, help="tenants: users per tenant U")
+    g.add_argument("--question-tokens", type=int, default=32, help="tenants/multi_turn/rag: question length Q")
+    g.add_argument("--requests-per-user", type=int, default=3)
+    g.add_argument("--sessions", type=int, default=16, help="multi_turn: conversations")
+    g.add_argument("--turns", type=int, default=5)
+    g.add_argument("--answer-tokens", type=int, default=32)
+    g.add_argument("--idle-s", type=float, default=2.0, help="multi_turn: mean gap between turns")
+    g.add_argument("--documents", type=int, default=48, help="rag: document pool")
+    g.add_argument("--document-tokens", type=int, default=384)
+    g.add_argument("--zipf", type=float, default=1.1)
+    g.add_argument("--requests", type=int, default=128, help="rag / no_overlap: requests")
+    g.add_argument("--prompt-tokens", type=int, default=512, help="no_overlap: prompt length")
+    g.add_argument("--max-tokens", type=int, default=8, help="generators: tokens generated per request")
+
+
+def build_workload(args: argparse.Namespace, vocab: PromptVocabulary) -> Workload:
+    if args.workload == "mooncake":
+        return workloads.mooncake_workload(args.trace, vocab, limit=args.limit, offset=args.offset,
+                                           time_scale=args.time_scale, block_tokens=args.block_tokens,
+                                           max_output_tokens=args.max_output_tokens)
+    if args.workload == "tenants":
+        return workloads.tenants(vocab, tenants=args.tenants, prefix_tokens=args.prefix_tokens, users=args.users,
+                                 question_tokens=args.question_tokens, requests_per_user=args.requests_per_user,
+                                 max_tokens=args.max_tokens, seed=args.seed)
+    if args.workload == "multi_turn":
+        return workloads.multi_turn(vocab, sessions=args.sessions, turns=args.turns,
+                                    question_tokens=args.question_tokens, answer_tokens=args.answer_tokens,
+                                    idle_s=args.idle_s, seed=args.seed)
+    if args.workload == "rag":
+        return workloads.rag(vocab, documents=args.documents, document_tokens=args.document_tokens,
+                             zipf_s=args.zipf, question_tokens=args.question_tokens, requests=args.requests,
+                             max_tokens=args.max_tokens, seed=args.seed)
+    return workloads.no_overlap(vocab, requests=args.requests, prompt_tokens=args.prompt_tokens,
+                                max_tokens=args.max_tokens, seed=args.seed)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                        help="comma-separated KIND:POLICY[:VARIANT] (bench/targets.py)")
+    parser.add_argument("--out", default="out/compare", help="directory for report.json, report.md, PNGs")
+    parser.add_argument("--model-dir", default=None, help="tokenizer dir (default: `kvgate make-model` output)")
+    f = parser.add_argument_group("fleet")
+    f.add_argument("--replicas", type=int, default=4)
+    f.add_argument("--profile", default="llama-3.1-8b-h100")
+    f.add_argument("--speedup", type=float, default=10.0, help="sim time divisor (client latencies are wall time)")
+    f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--gpu-blocks", type=int, default=512, help="KV blocks per replica")
+    l_ = parser.add_argument_group("load")
+    l_.add_argument("--mode", choices=["open", "closed"], default=None,
+                    help="open: arrival times (the trace's, or Poisson at --rate); closed: --concurrency clients "
+                         "(default: open for timed workloads, closed otherwise)")
+    l_.add_argument("--rate", type=float, default=None, help="open loop without timestamps: Poisson requests/s")
+    l_.add_argument("--concurrency", type=int, default=8)
+    l_.add_argument("--prompt-mode", choices=["text", "ids"], default="text")
+    l_.add_argument("--request-timeout-s", type=float, default=300.0)
+    l_.add_argument("--no-progress", action="store_true")
+    p = parser.add_argument_group("peers")
+    p.add_argument("--peer-balance-abs", type=int, default=None,
+                   help="tuned cache_aware --balance-abs-threshold (default: max(2, concurrency / replicas))")
+    p.add_argument("--peer-balance-rel", type=float, default=1.25, help="tuned cache_aware --balance-rel-threshold")
+    add_workload_arguments(parser)
+
+
+def _post(url: str, timeout: float = 10.0) -> bytes:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        body: bytes = resp.read()
+        return body
+
+
+def reset_fleet(fleet: SimFleet) -> None:
+    for url in fleet.urls:
+        body = _post(url + "/reset_prefix_cache?reset_running_requests=true")
+        if b"true" not in body:
+            raise RuntimeError(f"{url} refused to reset its prefix cache: {body[:200]!r}")
+
+
+async def probe(http: aiohttp.ClientSession, target: Target, deadline_s: float) -> None:
+    """Until the router answers one small completion (peers take a while to register workers)."""
+    body = orjson.dumps({"model": MODEL, "prompt": "probe", "max_tokens": 1})
+    deadline = time.monotonic() + deadline_s
+    last = ""
+    while time.monotonic() < deadline:
+        if target.proc is not None and target.proc.poll() is not None:
+            raise TargetError(f"{target.name} exited with {target.proc.returncode}: {target.log_tail()}")
+        try:
+            async with http.post(target.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"},
+                                 timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status == 200:
+                    await resp.read()
+                    return
+                last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(0.3)
+    raise TargetError(f"{target.name} did not answer a probe within {deadline_s:.0f} s ({last}); "
+                      f"log: {target.log_tail()}")
+
+
+async def run_target(target: Target, fleet: SimFleet, settings: TargetSettings, bodies: list[bytes],
+                     arrivals: list[float] | None, args: argparse.Namespace) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": target.name, "kind": target.kind, "policy": target.policy,
+                           "variant": target.variant}
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout_s, sock_read=args.request_timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        try:
+            reset_fleet(fleet)
+            target.start(fleet, settings)
+            row.update({"argv": target.argv, "config": target.config, "version": target.version})
+            await probe(http, target, 60.0)
+            await asyncio.sleep(0.3)  # the probe's blocks are announced, then cleared with the reset
+            reset_fleet(fleet)
+            await asyncio.sleep(0.5)  # AllBlocksCleared reaches event subscribers
+            before = await loadgen.scrape(http, fleet.urls)
+            started = time.perf_counter()
+            if arrivals is not None:
+                results = await loadgen.open_loop(http, target.url, bodies, arrivals,
+                                                  progress=not args.no_progress, desc=target.name)
+            else:
+                results = await loadgen.closed_loop(http, target.url, bodies, args.concurrency,
+                                                    progress=not args.no_progress, desc=target.name)
+            seconds = time.perf_counter() - started
+            after = await loadgen.scrape(http, fleet.urls)
+            row["seconds"] = seconds
+            row["latency"] = loadgen.latency_summary(results)
+            row["fleet"] = loadgen.fleet_summary(before, after, seconds, fleet.urls)
+            row["ttft_ms"] = sorted(r.ttft_s * 1e3 for r in results if r.ttft_s is not None)
+        except (TargetError, OSError, RuntimeError, urllib.error.URLError) as exc:
+            row["error"] = str(exc)[:3000]
+        finally:
+            target.stop()
+    return row
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model_dir:
+        return Path(args.model_dir)
+    path = ROOT / ".cache" / "bench-model"
+    if not (path / "tokenizer.json").exists():
+        write_model(path)
+    return path
+
+
+async def compare(args: argparse.Namespace) -> dict[str, Any]:
+    targets = [parse_target(t.strip()) for t in args.targets.split(",") if t.strip()]
+    model_dir = _model_dir(args)
+    vocab = PromptVocabulary.from_model_dir(model_dir)
+    workload = build_workload(args, vocab)
+    wire = [vocab.wire_ids(r.token_ids) for r in workload.requests]
+    longest = max(len(w) + r.max_tokens for w, r in zip(wire, workload.requests, strict=True))
+    bs = args.block_size
+    max_model_len = max(2048, int(math.ceil((longest + 1) / bs) * bs))
+    gpu_blocks = max(args.gpu_blocks, max_model_len // bs + 2)
+    mode = args.mode or ("open" if workload.timed or args.rate else "closed")
+    arrivals: list[float] | None = None
+    if mode == "open":
+        if workload.timed:
+            arrivals = [r.arrival_s or 0.0 for r in workload.requests]
+        else:
+            if not args.rate:
+                raise SystemExit("--mode open on an untimed workload needs --rate")
+            arrivals = workloads.poisson_arrivals(len(workload.requests), args.rate, args.seed)
+    bodies = [loadgen.request_body(r, vocab, MODEL, args.prompt_mode) for r in workload.requests]
+    bound = workloads.ideal_hit_rate(wire, bs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any traffic
+    balance_abs = args.peer_balance_abs or max(2, round(args.concurrency / args.replicas))
+    settings = TargetSettings(bs, MODEL, model_dir, balance_abs, args.peer_balance_rel, out / "logs")
+    report: dict[str, Any] = {
+        "benchmark": "compare", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+        "workload": {"name": workload.name, "params": workload.params, "requests": len(workload.requests),
+                     "prompt_tokens": sum(len(w) for w in wire), "prompt_mode": args.prompt_mode},
+        "load": {"mode": mode, "rate": args.rate, "concurrency": args.concurrency if mode == "closed" else None},
+        "fleet": {"replicas": args.replicas, "profile": args.profile, "speedup": args.speedup,
+                  "block_size": bs, "gpu_blocks_per_replica": gpu_blocks, "max_model_len": max_model_len},
+        "upper_bound": {"hit_rate": bound.hit_rate, "hit_tokens": bound.hit_tokens,
+                        "query_tokens": bound.query_tokens,
+                        "definition": "one unbounded cache, same request order, leading full blocks of "
+                                      f"{bs} tokens, never the last prompt token (as vLLM counts)"},
+        "peer_tuning": {"balance_abs_threshold": balance_abs, "balance_rel_threshold": args.peer_balance_rel},
+        "command": _command_line(),
+        "targets": [],
+    }
+    fleet = start_sim_fleet(args.replicas, model_dir, model=MODEL, profile=args.profile, speedup=args.speedup,
+                            extra_args=["--block-size", str(bs), "--num-gpu-blocks-override", str(gpu_blocks),
+                                        "--max-model-len", str(max_model_len)], timeout=60)
+    try:
+        for target in targets:
+            row = await run_target(target, fleet, settings, bodies, arrivals, args)
+            bound_rate = bound.hit_rate
+            if "fleet" in row:
+                row["fraction_of_bound"] = row["fleet"]["hit_rate"] / bound_rate if bound_rate else None
+                lat = row["latency"]
+                print(f"{target.name:32s} hit {row['fleet']['hit_rate']:.3f} (bound {bound_rate:.3f})  "
+                      f"TTFT p50 {_ms(lat['ttft_ms_p50'])} p90 {_ms(lat['ttft_ms_p90'])}  "
+                      f"errors {lat['errors']}  imbalance {row['fleet']['request_imbalance'] or 0:.2f}", flush=True)
+            else:
+                print(f"{target.name:32s} FAILED: {row['error'][:300]}", flush=True)
+            report["targets"].append(row)
+    finally:
+        fleet.stop()
+    (out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    write_markdown(report, out / "report.md")
+    write_plots(report, out)
+    return report
+
+
+def _command_line() -> str:
+    argv = sys.argv
+    if "compare" in argv:
+        return "kvgate bench " + " ".join(shlex.quote(a) for a in argv[argv.index("compare"):])
+    return "(called from Python)"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def run(args: argparse.Namespace) -> int:
+    report = asyncio.run(compare(args))
+    print(f"wrote {args.out}/report.json, report.md, ttft_cdf.png, hit_rate.png, load.png")
+    return 0 if report["targets"] and any("fleet" in t for t in report["targets"]) else 1

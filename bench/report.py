@@ -1,0 +1,141 @@
+"""A comparison's report: the Markdown table and the PNG plots (TTFT CDF per target, hit rate against the
+ideal-cache bound, each replica's share of requests per target)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _f(value: Any, fmt: str = "{:.0f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def headline_table(report: dict[str, Any]) -> list[str]:
+    lines = ["| target | hit rate | of bound | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | e2e p50 | "
+             "req imbalance | token imbalance | errors | req/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in report["targets"]:
+        if "fleet" not in t:
+            lines.append(f"| {t['name']} | did not run: {t.get('error', '?').splitlines()[0][:160]} |"
+                         + " |" * 10)
+            continue
+        lat, fleet = t["latency"], t["fleet"]
+        lines.append(
+            f"| {t['name']} | {fleet['hit_rate']:.3f} | {_f(t.get('fraction_of_bound'), '{:.0%}')} | "
+            f"{_f(lat['ttft_ms_p50'])} ms | {_f(lat['ttft_ms_p90'])} ms | {_f(lat['ttft_ms_p99'])} ms | "
+            f"{_f(lat['itl_ms_p50'], '{:.1f}')} ms | {_f(lat['e2e_ms_p50'])} ms | "
+            f"{_f(fleet['request_imbalance'], '{:.2f}')} | {_f(fleet['prompt_token_imbalance'], '{:.2f}')} | "
+            f"{lat['errors']} | {_f(fleet['requests_per_s'], '{:.1f}')} |")
+    return lines
+
+
+def write_markdown(report: dict[str, Any], path: Path) -> None:
+    w, fl, ub = report["workload"], report["fleet"], report["upper_bound"]
+    load = report["load"]
+    lines = [
+        f"# kvgate bench compare — {w['name']}",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Created {report['created']}; Python {report['machine']['python']}, {report['machine']['cpus']} CPUs.",
+        "",
+        f"Workload `{w['name']}`: {w['requests']} requests, {w['prompt_tokens']} prompt tokens, prompts sent as "
+        f"{w['prompt_mode']}; parameters `{w['params']}`.  ",
+        f"Load: {load['mode']} loop" + (f", concurrency {load['concurrency']}" if load["concurrency"] else "")
+        + (f", Poisson {load['rate']} req/s" if load["rate"] else "") + ".  ",
+        f"Fleet: {fl['replicas']} `kvgate sim` replicas, profile `{fl['profile']}`, speedup {fl['speedup']} "
+        f"(latencies are wall-clock, i.e. the model's divided by the speedup, plus the router), block size "
+        f"{fl['block_size']}, {fl['gpu_blocks_per_replica']} KV blocks per replica, max model len "
+        f"{fl['max_model_len']}. Caches reset before every target.",
+        "",
+        f"Upper bound (ideal single unbounded cache, {ub['definition']}): hit rate **{ub['hit_rate']:.3f}**.",
+        "",
+        *headline_table(report),
+        "",
+        "Hit rate: the replicas' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas (tokens). "
+        "Imbalance: max / mean over replicas of requests (prompt tokens).",
+        "",
+        "## Targets and their configuration",
+        "",
+    ]
+    for t in report["targets"]:
+        lines.append(f"### {t['name']}")
+        lines.append("")
+        if t.get("version"):
+            lines.append(f"Version: {t['version']}  ")
+        if t.get("config"):
+            lines.append(f"Configuration: `{t['config']}`  ")
+        if t.get("argv"):
+            lines.append(f"Command: `{' '.join(t['argv'])}`")
+        if "error" in t:
+            lines += ["", "**Did not run.** Error:", "", "```", t["error"], "```"]
+        else:
+            lines.append("")
+            lines.append("Per replica (requests, prompt tokens, hit rate): " + "; ".join(
+                f"{r['requests']:.0f} req, {r['prompt_tokens']:.0f} tok, "
+                f"{(r['hit_tokens'] / r['query_tokens'] if r['query_tokens'] else 0):.2f}"
+                for r in t["fleet"]["replicas"]))
+            if t["latency"]["error_samples"]:
+                lines.append(f"  \nErrors: {t['latency']['error_samples']}")
+        lines.append("")
+    lines += ["## Plots", "", "![TTFT CDF](ttft_cdf.png)", "", "![hit rate](hit_rate.png)", "",
+              "![per-replica load](load.png)", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [t for t in report["targets"] if "fleet" in t]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for t in ran:
+        ttft = t["ttft_ms"]
+        if ttft:
+            ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=t["name"])
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms, client-side, wall clock)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF — {report['workload']['name']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = [t["name"] for t in ran]
+    ax.bar(range(len(ran)), [t["fleet"]["hit_rate"] for t in ran], color="tab:blue")
+    ax.axhline(report["upper_bound"]["hit_rate"], color="tab:red", linestyle="--", label="ideal single cache")
+    ax.set_xticks(range(len(ran)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("fleet prefix-cache hit rate (tokens)")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.set_title("hit rate vs upper bound")
+    fig.tight_layout()
+    paths.append(out / "hit_rate.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    replicas = report["fleet"]["replicas"]
+    width = 0.8 / max(replicas, 1)
+    for r in range(replicas):
+        ax.bar([i + r * width for i in range(len(ran))],
+               [t["fleet"]["request_share"][r] if r < len(t["fleet"]["request_share"]) else 0 for t in ran],
+               width, label=f"replica {r}")
+    ax.axhline(1 / max(replicas, 1), color="black", linestyle=":", linewidth=1)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ran))], names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("share of requests")
+    ax.set_title("per-replica load")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "load.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,277 @@
+"""Benchmark workloads: the Mooncake trace replayed as token prompts, and generators of shared-prefix traffic.
+
+Every workload is a list of `WorkloadRequest`s — prompt token ids, answer length, arrival time (or none, for
+the load generator to pace) and a group label. Prompt tokens are drawn from the model's `PromptVocabulary`:
+word tokens whose text, concatenated, the tokenizer turns back into exactly the same ids, so a prompt can be sent
+as text (what real clients and text-routing peers see) or as token ids, and the engine caches the same blocks.
+The tiny model's tokenizer adds BOS to a text prompt; `wire_ids` is the prompt as the engine sees it, and
+token-id requests send those ids.
+
+Generators (all deterministic for a seed):
+- `tenants`: T tenants, each with a P-token system prompt; U users per tenant; each request is the tenant's
+  prefix plus a fresh Q-token question; `requests_per_user` questions per user, interleaved at random
+  (the shape of the llm-d prefix-cache benchmarks).
+- `multi_turn`: S conversations of `turns` turns; turn k's prompt is the whole history (earlier questions and
+  A-token answers) plus a Q-token question; turns of one conversation are `idle_s` (exponential mean) apart,
+  conversations start `session_gap_s` (exponential mean) apart.
+- `rag`: a pool of D documents of L tokens; each request is an S-token instruction, k documents drawn by Zipf
+  popularity (exponent s, most popular first) and a Q-token question.
+- `no_overlap`: every prompt is N fresh tokens, nothing shared (the control: no router can gain).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from router.block_keys import block_keys, root_key
+from router.tokenizer import ModelTokenizer
+
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash_id in the Mooncake trace
+_WORD = re.compile(r" [A-Za-z]+")
+
+
+@dataclass(slots=True)
+class WorkloadRequest:
+    """One request of a workload. `arrival_s` is None when the load generator chooses the time."""
+
+    token_ids: list[int]
+    max_tokens: int
+    arrival_s: float | None = None
+    group: str = ""
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[WorkloadRequest]
+    params: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def timed(self) -> bool:
+        return all(r.arrival_s is not None for r in self.requests)
+
+
+class PromptVocabulary:
+    """Word tokens of a model's tokenizer that round-trip: decode(ids) encodes back to ids, for any sequence."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self.tokenizer = tokenizer
+        words = []
+        for tid in range(tokenizer.vocab_size):
+            text = tokenizer.decode([tid])
+            if _WORD.fullmatch(text) and tokenizer.encode(text, add_special_tokens=False) == [tid]:
+                words.append(tid)
+        if len(words) < 64:
+            raise ValueError(f"the tokenizer has only {len(words)} single-token words; cannot build prompts")
+        self.words = words
+        self.bos: list[int] = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self._blocks: dict[tuple[str, int, int], list[int]] = {}
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> PromptVocabulary:
+        return cls(ModelTokenizer(model_dir))
+
+    def tokens(self, seed: str, n: int) -> list[int]:
+        """n tokens that depend only on `seed` (and the vocabulary)."""
+        return random.Random(seed).choices(self.words, k=n)
+
+    def block(self, namespace: str, ident: int, n: int) -> list[int]:
+        """The tokens of a numbered block (a trace hash_id), memoized: the same ident gives the same tokens."""
+        key = (namespace, ident, n)
+        cached = self._blocks.get(key)
+        if cached is None:
+            cached = self._blocks[key] = self.tokens(f"{namespace}:{ident}", n)
+        return cached
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    def wire_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """The prompt as the engine sees a text prompt (the tokenizer adds BOS)."""
+        return [*self.bos, *token_ids]
+
+    def round_trips(self, token_ids: Sequence[int]) -> bool:
+        """Whether the text of these tokens encodes (as a completions prompt) to exactly `wire_ids`."""
+        return self.tokenizer.encode(self.text(token_ids), add_special_tokens=True) == self.wire_ids(token_ids)
+
+
+# --- the Mooncake trace -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_mooncake(path: str | Path) -> list[TraceRecord]:
+    records = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                records.append(TraceRecord(float(row["timestamp"]), int(row["input_length"]),
+                                           int(row["output_length"]), tuple(int(h) for h in row["hash_ids"])))
+    return records
+
+
+def expand_record(record: TraceRecord, vocab: PromptVocabulary, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
+    """The prompt of one trace record: each hash_id becomes its `block_tokens` tokens, the last block cut so the
+    prompt is input_length long (scaled by block_tokens / 512 when the blocks are shrunk)."""
+    length = record.input_length
+    if block_tokens != MOONCAKE_BLOCK_TOKENS:
+        length = max(1, math.ceil(length * block_tokens / MOONCAKE_BLOCK_TOKENS))
+    tokens: list[int] = []
+    for ident in record.hash_ids:
+        if len(tokens) >= length:
+            break
+        tokens.extend(vocab.block("mooncake", ident, block_tokens))
+    if len(tokens) < length:  # a record with fewer ids than its length needs: pad with its own tokens
+        tokens.extend(vocab.tokens(f"mooncake-tail:{record.hash_ids}:{record.input_length}", length - len(tokens)))
+    return tokens[:length]
+
+
+def mooncake_workload(path: str | Path, vocab: PromptVocabulary, *, limit: int | None = None, offset: int = 0,
+                      time_scale: float = 1.0, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                      max_output_tokens: int | None = None) -> Workload:
+    """Replay by timestamps: records [offset, offset + limit), arrival = (timestamp - first) / 1000 / time_scale
+    (time_scale 2 replays twice as fast)."""
+    records = read_mooncake(path)[offset:]
+    if limit is not None:
+        records = records[:limit]
+    if not records:
+        raise ValueError("the trace selection is empty")
+    t0 = records[0].timestamp_ms
+    requests = []
+    for rec in records:
+        out = rec.output_length if max_output_tokens is None else min(rec.output_length, max_output_tokens)
+        group = f"h{rec.hash_ids[0]}" if rec.hash_ids else ""
+        requests.append(WorkloadRequest(expand_record(rec, vocab, block_tokens), max(1, out),
+                                        (rec.timestamp_ms - t0) / 1000.0 / time_scale, group))
+    return Workload("mooncake", requests, {"trace": str(path), "limit": limit, "offset": offset,
+                                           "time_scale": time_scale, "block_tokens": block_tokens,
+                                           "max_output_tokens": max_output_tokens})
+
+
+# --- generators ---------------------------------------------------------------------------------------------
+
+
+def tenants(vocab: PromptVocabulary, *, tenants: int = 8, prefix_tokens: int = 1024, users: int = 4,
+            question_tokens: int = 64, requests_per_user: int = 4, max_tokens: int = 16, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prefixes = [vocab.tokens(f"tenant:{seed}:{t}", prefix_tokens) for t in range(tenants)]
+    order = [(t, u, q) for t in range(tenants) for u in range(users) for q in range(requests_per_user)]
+    rng.shuffle(order)
+    requests = [WorkloadRequest(prefixes[t] + vocab.tokens(f"q:{seed}:{t}:{u}:{q}", question_tokens), max_tokens,
+                                None, f"tenant{t}") for t, u, q in order]
+    return Workload("tenants", requests, {"tenants": tenants, "prefix_tokens": prefix_tokens, "users": users,
+                                          "question_tokens": question_tokens,
+                                          "requests_per_user": requests_per_user, "max_tokens": max_tokens,
+                                          "seed": seed})
+
+
+def multi_turn(vocab: PromptVocabulary, *, sessions: int = 16, turns: int = 6, system_tokens: int = 256,
+               question_tokens: int = 64, answer_tokens: int = 64, idle_s: float = 5.0, session_gap_s: float = 1.0,
+               seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    requests = []
+    start = 0.0
+    for s in range(sessions):
+        start += rng.expovariate(1.0 / session_gap_s) if session_gap_s > 0 else 0.0
+        history = vocab.tokens(f"chat-system:{seed}:{s % 4}", system_tokens)  # a few assistants' system prompts
+        at = start
+        for k in range(turns):
+            history = history + vocab.tokens(f"chat-q:{seed}:{s}:{k}", question_tokens)
+            requests.append(WorkloadRequest(list(history), answer_tokens, at, f"chat{s}"))
+            # the client keeps its answer in the history (its own copy: the engine's output is not known here)
+            history = history + vocab.tokens(f"chat-a:{seed}:{s}:{k}", answer_tokens)
+            at += rng.expovariate(1.0 / idle_s) if idle_s > 0 else 0.0
+    requests.sort(key=lambda r: r.arrival_s or 0.0)
+    return Workload("multi_turn", requests, {"sessions": sessions, "turns": turns, "system_tokens": system_tokens,
+                                             "question_tokens": question_tokens, "answer_tokens": answer_tokens,
+                                             "idle_s": idle_s, "session_gap_s": session_gap_s, "seed": seed})
+
+
+def rag(vocab: PromptVocabulary, *, documents: int = 64, document_tokens: int = 512, docs_per_request: int = 1,
+        zipf_s: float = 1.1, instruction_tokens: int = 64, question_tokens: int = 48, requests: int = 256,
+        max_tokens: int = 16, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    weights = [1.0 / (d + 1) ** zipf_s for d in range(documents)]
+    instruction = vocab.tokens(f"rag-instruction:{seed}", instruction_tokens)
+    out = []
+    for i in range(requests):
+        docs: set[int] = set()
+        while len(docs) < min(docs_per_request, documents):
+            docs.add(rng.choices(range(documents), weights)[0])
+        body = list(instruction)
+        for d in sorted(docs):  # most popular first, so popular documents are shared prefixes
+            body += vocab.tokens(f"rag-doc:{seed}:{d}", document_tokens)
+        body += vocab.tokens(f"rag-q:{seed}:{i}", question_tokens)
+        out.append(WorkloadRequest(body, max_tokens, None, f"doc{min(docs)}"))
+    return Workload("rag", out, {"documents": documents, "document_tokens": document_tokens,
+                                 "docs_per_request": docs_per_request, "zipf_s": zipf_s,
+                                 "instruction_tokens": instruction_tokens, "question_tokens": question_tokens,
+                                 "requests": requests, "max_tokens": max_tokens, "seed": seed})
+
+
+def no_overlap(vocab: PromptVocabulary, *, requests: int = 256, prompt_tokens: int = 1024, max_tokens: int = 16,
+               seed: int = 0) -> Workload:
+    out = [WorkloadRequest(vocab.tokens(f"control:{seed}:{i}", prompt_tokens), max_tokens, None, f"r{i}")
+           for i in range(requests)]
+    return Workload("no_overlap", out, {"requests": requests, "prompt_tokens": prompt_tokens,
+                                        "max_tokens": max_tokens, "seed": seed})
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival offsets (seconds) of a Poisson process of `rate` requests/s."""
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# --- the upper bound ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IdealCache:
+    """What one unbounded cache would have hit on this request sequence (tokens), counted as vLLM counts:
+    leading full blocks already seen, never the prompt's last token; queries = all prompt tokens."""
+
+    hit_tokens: int
+    query_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+def ideal_hit_rate(prompts: Iterable[Sequence[int]], block_size: int, root: int | None = None) -> IdealCache:
+    seen: set[int] = set()
+    hits = queries = 0
+    parent = root_key("bench") if root is None else root
+    for ids in prompts:
+        n = len(ids)
+        queries += n
+        keys = block_keys(ids, block_size, parent)
+        cacheable = (n - 1) // block_size if n else 0
+        run = 0
+        for key in keys[:cacheable]:
+            if key not in seen:
+                break
+            run += 1
+        hits += run * block_size
+        seen.update(keys)
+    return IdealCache(hits, queries)
+
