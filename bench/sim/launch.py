@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +38,7 @@ class SimReplicaProcess:
     argv: list[str]
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
 
     @property
     def url(self) -> str:
@@ -63,15 +65,25 @@ class SimReplicaProcess:
     def spawn(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"replica {self.index} is already running (pid {self.proc.pid})")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr goes to a file: a pipe nobody reads could fill up and stall the replica
+        fd, path = tempfile.mkstemp(prefix=f"kvgate-sim-{self.index}-", suffix=".log")
+        with os.fdopen(fd, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
+        self.log_path = Path(path)
+
+    def log_tail(self, limit: int = 2000) -> str:
+        """The end of the replica's stderr (its log)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_bytes()[-limit:].decode(errors="replace")
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         assert self.proc is not None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"sim replica {self.index} exited with {self.proc.returncode}: {err[-2000:]}")
+                raise RuntimeError(f"sim replica {self.index} exited with {self.proc.returncode}: "
+                                   f"{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
                     if resp.status == 200:
@@ -97,8 +109,9 @@ class SimReplicaProcess:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout)
-        if proc.stderr:
-            proc.stderr.close()
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path = None
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
