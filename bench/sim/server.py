@@ -35,7 +35,6 @@ JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 OFFLOAD_BYTES = 16 * 1024  # request bodies above this are tokenized off the event loop
-# streamed tokens are written in one chunk per engine step (vLLM sends one event per token: so do we)
 
 
 class ApiError(Exception):
