@@ -102,6 +102,34 @@ def decode_batch(payload: bytes) -> KvEventBatch:
     return _decoder.decode(payload)
 
 
+class _LooseBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_loose_decoder = msgspec.msgpack.Decoder(_LooseBatch)
+_event_decoder: msgspec.msgpack.Decoder[KvEvent] = msgspec.msgpack.Decoder(KvEvent)
+
+
+def decode_batch_tolerant(payload: bytes) -> tuple[KvEventBatch, int]:
+    """Decode one payload, skipping events of a type or shape this version does not know (a newer vLLM may
+    add some) instead of losing the whole batch; returns the batch and how many events were skipped. Raises
+    msgspec.DecodeError (or ValidationError) when the batch itself is garbage."""
+    try:
+        return _decoder.decode(payload), 0
+    except msgspec.ValidationError:
+        loose = _loose_decoder.decode(payload)
+    events: list[KvEvent] = []
+    for raw in loose.events:
+        try:
+            events.append(_event_decoder.decode(raw))
+        except msgspec.ValidationError:
+            continue
+    batch = KvEventBatch(ts=loose.ts, events=events, data_parallel_rank=loose.data_parallel_rank)
+    return batch, len(loose.events) - len(events)
+
+
 def should_bind(endpoint: str) -> bool:
     """vLLM binds an endpoint only if it has a wildcard host or is ipc/inproc; otherwise it connects."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

@@ -27,7 +27,14 @@ import zmq
 import zmq.asyncio
 
 from router.block_keys import BlockKey, block_keys, root_key
-from router.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, decode_batch
+from router.kv_events import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    decode_batch_tolerant,
+)
 from router.kv_index import TIERS, KvBlockIndex, tier_of
 from router.metrics import GatewayMetrics
 
@@ -203,10 +210,12 @@ class KvEventHub:
             return
         seq = int.from_bytes(frames[1], "big")
         try:
-            batch = decode_batch(frames[2])
+            batch, skipped = decode_batch_tolerant(frames[2])
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._metrics.kv_decode_errors.labels(worker, "payload").inc()
             return
+        if skipped:
+            self._metrics.kv_decode_errors.labels(worker, "unknown_event").inc(skipped)
         state = self._states[source]
         if state.expected is not None and seq != state.expected:
             if seq < state.expected:
@@ -269,10 +278,13 @@ class KvEventHub:
 
     def _decode(self, source: EventSource, payload: bytes) -> list[object]:
         try:
-            return list(decode_batch(payload).events)
+            batch, skipped = decode_batch_tolerant(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._metrics.kv_decode_errors.labels(source.worker, "replay_payload").inc()
             return []
+        if skipped:
+            self._metrics.kv_decode_errors.labels(source.worker, "unknown_event").inc(skipped)
+        return list(batch.events)
 
     async def _replay(self, source: EventSource, start: int) -> list[tuple[int, bytes]]:
         """The buffered batches with seq >= start, as (seq, payload), in order."""

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -160,6 +161,15 @@ async def test_garbage_is_counted_and_dropped() -> None:
         await publisher.raw([b"kv", b"short", b"x"])
         await publisher.raw([b"kv", before.to_bytes(8, "big"), b"\xc1\xff not msgpack"])
         await publisher.raw([b"kv", before.to_bytes(8, "big"), encode_batch([])[:-3]])
+        # a batch with an event type this version does not know: the known events still apply
+        future_event = msgspec.msgpack.encode({"type": "BlockMigrated", "block_hashes": [1]})
+        stored_event = msgspec.msgpack.encode(stored([55], [7, 7, 7, 7]))
+        mixed = msgspec.msgpack.encode([1.0, [msgspec.Raw(future_event), msgspec.Raw(stored_event)], 0])
+        await publisher.raw([b"kv", publisher.seq.to_bytes(8, "big"), mixed])
+        publisher.seq += 1
+        await eventually(lambda: (block_keys([7, 7, 7, 7], BS, ROOT)[0], GPU) in held(hub))
+        assert metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="unknown_event") == 1
+        await publisher.send([AllBlocksCleared()])
         await eventually(lambda: metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER,
                                         reason="payload") == 2)
         assert metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="frames") == 2
