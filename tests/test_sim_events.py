@@ -15,9 +15,9 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from bench.sim.launch import SimFleet
 from router.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from router.vllm_hash import block_hashes, event_hash
-from bench.sim.launch import SimFleet
 
 MODEL = "tiny"
 BS = 16

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import zmq
 
+from bench.sim.launch import SimFleet
 from bench.sim.perf_model import PROFILES
 from router.kv_events import decode_batch
 from tests.conftest import ROOT, kvgate_command
-from bench.sim.launch import SimFleet
 
 
 def _free(port: int) -> bool:

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from bench.sim.perf_model import PROFILES
 from bench.sim.launch import SimFleet
+from bench.sim.perf_model import PROFILES
 
 PROFILE = PROFILES["llama-3.1-8b-h100"]
 SLACK_S = 0.06  # HTTP, tokenization, hashing and timer granularity on a shared 2-core machine
