@@ -198,11 +198,15 @@ async def test_models_health_metrics(fleet: SimFleet, client: aiohttp.ClientSess
     labels = f'{{engine="0",model_name="{MODEL}"}}'
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
-                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count"):
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_cached_total"):
         assert name + labels in samples, name
     assert samples["vllm:prompt_tokens_total" + labels] >= samples["vllm:prefix_cache_hits_total" + labels] > 0
     assert samples["vllm:generation_tokens_total" + labels] >= 2
     assert samples["vllm:time_to_first_token_seconds_count" + labels] >= 1
+    assert samples["vllm:inter_token_latency_seconds_count" + labels] >= 1   # the 2-token answer had one gap
+    assert 0 < samples["vllm:prompt_tokens_cached_total" + labels] <= samples["vllm:prefix_cache_hits_total" + labels]
     assert samples["vllm:num_requests_running" + labels] == 0
 
 

@@ -146,6 +146,9 @@ class SimEngine:
                 continue
             self.steps += 1
             self.counters.preemptions += out.num_preempted
+            for chunk in out.chunks:
+                if not chunk.request.scheduled_time:
+                    chunk.request.scheduled_time = start
             duration = step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks]) / speedup
             end = start + duration
             delay = end - clock()
@@ -170,6 +173,10 @@ class SimEngine:
                 c.prompt_tokens += request.num_prompt_tokens
                 c.prompt_tokens_cached += max(request.num_cached_tokens, 0)
                 c.ttft.observe(now - request.arrival_time)
+                c.queue.observe(request.scheduled_time - request.arrival_time)
+            else:
+                c.itl.observe(now - request.last_token_time)
+            request.last_token_time = now
         for request in finished:
             reason = request.finish_reason or "length"
             c.success[reason] = c.success.get(reason, 0) + 1

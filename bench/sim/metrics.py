@@ -17,6 +17,8 @@ from prometheus_client.registry import Collector
 # vLLM's buckets for vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
@@ -57,6 +59,8 @@ class EngineCounters:
     success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    queue: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
 
 @dataclass
@@ -112,7 +116,10 @@ class SimCollector(Collector):
             success.add_metric([*values, reason], count)
         yield success
         yield histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", c.ttft)
+        yield histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", c.itl)
         yield histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", c.e2e)
+        yield histogram("vllm:request_queue_time_seconds",
+                        "Histogram of time spent in WAITING phase for request.", c.queue)
 
 
 def metrics_registry(collector: SimCollector) -> CollectorRegistry:

@@ -42,6 +42,7 @@ class SimRequest:
         "finished",
         "first_block_extra",
         "first_token_time",
+        "last_token_time",
         "listener",
         "max_tokens",
         "num_cached_tokens",
@@ -51,6 +52,7 @@ class SimRequest:
         "output_plan",
         "output_token_ids",
         "request_id",
+        "scheduled_time",
         "status",
         "stop_at",
     )
@@ -73,6 +75,8 @@ class SimRequest:
         self.num_preemptions = 0
         self.arrival_time = arrival_time
         self.first_token_time = 0.0
+        self.last_token_time = 0.0
+        self.scheduled_time = 0.0           # when it was first scheduled (queue time = this - arrival)
         self.status = Status.WAITING
         self.finished = False               # FINISHED or ABORTED
         self.finish_reason: str | None = None
