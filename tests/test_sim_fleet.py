@@ -164,3 +164,18 @@ def test_request_timeout_aborts_and_frees(sim_fleet: Callable[..., SimFleet]) ->
         state = json.loads(resp.read())
     assert state["running"] == 0 and state["num_free_blocks"] == state["num_gpu_blocks"] - 1
     assert complete(url, [1, 2, 3])["usage"]
+
+
+def test_replica_processes_get_the_fleets_flags() -> None:
+    """The supervisor rebuilds each replica's command line from the parsed flags (not from sys.argv)."""
+    import argparse
+
+    from bench.sim.cli import add_arguments, flags_of
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model-dir", "/m", "--replicas", "3", "--served-model-name", "a", "b",
+                              "--no-enable-prefix-caching", "--enforce-eager", "--speedup", "7",
+                              "--kv-events-config", '{"enable_kv_cache_events": true}', "--block-size", "32"])
+    again = parser.parse_args(flags_of(args))
+    assert {**vars(again), "replicas": 3} == vars(args)

@@ -18,6 +18,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", help="log level: debug, info, warning, error")
 
 
+def flags_of(args: argparse.Namespace) -> list[str]:
+    """The command-line flags that reproduce `args` (for the replica processes of a fleet)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "replicas", "replica_index"):
+            continue
+        value = getattr(args, action.dest, None)
+        flag = next(f for f in action.option_strings if f.startswith("--"))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if value is not None:
+                out.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:  # store_true
+            if value:
+                out.append(flag)
+        elif value is None:
+            continue
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def _announce(config: ReplicaConfig) -> None:
     e = config.engine
     print(f"replica {config.index}: {config.url} events={config.events_endpoint} replay={config.replay_endpoint} "
@@ -38,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if index is None and args.replicas > 1:
         from bench.sim.fleet import run_fleet
 
-        argv = sys.argv[sys.argv.index("sim") + 1:] if "sim" in sys.argv else []
-        return run_fleet(argv, args.replicas)
+        return run_fleet(flags_of(args), args.replicas)
 
     from bench.sim.server import serve_replica
 
