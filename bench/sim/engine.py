@@ -20,8 +20,10 @@ from router.kv_events import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
-# a busy engine keeps its own schedule: timer lateness up to this much is absorbed instead of accumulated
-_SCHEDULE_SLACK_S = 0.002
+# A busy engine keeps the model's timeline: when a step ends late (a late timer, a busy host, our own Python
+# work between steps), the next steps start on the timeline and catch up, as long as the engine is less than
+# this far behind; beyond it the timeline restarts from now and the loss is counted in `lag_s`.
+_CATCH_UP_S = 0.05
 # steps shorter than this do not sleep; they only yield to the event loop
 _MIN_SLEEP_S = 0.0002
 
@@ -73,7 +75,7 @@ class SimEngine:
         self.counters = EngineCounters()
         self.clock = clock
         self.steps = 0
-        self.lag_s = 0.0  # how far steps ran behind the model (CPU-bound at a high speedup); 0 when keeping up
+        self.lag_s = 0.0  # time lost against the model's timeline (CPU-bound at a high speedup); 0 when keeping up
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -136,7 +138,12 @@ class SimEngine:
                 await self._wake.wait()
                 last_end = clock()
             now = clock()
-            start = last_end if now - last_end < _SCHEDULE_SLACK_S else now
+            behind = now - last_end
+            if behind < _CATCH_UP_S:
+                start = last_end
+            else:
+                start = now
+                self.lag_s += behind
             out = scheduler.schedule()
             if out.empty:
                 # nothing fits this step (cannot happen with a validated config); do not spin
@@ -157,8 +164,6 @@ class SimEngine:
             else:
                 await asyncio.sleep(0)
             now = clock()
-            if now - end > _SCHEDULE_SLACK_S:
-                self.lag_s += now - end - _SCHEDULE_SLACK_S
             last_end = end
             sampled, finished = scheduler.update_from_output(out, now)
             self._account(sampled, finished, now)
