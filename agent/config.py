@@ -26,6 +26,7 @@ def parse_bytes(text: str) -> int:
 
 WRITE_POLICIES = ("lazy", "eager")
 SHARED_BACKENDS = ("none", "redis", "fs")
+NVME_LAYOUTS = ("segments", "files")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class AgentConfig:
     dram_low_watermark: float = option(0.85, "DRAM fill fraction background demotion brings usage down to")
 
     nvme_dir: str = option("", "directory of the NVMe tier (empty = no NVMe tier)")
+    nvme_layout: str = option("segments", "segments: append-only segment log (sequential writes, FIFO "
+                              "eviction); files: one file per block (temp + rename, LRU eviction)")
+    nvme_segment_bytes: int = option(64 * 2**20, "size of one NVMe segment file", parse=parse_bytes)
     nvme_capacity: int = option(16 * 2**30, "NVMe tier byte bound", parse=parse_bytes)
     nvme_high_watermark: float = option(0.95, "NVMe fill fraction above which background eviction starts")
     nvme_low_watermark: float = option(0.85, "NVMe fill fraction background eviction brings usage down to")
@@ -75,6 +79,8 @@ class AgentConfig:
             raise ConfigError(f"write_policy must be one of {WRITE_POLICIES}: {self.write_policy!r}")
         if self.shared_backend not in SHARED_BACKENDS:
             raise ConfigError(f"shared_backend must be one of {SHARED_BACKENDS}: {self.shared_backend!r}")
+        if self.nvme_layout not in NVME_LAYOUTS:
+            raise ConfigError(f"nvme_layout must be one of {NVME_LAYOUTS}: {self.nvme_layout!r}")
         if self.shared_backend == "fs" and not self.shared_dir:
             raise ConfigError("shared_backend=fs needs shared_dir")
         for low, high, name in ((self.dram_low_watermark, self.dram_high_watermark, "dram"),

@@ -25,6 +25,7 @@ from agent.config import AgentConfig
 from agent.tiers.base import Buffer
 from agent.tiers.dram import DramBlock, DramTier
 from agent.tiers.nvme import NvmeTier
+from agent.tiers.segments import SegmentNvmeTier
 from agent.tiers.shared import FsSharedTier, RedisSharedTier, SharedTier
 from router.kv_events import BlockRemoved, BlockStored, KvEvent
 
@@ -32,6 +33,11 @@ log = logging.getLogger(__name__)
 
 # one character per block in a lookup answer: where the block would be loaded from
 WHERE_DRAM, WHERE_NVME, WHERE_SHARED = "C", "D", "S"
+
+NvmeLike = NvmeTier | SegmentNvmeTier
+
+# a block on its way down: key, payload, checksum if known, parent key
+ChainItem = tuple[BlockKey, Buffer, "int | None", "BlockKey | None"]
 
 # (operation "load" | "store", tier name, seconds)
 LatencyObserver = Callable[[str, str, float], None]
@@ -83,7 +89,7 @@ def build_shared_tier(config: AgentConfig) -> SharedTier | None:
 
 
 class TierStore:
-    def __init__(self, config: AgentConfig, *, dram: DramTier | None = None, nvme: NvmeTier | None = None,
+    def __init__(self, config: AgentConfig, *, dram: DramTier | None = None, nvme: NvmeLike | None = None,
                  shared: SharedTier | None = None, background_bytes: int = 256 * 2**20) -> None:
         self.config = config
         self.dram = dram
@@ -99,6 +105,7 @@ class TierStore:
         self._background_bytes = 0
         self._background_lock = threading.Lock()
         self._probing: set[BlockKey] = set()
+        self._maintenance_runs = 0
         if nvme is not None:
             nvme.on_removed = lambda key: self._event_removed(key, "DISK")
 
@@ -106,17 +113,24 @@ class TierStore:
     def from_config(cls, config: AgentConfig) -> TierStore:
         dram = (DramTier(config.dram_capacity, config.dram_high_watermark, config.dram_low_watermark)
                 if config.dram_capacity > 0 else None)
-        nvme = (NvmeTier(config.nvme_dir, config.nvme_capacity, config.nvme_high_watermark,
-                         config.nvme_low_watermark, fsync=config.nvme_fsync, min_free=config.nvme_min_free)
-                if config.nvme_dir else None)
+        nvme: NvmeLike | None = None
+        if config.nvme_dir and config.nvme_layout == "segments":
+            nvme = SegmentNvmeTier(config.nvme_dir, config.nvme_capacity, config.nvme_high_watermark,
+                                   config.nvme_low_watermark, fsync=config.nvme_fsync, min_free=config.nvme_min_free,
+                                   segment_bytes=config.nvme_segment_bytes)
+        elif config.nvme_dir:
+            nvme = NvmeTier(config.nvme_dir, config.nvme_capacity, config.nvme_high_watermark,
+                            config.nvme_low_watermark, fsync=config.nvme_fsync, min_free=config.nvme_min_free)
         return cls(config, dram=dram, nvme=nvme, shared=build_shared_tier(config))
 
     @property
-    def tiers(self) -> list[DramTier | NvmeTier | SharedTier]:
+    def tiers(self) -> list[DramTier | NvmeLike | SharedTier]:
         return [t for t in (self.dram, self.nvme, self.shared) if t is not None]
 
     def close(self, wait: bool = True) -> None:
         self._io.shutdown(wait=wait, cancel_futures=not wait)
+        if isinstance(self.nvme, SegmentNvmeTier):
+            self.nvme.close()
         if self.shared is not None:
             self.shared.close()
 
@@ -170,61 +184,60 @@ class TierStore:
     def store_chain(self, layout: int, hashes: Sequence[BlockHash], payloads: Sequence[Buffer],
                     parent: BlockHash | None = None) -> int:
         """Store consecutive blocks of one prefix (block i's parent is block i-1); returns how many are held."""
-        stored = 0
-        new_hashes: list[BlockHash] = []
-        prev: BlockKey | None = (layout, parent) if parent is not None else None
-        first_parent = parent
-        keys: list[BlockKey] = []
-        for block_hash, payload in zip(hashes, payloads, strict=True):
-            key = (layout, block_hash)
-            keys.append(key)
-            uses = self.uses.bump(key)
-            ok, fresh = self._store_one(key, payload, prev, uses)
-            if ok:
-                stored += 1
-                if fresh:
-                    new_hashes.append(block_hash)
-            prev = key
-        if self.dram is not None:
-            self.dram.touch_chain(keys)
-        if new_hashes:
-            medium = "CPU" if self.dram is not None else "DISK"
-            self.events.append(BlockStored(block_hashes=new_hashes, parent_block_hash=first_parent,
-                                           block_size=self.config.block_size, medium=medium))
-        return stored
-
-    def _store_one(self, key: BlockKey, payload: Buffer, parent: BlockKey | None, uses: int) -> tuple[bool, bool]:
-        """(held, newly stored)"""
-        if self.dram is not None:
+        keys: list[BlockKey] = [(layout, h) for h in hashes]
+        parents: list[BlockKey | None] = [(layout, parent) if parent is not None else None, *keys[:-1]]
+        uses = [self.uses.bump(key) for key in keys]
+        items: list[ChainItem] = [(k, p, None, par) for k, p, par in zip(keys, payloads, parents, strict=True)]
+        if self.dram is None:
+            return self._store_below(items, uses)
+        held = 0
+        fresh_hashes: list[BlockHash] = []
+        through: list[tuple[BlockKey, DramBlock, BlockKey | None, int]] = []
+        too_big: list[ChainItem] = []
+        too_big_uses: list[int] = []
+        for (key, payload, _digest, par), n_uses in zip(items, uses, strict=True):
             fresh = not self.dram.contains(key)
             started = time.perf_counter()
-            evicted = self.dram.store_evicting(key, payload, parent=parent)
+            evicted = self.dram.store_evicting(key, payload, parent=par)
             self._observe("store", "dram", started)
-            if evicted is None:
-                return self._store_below(key, payload, uses, parent), False
+            if evicted is None:  # bigger than the whole DRAM tier
+                too_big.append((key, payload, None, par))
+                too_big_uses.append(n_uses)
+                continue
+            held += 1
             self._handle_dram_evictions(evicted)
-            if fresh and self.eager:
-                block = self.dram.get(key)
+            if fresh:
+                fresh_hashes.append(key[1])
+                block = self.dram.get(key) if self.eager else None
                 if block is not None:
-                    self._write_through(key, block, parent, uses)
-            return True, fresh
-        return self._store_below(key, payload, uses, parent), True
-
-    def _store_below(self, key: BlockKey, payload: Buffer, uses: int, parent: BlockKey | None) -> bool:
-        """No DRAM tier (or the block is bigger than it): write to NVMe / shared synchronously."""
-        held = False
-        if self.nvme is not None and uses >= self.config.nvme_admit_reuse:
-            held = self._nvme_store(key, payload, None, parent)
-        if self.shared is not None and (self.eager or not held) and uses >= self.config.shared_admit_reuse:
-            held = self._shared_store([(key, payload, None)], parent) > 0 or held
+                    through.append((key, block, par, n_uses))
+        self.dram.touch_chain(keys)
+        if fresh_hashes:
+            self.events.append(BlockStored(block_hashes=fresh_hashes, parent_block_hash=parent,
+                                           block_size=self.config.block_size, medium="CPU"))
+        if too_big:
+            held += self._store_below(too_big, too_big_uses)
+        if through:
+            to_nvme = [(k, b, par) for k, b, par, n in through
+                       if self.nvme is not None and n >= self.config.nvme_admit_reuse]
+            to_shared = [(k, b, par) for k, b, par, n in through
+                         if self.shared is not None and n >= self.config.shared_admit_reuse]
+            if to_nvme or to_shared:
+                size = sum(len(b.data) for _k, b, _p, _n in through)
+                self._background(size, self._write_down_many, to_nvme, to_shared, "write_through")
         return held
 
-    def _write_through(self, key: BlockKey, block: DramBlock, parent: BlockKey | None, uses: int) -> None:
-        to_nvme = self.nvme is not None and uses >= self.config.nvme_admit_reuse
-        to_shared = self.shared is not None and uses >= self.config.shared_admit_reuse
-        if to_nvme or to_shared:
-            self._background(len(block.data), self._write_down, key, block, parent, to_nvme, to_shared,
-                             "write_through")
+    def _store_below(self, items: list[ChainItem], uses: list[int]) -> int:
+        """No DRAM tier (or blocks bigger than it): write to NVMe / shared synchronously; how many are held."""
+        held: set[BlockKey] = set()
+        if self.nvme is not None:
+            held |= self._nvme_store_many([it for it, n in zip(items, uses, strict=True)
+                                           if n >= self.config.nvme_admit_reuse])
+        if self.shared is not None:
+            held |= self._shared_store_many([it for it, n in zip(items, uses, strict=True)
+                                             if n >= self.config.shared_admit_reuse
+                                             and (self.eager or it[0] not in held)])
+        return len(held)
 
     def _handle_dram_evictions(self, evicted: list[tuple[BlockKey, DramBlock]]) -> None:
         for key, block in evicted:
@@ -232,100 +245,116 @@ class TierStore:
             if self.eager:
                 continue  # already written through
             uses = self.uses.get(key)
+            entry = [(key, block, block.parent)]
             if self.nvme is not None and uses >= self.config.nvme_admit_reuse:
-                self._background(len(block.data), self._write_down, key, block, block.parent, True, False,
-                                 "demotions")
+                self._background(len(block.data), self._write_down_many, entry, [], "demotions")
             elif self.shared is not None and uses >= self.config.shared_admit_reuse:
-                self._background(len(block.data), self._write_down, key, block, block.parent, False, True,
-                                 "demotions")
+                self._background(len(block.data), self._write_down_many, [], entry, "demotions")
 
-    def _write_down(self, key: BlockKey, block: DramBlock, parent: BlockKey | None, to_nvme: bool,
-                    to_shared: bool, kind: str) -> None:
-        digest = block.checksum()
-        if (to_nvme and self.nvme is not None and not self.nvme.contains(key)
-                and self._nvme_store(key, block.data, digest, parent)):
-            self.flow.add(kind, "nvme")
-        if (to_shared and self.shared is not None and not self.shared.contains(key)
-                and self._shared_store([(key, block.data, digest)], parent)):
-            self.flow.add(kind, "shared")
+    def _write_down_many(self, to_nvme: list[tuple[BlockKey, DramBlock, BlockKey | None]],
+                         to_shared: list[tuple[BlockKey, DramBlock, BlockKey | None]], kind: str) -> None:
+        """Background: copy DRAM blocks to NVMe / the shared tier, a chain per write where the tier allows."""
+        if to_nvme:
+            items: list[ChainItem] = [(k, b.data, b.checksum(), par) for k, b, par in to_nvme]
+            self.flow.add(kind, "nvme", len(self._nvme_store_many(items)))
+        if to_shared:
+            items = [(k, b.data, b.checksum(), par) for k, b, par in to_shared]
+            self.flow.add(kind, "shared", len(self._shared_store_many(items)))
 
-    def _nvme_store(self, key: BlockKey, payload: Buffer, digest: int | None, parent: BlockKey | None) -> bool:
-        assert self.nvme is not None
-        fresh = not self.nvme.contains(key)
-        started = time.perf_counter()
-        ok = self.nvme.store(key, payload, digest)
-        self._observe("store", "nvme", started)
-        if ok and fresh:
-            self.events.append(BlockStored(block_hashes=[key[1]], parent_block_hash=parent[1] if parent else None,
-                                           block_size=self.config.block_size, medium="DISK"))
-        return ok
+    def _nvme_store_many(self, items: list[ChainItem]) -> set[BlockKey]:
+        """Write blocks to NVMe (one write per chain on the segment log); the keys now held there."""
+        nvme = self.nvme
+        assert nvme is not None
+        fresh = [it for it in items if not nvme.contains(it[0])]
+        if fresh:
+            started = time.perf_counter()
+            if isinstance(nvme, SegmentNvmeTier):
+                nvme.store_many([(k, p, d) for k, p, d, _par in fresh])
+            else:
+                for k, p, d, _par in fresh:
+                    nvme.store(k, p, d)
+            self._observe("store", "nvme", started)
+            stored = [it for it in fresh if nvme.contains(it[0])]
+            if stored:
+                first_parent = stored[0][3]
+                self.events.append(BlockStored(block_hashes=[it[0][1] for it in stored],
+                                               parent_block_hash=first_parent[1] if first_parent else None,
+                                               block_size=self.config.block_size, medium="DISK"))
+        return {it[0] for it in items if nvme.contains(it[0])}
 
-    def _shared_store(self, items: list[tuple[BlockKey, Buffer, int | None]], parent: BlockKey | None) -> int:
-        assert self.shared is not None
-        fresh = [key[1] for key, _p, _d in items if not self.shared.contains(key)]
-        started = time.perf_counter()
-        n = self.shared.store_many(items)
-        self._observe("store", "shared", started)
-        if n and fresh:
-            self.events.append(BlockStored(block_hashes=fresh, parent_block_hash=parent[1] if parent else None,
-                                           block_size=self.config.block_size, medium="SHARED"))
-        return n
+    def _shared_store_many(self, items: list[ChainItem]) -> set[BlockKey]:
+        """Write blocks to the shared tier in one round trip; the keys now held there."""
+        shared = self.shared
+        assert shared is not None
+        fresh = [it for it in items if not shared.contains(it[0])]
+        if fresh:
+            started = time.perf_counter()
+            written = shared.store_many([(k, p, d) for k, p, d, _par in fresh])
+            self._observe("store", "shared", started)
+            if written:
+                first_parent = fresh[0][3]
+                self.events.append(BlockStored(block_hashes=[it[0][1] for it in fresh],
+                                               parent_block_hash=first_parent[1] if first_parent else None,
+                                               block_size=self.config.block_size, medium="SHARED"))
+        return {it[0] for it in items if shared.contains(it[0])}
 
     # -- load ------------------------------------------------------------------------------------------------
 
     def load_chain(self, layout: int, hashes: Sequence[BlockHash], outs: Sequence[memoryview]) -> list[int]:
-        """Load the leading run of blocks into `outs`; the payload length of each block loaded, in order."""
+        """Load the leading run of blocks into `outs`; the payload length of each block loaded, in order.
+        Runs of blocks in the same lower tier are fetched together (one read / one round trip per run)."""
         keys = [(layout, h) for h in hashes]
         lengths: list[int] = []
+        failed: set[tuple[str, int]] = set()
         i = 0
         while i < len(keys):
-            n = self._load_local(keys[i], outs[i], keys[i - 1] if i else None)
-            if n is not None:
-                lengths.append(n)
-                i += 1
-                continue
-            if self.shared is None:
-                break
-            run = i
-            while run < len(keys) and self.shared.contains(keys[run]) and not self._local_has(keys[run]):
-                run += 1
-            if run == i:
+            if self.dram is not None:
+                started = time.perf_counter()
+                n = self.dram.read_into(keys[i], outs[i])
+                if n is not None:
+                    self._observe("load", "dram", started)
+                    self.uses.bump(keys[i])
+                    lengths.append(n)
+                    i += 1
+                    continue
+            tier, run = self._lower_run(keys, i)
+            if tier is None or (tier.name, i) in failed:
                 break
             started = time.perf_counter()
-            got = self.shared.read_many(keys[i:run], list(outs[i:run]))
-            self._observe("load", "shared", started)
-            for j, n_shared in enumerate(got, start=i):
-                if n_shared is None:
+            if isinstance(tier, SegmentNvmeTier | SharedTier):
+                got = tier.read_many(keys[i:run], list(outs[i:run]))
+            else:
+                got = [tier.read_into(keys[j], outs[j]) for j in range(i, run)]
+            self._observe("load", tier.name, started)
+            for j, n_got in enumerate(got, start=i):
+                if n_got is None:
                     break
-                lengths.append(n_shared)
-                self._hit(keys[j], outs[j][:n_shared], "shared", keys[j - 1] if j else None)
-            if len(lengths) < run:
-                break
+                lengths.append(n_got)
+                self._hit(keys[j], outs[j][:n_got], tier.name, keys[j - 1] if j else None)
+            if len(lengths) < run:  # a miss or a bad block: another tier may still hold it (e.g. NVMe -> shared)
+                i = len(lengths)
+                failed.add((tier.name, i))
+                continue
             i = run
         if self.dram is not None and lengths:
             self.dram.touch_chain(keys[: len(lengths)])
         return lengths
 
-    def _local_has(self, key: BlockKey) -> bool:
-        return (self.dram is not None and self.dram.contains(key)) or (
-            self.nvme is not None and self.nvme.contains(key))
+    def _lower_run(self, keys: list[BlockKey], i: int) -> tuple[NvmeLike | SharedTier | None, int]:
+        """The lower tier holding keys[i] and the end of the run of following keys it holds (not in DRAM)."""
+        for tier in (self.nvme, self.shared):
+            if tier is not None and tier.contains(keys[i]):
+                run = i + 1
+                while run < len(keys) and tier.contains(keys[run]) and not self._closer(keys[run], tier):
+                    run += 1
+                return tier, run
+        return None, i
 
-    def _load_local(self, key: BlockKey, out: memoryview, parent: BlockKey | None) -> int | None:
-        if self.dram is not None:
-            started = time.perf_counter()
-            n = self.dram.read_into(key, out)
-            if n is not None:
-                self._observe("load", "dram", started)
-                self.uses.bump(key)
-                return n
-        if self.nvme is not None and self.nvme.contains(key):
-            started = time.perf_counter()
-            n = self.nvme.read_into(key, out)
-            self._observe("load", "nvme", started)
-            if n is not None:
-                self._hit(key, out[:n], "nvme", parent)
-                return n
-        return None
+    def _closer(self, key: BlockKey, tier: object) -> bool:
+        """Whether a tier above `tier` holds the key (then it is read from there)."""
+        if self.dram is not None and self.dram.contains(key):
+            return True
+        return tier is self.shared and self.nvme is not None and self.nvme.contains(key)
 
     def _hit(self, key: BlockKey, payload: memoryview, tier: str, parent: BlockKey | None) -> None:
         self.uses.bump(key)
@@ -342,6 +371,9 @@ class TierStore:
 
     def maintain(self) -> None:
         """Watermark-driven demotion and eviction; run periodically off the event loop."""
+        self._maintenance_runs += 1
+        if isinstance(self.nvme, SegmentNvmeTier) and self._maintenance_runs % 10 == 0:
+            self.nvme.verify_segments()  # segment files deleted behind our back
         if self.dram is not None and self.dram.above_high_watermark():
             self._handle_dram_evictions(self.dram.evict_to_low_watermark())
         if self.nvme is not None and self.nvme.above_high_watermark():
@@ -361,7 +393,7 @@ class TierStore:
                 continue
             buf = memoryview(bytearray(size))
             n = self.nvme.read_into(key, buf, touch=False)
-            if n is not None and self._shared_store([(key, buf[:n], None)], None):
+            if n is not None and self._shared_store_many([(key, buf[:n], None, None)]):
                 self.flow.add("demotions", "shared")
 
     def sweep_shared(self) -> None:

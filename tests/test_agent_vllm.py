@@ -134,11 +134,11 @@ def test_vllm_loads_saved_blocks_from_every_tier(weighted_model: Path, tmp_path:
     raw = redis.Redis.from_url(valkey.url)
     corrupted = 0
     for name in raw.scan_iter(match="kvgate:*"):
-        value = raw.get(name)
+        value = raw.hget(name, "p")
         assert isinstance(value, bytes)
         flipped = bytearray(value)
         flipped[-5] ^= 0x40
-        raw.set(name, bytes(flipped))
+        raw.hset(name, "p", bytes(flipped))  # the payload field
         corrupted += 1
     assert corrupted >= expected // BLOCK_SIZE
     deadline = time.monotonic() + 10

@@ -1,0 +1,569 @@
+"""NVMe tier as an append-only segment log: blocks are records appended to large segment files.
+
+Why not one file per block: creating a file costs ~0.5 ms on the disks measured here, 15x the time to write a
+64 KiB block sequentially, so file-per-block (the `files` layout, agent/tiers/nvme.py) cannot come near raw disk
+speed for KV-sized blocks. Appending records to a segment is a sequential write; space is reclaimed a segment
+at a time (the oldest segment is dropped whole -- FIFO eviction, the shape of CacheLib's block cache regions).
+
+A record is `header (32 B) + key + meta digest (8 B) + payload`. The header's payload checksum covers the payload;
+the meta digest covers header and key, so neither a corrupt payload nor a corrupt key can ever be served.
+Crash safety: an index entry exists only after its record is completely written; on restart each segment is
+scanned record by record (headers only) and the scan of a segment stops at the first record that does not
+check out (a torn tail after a crash), so what is indexed is whole; payloads are verified on every read.
+Usage is the sum of segment file sizes (what the disk holds, dead records included), right after a restart too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from agent.block import HEADER, HEADER_SIZE, MAGIC, VERSION, BlockError, BlockKey, ChecksumError, checksum
+from agent.tiers.base import Buffer, RemovalListener, TierStats, TierUsage
+
+log = logging.getLogger(__name__)
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_BYTES_KEY = 0x8000  # header flag: the key is bytes (else a 64-bit int); low bits hold the key length
+_META = struct.Struct("<Q")
+
+
+def _key_bytes(key: BlockKey) -> tuple[bytes, int]:
+    block_hash = key[1]
+    if isinstance(block_hash, int):
+        return block_hash.to_bytes(8, "big"), 8
+    return bytes(block_hash), _BYTES_KEY | len(block_hash)
+
+
+def _meta_digest(header: bytes | bytearray | memoryview, key: bytes | bytearray | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(bytes(header) + bytes(key))
+
+
+@dataclass(slots=True)
+class _Segment:
+    seg_id: int
+    path: str
+    size: int = 0
+    keys: set[BlockKey] = field(default_factory=set)
+    write_fd: int | None = None
+    sealed: bool = False
+    inflight: int = 0  # writes reserved here and not finished: the fd stays open, the segment stays
+    read_fd: int | None = None
+    readers: int = 0  # reads in progress: the read fd is closed by the last one once the segment is dropped
+    dropped: bool = False
+
+
+@dataclass(slots=True)
+class _Record:
+    key: BlockKey
+    parts: list[Buffer]
+    size: int
+    meta_end: int
+    length: int
+
+
+_MAX_GROUP = 200  # records per write: 4 iovecs each, under IOV_MAX (1024)
+
+
+@dataclass(slots=True)
+class _Location:
+    seg_id: int
+    offset: int  # of the record
+    payload_offset: int  # from the record start
+    length: int  # payload bytes
+
+
+class SegmentNvmeTier:
+    name = "nvme"
+    medium = "DISK"
+
+    def __init__(self, directory: str | Path, capacity: int, high_watermark: float = 0.95,
+                 low_watermark: float = 0.85, fsync: bool = True, min_free: int = 0,
+                 segment_bytes: int = 64 * 2**20) -> None:
+        self.root = Path(directory)
+        self.seg_dir = self.root / "segments"
+        self.capacity = capacity
+        self.high_bytes = int(capacity * high_watermark)
+        self.low_bytes = int(capacity * low_watermark)
+        self.fsync = fsync
+        self.min_free = min_free
+        # at least 8 segments in the bound, so dropping one frees a small part of the tier
+        self.segment_bytes = max(1024, min(segment_bytes, capacity // 8))
+        self.stats = TierStats()
+        self.on_removed: RemovalListener | None = None
+        self._index: dict[BlockKey, _Location] = {}
+        self._segments: OrderedDict[int, _Segment] = OrderedDict()  # oldest first
+        self._active: _Segment | None = None
+        self._pending: set[BlockKey] = set()
+        self._used = 0
+        self._free = 0
+        self._free_checked = 0.0
+        self._lock = threading.Lock()
+        self.seg_dir.mkdir(parents=True, exist_ok=True)
+        self._rebuild()
+        self._next_id = max(self._segments, default=0) + 1
+
+    # -- restart ---------------------------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        ids = []
+        for entry in os.scandir(self.seg_dir):
+            stem, dot, ext = entry.name.partition(".")
+            if dot and ext == "seg" and len(stem) == 16:
+                try:
+                    ids.append(int(stem, 16))
+                except ValueError:
+                    continue
+        dropped = 0
+        for seg_id in sorted(ids):
+            segment = _Segment(seg_id, str(self.seg_dir / f"{seg_id:016x}.seg"), sealed=True)
+            try:
+                segment.size = os.stat(segment.path).st_size
+                dropped += self._scan(segment)
+            except OSError as exc:
+                log.warning("nvme segments: cannot scan %s: %s", segment.path, exc)
+            self._segments[seg_id] = segment
+            self._used += segment.size
+        log.info("nvme tier %s: %d blocks in %d segments, %d bytes after restart (%d torn records skipped)",
+                 self.root, len(self._index), len(self._segments), self._used, dropped)
+
+    def _scan(self, segment: _Segment) -> int:
+        """Index the whole records of a segment; 1 if the scan stopped at a bad record, else 0."""
+        fd = os.open(segment.path, os.O_RDONLY)
+        try:
+            offset = 0
+            while offset < segment.size:
+                head = os.pread(fd, HEADER_SIZE + 64 + 8, offset)
+                if len(head) < HEADER_SIZE:
+                    return 1
+                magic, version, flags, layout_id, length, _digest = HEADER.unpack_from(head)
+                klen = flags & ~_BYTES_KEY
+                meta_end = HEADER_SIZE + klen + 8
+                if magic != MAGIC or version != VERSION or klen > 64 or len(head) < meta_end:
+                    return 1
+                key_raw = head[HEADER_SIZE: HEADER_SIZE + klen]
+                (meta,) = _META.unpack_from(head, HEADER_SIZE + klen)
+                if meta != _meta_digest(head[:HEADER_SIZE], key_raw) or offset + meta_end + length > segment.size:
+                    return 1
+                block_hash: int | bytes = key_raw if flags & _BYTES_KEY else int.from_bytes(key_raw, "big")
+                key = (layout_id, block_hash)
+                previous = self._index.get(key)
+                if previous is not None:  # written again later: the newer record wins
+                    owner = segment if previous.seg_id == segment.seg_id else self._segments.get(previous.seg_id)
+                    if owner is not None:
+                        owner.keys.discard(key)
+                self._index[key] = _Location(segment.seg_id, offset, meta_end, length)
+                segment.keys.add(key)
+                offset += meta_end + length
+            return 0
+        finally:
+            os.close(fd)
+
+    # -- interface -------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _record(key: BlockKey, payload: Buffer, digest: int | None) -> _Record:
+        key_raw, flags = _key_bytes(key)
+        length = len(payload)
+        meta_end = HEADER_SIZE + len(key_raw) + 8
+        header = HEADER.pack(MAGIC, VERSION, flags, key[0], length, checksum(payload) if digest is None else digest)
+        parts: list[Buffer] = [header, key_raw, _META.pack(_meta_digest(header, key_raw)), payload]
+        return _Record(key, parts, meta_end + length, meta_end, length)
+
+    def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
+        if HEADER_SIZE + 16 + len(payload) > self.capacity:
+            self.stats.add("refused")
+            return False
+        return self._append(self._record(key, payload, digest))
+
+    def store_many(self, items: Sequence[tuple[BlockKey, Buffer, int | None]]) -> int:
+        """Append blocks with one write per group that fits a segment; how many are held afterwards."""
+        held = 0
+        group: list[_Record] = []
+        group_bytes = 0
+        for key, payload, digest in items:
+            if HEADER_SIZE + 16 + len(payload) > self.capacity:
+                self.stats.add("refused")
+                continue
+            record = self._record(key, payload, digest)
+            if group and (group_bytes + record.size > self.segment_bytes or len(group) >= _MAX_GROUP):
+                held += self._append_group(group)
+                group, group_bytes = [], 0
+            group.append(record)
+            group_bytes += record.size
+        if group:
+            held += self._append_group(group)
+        return held
+
+    def _append_group(self, group: list[_Record]) -> int:
+        if len(group) == 1:
+            return int(self._append(group[0]))
+        with self._lock:
+            todo = [r for r in group if r.key not in self._index and r.key not in self._pending]
+            already = len(group) - len(todo)
+            total = sum(r.size for r in todo)
+            if not todo:
+                return already
+            if self.min_free and not self._has_free(total):
+                segment = None
+            else:
+                self._evict_locked(self.capacity - total)
+                try:
+                    segment = self._segment_for_locked(total)
+                except OSError:
+                    segment = None
+            if segment is not None:
+                offset = segment.size
+                segment.size += total
+                segment.inflight += 1
+                self._used += total
+                self._pending.update(r.key for r in todo)
+                fd = segment.write_fd
+        if segment is None:  # one record at a time, with the full-disk handling
+            return already + sum(self._append(r) for r in todo)
+        assert fd is not None
+        error: OSError | None = None
+        try:
+            written = os.pwritev(fd, [part for r in todo for part in r.parts], offset)
+            if written != total:
+                raise OSError(errno.EFBIG, f"short write ({written} of {total} bytes)")
+            if self.fsync:
+                os.fdatasync(fd)
+        except OSError as exc:
+            error = exc
+        with self._lock:
+            self._pending.difference_update(r.key for r in todo)
+            segment.inflight -= 1
+            if error is None and segment.seg_id in self._segments:
+                position = offset
+                for r in todo:
+                    self._index[r.key] = _Location(segment.seg_id, position, r.meta_end, r.length)
+                    segment.keys.add(r.key)
+                    position += r.size
+                self.stats.stores += len(todo)
+                if segment.sealed:
+                    self._seal_locked(segment)
+                return len(group)
+            if error is not None:
+                self.stats.backend_errors += 1
+                if offset + total == segment.size and segment.seg_id in self._segments:
+                    segment.size = offset
+                    self._used -= total
+                    if segment.write_fd is not None:
+                        with contextlib.suppress(OSError):
+                            os.ftruncate(segment.write_fd, offset)
+            self._seal_locked(segment)
+        if error is None:
+            return already  # the segment was dropped while we wrote
+        return already + sum(self._append(r) for r in todo)
+
+    def _append(self, record: _Record) -> bool:
+        key, parts, size, meta_end, length = record.key, record.parts, record.size, record.meta_end, record.length
+        for attempt in range(2):
+            with self._lock:
+                if key in self._index or key in self._pending:
+                    return True
+                if self.min_free and not self._has_free(size):
+                    self._evict_oldest_locked()
+                    if not self._has_free(size):
+                        self.stats.refused += 1
+                        return False
+                self._evict_locked(self.capacity - size)
+                try:
+                    segment = self._segment_for_locked(size)
+                except OSError as exc:
+                    log.warning("nvme segments: cannot open a segment: %s", exc)
+                    self.stats.backend_errors += 1
+                    return False
+                offset = segment.size
+                segment.size += size
+                segment.inflight += 1
+                self._used += size
+                self._pending.add(key)
+                fd = segment.write_fd
+            assert fd is not None
+            error: OSError | None = None
+            try:
+                written = os.pwritev(fd, parts, offset)
+                if written != size:
+                    # a file-size limit, or the first sign of a full disk (the next write says ENOSPC)
+                    raise OSError(errno.EFBIG, f"short write ({written} of {size} bytes)")
+                if self.fsync:
+                    os.fdatasync(fd)
+            except OSError as exc:
+                error = exc
+            with self._lock:
+                self._pending.discard(key)
+                segment.inflight -= 1
+                if segment.sealed:
+                    self._seal_locked(segment)  # closes the fd once the last write is done
+                if error is None and segment.seg_id in self._segments:
+                    self._index[key] = _Location(segment.seg_id, offset, meta_end, length)
+                    segment.keys.add(key)
+                    self.stats.stores += 1
+                    return True
+                if error is not None:
+                    self.stats.backend_errors += 1
+                    if offset + size == segment.size and segment.seg_id in self._segments:
+                        # the failed record is the segment's tail: give its bytes back
+                        segment.size = offset
+                        self._used -= size
+                        if segment.write_fd is not None:
+                            with contextlib.suppress(OSError):
+                                os.ftruncate(segment.write_fd, offset)
+                    self._seal_locked(segment)  # never append after a hole
+                    if error.errno in _FULL and attempt == 0:
+                        if error.errno != errno.EFBIG:  # the disk is full: free the oldest segment
+                            self._evict_oldest_locked()
+                        continue
+                    log.warning("nvme segments: cannot write a block: %s", error)
+                self.stats.refused += 1
+                return False
+        return False
+
+    def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
+        return self.read_many([key], [out])[0]
+
+    def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[int | None]:
+        """Read blocks into `outs`; records lying back to back in one segment (a chain stored together) are
+        read with one preadv. Each entry: the payload length, or None (miss, or a block that failed checks)."""
+        results: list[int | None] = []
+        i = 0
+        while i < len(keys):
+            with self._lock:
+                first = self._index.get(keys[i])
+                run: list[_Location] = []
+                if first is not None and first.length <= len(outs[i]):
+                    run.append(first)
+                    while i + len(run) < len(keys) and len(run) < _MAX_GROUP:
+                        prev, loc = run[-1], self._index.get(keys[i + len(run)])
+                        if (loc is None or loc.seg_id != first.seg_id or loc.length > len(outs[i + len(run)])
+                                or loc.offset != prev.offset + prev.payload_offset + prev.length):
+                            break
+                        run.append(loc)
+                segment = self._reader_locked(run[0].seg_id) if run else None
+            if segment is None:
+                self.stats.add("misses")
+                results.append(None)
+                i += 1
+                continue
+            assert first is not None and segment.read_fd is not None
+            metas = [bytearray(loc.payload_offset) for loc in run]
+            views = [outs[i + k][: loc.length] for k, loc in enumerate(run)]
+            try:
+                got = os.preadv(segment.read_fd, [b for pair in zip(metas, views, strict=True) for b in pair],
+                                first.offset)
+            except OSError as exc:
+                got = -1
+                log.warning("nvme segments: read failed: %s", exc)
+            finally:
+                self._release_reader(segment)
+            position = 0
+            for k, loc in enumerate(run):
+                position += loc.payload_offset + loc.length
+                results.append(self._checked(keys[i + k], loc, metas[k], views[k], whole=got >= position))
+            i += len(run)
+        return results
+
+    def _checked(self, key: BlockKey, loc: _Location, meta: bytearray, payload: memoryview,
+                 whole: bool) -> int | None:
+        try:
+            if not whole:
+                raise BlockError("torn or unreadable record")
+            _magic, _version, _flags, layout_id, length, digest = HEADER.unpack_from(meta)
+            key_raw = meta[HEADER_SIZE: loc.payload_offset - 8]
+            # (the meta digest was checked when the record was indexed; what matters now is that this is
+            # the record of this key, whole, with a payload that matches its checksum)
+            if layout_id != key[0] or length != loc.length or key_raw != _key_bytes(key)[0]:
+                raise BlockError("record header does not match the index")
+            if checksum(payload) != digest:
+                raise ChecksumError("payload checksum mismatch")
+        except ChecksumError as exc:
+            log.warning("nvme segments: %s", exc)
+            self.stats.add("checksum_failures")
+            self.stats.add("misses")
+            self._forget(key)
+            return None
+        except BlockError as exc:
+            log.warning("nvme segments: unreadable block: %s", exc)
+            self.stats.add("read_errors")
+            self.stats.add("misses")
+            self._forget(key)
+            return None
+        self.stats.add("hits")
+        return loc.length
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._index
+
+    def delete(self, key: BlockKey) -> bool:
+        """Forget a block; its bytes stay until its segment is dropped."""
+        return self._forget(key, notify=False)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self._used, len(self._index), self.capacity)
+
+    def block_keys(self) -> Iterable[BlockKey]:
+        with self._lock:
+            return list(self._index)
+
+    def payload_size(self, key: BlockKey) -> int | None:
+        loc = self._index.get(key)
+        return None if loc is None else loc.length
+
+    # -- pressure --------------------------------------------------------------------------------------------
+
+    def above_high_watermark(self) -> bool:
+        return self._used > self.high_bytes
+
+    def evict_to_low_watermark(self) -> list[BlockKey]:
+        with self._lock:
+            return self._evict_locked(self.low_bytes)
+
+    def eviction_candidates(self, nbytes: int) -> list[BlockKey]:
+        """Blocks of the oldest segments, which go first, holding at least `nbytes`."""
+        with self._lock:
+            out: list[BlockKey] = []
+            total = 0
+            for segment in self._segments.values():
+                if total >= nbytes or segment is self._active:
+                    break
+                out.extend(segment.keys)
+                total += segment.size
+            return out
+
+    def verify_segments(self) -> int:
+        """Drop segments whose file disappeared behind our back; how many were dropped."""
+        with self._lock:
+            gone = [s for s in self._segments.values() if not s.inflight and not os.path.exists(s.path)]
+            for segment in gone:
+                self._drop_segment_locked(segment, unlink=False)
+        return len(gone)
+
+    def close(self) -> None:
+        with self._lock:
+            for segment in self._segments.values():
+                self._seal_locked(segment)
+                if segment.read_fd is not None and not segment.readers:
+                    os.close(segment.read_fd)
+                    segment.read_fd = None
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _segment_for_locked(self, size: int) -> _Segment:
+        active = self._active
+        if active is None or active.sealed or (active.size and active.size + size > self.segment_bytes):
+            if active is not None:
+                self._seal_locked(active)
+            seg_id = self._next_id
+            self._next_id += 1
+            path = str(self.seg_dir / f"{seg_id:016x}.seg")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            active = _Segment(seg_id, path, write_fd=fd)
+            self._segments[seg_id] = active
+            self._active = active
+        return active
+
+    def _seal_locked(self, segment: _Segment) -> None:
+        segment.sealed = True
+        if segment.write_fd is not None and segment.inflight == 0:
+            os.close(segment.write_fd)
+            segment.write_fd = None
+        if segment is self._active:
+            self._active = None
+
+    def _reader_locked(self, seg_id: int) -> _Segment | None:
+        """The segment with an open read fd and one more reader; None if it is gone."""
+        segment = self._segments.get(seg_id)
+        if segment is None:
+            return None
+        if segment.read_fd is None:
+            try:
+                segment.read_fd = os.open(segment.path, os.O_RDONLY)
+            except FileNotFoundError:
+                if not segment.inflight:
+                    self._drop_segment_locked(segment, unlink=False)
+                return None
+        segment.readers += 1
+        return segment
+
+    def _release_reader(self, segment: _Segment) -> None:
+        with self._lock:
+            segment.readers -= 1
+            if segment.dropped and segment.readers == 0 and segment.read_fd is not None:
+                os.close(segment.read_fd)
+                segment.read_fd = None
+
+    def _evict_locked(self, target: int) -> list[BlockKey]:
+        evicted: list[BlockKey] = []
+        while self._used > target:
+            dropped = self._evict_oldest_locked()
+            if dropped is None:
+                break
+            evicted.extend(dropped)
+        return evicted
+
+    def _evict_oldest_locked(self) -> list[BlockKey] | None:
+        for segment in self._segments.values():
+            if segment.inflight:
+                continue  # writes in flight there
+            keys = list(segment.keys)
+            self._drop_segment_locked(segment, unlink=True)
+            self.stats.evictions += len(keys)
+            return keys
+        return None
+
+    def _drop_segment_locked(self, segment: _Segment, unlink: bool) -> None:
+        self._segments.pop(segment.seg_id, None)
+        self._seal_locked(segment)
+        segment.dropped = True
+        if segment.readers == 0 and segment.read_fd is not None:
+            os.close(segment.read_fd)
+            segment.read_fd = None
+        self._used -= segment.size
+        for key in segment.keys:
+            loc = self._index.get(key)
+            if loc is not None and loc.seg_id == segment.seg_id:
+                del self._index[key]
+                if self.on_removed is not None:
+                    self.on_removed(key)
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment.path)
+
+    def _forget(self, key: BlockKey, notify: bool = True) -> bool:
+        with self._lock:
+            loc = self._index.pop(key, None)
+            if loc is None:
+                return False
+            segment = self._segments.get(loc.seg_id)
+            if segment is not None:
+                segment.keys.discard(key)
+        if notify and self.on_removed is not None:
+            self.on_removed(key)
+        return True
+
+    def _has_free(self, size: int) -> bool:
+        now = time.monotonic()
+        if now - self._free_checked > 0.5:
+            try:
+                st = os.statvfs(self.root)
+            except OSError:
+                return False
+            self._free, self._free_checked = st.f_bavail * st.f_frsize, now
+        if self._free < self.min_free + size:
+            self._free_checked = 0.0
+            return False
+        self._free -= size
+        return True
