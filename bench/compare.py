@@ -208,7 +208,7 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
     wire = [vocab.wire_ids(r.token_ids) for r in workload.requests]
     longest = max(len(w) + r.max_tokens for w, r in zip(wire, workload.requests, strict=True))
     bs = args.block_size
-    max_model_len = max(2048, int(math.ceil((longest + 1) / bs) * bs))
+    max_model_len = max(256, int(math.ceil((longest + 1) / bs) * bs))
     gpu_blocks = max(args.gpu_blocks, max_model_len // bs + 2)
     mode = args.mode or ("open" if workload.timed or args.rate else "closed")
     arrivals: list[float] | None = None

@@ -1,0 +1,604 @@
+"""`kvgate bench vsim`: a whole fleet in virtual time, in one process, without HTTP.
+
+The pieces are the real ones: the routing strategies (`strategies/`, with their clock set to virtual time), the
+gateway's block keys (`router.block_keys`), the KV event hub and block index the `kv` strategy reads
+(`router.kv_subscriber.KvEventHub` applying the engines' own event batches), and the simulator's engine per
+replica (`bench/sim`: vLLM's block pool, prefix cache, scheduler, and the profile's step-time model). An event
+queue replaces the clock: arrivals, engine steps and metric scrapes happen at their virtual times, so a whole
+Mooncake trace over 8-64 replicas replays in minutes.
+
+Tiers (`--tiers`): each replica gets the tier agent's DRAM and NVMe tiers and the fleet one shared tier, with
+the agent's policies (agent/store.py): every block the engine computes is stored in DRAM; `lazy` demotes DRAM's
+least recently used blocks to NVMe and NVMe's to the shared tier under pressure, `eager` writes through to NVMe
+and shared at once; a block enters NVMe / shared only after `admit_reuse` uses; a hit on NVMe / shared is
+promoted to DRAM. At admission a replica loads the run of blocks after its GPU prefix hit from its tiers
+(DRAM, NVMe, shared), which delays the request by the transfer (bytes / bandwidth + latency per tier) and saves
+their prefill; the tiers' contents are announced to the `kv` strategy as CPU / DISK / SHARED KV events (shared
+blocks on the replica that wrote them). Capacities are in blocks; bandwidths and latencies are flags.
+
+Not modelled: the HTTP and tokenization time of the gateway, event delivery delay (events apply at the end of the
+step that made them, plus `--event-delay-s`), the sim's engine lag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench import workloads
+from bench.loadgen import percentile
+from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
+from bench.sim.perf_model import PROFILES, Profile
+from bench.sim.scheduler import Scheduler, SimRequest
+from bench.workloads import PromptVocabulary, Workload
+from router.block_keys import block_keys, root_key
+from router.config import GatewayConfig, WorkerSpec
+from router.kv_events import BlockRemoved, BlockStored, KvEvent
+from router.kv_index import InMemoryKvIndex
+from router.kv_subscriber import EventSource, KvEventHub, SourceState
+from router.metrics import GatewayMetrics
+from router.pool import Worker
+from router.vllm_hash import make_block_hasher
+from strategies import RouteRequest, create_strategy
+from strategies.base import Decision, Strategy
+
+MODEL = "tiny"
+TIERS = ("gpu", "dram", "nvme", "shared")
+MEDIUM = {"dram": "CPU", "nvme": "DISK", "shared": "SHARED"}
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """Per-replica DRAM / NVMe capacity and the fleet's shared capacity, in blocks; transfer costs; policies."""
+
+    dram_blocks: int = 20_000
+    nvme_blocks: int = 200_000
+    shared_blocks: int = 2_000_000
+    dram_gbps: float = 25.0        # host -> GPU copy (PCIe Gen5 x16, achieved)
+    nvme_gbps: float = 5.0
+    shared_gbps: float = 10.0
+    dram_latency_s: float = 50e-6
+    nvme_latency_s: float = 200e-6
+    shared_latency_s: float = 2e-3
+    write_policy: str = "lazy"     # the agent's write_policy: lazy | eager
+    promote_on_hit: bool = True
+    nvme_admit_reuse: int = 1
+    shared_admit_reuse: int = 1
+
+
+class LruTier:
+    """A capacity-bounded set of block hashes, least recently used first."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.blocks
+
+    def touch(self, h: int) -> None:
+        self.blocks.move_to_end(h)
+
+    def put(self, h: int) -> list[int]:
+        """Store (or refresh) one block; returns the blocks evicted to make room."""
+        if h in self.blocks:
+            self.blocks.move_to_end(h)
+            return []
+        if self.capacity <= 0:
+            return [h]
+        self.blocks[h] = None
+        evicted = []
+        while len(self.blocks) > self.capacity:
+            evicted.append(self.blocks.popitem(last=False)[0])
+        return evicted
+
+
+class SharedTier(LruTier):
+    """The fleet's shared tier; remembers which replica wrote each block (the one that announces it)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__("shared", capacity)
+        self.writer: dict[int, int] = {}
+
+
+class ReplicaTiers:
+    """One replica's agent: DRAM over NVMe over the fleet's shared tier."""
+
+    def __init__(self, settings: TierSettings, shared: SharedTier, index: int,
+                 announce: Callable[[int, list[KvEvent]], None]) -> None:
+        self.s = settings
+        self.dram = LruTier("dram", settings.dram_blocks)
+        self.nvme = LruTier("nvme", settings.nvme_blocks)
+        self.shared = shared
+        self.index = index
+        self.uses: dict[int, int] = {}
+        self._announce = announce
+
+    def _events(self, tier: str, stored: Sequence[int], removed: Sequence[int], writer: int | None = None) -> None:
+        events: list[KvEvent] = []
+        if stored:
+            events.append(BlockStored(block_hashes=list(stored), parent_block_hash=None, token_ids=[],
+                                      block_size=0, medium=MEDIUM[tier]))
+        if removed:
+            events.append(BlockRemoved(block_hashes=list(removed), medium=MEDIUM[tier]))
+        if events:
+            self._announce(self.index if writer is None else writer, events)
+
+    def _bump(self, h: int) -> int:
+        n = self.uses.get(h, 0) + 1
+        self.uses[h] = n
+        return n
+
+    def _put_shared(self, hashes: Sequence[int]) -> None:
+        stored = []
+        for h in hashes:
+            if h in self.shared:
+                self.shared.touch(h)
+                continue
+            for gone in self.shared.put(h):
+                self._events("shared", [], [gone], self.shared.writer.pop(gone, self.index))
+            self.shared.writer[h] = self.index
+            stored.append(h)
+        self._events("shared", stored, [])
+
+    def _put_nvme(self, hashes: Sequence[int]) -> None:
+        stored, removed, down = [], [], []
+        for h in hashes:
+            new = h not in self.nvme
+            for gone in self.nvme.put(h):
+                removed.append(gone)
+                if self.s.write_policy == "lazy" and self.uses.get(gone, 0) >= self.s.shared_admit_reuse:
+                    down.append(gone)
+            if new:
+                stored.append(h)
+        self._events("nvme", stored, removed)
+        if down:
+            self._put_shared(down)
+
+    def _put_dram(self, hashes: Sequence[int]) -> None:
+        stored, removed, down = [], [], []
+        for h in hashes:
+            new = h not in self.dram
+            for gone in self.dram.put(h):
+                removed.append(gone)
+                if self.s.write_policy == "lazy" and self.uses.get(gone, 0) >= self.s.nvme_admit_reuse:
+                    down.append(gone)
+            if new:
+                stored.append(h)
+        self._events("dram", stored, removed)
+        if down:
+            self._put_nvme(down)
+
+    def computed(self, hashes: Sequence[int]) -> None:
+        """The engine computed (stored) these blocks: the connector hands them to the agent."""
+        uses = [self._bump(h) for h in hashes]
+        self._put_dram(hashes)
+        if self.s.write_policy == "eager":
+            self._put_nvme([h for h, u in zip(hashes, uses, strict=True) if u >= self.s.nvme_admit_reuse])
+            self._put_shared([h for h, u in zip(hashes, uses, strict=True) if u >= self.s.shared_admit_reuse])
+
+    def load(self, hashes: Sequence[int], bytes_per_block: int) -> tuple[dict[str, int], float]:
+        """The leading run of `hashes` the tiers hold: blocks per tier, and seconds to bring them to the GPU."""
+        counts = {"dram": 0, "nvme": 0, "shared": 0}
+        promote = []
+        for h in hashes:
+            if h in self.dram:
+                self.dram.touch(h)
+                counts["dram"] += 1
+            elif h in self.nvme:
+                self.nvme.touch(h)
+                counts["nvme"] += 1
+                promote.append(h)
+            elif h in self.shared:
+                self.shared.touch(h)
+                counts["shared"] += 1
+                promote.append(h)
+            else:
+                break
+            self._bump(h)
+        s = self.s
+        seconds = 0.0
+        for tier, gbps, latency in (("dram", s.dram_gbps, s.dram_latency_s), ("nvme", s.nvme_gbps, s.nvme_latency_s),
+                                    ("shared", s.shared_gbps, s.shared_latency_s)):
+            if counts[tier]:
+                seconds += latency + counts[tier] * bytes_per_block / (gbps * 1e9)
+        if promote and s.promote_on_hit:
+            self._put_dram(promote)
+        return counts, seconds
+
+
+@dataclass
+class VRequest:
+    index: int
+    token_ids: list[int]
+    keys: list[int]
+    max_tokens: int
+    arrival: float = 0.0
+    replica: int = -1
+    ttft: float | None = None
+    e2e: float | None = None
+    tier_tokens: dict[str, int] = field(default_factory=dict)
+    route: RouteRequest | None = None
+    decision: Decision | None = None
+
+
+class VirtualReplica:
+    def __init__(self, index: int, profile: Profile, block_size: int, num_blocks: int, max_model_len: int,
+                 hasher: Callable[..., bytes], to_event: Callable[[bytes], Any], events: bool) -> None:
+        self.index = index
+        self.url = f"http://replica-{index}:8000"
+        self.profile = profile
+        self.pool = BlockPool(num_blocks, block_size, to_event, enable_events=events)
+        self.kv = KvCacheManager(self.pool, max_model_len)
+        self.scheduler = Scheduler(self.kv, hasher, profile.max_num_seqs, profile.max_num_batched_tokens,
+                                   max_model_len)
+        self.worker = Worker(spec=WorkerSpec(self.url), healthy=True, models=frozenset({MODEL}))
+        self.busy = False
+        self.out: Any = None
+        self.tiers: ReplicaTiers | None = None
+        self.requests = 0
+        self.prompt_tokens = 0
+
+
+class FleetSimulation:
+    """Replays one workload through one strategy over a virtual fleet."""
+
+    def __init__(self, workload: Workload, vocab: PromptVocabulary, *, strategy: str, replicas: int,
+                 profile: str = "llama-3.1-8b-h100", block_size: int = 16, gpu_blocks: int | None = None,
+                 max_model_len: int | None = None, tiers: TierSettings | None = None,
+                 concurrency: int | None = None, arrivals: Sequence[float] | None = None,
+                 event_delay_s: float = 0.002, metrics_interval_s: float = 1.0, seed: int = 0,
+                 config_overrides: dict[str, Any] | None = None) -> None:
+        self.workload = workload
+        self.vocab = vocab
+        self.profile = PROFILES[profile]
+        self.block_size = block_size
+        wire = [vocab.wire_ids(r.token_ids) for r in workload.requests]
+        longest = max(len(w) + r.max_tokens for w, r in zip(wire, workload.requests, strict=True))
+        self.max_model_len = max_model_len or max(256, int(math.ceil((longest + 1) / block_size) * block_size))
+        blocks = gpu_blocks or self.profile.num_gpu_blocks(block_size)
+        blocks = max(blocks, self.max_model_len // block_size + 2)
+        self.gpu_blocks = blocks
+        self.config = GatewayConfig(strategy=strategy, block_size=block_size, **(config_overrides or {}))
+        self.strategy: Strategy = create_strategy(self.config)
+        random.seed(seed)  # least_load breaks ties with the module's random
+        rng = getattr(self.strategy, "_random", None)
+        if isinstance(rng, random.Random):
+            rng.seed(seed)
+        hasher, to_event = make_block_hasher("sha256", seed="vsim", int_hashes=True)
+        self.hasher = hasher
+        self.to_event = to_event
+        self.replicas = [VirtualReplica(i, self.profile, block_size, blocks, self.max_model_len,
+                                        lambda parent, ids, extra=None: hasher(parent, ids), to_event,
+                                        events=True) for i in range(replicas)]
+        self.workers = [r.worker for r in self.replicas]
+        self.now = 0.0
+        self.strategy_clock()
+        self.hub: KvEventHub | None = None
+        self.sources: list[EventSource] = []
+        if self.strategy.uses_kv_events:
+            self.hub = KvEventHub(InMemoryKvIndex(), GatewayMetrics(), lambda url: MODEL)
+            for r in self.replicas:
+                source = EventSource(r.url, f"vsim://{r.index}")
+                self.hub._states[source] = SourceState(expected=0)
+                self.hub._sources[r.url] = [source]
+                self.sources.append(source)
+            self.strategy.attach_kv(self.hub.index, self.hub.trusted)
+        self.tier_settings = tiers
+        if tiers is not None:
+            shared = SharedTier(tiers.shared_blocks)
+            for r in self.replicas:
+                r.tiers = ReplicaTiers(tiers, shared, r.index, self._announce_tier)
+        self.bytes_per_block = self.profile.model.kv_bytes_per_token * block_size
+        self.event_delay_s = event_delay_s
+        self.metrics_interval_s = metrics_interval_s
+        self.concurrency = concurrency
+        self.arrivals = list(arrivals) if arrivals is not None else None
+        self.root = root_key(MODEL)
+        self.requests = [VRequest(i, w, block_keys(w, block_size, self.root), r.max_tokens)
+                         for i, (w, r) in enumerate(zip(wire, workload.requests, strict=True))]
+        self._queue: list[tuple[float, int, str, Any]] = []
+        self._seq = itertools.count()
+        self._pending_events: list[tuple[int, list[KvEvent]]] = []
+        self.decisions: list[int] = []
+
+    def strategy_clock(self) -> None:
+        if hasattr(self.strategy, "clock"):
+            self.strategy.clock = lambda: self.now
+
+    # --- events ---------------------------------------------------------------------------------------------
+
+    def _push(self, at: float, kind: str, payload: Any = None) -> None:
+        heapq.heappush(self._queue, (at, next(self._seq), kind, payload))
+
+    def _announce_tier(self, replica: int, events: list[KvEvent]) -> None:
+        self._pending_events.append((replica, events))
+
+    def _flush_events(self, replica: VirtualReplica) -> None:
+        """The step's engine events (and the tier events they cause) go to the hub after `event_delay_s`."""
+        events = replica.pool.take_events()
+        if events:
+            self._pending_events.append((replica.index, events))
+            if replica.tiers is not None:
+                stored = [int(h) for e in events if isinstance(e, BlockStored) and e.medium == "GPU"
+                          for h in e.block_hashes]
+                if stored:
+                    replica.tiers.computed(stored)
+        if self._pending_events:
+            batch, self._pending_events = self._pending_events, []
+            if self.hub is not None:
+                self._push(self.now + self.event_delay_s, "events", batch)
+
+    def _apply_events(self, batch: list[tuple[int, list[KvEvent]]]) -> None:
+        assert self.hub is not None
+        for replica, events in batch:
+            self.hub._apply(self.sources[replica], events)
+
+    # --- requests -------------------------------------------------------------------------------------------
+
+    def _arrive(self, req: VRequest) -> None:
+        req.arrival = self.now
+        route = RouteRequest(MODEL, "/v1/completions", {}, {}, req.token_ids, req.keys, len(req.token_ids))
+        decision = self.strategy.choose(route, self.workers)
+        worker = decision.worker
+        worker.in_flight += 1
+        worker.routed += 1
+        self.strategy.on_routed(route, decision)
+        req.route, req.decision = route, decision
+        replica = self.replicas[self.workers.index(worker)]
+        req.replica = replica.index
+        self.decisions.append(replica.index)
+        replica.requests += 1
+        replica.prompt_tokens += len(req.token_ids)
+        sim = SimRequest(str(req.index), req.token_ids, req.max_tokens, [5] * 8,
+                         self._block_hashes(req.token_ids), self.now)
+        sim.listener = None
+        delay = 0.0
+        if replica.tiers is not None:
+            delay = self._load_from_tiers(replica, sim, req)
+        if delay > 0:
+            self._push(self.now + delay, "admit", (replica, sim, req))
+        else:
+            self._admit(replica, sim, req)
+
+    def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
+        bs = self.block_size
+        out: list[bytes] = []
+        parent: bytes | None = None
+        for end in range(bs, len(token_ids) + 1, bs):
+            parent = self.hasher(parent, token_ids[end - bs:end])
+            out.append(parent)
+        return out
+
+    def _load_from_tiers(self, replica: VirtualReplica, sim: SimRequest, req: VRequest) -> float:
+        """Blocks after the GPU prefix hit that the tiers hold are loaded into the GPU cache before admission."""
+        assert replica.tiers is not None
+        pool = replica.pool
+        hashes = sim.block_hashes[: (len(sim.all_token_ids) - 1) // self.block_size]
+        gpu: list[KvBlock] = []
+        for digest in hashes:
+            block = pool.get_cached_block(digest)
+            if block is None:
+                break
+            gpu.append(block)
+        rest = [int(self.to_event(d)) for d in hashes[len(gpu):]]
+        if not rest:
+            return 0.0
+        counts, seconds = replica.tiers.load(rest, self.bytes_per_block)
+        n = sum(counts.values())
+        pool.touch(gpu)  # keep the GPU run while loading next to it
+        n = min(n, pool.num_free_blocks)
+        if n > 0:
+            fresh = pool.get_new_blocks(n)
+            pool.cache_full_blocks([*gpu, *fresh], hashes, len(gpu), len(gpu) + n, sim.all_token_ids)
+            pool.free_blocks(reversed([*gpu, *fresh]))
+        else:
+            pool.free_blocks(reversed(gpu))
+        left = n
+        for tier in ("dram", "nvme", "shared"):
+            take = min(counts[tier], left)
+            req.tier_tokens[tier] = take * self.block_size
+            left -= take
+        self._flush_events(replica)
+        return seconds if n else 0.0
+
+    def _admit(self, replica: VirtualReplica, sim: SimRequest, req: VRequest) -> None:
+        sim.arrival_time = req.arrival
+        replica.scheduler.add_request(sim)
+        self._by_id[sim.request_id] = req
+        if not replica.busy:
+            self._step(replica)
+
+    def _step(self, replica: VirtualReplica) -> None:
+        out = replica.scheduler.schedule()
+        self._flush_events(replica)
+        if out.empty:
+            replica.busy = False
+            return
+        replica.busy = True
+        replica.out = out
+        duration = self.profile.step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks])
+        self._push(self.now + duration, "step", replica)
+
+    def _step_done(self, replica: VirtualReplica) -> None:
+        sampled, finished = replica.scheduler.update_from_output(replica.out, self.now)
+        for sim in sampled:
+            req = self._by_id[sim.request_id]
+            if len(sim.output_token_ids) == 1:
+                req.ttft = self.now - req.arrival
+                cached = max(sim.num_cached_tokens, 0)
+                loaded = sum(req.tier_tokens.values())
+                req.tier_tokens["gpu"] = max(0, cached - loaded)
+                if cached < loaded:  # loaded blocks were evicted again before the request was scheduled
+                    req.tier_tokens = {"gpu": 0, **_scale(req.tier_tokens, cached)}
+        for sim in finished:
+            req = self._by_id.pop(sim.request_id)
+            req.e2e = self.now - req.arrival
+            self._done += 1
+            worker = replica.worker
+            worker.in_flight -= 1
+            assert req.route is not None and req.decision is not None
+            if hasattr(self.strategy, "pending"):  # kv: pending blocks stay for the grace period
+                self._push(self.now + self.config.kv_pending_grace_s, "discard", req)
+            else:
+                self.strategy.on_finished(req.route, req.decision)
+            if self.concurrency is not None:
+                self._next_closed()
+        self._flush_events(replica)
+        self._step(replica)
+
+    def _next_closed(self) -> None:
+        if self._next < len(self.requests):
+            self._push(self.now, "arrive", self.requests[self._next])
+            self._next += 1
+
+    def _scrape(self) -> None:
+        for r in self.replicas:
+            r.worker.running = float(len(r.scheduler.running))
+            r.worker.waiting = float(len(r.scheduler.waiting))
+            r.worker.kv_usage = r.pool.usage()
+
+    def run(self) -> dict[str, Any]:
+        wall = time.perf_counter()
+        self._by_id: dict[str, VRequest] = {}
+        self._done = 0
+        self._next = 0
+        if self.concurrency is not None:
+            for _ in range(min(self.concurrency, len(self.requests))):
+                self._next_closed()
+        else:
+            arrivals = self.arrivals or [r.arrival_s or 0.0 for r in self.workload.requests]
+            for req, at in zip(self.requests, arrivals, strict=True):
+                self._push(at, "arrive", req)
+        self._push(0.0, "scrape")
+        while self._queue:
+            at, _, kind, payload = heapq.heappop(self._queue)
+            self.now = at
+            if kind == "arrive":
+                self._arrive(payload)
+            elif kind == "step":
+                self._step_done(payload)
+            elif kind == "admit":
+                self._admit(*payload)
+            elif kind == "events":
+                self._apply_events(payload)
+            elif kind == "discard":
+                pending = self.strategy.pending  # type: ignore[attr-defined]
+                pending.discard(payload.decision.worker.url, payload.keys)
+            elif kind == "scrape":
+                self._scrape()
+                if self._done < len(self.requests):
+                    self._push(self.now + self.metrics_interval_s, "scrape")
+        return self.summary(time.perf_counter() - wall)
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        queries = sum(len(r.token_ids) for r in self.requests)
+        by_tier = {t: sum(r.tier_tokens.get(t, 0) for r in self.requests) for t in TIERS}
+        ttft = [r.ttft for r in self.requests if r.ttft is not None]
+        reqs = [float(r.requests) for r in self.replicas]
+        toks = [float(r.prompt_tokens) for r in self.replicas]
+
+        def imbalance(v: list[float]) -> float | None:
+            mean = sum(v) / len(v)
+            return max(v) / mean if mean else None
+
+        out: dict[str, Any] = {
+            "strategy": self.config.strategy, "replicas": len(self.replicas), "tiers": self.tier_settings is not None,
+            "requests": len(self.requests), "completed": sum(1 for r in self.requests if r.e2e is not None),
+            "query_tokens": queries, "hit_rate": sum(by_tier.values()) / queries if queries else 0.0,
+            "hit_rate_by_tier": {t: by_tier[t] / queries if queries else 0.0 for t in TIERS},
+            "request_imbalance": imbalance(reqs), "prompt_token_imbalance": imbalance(toks),
+            "requests_per_replica": reqs, "virtual_s": self.now, "wall_s": wall_s,
+        }
+        for q in (0.5, 0.9, 0.99):
+            p = percentile(ttft, q)
+            out[f"ttft_ms_p{int(q * 100)}"] = None if p is None else p * 1e3
+        e2e = [r.e2e for r in self.requests if r.e2e is not None]
+        out["e2e_ms_p50"] = (percentile(e2e, 0.5) or 0.0) * 1e3
+        return out
+
+
+def _scale(tiers: dict[str, int], cached: int) -> dict[str, int]:
+    out = {}
+    for tier in ("dram", "nvme", "shared"):
+        take = min(tiers.get(tier, 0), cached)
+        out[tier] = take
+        cached -= take
+    return out
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.compare import DEFAULT_TRACE, add_workload_arguments
+
+    parser.add_argument("--strategies", default="round_robin,least_load,prefix,kv")
+    parser.add_argument("--replicas", default="8,16", help="comma-separated fleet sizes")
+    parser.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PROFILES))
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-blocks", type=int, default=None, help="per replica (default: the profile's)")
+    parser.add_argument("--tiers", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--write-policy", choices=["lazy", "eager"], default="lazy")
+    parser.add_argument("--dram-blocks", type=int, default=TierSettings.dram_blocks)
+    parser.add_argument("--nvme-blocks", type=int, default=TierSettings.nvme_blocks)
+    parser.add_argument("--shared-blocks", type=int, default=TierSettings.shared_blocks)
+    parser.add_argument("--concurrency", type=int, default=None, help="closed loop instead of arrival times")
+    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals for untimed workloads")
+    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--out", default="out/vsim.json")
+    add_workload_arguments(parser)
+    parser.set_defaults(workload="mooncake", limit=None, trace=str(DEFAULT_TRACE))
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.compare import _model_dir, build_workload
+
+    vocab = PromptVocabulary.from_model_dir(_model_dir(args))
+    workload = build_workload(args, vocab)
+    arrivals = None
+    if not workload.timed and args.concurrency is None:
+        arrivals = workloads.poisson_arrivals(len(workload.requests), args.rate or 10.0, args.seed)
+    wire = [vocab.wire_ids(r.token_ids) for r in workload.requests]
+    bound = workloads.ideal_hit_rate(wire, args.block_size)
+    tier_modes = {"off": [False], "on": [True], "both": [False, True]}[args.tiers]
+    settings = TierSettings(dram_blocks=args.dram_blocks, nvme_blocks=args.nvme_blocks,
+                            shared_blocks=args.shared_blocks, write_policy=args.write_policy)
+    results = []
+    print(f"{workload.name}: {len(workload.requests)} requests, {sum(len(w) for w in wire)} prompt tokens; "
+          f"ideal single-cache hit rate {bound.hit_rate:.3f}", flush=True)
+    for n in [int(x) for x in args.replicas.split(",")]:
+        for tiered in tier_modes:
+            for strategy in args.strategies.split(","):
+                sim = FleetSimulation(workload, vocab, strategy=strategy, replicas=n, profile=args.profile,
+                                      block_size=args.block_size, gpu_blocks=args.gpu_blocks,
+                                      tiers=settings if tiered else None, concurrency=args.concurrency,
+                                      arrivals=arrivals, seed=args.seed)
+                row = sim.run()
+                results.append(row)
+                t = row["hit_rate_by_tier"]
+                print(f"{n:3d} replicas {'tiers' if tiered else 'gpu  '} {strategy:12s} hit {row['hit_rate']:.3f} "
+                      f"(gpu {t['gpu']:.3f} dram {t['dram']:.3f} nvme {t['nvme']:.3f} shared {t['shared']:.3f})  "
+                      f"TTFT p50 {row['ttft_ms_p50']:.0f} p90 {row['ttft_ms_p90']:.0f} p99 {row['ttft_ms_p99']:.0f} ms"
+                      f"  imbalance {row['request_imbalance']:.2f}  [{row['wall_s']:.0f} s wall]", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps({"benchmark": "vsim", "workload": {"name": workload.name,
+                                                                      "params": workload.params},
+                                  "profile": args.profile, "block_size": args.block_size,
+                                  "tier_settings": settings.__dict__, "upper_bound": bound.hit_rate,
+                                  "results": results}, option=orjson.OPT_INDENT_2))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,99 @@
+"""`kvgate bench compare` on a tiny live fleet (kvgate strategies only: peers are exercised by the benchmark
+command), and the virtual-time fleet simulation agreeing with it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from bench import compare
+from bench.vsim import FleetSimulation, TierSettings
+from bench.workloads import PromptVocabulary
+
+STRATEGIES = ("round_robin", "prefix", "kv")
+WORKLOAD = {"workload": "tenants", "tenants": 4, "users": 3, "requests_per_user": 2, "prefix_tokens": 256,
+            "question_tokens": 16, "max_tokens": 4}
+GPU_BLOCKS = 44  # a replica holds two of the four tenants' prefixes: where a tenant goes decides its hits
+
+
+def compare_args(out: Path, model_dir: Path, **overrides: Any) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in {"targets": ",".join(f"kvgate:{s}" for s in STRATEGIES), "out": str(out),
+                       "model_dir": str(model_dir), "replicas": 2, "speedup": 50.0, "gpu_blocks": GPU_BLOCKS,
+                       "concurrency": 1, "no_progress": True, **WORKLOAD, **overrides}.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.fixture(scope="module")
+def live_report(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("compare")
+    report = asyncio.run(compare.compare(compare_args(out, tiny_model_dir)))
+    return report, out
+
+
+@pytest.mark.timeout(120)
+def test_short_comparison_writes_every_output(live_report: tuple[dict[str, Any], Path]) -> None:
+    report, out = live_report
+    for name in ("report.json", "report.md", "ttft_cdf.png", "hit_rate.png", "load.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "ttft_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    on_disk = orjson.loads((out / "report.json").read_bytes())
+    assert [t["name"] for t in on_disk["targets"]] == [f"kvgate:{s}" for s in STRATEGIES]
+    bound = report["upper_bound"]["hit_rate"]
+    assert 0.5 < bound < 1
+    for target in report["targets"]:
+        assert "error" not in target, target.get("error")
+        lat, fleet = target["latency"], target["fleet"]
+        assert lat["ok"] == lat["requests"] == 24 and lat["errors"] == 0
+        assert lat["ttft_ms_p50"] > 0 and lat["e2e_ms_p50"] >= lat["ttft_ms_p50"]
+        assert sum(r["requests"] for r in fleet["replicas"]) == 24  # the probe was sent before the counters
+        assert 0 < fleet["hit_rate"] <= bound + 1e-9
+        assert fleet["request_imbalance"] >= 1.0
+    markdown = (out / "report.md").read_text()
+    assert "| kvgate:kv |" in markdown and "Upper bound" in markdown
+    by_name = {t["name"]: t["fleet"]["hit_rate"] for t in report["targets"]}
+    assert by_name["kvgate:kv"] > by_name["kvgate:round_robin"]
+
+
+@pytest.mark.timeout(120)
+def test_virtual_time_agrees_with_the_live_fleet(live_report: tuple[dict[str, Any], Path],
+                                                  tiny_model_dir: Path) -> None:
+    """Same workload, same fleet shape, one request at a time: hit rates within 0.05 (absolute) of the live
+    run for every strategy, and round_robin's per-replica request counts identical."""
+    report, out = live_report
+    vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
+    args = compare_args(out, tiny_model_dir)
+    workload = compare.build_workload(args, vocab)
+    live = {t["policy"]: t["fleet"] for t in report["targets"]}
+    for strategy in STRATEGIES:
+        sim = FleetSimulation(workload, vocab, strategy=strategy, replicas=2, block_size=16,
+                              gpu_blocks=report["fleet"]["gpu_blocks_per_replica"],
+                              max_model_len=report["fleet"]["max_model_len"], concurrency=1)
+        virtual = sim.run()
+        print(f"{strategy}: virtual {virtual['hit_rate']:.3f}, live {live[strategy]['hit_rate']:.3f}")
+        assert virtual["completed"] == 24
+        assert abs(virtual["hit_rate"] - live[strategy]["hit_rate"]) <= 0.05, (strategy, virtual["hit_rate"],
+                                                                             live[strategy]["hit_rate"])
+        if strategy == "round_robin":
+            assert sorted(virtual["requests_per_replica"]) == sorted(r["requests"] for r in live[strategy]["replicas"])
+
+
+def test_tiers_turn_gpu_misses_into_tier_hits(tiny_model_dir: Path) -> None:
+    vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
+    workload = compare.build_workload(compare_args(Path("."), tiny_model_dir), vocab)
+    plain = FleetSimulation(workload, vocab, strategy="round_robin", replicas=2, gpu_blocks=40,
+                            concurrency=2).run()
+    tiered = FleetSimulation(workload, vocab, strategy="round_robin", replicas=2, gpu_blocks=40, concurrency=2,
+                             tiers=TierSettings(dram_blocks=64, nvme_blocks=64, write_policy="eager")).run()
+    tiers = tiered["hit_rate_by_tier"]
+    assert tiers["dram"] + tiers["nvme"] + tiers["shared"] > 0.1
+    assert tiers["shared"] > 0  # eager write-through: a replica reads what the other one computed
+    assert tiered["hit_rate"] > plain["hit_rate"] + 0.1
