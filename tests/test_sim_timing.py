@@ -53,3 +53,48 @@ async def test_speedup_divides_every_duration(sim_fleet: Callable[..., SimFleet]
     ttft, _ = await timed(http, fleet.urls[0], prompt, 1)
     predicted = PROFILE.prefill_time(16000) / 10
     assert predicted * 0.97 <= ttft <= predicted + SLACK_S, (ttft, predicted)
+
+
+def offline_makespan(prompts: list[list[int]], max_tokens: int, max_num_seqs: int) -> float:
+    """The same requests through the same scheduler and cache, stepped without a clock: the model's answer."""
+    from bench.sim.kv_cache import BlockPool, KvCacheManager
+    from bench.sim.scheduler import Scheduler, SimRequest
+    from router.vllm_hash import block_hashes, event_hash, make_block_hasher
+
+    hasher, _ = make_block_hasher("sha256")
+    pool = BlockPool(PROFILE.num_gpu_blocks(16), 16, event_hash, enable_events=False)
+    scheduler = Scheduler(KvCacheManager(pool, 2048), lambda p, t, e: hasher(p, t), max_num_seqs,
+                          PROFILE.max_num_batched_tokens, 2048)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(SimRequest(str(i), prompt, max_tokens, [7, 8, 9], block_hashes(prompt, 16), 0.0))
+    total = 0.0
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        total += PROFILE.step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks])
+        scheduler.update_from_output(out, total)
+    return total
+
+
+async def test_queueing_follows_the_scheduler(sim_fleet: Callable[..., SimFleet],
+                                              http: aiohttp.ClientSession) -> None:
+    """16 concurrent requests on a replica that runs 8 at a time: two waves, as the offline schedule says."""
+    import asyncio
+
+    fleet = sim_fleet(1, speedup=1.0, extra_args=["--max-num-seqs", "8", "--no-kv-events"])
+    prompts = [[(i * 131 + j * 7) % 4000 + 5 for j in range(512)] for i in range(16)]
+    t0 = time.perf_counter()
+
+    async def one(prompt: list[int]) -> tuple[float, float]:
+        start = time.perf_counter() - t0
+        first, last = await timed(http, fleet.urls[0], prompt, 32)
+        return start + first, start + last   # on the common clock
+
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    makespan = time.perf_counter() - t0
+    expected = offline_makespan(prompts, 32, 8)
+    assert expected * 0.95 <= makespan <= expected * 1.1 + SLACK_S, (makespan, expected)
+    # only 8 run at once: the 9th first token comes after the first request finished
+    firsts = sorted(first for first, _ in results)
+    lasts = sorted(last for _, last in results)
+    assert firsts[8] >= lasts[0] - 0.005, (firsts, lasts)
+    assert firsts[7] < lasts[0]
