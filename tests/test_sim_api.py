@@ -272,3 +272,36 @@ async def test_client_disconnect_aborts_the_request(fleet: SimFleet, client: aio
             break
         await asyncio.sleep(0.05)
     assert state["running"] == 0 and state["num_free_blocks"] == state["num_gpu_blocks"] - 1
+
+
+async def test_a_dead_engine_answers_500_and_releases_waiters(tiny_model_dir: Path,
+                                                               client: aiohttp.ClientSession) -> None:
+    """If the step loop dies (a bug), waiting requests are released and /health says 500, as vLLM's does."""
+    import argparse
+    import dataclasses
+
+    from aiohttp import web
+
+    from bench.procs import free_port
+    from bench.sim.cli import add_arguments
+    from bench.sim.config import replica_config
+    from bench.sim.perf_model import PROFILES
+    from bench.sim.server import create_replica_app
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model-dir", str(tiny_model_dir), "--served-model-name", MODEL, "--no-kv-events"])
+    broken = dataclasses.replace(PROFILES["llama-3.1-8b-h100"], model=None)  # step_time raises
+    config = dataclasses.replace(replica_config(args, 0), profile=broken, port=free_port())
+    runner = web.AppRunner(create_replica_app(config))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", config.port).start()
+    try:
+        status, body = await post(client, config.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert status == 500 and body["error"]["type"] == "EngineDeadError"
+        async with client.get(config.url + "/health") as resp:
+            assert resp.status == 500
+        status, _ = await post(client, config.url + "/v1/completions", {"model": MODEL, "prompt": "y"})
+        assert status == 500
+    finally:
+        await runner.cleanup()

@@ -78,6 +78,7 @@ class SimEngine:
         self.lag_s = 0.0  # time lost against the model's timeline (CPU-bound at a high speedup); 0 when keeping up
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.dead: BaseException | None = None  # why the step loop died (a bug); the replica then reports 500
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -85,12 +86,26 @@ class SimEngine:
         if self.publisher is not None:
             await self.publisher.start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+        self._task.add_done_callback(self._on_exit)
+
+    def _on_exit(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.dead = task.exception()
+        log.critical("the simulated engine died", exc_info=self.dead)
+        # wake every waiting handler, so nobody waits for tokens that will never come
+        for request in list(self.scheduler.requests.values()):
+            request.finished = True
+            request.finish_reason = "error"
+            if request.listener is not None:
+                request.listener(request)
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            if not self._task.done():  # a dead loop's exception was reported by _on_exit
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
             self._task = None
         if self.publisher is not None:
             await self.publisher.close()
@@ -98,6 +113,8 @@ class SimEngine:
     # --- requests ----------------------------------------------------------------------------------------------
 
     def add_request(self, request: SimRequest) -> None:
+        if self.dead is not None:
+            raise RuntimeError("the simulated engine is dead") from self.dead
         self.scheduler.add_request(request)
         self._wake.set()
 

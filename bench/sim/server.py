@@ -321,6 +321,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return exc.response()
 
     engine = replica.engine
+    if engine.dead is not None:
+        return error_response(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                              "EngineDeadError")
     prefix = "chatcmpl-" if chat else "cmpl-"
     rid = prefix + seqs[0].request.request_id
     created = int(time.time())
@@ -343,6 +346,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         for seq in seqs:
             if not seq.request.finished:
                 engine.abort(seq.request.request_id)
+    if engine.dead is not None:
+        return error_response(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                              "EngineDeadError")
     requests_ = [s.request for s in seqs]
     text = replica.vocab.detokenize
     if chat:
@@ -484,7 +490,8 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
+    # vLLM answers 500 once its engine core is dead
+    return web.Response(status=500 if request.app[REPLICA].engine.dead is not None else 200)
 
 
 async def version(request: web.Request) -> web.Response:
