@@ -66,20 +66,21 @@ def test_corrupt_payload_is_a_miss(tmp_path: Path) -> None:
     assert not tier.contains((LAYOUT, 1))
 
 
-def test_corrupt_key_or_torn_tail_never_serves_wrong_bytes(tmp_path: Path) -> None:
+def test_corrupt_key_torn_tail_and_holes_never_serve_wrong_bytes(tmp_path: Path) -> None:
     tier = SegmentNvmeTier(tmp_path, capacity=1 << 20, fsync=False)
-    for i in range(4):
+    for i in range(6):
         tier.store((LAYOUT, i), payload(i))
     tier.close()
     (seg,) = segment_files(tmp_path)
     data = bytearray(seg.read_bytes())
-    data[RECORD + HEADER_SIZE + 7] ^= 0x01  # block 1's key now reads as another hash
-    seg.write_bytes(data[: 4 * RECORD - 100])  # and block 3 is torn, as a crash mid-write leaves it
+    data[RECORD + HEADER_SIZE + 7] ^= 0x01  # block 1's key now says block 0: its meta digest no longer matches
+    data[3 * RECORD: 4 * RECORD] = bytes(RECORD)  # block 3 never written: a hole left by concurrent appends
+    seg.write_bytes(data[: 6 * RECORD - 100])  # and block 5 is torn, as a crash mid-write leaves it
     again = SegmentNvmeTier(tmp_path, capacity=1 << 20, fsync=False)
-    assert read(again, 0) == payload(0)
-    for i in (1, 2, 3):  # the scan stops at the bad record: nothing after it is trusted
-        assert read(again, i) is None
-    assert again.usage().blocks == 1 and again.usage().used_bytes == 4 * RECORD - 100
+    assert read(again, 0) == payload(0)  # not block 1's bytes under block 0's (corrupted) name
+    assert read(again, 1) is None and read(again, 3) is None and read(again, 5) is None
+    assert read(again, 2) == payload(2) and read(again, 4) == payload(4)  # found again past the bad spots
+    assert again.usage().blocks == 3 and again.usage().used_bytes == 6 * RECORD - 100
 
 
 def test_deleted_segment_is_a_miss(tmp_path: Path) -> None:

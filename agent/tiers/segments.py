@@ -50,6 +50,20 @@ def _meta_digest(header: bytes | bytearray | memoryview, key: bytes | bytearray 
     return xxhash.xxh3_64_intdigest(bytes(header) + bytes(key))
 
 
+def _find_magic(fd: int, start: int, size: int, chunk: int = 1 << 20) -> int | None:
+    """Offset of the next record magic at or after `start`, or None."""
+    position = start
+    while position < size:
+        data = os.pread(fd, chunk + len(MAGIC) - 1, position)
+        if not data:
+            return None
+        found = data.find(MAGIC)
+        if found >= 0:
+            return position + found
+        position += chunk
+    return None
+
+
 @dataclass(slots=True)
 class _Segment:
     seg_id: int
@@ -135,29 +149,29 @@ class SegmentNvmeTier:
                 log.warning("nvme segments: cannot scan %s: %s", segment.path, exc)
             self._segments[seg_id] = segment
             self._used += segment.size
-        log.info("nvme tier %s: %d blocks in %d segments, %d bytes after restart (%d torn records skipped)",
+        log.info("nvme tier %s: %d blocks in %d segments, %d bytes after restart (%d bad spots skipped)",
                  self.root, len(self._index), len(self._segments), self._used, dropped)
 
     def _scan(self, segment: _Segment) -> int:
-        """Index the whole records of a segment; 1 if the scan stopped at a bad record, else 0."""
+        """Index the whole records of a segment; the number of bad spots skipped.
+
+        Concurrent appends can leave a hole (a later record written, an earlier one not, then a crash), so at a
+        record that does not check out the scan resynchronises on the next record magic whose header and key
+        pass the meta digest (a false match needs a 64-bit digest collision)."""
         fd = os.open(segment.path, os.O_RDONLY)
+        bad = 0
         try:
             offset = 0
             while offset < segment.size:
-                head = os.pread(fd, HEADER_SIZE + 64 + 8, offset)
-                if len(head) < HEADER_SIZE:
-                    return 1
-                magic, version, flags, layout_id, length, _digest = HEADER.unpack_from(head)
-                klen = flags & ~_BYTES_KEY
-                meta_end = HEADER_SIZE + klen + 8
-                if magic != MAGIC or version != VERSION or klen > 64 or len(head) < meta_end:
-                    return 1
-                key_raw = head[HEADER_SIZE: HEADER_SIZE + klen]
-                (meta,) = _META.unpack_from(head, HEADER_SIZE + klen)
-                if meta != _meta_digest(head[:HEADER_SIZE], key_raw) or offset + meta_end + length > segment.size:
-                    return 1
-                block_hash: int | bytes = key_raw if flags & _BYTES_KEY else int.from_bytes(key_raw, "big")
-                key = (layout_id, block_hash)
+                parsed = self._parse_record(fd, offset, segment.size)
+                if parsed is None:
+                    bad += 1
+                    found = _find_magic(fd, offset + 1, segment.size)
+                    if found is None:
+                        break
+                    offset = found
+                    continue
+                key, meta_end, length = parsed
                 previous = self._index.get(key)
                 if previous is not None:  # written again later: the newer record wins
                     owner = segment if previous.seg_id == segment.seg_id else self._segments.get(previous.seg_id)
@@ -166,9 +180,27 @@ class SegmentNvmeTier:
                 self._index[key] = _Location(segment.seg_id, offset, meta_end, length)
                 segment.keys.add(key)
                 offset += meta_end + length
-            return 0
+            return bad
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _parse_record(fd: int, offset: int, size: int) -> tuple[BlockKey, int, int] | None:
+        """(key, payload offset in the record, payload length) of a record whose header and key check out."""
+        head = os.pread(fd, HEADER_SIZE + 64 + 8, offset)
+        if len(head) < HEADER_SIZE:
+            return None
+        magic, version, flags, layout_id, length, _digest = HEADER.unpack_from(head)
+        klen = flags & ~_BYTES_KEY
+        meta_end = HEADER_SIZE + klen + 8
+        if magic != MAGIC or version != VERSION or klen > 64 or len(head) < meta_end:
+            return None
+        key_raw = head[HEADER_SIZE: HEADER_SIZE + klen]
+        (meta,) = _META.unpack_from(head, HEADER_SIZE + klen)
+        if meta != _meta_digest(head[:HEADER_SIZE], key_raw) or offset + meta_end + length > size:
+            return None
+        block_hash: int | bytes = key_raw if flags & _BYTES_KEY else int.from_bytes(key_raw, "big")
+        return (layout_id, block_hash), meta_end, length
 
     # -- interface -------------------------------------------------------------------------------------------
 
