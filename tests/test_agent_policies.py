@@ -187,3 +187,20 @@ def test_a_bad_nvme_copy_is_replaced_by_the_shared_one(tmp_path: Path) -> None:
     assert [bytes(b) for b in buffers] == [payload(i) for i in (1, 2, 3)]
     assert store.nvme is not None and store.nvme.stats.checksum_failures == 1
     assert store.shared is not None and store.shared.stats.hits == 1
+
+
+def test_config_from_env_file_and_flags(tmp_path: Path) -> None:
+    import argparse
+
+    from agent.config import ENV_PREFIX
+    from router.config import add_config_arguments, load_config
+
+    (tmp_path / "agent.yaml").write_text("nvme-dir: /data/kv\nshared_ttl_s: 60\n")
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, AgentConfig, ENV_PREFIX)
+    args = parser.parse_args(["--config", str(tmp_path / "agent.yaml"), "--write-policy", "eager"])
+    env = {"KVGATE_AGENT_DRAM_CAPACITY": "2GiB", "KVGATE_AGENT_WRITE_POLICY": "lazy",
+           "KVGATE_AGENT_NVME_FSYNC": "false"}
+    config = load_config(AgentConfig, ENV_PREFIX, args, environ=env).validate()
+    assert config.dram_capacity == 2 * 2**30 and config.nvme_dir == "/data/kv" and config.shared_ttl_s == 60
+    assert config.write_policy == "eager" and config.nvme_fsync is False  # flags beat env beats file

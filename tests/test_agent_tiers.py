@@ -6,16 +6,20 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+import redis.cluster
 
 from agent.block import HEADER_SIZE, BlockError, ChecksumError, key_name, pack, parse_key_name, verify
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.shared import FsSharedTier, RedisSharedTier
-from tests.conftest import ROOT, ValkeyServer
+from bench.procs import free_port, wait_for_port
+from bench.procs import stop as stop_process
+from tests.conftest import ROOT, ValkeyServer, valkey_server_binary
 
 LAYOUT = 0xABCDEF
 
@@ -257,3 +261,40 @@ def test_fs_shared_round_trip_ttl_sweep(tmp_path: Path) -> None:
     data[-1] ^= 1
     corrupt.write_bytes(data)
     assert read(b, key(1)) is None and b.stats.checksum_failures == 1 and not corrupt.exists()
+
+
+@pytest.fixture
+def valkey_cluster(tmp_path: Path) -> Iterator[str]:
+    """A one-node Valkey Cluster (all 16384 slots on one server): the cluster protocol, MOVED-free."""
+    port = free_port()
+    proc = subprocess.Popen([valkey_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path), "--cluster-enabled", "yes",
+                             "--cluster-config-file", str(tmp_path / "nodes.conf")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, 15, proc)
+        admin = redis.Redis(port=port)
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", "0", "16383")  # type: ignore[no-untyped-call]
+        deadline = time.monotonic() + 15
+        while b"cluster_state:ok" not in admin.execute_command("CLUSTER", "INFO"):  # type: ignore[no-untyped-call]
+            assert time.monotonic() < deadline, "the one-node cluster did not come up"
+            time.sleep(0.1)
+        admin.close()
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop_process(proc)
+
+
+def test_redis_cluster_backend(valkey_cluster: str) -> None:
+    a = RedisSharedTier(valkey_cluster, cluster=True, ttl_s=60)
+    b = RedisSharedTier(valkey_cluster, cluster=True, ttl_s=60)
+    assert isinstance(a.client, redis.cluster.RedisCluster)
+    assert a.store_many([(key(i), payload(i), None) for i in range(20)]) == 20  # keys over many slots
+    assert b.probe([key(0), key(19), key(99)]) == [True, True, False]
+    assert b.refresh_index() == 20
+    outs = [memoryview(bytearray(2000)) for _ in range(20)]
+    assert b.read_many([key(i) for i in range(20)], outs) == [1000] * 20
+    assert all(bytes(outs[i][:1000]) == payload(i) for i in range(20))
+    assert a.stats.backend_errors == 0 and b.stats.backend_errors == 0
+    a.close()
+    b.close()
