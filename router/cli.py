@@ -12,7 +12,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the gateway in front of vLLM workers"),
     "demo": ("bench.demo", "start a local fleet and the gateway, send traffic, show where it went"),
-    "bench": ("bench.cli", "benchmarks (overhead, ...)"),
+    "bench": ("bench.cli", "run a benchmark (`kvgate bench --help` lists them)"),
     "standin": ("bench.standin", "run stand-in OpenAI-compatible workers (for tests and benchmarks)"),
     "agent": ("agent.cli", "run the KV tier agent (DRAM / NVMe / shared tiers) beside a vLLM replica"),
     "sim": ("bench.sim.cli", "run a simulated vLLM fleet: paged prefix cache, time model, KV events, metrics"),
