@@ -53,6 +53,7 @@ class AgentClient:
         self._sock: socket.socket | None = None
         self._shm: mmap.mmap | None = None
         self.shm: memoryview | None = None  # the shared region, valid while connected
+        self.generation = 0  # bumped on every (re)connect: views of an older `shm` are stale
 
     # -- connection ------------------------------------------------------------------------------------------
 
@@ -67,6 +68,7 @@ class AgentClient:
             sock.close()
             raise AgentError(f"cannot reach the tier agent at {self.socket_path}: {exc}") from exc
         self._sock = sock
+        self.generation += 1
         path = None
         try:
             if self.shm_bytes > 0:

@@ -133,6 +133,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layers: list[_CacheLayer] = []
         self._block_bytes = 0
         self._shm_tensor: torch.Tensor | None = None
+        self._shm_generation = 0
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
         log.info("kvgate connector (%s): agent %s, layout %016x", role.name, socket_path, self._layout)
@@ -250,6 +251,9 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _shm(self) -> torch.Tensor:
         self._client.connect()
+        if self._shm_generation != self._client.generation:  # reconnected: a new shared-memory region
+            self._shm_tensor = None
+            self._shm_generation = self._client.generation
         if self._shm_tensor is None:
             assert self._client.shm is not None
             self._shm_tensor = torch.frombuffer(self._client.shm, dtype=torch.uint8)

@@ -194,3 +194,29 @@ def test_valkey_stopped_mid_run(tmp_path: Path, agents: list[AgentProcess], subp
             client.store(LAYOUT, [h], [content(h)])
             time.sleep(0.1)
     assert os.path.exists(agent.socket)
+
+
+def test_client_without_an_agent_fails_fast_and_recovers(tmp_path: Path, agents: list[AgentProcess],
+                                                         subprocess_env: dict[str, str]) -> None:
+    client = AgentClient(str(tmp_path / "agent.sock"), shm_bytes=BLOCK * 4, timeout_s=1)
+    started = time.monotonic()
+    with pytest.raises(AgentError):
+        client.lookup(LAYOUT, [1, 2])
+    assert time.monotonic() - started < 1
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    assert client.store(LAYOUT, [1], [content(1)]) == 1
+    agent.stop(signal.SIGKILL)
+    agent.start()  # a new agent process: the lookup reconnects by itself, the block is gone with its DRAM
+    generation = client.generation
+    assert client.lookup(LAYOUT, [1]) == (0, "")
+    assert client.generation == generation + 1  # new connection, new shared memory
+    assert client.load(LAYOUT, [1], BLOCK) == []
+    assert client.store(LAYOUT, [1], [content(1)]) == 1
+    assert client.load(LAYOUT, [1], BLOCK) == [content(1)]
+    agent.stop(signal.SIGKILL)
+    agent.start()
+    with pytest.raises(AgentError):  # calls on shared memory are not retried (its mapping went with the agent)
+        client.load(LAYOUT, [1], BLOCK)
+    assert client.store(LAYOUT, [1], [content(1)]) == 1  # the next call reconnects
+    client.close()
