@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from agent.client import AgentClient
+from agent.kv_layout import CacheLayer, describe_layers, gather_blocks, scatter_blocks
 from agent.protocol import AgentError
 
 if TYPE_CHECKING:
@@ -90,15 +91,6 @@ class KvgateConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[BlockTransfer] = field(default_factory=list)
 
 
-@dataclass
-class _CacheLayer:
-    name: str
-    tensor: torch.Tensor
-    block_dim: int
-    block_shape: tuple[int, ...]
-    block_bytes: int
-
-
 class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
     _cache_hit_source = CacheHitSource.HOST
 
@@ -130,7 +122,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._saved_upto: dict[str, int] = {}  # req_id -> leading blocks already held by the agent
         self._requests: dict[str, Request] = {}
         # worker side
-        self._layers: list[_CacheLayer] = []
+        self._layers: list[CacheLayer] = []
         self._block_bytes = 0
         self._shm_tensor: torch.Tensor | None = None
         self._shm_generation = 0
@@ -233,21 +225,9 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==========================================================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        num_blocks = self._kv_cache_config.num_blocks
-        layers = []
-        for name, tensor in kv_caches.items():
-            if tensor.shape[0] == num_blocks:
-                block_dim = 0
-            elif tensor.dim() > 1 and tensor.shape[1] == num_blocks:
-                block_dim = 1
-            else:
-                raise ValueError(f"kvgate connector: cannot find the block dimension of {name} {tuple(tensor.shape)}")
-            shape = tuple(s for d, s in enumerate(tensor.shape) if d != block_dim)
-            layers.append(_CacheLayer(name, tensor, block_dim, shape, tensor.numel() // num_blocks
-                                      * tensor.element_size()))
-        self._layers = layers
-        self._block_bytes = sum(layer.block_bytes for layer in layers)
-        log.info("kvgate connector: %d layers, %d bytes per block", len(layers), self._block_bytes)
+        self._layers = describe_layers(kv_caches, self._kv_cache_config.num_blocks)
+        self._block_bytes = sum(layer.block_bytes for layer in self._layers)
+        log.info("kvgate connector: %d layers, %d bytes per block", len(self._layers), self._block_bytes)
 
     def _shm(self) -> torch.Tensor:
         self._client.connect()
@@ -314,17 +294,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _copy_in(self, shm: torch.Tensor, block_ids: list[int]) -> None:
         n = len(block_ids)
-        rows = shm[: n * self._block_bytes].view(n, self._block_bytes)
-        offset = 0
-        for layer in self._layers:
-            device = layer.tensor.device
-            src = rows[:, offset: offset + layer.block_bytes].view(layer.tensor.dtype)
-            src = src.view(n, *layer.block_shape)
-            if layer.block_dim != 0:
-                src = src.movedim(0, layer.block_dim)
-            index = torch.tensor(block_ids, dtype=torch.long, device=device)
-            layer.tensor.index_copy_(layer.block_dim, index, src.to(device, non_blocking=False))
-            offset += layer.block_bytes
+        scatter_blocks(self._layers, block_ids, shm[: n * self._block_bytes].view(n, self._block_bytes))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish inside start_load_kv
@@ -357,16 +327,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for i in range(0, len(transfer.hashes), step):
             block_ids = transfer.block_ids[i: i + step]
             n = len(block_ids)
-            rows = shm[: n * self._block_bytes].view(n, self._block_bytes)
-            offset = 0
-            for layer in self._layers:
-                index = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
-                src = layer.tensor.index_select(layer.block_dim, index)
-                if layer.block_dim != 0:
-                    src = src.movedim(layer.block_dim, 0)
-                src = src.reshape(n, -1).view(torch.uint8)
-                rows[:, offset: offset + layer.block_bytes].copy_(src)
-                offset += layer.block_bytes
+            gather_blocks(self._layers, block_ids, shm[: n * self._block_bytes].view(n, self._block_bytes))
             parent = transfer.parent if i == 0 else transfer.hashes[i - 1]
             self._client.store_in_place(self._layout, transfer.hashes[i: i + step],
                                         [k * self._block_bytes for k in range(n)], [self._block_bytes] * n, parent)
