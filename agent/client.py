@@ -22,6 +22,8 @@ import msgspec
 from agent.protocol import (
     FRAME,
     MAX_FRAME,
+    SHM_DIR,
+    SHM_PREFIX,
     AgentError,
     BlockHash,
     ErrorReply,
@@ -72,7 +74,7 @@ class AgentClient:
         path = None
         try:
             if self.shm_bytes > 0:
-                path = f"/dev/shm/kvgate-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+                path = f"{SHM_DIR}/{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
                     os.ftruncate(fd, self.shm_bytes)

@@ -34,6 +34,7 @@ class AgentConfig:
     """Everything `kvgate agent` can be told."""
 
     socket_path: str = option("/tmp/kvgate-agent.sock", "Unix socket of the local block API (connector, simulator)")
+    socket_mode: str = option("660", "permissions of the socket file (octal): who may use the agent")
     metrics_host: str = option("127.0.0.1", "address of the Prometheus /metrics HTTP endpoint")
     metrics_port: int = option(9400, "port of the /metrics HTTP endpoint (0 = disabled)")
     events_endpoint: str = option("", "ZMQ PUB endpoint for KV events, e.g. tcp://*:5560 (empty = no events)")

@@ -16,6 +16,8 @@ import msgspec
 BlockHash = int | bytes
 
 FRAME = struct.Struct("<I")
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvgate-"  # the agent maps only client shared memory named like this
 MAX_FRAME = 256 * 2**20
 PROTOCOL_VERSION = 1
 

@@ -12,6 +12,9 @@ import contextlib
 import logging
 import mmap
 import os
+import socket
+import stat
+import struct
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +31,8 @@ from agent.protocol import (
     FRAME,
     MAX_FRAME,
     PROTOCOL_VERSION,
+    SHM_DIR,
+    SHM_PREFIX,
     ErrorReply,
     Hello,
     HelloReply,
@@ -50,6 +55,16 @@ from router.kv_events import KvEventPublisher
 log = logging.getLogger(__name__)
 
 
+def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    sock = writer.get_extra_info("socket")
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (AttributeError, OSError):
+        return None
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
 def _remove_socket(path: Path, make_parent: bool = False) -> None:
     if make_parent:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,17 +72,23 @@ def _remove_socket(path: Path, make_parent: bool = False) -> None:
 
 
 class Connection:
-    """One client: its shared-memory mapping, if it sent one."""
+    """One client: its shared-memory mapping, if it sent one, and its uid (SO_PEERCRED)."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer_uid: int | None = None) -> None:
         self.shm: mmap.mmap | None = None
         self.view: memoryview | None = None
+        self.peer_uid = peer_uid
 
-    def attach(self, path: str) -> None:
-        fd = os.open(path, os.O_RDWR)
+    def attach(self, path: str, peer_uid: int | None) -> None:
+        """Map a client's shared memory: only a regular file of ours in /dev/shm, owned by the peer."""
+        if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(SHM_PREFIX):
+            raise ValueError(f"shared memory must be {SHM_DIR}/{SHM_PREFIX}*: {path!r}")
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            size = os.fstat(fd).st_size
-            self.shm = mmap.mmap(fd, size)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (peer_uid is not None and st.st_uid != peer_uid):
+                raise ValueError(f"{path} is not a shared-memory file of the connecting process")
+            self.shm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
         self.view = memoryview(self.shm)
@@ -113,6 +134,7 @@ class TierAgent:
         path = Path(self.config.socket_path)
         _remove_socket(path, make_parent=True)
         self._server = await asyncio.start_unix_server(self._serve_client, path=str(path), limit=2**20)
+        os.chmod(path, int(self.config.socket_mode, 8))
         if self.config.metrics_port:
             app = web.Application()
             app.router.add_get("/metrics", self._metrics)
@@ -209,7 +231,7 @@ class TierAgent:
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
-        conn = Connection()
+        conn = Connection(_peer_uid(writer))
         try:
             while True:
                 try:
@@ -249,7 +271,7 @@ class TierAgent:
             if isinstance(request, Hello):
                 if request.shm_path:
                     conn.close()
-                    conn.attach(request.shm_path)
+                    conn.attach(request.shm_path, conn.peer_uid)
                 return HelloReply(version=PROTOCOL_VERSION, pid=os.getpid())
             if isinstance(request, Stats):
                 return self._stats()

@@ -19,7 +19,7 @@ import zmq
 
 from agent.block import HEADER_SIZE, key_name
 from agent.client import AgentClient
-from agent.protocol import AgentError
+from agent.protocol import AgentError, Hello
 from router.kv_events import BlockStored, decode_batch
 from tests.agent_process import AgentProcess
 from tests.conftest import ValkeyServer
@@ -155,7 +155,8 @@ def test_kill_9_during_writes_never_serves_a_torn_block(tmp_path: Path, agents: 
                 assert data == content(h, big), f"block {h} served with wrong bytes"
                 served += 1
         assert served >= len(written) - 4  # acknowledged writes survive a kill -9 (no fsync needed for that)
-        assert served == blocks - (1 if layout == "files" else 0)  # everything indexed is whole, but the torn
+        # everything indexed is whole (but the planted torn file, found out on read)
+        assert served == blocks - (1 if layout == "files" else 0), (served, blocks, len(written))
     if layout == "files":
         assert agent.metric("kvgate_agent_read_errors_total", tier="nvme") == 1  # the torn one
 
@@ -220,3 +221,24 @@ def test_client_without_an_agent_fails_fast_and_recovers(tmp_path: Path, agents:
         client.load(LAYOUT, [1], BLOCK)
     assert client.store(LAYOUT, [1], [content(1)]) == 1  # the next call reconnects
     client.close()
+
+
+def test_the_agent_maps_only_client_shared_memory(tmp_path: Path, agents: list[AgentProcess],
+                                                  subprocess_env: dict[str, str]) -> None:
+    """A client cannot make the agent map (and write into) an arbitrary file."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious" * 512)
+    link = Path(f"/dev/shm/kvgate-test-{os.getpid()}-link")
+    link.symlink_to(victim)
+    try:
+        for path in (str(victim), str(link)):
+            client = AgentClient(agent.socket, shm_bytes=0)
+            with pytest.raises(AgentError):
+                client._call(Hello(shm_path=path))
+            client.close()
+    finally:
+        link.unlink()
+    assert victim.read_bytes() == b"precious" * 512
+    assert oct(os.stat(agent.socket).st_mode & 0o777) == "0o660"

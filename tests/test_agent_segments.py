@@ -157,3 +157,18 @@ def test_concurrent_writers_and_readers(tmp_path: Path) -> None:
     assert again.usage().used_bytes == on_disk(tmp_path)
     for key in list(again.block_keys()):
         assert read(again, int(key[1])) == payload(int(key[1]))
+
+
+def test_a_torn_record_between_whole_ones_is_not_indexed_after_restart(tmp_path: Path) -> None:
+    """kill -9 can cut a big append short while another writer's later record is whole (two writers)."""
+    tier = SegmentNvmeTier(tmp_path, capacity=1 << 20, fsync=False)
+    for i in range(3):
+        tier.store((LAYOUT, i), payload(i))
+    tier.close()
+    (seg,) = segment_files(tmp_path)
+    data = bytearray(seg.read_bytes())
+    data[RECORD + HEADER_SIZE + 16 + 500: 2 * RECORD] = bytes(RECORD - HEADER_SIZE - 16 - 500)  # 1: half a payload
+    seg.write_bytes(data)
+    again = SegmentNvmeTier(tmp_path, capacity=1 << 20, fsync=False)
+    assert again.usage().blocks == 2 and not again.contains((LAYOUT, 1))
+    assert read(again, 0) == payload(0) and read(again, 2) == payload(2)

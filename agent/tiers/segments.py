@@ -88,6 +88,7 @@ class _Record:
 
 
 _MAX_GROUP = 200  # records per write: 4 iovecs each, under IOV_MAX (1024)
+_VERIFY_NEWEST = 2  # segments whose payloads are checked on restart
 
 
 @dataclass(slots=True)
@@ -140,11 +141,15 @@ class SegmentNvmeTier:
                 except ValueError:
                     continue
         dropped = 0
-        for seg_id in sorted(ids):
+        ids.sort()
+        # the newest segments are the ones a crash can have caught mid-append (with several writers, a torn
+        # record may sit between whole ones): their payloads are checked now, the others' on first read
+        recent = set(ids[-_VERIFY_NEWEST:])
+        for seg_id in ids:
             segment = _Segment(seg_id, str(self.seg_dir / f"{seg_id:016x}.seg"), sealed=True)
             try:
                 segment.size = os.stat(segment.path).st_size
-                dropped += self._scan(segment)
+                dropped += self._scan(segment, verify=seg_id in recent)
             except OSError as exc:
                 log.warning("nvme segments: cannot scan %s: %s", segment.path, exc)
             self._segments[seg_id] = segment
@@ -152,7 +157,7 @@ class SegmentNvmeTier:
         log.info("nvme tier %s: %d blocks in %d segments, %d bytes after restart (%d bad spots skipped)",
                  self.root, len(self._index), len(self._segments), self._used, dropped)
 
-    def _scan(self, segment: _Segment) -> int:
+    def _scan(self, segment: _Segment, verify: bool = False) -> int:
         """Index the whole records of a segment; the number of bad spots skipped.
 
         Concurrent appends can leave a hole (a later record written, an earlier one not, then a crash), so at a
@@ -164,6 +169,10 @@ class SegmentNvmeTier:
             offset = 0
             while offset < segment.size:
                 parsed = self._parse_record(fd, offset, segment.size)
+                if parsed is not None and verify:
+                    payload = os.pread(fd, parsed[2], offset + parsed[1])
+                    if len(payload) != parsed[2] or checksum(payload) != parsed[3]:
+                        parsed = None  # a torn record: header written, payload not (all of it)
                 if parsed is None:
                     bad += 1
                     found = _find_magic(fd, offset + 1, segment.size)
@@ -171,7 +180,7 @@ class SegmentNvmeTier:
                         break
                     offset = found
                     continue
-                key, meta_end, length = parsed
+                key, meta_end, length, _digest = parsed
                 previous = self._index.get(key)
                 if previous is not None:  # written again later: the newer record wins
                     owner = segment if previous.seg_id == segment.seg_id else self._segments.get(previous.seg_id)
@@ -185,12 +194,13 @@ class SegmentNvmeTier:
             os.close(fd)
 
     @staticmethod
-    def _parse_record(fd: int, offset: int, size: int) -> tuple[BlockKey, int, int] | None:
-        """(key, payload offset in the record, payload length) of a record whose header and key check out."""
+    def _parse_record(fd: int, offset: int, size: int) -> tuple[BlockKey, int, int, int] | None:
+        """(key, payload offset in the record, payload length, payload checksum) of a record whose header and
+        key check out."""
         head = os.pread(fd, HEADER_SIZE + 64 + 8, offset)
         if len(head) < HEADER_SIZE:
             return None
-        magic, version, flags, layout_id, length, _digest = HEADER.unpack_from(head)
+        magic, version, flags, layout_id, length, digest = HEADER.unpack_from(head)
         klen = flags & ~_BYTES_KEY
         meta_end = HEADER_SIZE + klen + 8
         if magic != MAGIC or version != VERSION or klen > 64 or len(head) < meta_end:
@@ -200,7 +210,7 @@ class SegmentNvmeTier:
         if meta != _meta_digest(head[:HEADER_SIZE], key_raw) or offset + meta_end + length > size:
             return None
         block_hash: int | bytes = key_raw if flags & _BYTES_KEY else int.from_bytes(key_raw, "big")
-        return (layout_id, block_hash), meta_end, length
+        return (layout_id, block_hash), meta_end, length, digest
 
     # -- interface -------------------------------------------------------------------------------------------
 
