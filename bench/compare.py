@@ -184,6 +184,10 @@ async def run_target(target: Target, fleet: SimFleet, settings: TargetSettings, 
             row["latency"] = loadgen.latency_summary(results)
             row["fleet"] = loadgen.fleet_summary(before, after, seconds, fleet.urls)
             row["ttft_ms"] = sorted(r.ttft_s * 1e3 for r in results if r.ttft_s is not None)
+            row["per_request"] = [{"start_s": r.start_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
+                                   "itl_mean_s": sum(r.itl_s) / len(r.itl_s) if r.itl_s else None,
+                                   "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
+                                   "cached_tokens": r.cached_tokens, "error": r.error} for r in results]
         except (TargetError, OSError, RuntimeError, urllib.error.URLError) as exc:
             row["error"] = str(exc)[:3000]
         finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -154,10 +154,6 @@ def latency_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
     client_prompt = sum(r.prompt_tokens for r in ok)
     out["client_cached_token_rate"] = sum(r.cached_tokens for r in ok) / client_prompt if client_prompt else None
     return out
-
-
-def result_rows(results: Sequence[RequestResult]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in results]
 
 
 FLEET_COUNTERS = {

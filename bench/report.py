@@ -48,7 +48,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"{fl['block_size']}, {fl['gpu_blocks_per_replica']} KV blocks per replica, max model len "
         f"{fl['max_model_len']}. Caches reset before every target.",
         "",
-        f"Upper bound (ideal single unbounded cache, {ub['definition']}): hit rate **{ub['hit_rate']:.3f}**.",
+        f"Upper bound ({ub['definition']}): hit rate **{ub['hit_rate']:.3f}**.",
         "",
         *headline_table(report),
         "",

@@ -12,6 +12,9 @@ import orjson
 import pytest
 
 from bench import compare
+from bench.report import write_markdown
+from bench.sim.launch import start_sim_fleet
+from bench.targets import TargetSettings, parse_target
 from bench.vsim import FleetSimulation, TierSettings
 from bench.workloads import PromptVocabulary
 
@@ -97,3 +100,28 @@ def test_tiers_turn_gpu_misses_into_tier_hits(tiny_model_dir: Path) -> None:
     assert tiers["dram"] + tiers["nvme"] + tiers["shared"] > 0.1
     assert tiers["shared"] > 0  # eager write-through: a replica reads what the other one computed
     assert tiered["hit_rate"] > plain["hit_rate"] + 0.1
+
+
+@pytest.mark.timeout(60)
+def test_a_target_that_cannot_start_is_reported_with_its_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    args = compare_args(tmp_path, tiny_model_dir, targets="kvgate:round_robin", requests_per_user=1)
+    fleet = start_sim_fleet(1, tiny_model_dir, model="tiny", speedup=50)
+    try:
+        target = parse_target("kvgate:kv")
+        settings = TargetSettings(16, "tiny", tmp_path / "no-such-model", 2, 1.25, tmp_path / "logs")
+        row = asyncio.run(compare.run_target(target, fleet, settings, [], None, args))
+    finally:
+        fleet.stop()
+    assert "fleet" not in row
+    assert "exited" in row["error"] and "no-such-model" in row["error"], row["error"]
+    assert row["argv"][-2:] == ["--worker", fleet.worker_specs[0]]
+    markdown = tmp_path / "report.md"
+    write_markdown({"workload": {"name": "x", "requests": 0, "prompt_tokens": 0, "prompt_mode": "text",
+                                 "params": {}},
+                    "fleet": {"replicas": 1, "profile": "p", "speedup": 1, "block_size": 16,
+                              "gpu_blocks_per_replica": 1, "max_model_len": 1},
+                    "upper_bound": {"hit_rate": 0.0, "definition": "d"}, "load": {"mode": "closed",
+                                                                                 "concurrency": 1, "rate": None},
+                    "command": "c", "created": "t", "machine": {"python": "3", "cpus": 1}, "targets": [row]},
+                   markdown)
+    assert "Did not run" in markdown.read_text() and "no-such-model" in markdown.read_text()
