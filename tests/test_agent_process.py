@@ -242,3 +242,28 @@ def test_the_agent_maps_only_client_shared_memory(tmp_path: Path, agents: list[A
         link.unlink()
     assert victim.read_bytes() == b"precious" * 512
     assert oct(os.stat(agent.socket).st_mode & 0o777) == "0o660"
+
+
+def test_offload_handle_for_a_simulated_replica(tmp_path: Path, agents: list[AgentProcess],
+                                                subprocess_env: dict[str, str]) -> None:
+    from agent.offload import AgentOffload, transfer_seconds
+
+    two_mib = 2 * 2**20
+    assert transfer_seconds("CCDD", two_mib) == pytest.approx(20e-6 + 2 * two_mib / 25e9 + 100e-6
+                                                              + 2 * two_mib / 6e9)
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "256", "--nvme-dir", str(tmp_path / "nvme"))
+    agents.append(agent)
+    replica = AgentOffload(agent.socket, layout=7, block_bytes=two_mib, payload_bytes=64)
+    assert replica.offload([1, 2, 3, 4, 5, 6]) == 6  # DRAM holds 4 stand-ins; the rest go down to NVMe
+    deadline = time.monotonic() + 5
+    while replica.lookup([1, 2, 3, 4, 5, 6])[0] < 6:  # demotion to NVMe runs in the background
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    loaded, seconds = replica.load([1, 2, 3, 4, 5, 6, 7])
+    assert loaded == 6
+    count, where = replica.lookup([1, 2, 3, 4, 5, 6])
+    assert count == 6 and set(where) <= {"C", "D"}
+    assert seconds > 6 * two_mib / 25e9  # a load costs modelled transfer time, not zero
+    agent.stop(signal.SIGKILL)
+    assert replica.load([1, 2]) == (0, 0.0) and replica.errors >= 1  # agent gone: nothing there, no error
+    replica.close()
