@@ -215,16 +215,29 @@ def test_redis_shared_ttl_and_corruption(valkey: ValkeyServer) -> None:
     tier.store(key(2), payload(2))
     raw = redis.Redis.from_url(valkey.url)
     name = f"kvgate:{key_name(key(2))}"
-    stored = raw.hget(name, "p")
+    stored = raw.get(name)
     assert isinstance(stored, bytes)
     value = bytearray(stored)
     value[-1] ^= 1
-    raw.hset(name, "p", bytes(value))  # the payload field
+    raw.set(name, bytes(value), keepttl=True)
     assert read(tier, key(2)) is None
     assert tier.stats.checksum_failures == 1 and not raw.exists(name)
     time.sleep(0.4)
     assert not tier.contains(key(1))
     assert read(tier, key(1)) is None and not raw.exists(f"kvgate:{key_name(key(1))}")
+    tier.close()
+
+
+def test_redis_block_being_written_is_a_miss_not_corruption(valkey: ValkeyServer) -> None:
+    tier = RedisSharedTier(valkey.url, ttl_s=60)
+    raw = redis.Redis.from_url(valkey.url)
+    name = f"kvgate:{key_name(key(5))}"
+    raw.set(name, bytes(HEADER_SIZE) + payload(5), px=60_000)  # another node's write, header not yet set
+    assert tier.probe([key(5)]) == [True]
+    assert read(tier, key(5)) is None
+    assert tier.stats.checksum_failures == 0 and tier.stats.read_errors == 0 and raw.exists(name)
+    tier.store(key(6), payload(6))
+    assert raw.get(f"kvgate:{key_name(key(6))}") == pack(LAYOUT, payload(6))  # header + payload, one string
     tier.close()
 
 

@@ -134,11 +134,11 @@ def test_vllm_loads_saved_blocks_from_every_tier(weighted_model: Path, tmp_path:
     raw = redis.Redis.from_url(valkey.url)
     corrupted = 0
     for name in raw.scan_iter(match="kvgate:*"):
-        value = raw.hget(name, "p")
+        value = raw.get(name)
         assert isinstance(value, bytes)
         flipped = bytearray(value)
         flipped[-5] ^= 0x40
-        raw.hset(name, "p", bytes(flipped))  # the payload field
+        raw.set(name, bytes(flipped), keepttl=True)
         corrupted += 1
     assert corrupted >= expected // BLOCK_SIZE
     deadline = time.monotonic() + 10

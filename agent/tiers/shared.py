@@ -27,10 +27,10 @@ from agent.block import (
     BlockKey,
     ChecksumError,
     checksum,
-    decode_header,
     encode_header,
     key_name,
     parse_key_name,
+    verify,
 )
 from agent.tiers.base import Buffer, TierStats, TierUsage
 from agent.tiers.nvme import read_block_file, write_file_atomically
@@ -228,10 +228,12 @@ class SharedTier:
 
 
 class RedisSharedTier(SharedTier):
-    """One Redis/Valkey key per block (`<prefix>:<layout>-<hash>`): a hash with fields `h` (the 32-byte header)
-    and `p` (the payload), written with HSET + PEXPIRE and read with HMGET, all pipelined. Two fields rather than
-    one concatenated string so the payload goes to the socket as it is, without being copied into a new
-    buffer first (for MiB-sized blocks that copy, page faults included, cost more than the network)."""
+    """One Redis/Valkey string per block (`<prefix>:<layout>-<hash>`), header then payload, read with pipelined
+    GETs. It is written as `SET key <zero header> PX ttl`, `SETRANGE key 32 <payload>`, `SETRANGE key 0 <header>`
+    (pipelined, no MULTI, so Redis Cluster is fine): the payload goes to the socket as it is, never copied into
+    a new buffer first -- for MiB-sized blocks that copy, page faults included, cost more than the network -- and
+    a reader that comes in between sees a zero header, "still being written", a miss. A writer that dies midway
+    leaves a zero-header key that expires with its TTL."""
 
     def __init__(self, url: str, *, prefix: str = "kvgate", ttl_s: float = 3600.0, cluster: bool = False,
                  timeout_s: float = 0.5, retry_s: float = 1.0) -> None:
@@ -248,38 +250,32 @@ class RedisSharedTier(SharedTier):
         return f"{self.prefix}:{key_name(key)}"
 
     def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
-        px = int(self.ttl_s * 1000) if self.ttl_s > 0 else 0
+        px = int(self.ttl_s * 1000) if self.ttl_s > 0 else None
         pipe = self.client.pipeline(transaction=False)
         for key, (header, payload) in items:
             name = self._name(key)
-            pipe.hset(name, mapping={"h": bytes(header), "p": _sendable(payload)})
-            if px:
-                pipe.pexpire(name, px)
+            pipe.set(name, _WRITING, px=px)
+            pipe.setrange(name, HEADER_SIZE, _sendable(payload))
+            pipe.setrange(name, 0, bytes(header))
         pipe.execute()
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
-            pipe.hmget(self._name(key), "h", "p")
+            pipe.get(self._name(key))
         values = pipe.execute()
         results: list[int | Exception | None] = []
-        for key, (header, payload), out in zip(keys, values, outs, strict=True):
-            if header is None or payload is None:
+        for key, value, out in zip(keys, values, outs, strict=True):
+            if value is None or value[: len(_WRITING)] == _WRITING:  # absent, or still being written
                 results.append(None)
                 continue
             try:
-                layout_id, length, digest = decode_header(header)
-                if layout_id != key[0]:
-                    raise BlockError(f"layout {layout_id:#x} where {key[0]:#x} was asked for")
-                if len(payload) != length:
-                    raise BlockError(f"torn block: {len(payload)} of {length} payload bytes")
-                if checksum(payload) != digest:
-                    raise ChecksumError("payload checksum mismatch")
-                if length > len(out):  # the caller's buffer is too small: a miss, the block is fine
+                payload = verify(key, value)
+                if len(payload) > len(out):  # the caller's buffer is too small: a miss, the block is fine
                     results.append(None)
                     continue
-                out[:length] = payload
-                results.append(length)
+                out[: len(payload)] = payload
+                results.append(len(payload))
             except BlockError as exc:
                 results.append(exc)
         return results
@@ -303,6 +299,9 @@ class RedisSharedTier(SharedTier):
 
     def close(self) -> None:
         self.client.close()
+
+
+_WRITING = bytes(HEADER_SIZE)  # the header of a block whose payload is still on its way
 
 
 def _sendable(payload: Buffer) -> bytes | memoryview:
