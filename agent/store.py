@@ -61,7 +61,7 @@ class FlowStats:
 class UseCounter:
     """How often each block was stored or hit, bounded: the oldest half is forgotten when full."""
 
-    def __init__(self, limit: int = 1_000_000) -> None:
+    def __init__(self, limit: int = 262_144) -> None:  # ~50 MB at most
         self.limit = limit
         self._counts: dict[BlockKey, int] = {}
 
