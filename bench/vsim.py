@@ -313,6 +313,9 @@ class FleetSimulation:
         self._seq = itertools.count()
         self._pending_events: list[tuple[int, list[KvEvent]]] = []
         self.decisions: list[int] = []
+        self._by_id: dict[str, VRequest] = {}
+        self._done = 0
+        self._next = 0
 
     def strategy_clock(self) -> None:
         if hasattr(self.strategy, "clock"):
@@ -472,9 +475,6 @@ class FleetSimulation:
 
     def run(self) -> dict[str, Any]:
         wall = time.perf_counter()
-        self._by_id: dict[str, VRequest] = {}
-        self._done = 0
-        self._next = 0
         if self.concurrency is not None:
             for _ in range(min(self.concurrency, len(self.requests))):
                 self._next_closed()

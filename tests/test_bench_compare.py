@@ -58,6 +58,8 @@ def test_short_comparison_writes_every_output(live_report: tuple[dict[str, Any],
         assert lat["ok"] == lat["requests"] == 24 and lat["errors"] == 0
         assert lat["ttft_ms_p50"] > 0 and lat["e2e_ms_p50"] >= lat["ttft_ms_p50"]
         assert sum(r["requests"] for r in fleet["replicas"]) == 24  # the probe was sent before the counters
+        # the text prompts came back as exactly the workload's tokens at the engines
+        assert sum(r["prompt_tokens"] for r in fleet["replicas"]) == report["workload"]["prompt_tokens"]
         assert 0 < fleet["hit_rate"] <= bound + 1e-9
         assert fleet["request_imbalance"] >= 1.0
     markdown = (out / "report.md").read_text()
