@@ -238,6 +238,12 @@ def test_redis_block_being_written_is_a_miss_not_corruption(valkey: ValkeyServer
     assert tier.stats.checksum_failures == 0 and tier.stats.read_errors == 0 and raw.exists(name)
     tier.store(key(6), payload(6))
     assert raw.get(f"kvgate:{key_name(key(6))}") == pack(LAYOUT, payload(6))  # header + payload, one string
+    big = payload(7, 300 * 1024)  # written as SET zero header + SETRANGE payload + SETRANGE header
+    assert tier.store(key(7), memoryview(bytearray(big)))
+    assert raw.get(f"kvgate:{key_name(key(7))}") == pack(LAYOUT, big)
+    assert raw.pttl(f"kvgate:{key_name(key(7))}") > 50_000
+    out = memoryview(bytearray(len(big)))
+    assert tier.read_many([key(7)], [out]) == [len(big)] and bytes(out) == big
     tier.close()
 
 
