@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import xxhash
@@ -93,7 +94,7 @@ class KvEventHub:
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._states: dict[EventSource, SourceState] = {}
         self._sources: dict[str, list[EventSource]] = {}
-        self._unwatching: set[asyncio.Task[None]] = set()
+        self._unwatching: set[asyncio.Task[Any]] = set()
         self._hash_keys: dict[str, dict[BlockHash, BlockKey]] = {}  # worker -> engine hash -> gateway key
 
     # --- lifecycle ------------------------------------------------------------------------------------------
@@ -105,22 +106,29 @@ class KvEventHub:
             task = asyncio.get_running_loop().create_task(self._subscribe(source), name=f"kv events {source}")
             self._tasks.setdefault(source.worker, []).append(task)
 
-    async def unwatch(self, worker: str) -> None:
+    def _detach(self, worker: str) -> list[asyncio.Task[None]]:
+        """Forget a worker at once (so a worker re-added under the same URL starts clean) and cancel its
+        subscribers; returns their tasks to await."""
         tasks = self._tasks.pop(worker, [])
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         for source in self._sources.pop(worker, []):
             del self._states[source]
         self._hash_keys.pop(worker, None)
         self.index.clear(worker)
         self._update_gauges()
+        return tasks
+
+    async def unwatch(self, worker: str) -> None:
+        await asyncio.gather(*self._detach(worker), return_exceptions=True)
 
     def forget_worker(self, worker: str) -> None:
-        """Synchronous form of `unwatch` for pool callbacks."""
-        task = asyncio.get_running_loop().create_task(self.unwatch(worker))
-        self._unwatching.add(task)  # held until done: the loop keeps only a weak reference
-        task.add_done_callback(self._unwatching.discard)
+        """`unwatch` for synchronous callers (the pool's removal callback)."""
+        tasks = self._detach(worker)
+        if tasks:
+            waiting = asyncio.get_running_loop().create_task(asyncio.wait(tasks))
+            self._unwatching.add(waiting)  # held until done: the loop keeps only a weak reference
+            waiting.add_done_callback(self._unwatching.discard)
 
     async def close(self) -> None:
         await asyncio.gather(*self._unwatching, return_exceptions=True)

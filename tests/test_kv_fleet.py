@@ -149,3 +149,25 @@ async def test_kv_beats_prefix_with_two_gateways_and_small_caches(
     assert kv > prefix + 0.03, (kv, prefix)
     # the trie believes in blocks the engines evicted (or another gateway's traffic displaced); the index does not
     assert abs(kv_overshoot) < abs(prefix_overshoot), (kv_overshoot, prefix_overshoot)
+
+
+async def test_worker_removed_and_added_again_starts_clean(
+    sim_fleet: Callable[..., Any], tiny_model_dir: Path, http: aiohttp.ClientSession,
+) -> None:
+    fleet = sim_fleet(1, speedup=100, extra_args=SMALL_CACHE)
+    (url,), (spec,) = fleet.urls, fleet.worker_specs
+    rng = random.Random(4)
+    async with running_gateway([spec], strategy="kv", model_dir=[str(tiny_model_dir)], block_size=16) as gw:
+        hub = gw.gateway.kv_events
+        assert hub is not None
+        await send(http, gw.url, chat(rng, words(rng, 80)))
+        await wait_until_index_matches(http, gw, [url])
+        async with http.delete(gw.url + "/admin/workers", params={"url": url}) as resp:
+            assert resp.status == 202
+        await eventually(lambda: gw.gateway.pool.get(url) is None)
+        assert not hub.watched(url) and hub.index.entries() == 0
+        async with http.post(gw.url + "/admin/workers", json={"worker": spec}) as resp:
+            assert resp.status == 201
+        await eventually(lambda: hub.trusted(url))
+        await wait_until_index_matches(http, gw, [url])  # recovered from the replica's replay buffer
+        assert hub.index.entries() > 0
