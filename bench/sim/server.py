@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from bench.sim.agent_link import AgentConnector
 from bench.sim.config import ReplicaConfig
 from bench.sim.engine import SimEngine
 from bench.sim.metrics import SimCollector, metrics_registry, render
@@ -122,7 +123,8 @@ class Replica:
             ev = config.kv_events
             publisher = KvEventPublisher(ev.endpoint, ev.replay_endpoint, topic=ev.topic,
                                          buffer_steps=ev.buffer_steps, hwm=ev.hwm)
-        self.engine = SimEngine(config.engine, config.profile, hasher, to_event, publisher)
+        connector = AgentConnector(config.agent) if config.agent is not None else None
+        self.engine = SimEngine(config.engine, config.profile, hasher, to_event, publisher, connector=connector)
         self.hasher = hasher
         self.model_names = frozenset(config.served_model_names)
         self.default_model = config.served_model_names[0]
@@ -553,6 +555,9 @@ async def sim_blocks(request: web.Request) -> web.Response:
         "next_event_seq": engine.publisher.next_seq if engine.publisher else None,
         "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
         "steps": engine.steps, "lag_s": round(engine.lag_s, 6),
+        "agent": None if engine.connector is None else {
+            "socket": engine.connector.config.socket_path, "saved_blocks": engine.connector.saved_blocks,
+            "errors": engine.connector.errors, "load_errors": engine.scheduler.external.load_errors},
     })
 
 

@@ -1,0 +1,165 @@
+"""A simulated replica with a real tier agent beside it (bench/sim/agent_link.py, launched by bench/sim/launch.py):
+computed blocks go to the agent, a block the small GPU cache evicted is loaded back at the modelled transfer time
+instead of its prefill, cached_tokens and vLLM's connector metrics count it, an agent that stops never fails a
+request, and two replicas share blocks through one real Valkey."""
+
+from __future__ import annotations
+
+import random
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from agent.offload import transfer_seconds
+from bench.sim.launch import AgentSettings, SimFleet, start_sim_fleet
+from bench.sim.perf_model import PROFILES
+
+PROFILE = PROFILES["llama-3.1-8b-h100"]
+BS = 16
+BLOCK_BYTES = PROFILE.model.kv_bytes_per_token * BS  # 2 MiB
+SPEEDUP = 0.5  # slower than real time, so HTTP overhead is small beside the modelled times
+PROMPT = 1000
+LOADABLE = (PROMPT - 1) // BS  # 62 blocks: never the block of the last prompt token
+ENGINE_ARGS = ["--block-size", str(BS), "--num-gpu-blocks-override", "80", "--max-model-len", "1024"]
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 4000) for _ in range(PROMPT)]
+
+
+def complete(url: str, ids: list[int]) -> tuple[float, int]:
+    """(seconds until the answer, cached_tokens); with max_tokens 1 the answer comes with the first token."""
+    body = orjson.dumps({"model": "tiny", "prompt": ids, "max_tokens": 1})
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        out: dict[str, Any] = orjson.loads(resp.read())
+    elapsed = time.perf_counter() - started
+    return elapsed, int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Counter values by name (summed over labels), per source for the `source`-labelled one."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:") and "_total" in line:
+            name, value = line.rsplit(" ", 1)
+            source = name.split('source="')[1].split('"')[0] if 'source="' in name else ""
+            key = name.split("{")[0] + (f"[{source}]" if source else "")
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def fleet_with_agents(tiny_model_dir: Path, n: int, settings: AgentSettings) -> SimFleet:
+    return start_sim_fleet(n, tiny_model_dir, speedup=SPEEDUP, extra_args=ENGINE_ARGS, agents=settings, timeout=60)
+
+
+def test_evicted_blocks_come_back_from_dram_at_transfer_time(tiny_model_dir: Path) -> None:
+    fleet = fleet_with_agents(tiny_model_dir, 1, AgentSettings(shared=False, write_policy="lazy"))
+    try:
+        url = fleet.urls[0]
+        assert "agent_events=tcp://127.0.0.1:" in fleet.worker_specs[0] and ";agent_replay=" in fleet.worker_specs[0]
+        cold, cached = complete(url, prompt(1))
+        assert cached == 0
+        # two other prompts need more blocks than the GPU cache has left: every block of prompt 1 is evicted
+        complete(url, prompt(2))
+        complete(url, prompt(3))
+        before = metrics(url)
+        warm, cached = complete(url, prompt(1))
+        after = metrics(url)
+        assert cached == LOADABLE * BS  # 992: loaded from the agent (cached_tokens counts local + external)
+        assert delta(before, after, "vllm:prefix_cache_hits_total") == 0  # nothing left on the GPU
+        assert delta(before, after, "vllm:external_prefix_cache_hits_total") == LOADABLE * BS
+        assert delta(before, after, "vllm:external_prefix_cache_queries_total") == PROMPT
+        assert delta(before, after, "vllm:prompt_tokens_cached_by_source_total[host]") == LOADABLE * BS
+        assert delta(before, after, "vllm:prompt_tokens_cached_total") == LOADABLE * BS
+
+        # the model: the step computes the last 8 tokens over 992 of context, plus the synchronous load of 62
+        # blocks over the DRAM link; the cold request paid the whole prefill plus saving its 62 blocks
+        load_s = transfer_seconds("C" * LOADABLE, BLOCK_BYTES)
+        expected = (PROFILE.step_time([(PROMPT - LOADABLE * BS, LOADABLE * BS)]) + load_s) / SPEEDUP
+        expected_cold = (PROFILE.step_time([(PROMPT, 0)]) + 20e-6 + LOADABLE * BLOCK_BYTES / 25e9) / SPEEDUP
+        assert expected * 0.97 <= warm <= expected * 1.1 + 0.01, (warm, expected)
+        assert expected_cold * 0.97 <= cold <= expected_cold * 1.1 + 0.02, (cold, expected_cold)
+        assert warm < 0.5 * cold
+        with urllib.request.urlopen(url + "/sim/blocks", timeout=10) as resp:
+            agent = orjson.loads(resp.read())["agent"]
+        assert agent["saved_blocks"] >= 3 * LOADABLE and agent["errors"] == 0
+    finally:
+        fleet.stop()
+
+
+def test_agent_stopped_mid_run_means_recompute_then_reconnect(tiny_model_dir: Path) -> None:
+    fleet = fleet_with_agents(tiny_model_dir, 1, AgentSettings(shared=False, write_policy="lazy"))
+    try:
+        url = fleet.urls[0]
+        agent = fleet.agents[0]
+        complete(url, prompt(11))
+        agent.stop()  # the agent goes away with every block it held
+        for seed in (12, 13):
+            complete(url, prompt(seed))
+        before = metrics(url)
+        elapsed, cached = complete(url, prompt(11))
+        assert cached == 0  # evicted from the GPU, agent gone: recomputed, not failed
+        assert delta(before, after := metrics(url), "vllm:request_success_total") == 1
+        assert delta(before, after, "vllm:external_prefix_cache_hits_total") == 0
+        assert elapsed >= PROFILE.step_time([(PROMPT, 0)]) / SPEEDUP * 0.97
+
+        agent.start()  # an empty agent; the replica reconnects after its retry interval (1 s)
+        time.sleep(1.1)
+        complete(url, prompt(14))
+        for seed in (15, 16):
+            complete(url, prompt(seed))
+        _elapsed, cached = complete(url, prompt(14))
+        assert cached == LOADABLE * BS
+    finally:
+        fleet.stop()
+
+
+def test_prefix_computed_on_one_replica_loads_from_valkey_on_another(tiny_model_dir: Path, valkey: Any) -> None:
+    settings = AgentSettings(write_policy="eager", valkey_url=valkey.url, shared_index_refresh_s=0.2)
+    fleet = fleet_with_agents(tiny_model_dir, 2, settings)
+    try:
+        import redis
+
+        assert fleet.valkey is None and fleet.valkey_url == valkey.url  # the test's own Valkey, not a new one
+        a, b = fleet.urls
+        complete(a, prompt(21))  # computed on A: written through to Valkey by A's agent
+        client = redis.Redis.from_url(valkey.url)
+        deadline = time.monotonic() + 10
+        while client.dbsize() < LOADABLE:
+            assert time.monotonic() < deadline, client.dbsize()
+            time.sleep(0.05)
+        time.sleep(0.6)  # B's agent learns the shared blocks by its index refresh (every 0.2 s)
+        client.close()
+        before = metrics(b)
+        elapsed, cached = complete(b, prompt(21))
+        after = metrics(b)
+        assert cached == LOADABLE * BS
+        assert delta(before, after, "vllm:prefix_cache_hits_total") == 0
+        assert delta(before, after, "vllm:prompt_tokens_cached_by_source_total[external_unspecified]") == \
+            LOADABLE * BS  # the shared tier (S), as the kvgate connector reports it
+        expected = (PROFILE.step_time([(PROMPT - LOADABLE * BS, LOADABLE * BS)])
+                    + transfer_seconds("S" * LOADABLE, BLOCK_BYTES)) / SPEEDUP
+        assert expected * 0.97 <= elapsed <= expected * 1.1 + 0.01, (elapsed, expected)
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("text", ["C=25", "X=1:1", "C=0:5"])
+def test_bad_link_flags_are_refused(text: str) -> None:
+    from agent.offload import parse_link
+
+    with pytest.raises(ValueError):
+        parse_link(text)
