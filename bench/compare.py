@@ -11,6 +11,10 @@ installed or started is reported with its error, never dropped. Writes `report.j
     kvgate bench compare --workload tenants --replicas 4 --speedup 10 --out out/compare
     kvgate bench compare --workload mooncake --limit 200 --block-tokens 32 --time-scale 4 \
         --targets kvgate:kv,sglang:cache_aware
+    kvgate bench compare --workload multi_turn --with-agents --targets kvgate:round_robin,kvgate:kv ...
+
+`--with-agents` runs every target a second time on a fleet whose replicas each have a real `kvgate agent`
+beside them (and share one Valkey): rows `TARGET+agent`, with every tier emptied before each target.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import orjson
 from bench import loadgen, workloads
 from bench.make_model import write_model
 from bench.report import write_markdown, write_plots
-from bench.sim.launch import ROOT, SimFleet, start_sim_fleet
+from bench.sim.launch import ROOT, AgentSettings, SimFleet, start_sim_fleet
 from bench.targets import DEFAULT_TARGETS, Target, TargetError, TargetSettings, parse_target
 from bench.workloads import PromptVocabulary, Workload
 
@@ -59,6 +63,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--question-tokens", type=int, default=32, help="tenants/multi_turn/rag: question length Q")
     g.add_argument("--requests-per-user", type=int, default=3)
     g.add_argument("--sessions", type=int, default=16, help="multi_turn: conversations")
+    g.add_argument("--system-tokens", type=int, default=256, help="multi_turn: system prompt length")
     g.add_argument("--turns", type=int, default=5)
     g.add_argument("--answer-tokens", type=int, default=32)
     g.add_argument("--idle-s", type=float, default=2.0, help="multi_turn: mean gap between turns")
@@ -81,6 +86,7 @@ def build_workload(args: argparse.Namespace, vocab: PromptVocabulary) -> Workloa
                                  max_tokens=args.max_tokens, seed=args.seed)
     if args.workload == "multi_turn":
         return workloads.multi_turn(vocab, sessions=args.sessions, turns=args.turns,
+                                    system_tokens=getattr(args, "system_tokens", 256),
                                     question_tokens=args.question_tokens, answer_tokens=args.answer_tokens,
                                     idle_s=args.idle_s, seed=args.seed)
     if args.workload == "rag":
@@ -111,6 +117,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     l_.add_argument("--prompt-mode", choices=["text", "ids"], default="text")
     l_.add_argument("--request-timeout-s", type=float, default=300.0)
     l_.add_argument("--no-progress", action="store_true")
+    a = parser.add_argument_group("tier agents")
+    a.add_argument("--with-agents", action="store_true",
+                   help="run every target again on replicas with a real `kvgate agent` each (rows TARGET+agent)")
+    a.add_argument("--agent-write-policy", choices=["eager", "lazy"], default="eager",
+                   help="the agents' write policy (eager: written through to the shared Valkey tier)")
+    a.add_argument("--agent-dram-blocks", type=int, default=0,
+                   help="blocks each agent's DRAM tier holds (0: the agent's default, 1 GiB of 64-byte stand-ins)")
+    a.add_argument("--agent-nvme", action="store_true", help="give each agent an NVMe tier (a temporary directory)")
+    a.add_argument("--no-agent-shared", action="store_true", help="no shared Valkey tier")
+    a.add_argument("--agent-link", action="append", default=None, metavar="CODE=GBPS:LATENCY_US",
+                   help="the replicas' transfer model of one tier (kvgate sim --agent-link)")
     p = parser.add_argument_group("peers")
     p.add_argument("--peer-balance-abs", type=int, default=None,
                    help="tuned cache_aware --balance-abs-threshold (default: max(2, concurrency / replicas))")
@@ -245,28 +262,52 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         "command": _command_line(),
         "targets": [],
     }
-    fleet = start_sim_fleet(args.replicas, model_dir, model=MODEL, profile=args.profile, speedup=args.speedup,
-                            extra_args=["--block-size", str(bs), "--num-gpu-blocks-override", str(gpu_blocks),
-                                        "--max-model-len", str(max_model_len)], timeout=60)
-    try:
-        for target in targets:
-            row = await run_target(target, fleet, settings, bodies, arrivals, args)
-            bound_rate = bound.hit_rate
-            if "fleet" in row:
-                row["fraction_of_bound"] = row["fleet"]["hit_rate"] / bound_rate if bound_rate else None
-                lat = row["latency"]
-                print(f"{target.name:32s} hit {row['fleet']['hit_rate']:.3f} (bound {bound_rate:.3f})  "
-                      f"TTFT p50 {_ms(lat['ttft_ms_p50'])} p90 {_ms(lat['ttft_ms_p90'])}  "
-                      f"errors {lat['errors']}  imbalance {row['fleet']['request_imbalance'] or 0:.2f}", flush=True)
-            else:
-                print(f"{target.name:32s} FAILED: {row['error'][:300]}", flush=True)
-            report["targets"].append(row)
-    finally:
-        fleet.stop()
+    engine_args = ["--block-size", str(bs), "--num-gpu-blocks-override", str(gpu_blocks),
+                   "--max-model-len", str(max_model_len)]
+    runs: list[tuple[str, AgentSettings | None]] = [("", None)]
+    if args.with_agents:
+        tiers = agent_settings(args)
+        runs.append(("+agent", tiers))
+        report["agents"] = {"write_policy": tiers.write_policy, "dram_capacity": tiers.dram_capacity or "default",
+                            "nvme": tiers.nvme, "shared": "one Valkey" if tiers.shared else None,
+                            "sim_args": list(tiers.sim_args)}
+    for suffix, agents in runs:
+        fleet = start_sim_fleet(args.replicas, model_dir, model=MODEL, profile=args.profile, speedup=args.speedup,
+                                extra_args=engine_args, timeout=60, agents=agents)
+        try:
+            for target in targets:
+                if agents is not None:
+                    fleet.reset_agents()
+                row = await run_target(target, fleet, settings, bodies, arrivals, args)
+                row["name"] = name = target.name + suffix
+                row["agents"] = agents is not None
+                bound_rate = bound.hit_rate
+                if "fleet" in row:
+                    row["fraction_of_bound"] = row["fleet"]["hit_rate"] / bound_rate if bound_rate else None
+                    lat = row["latency"]
+                    incl = f" incl. tiers {row['fleet']['hit_rate_with_tiers']:.3f}" if agents else ""
+                    print(f"{name:32s} hit {row['fleet']['hit_rate']:.3f}{incl} (bound {bound_rate:.3f})  "
+                          f"TTFT p50 {_ms(lat['ttft_ms_p50'])} p90 {_ms(lat['ttft_ms_p90'])}  errors "
+                          f"{lat['errors']}  imbalance {row['fleet']['request_imbalance'] or 0:.2f}", flush=True)
+                else:
+                    print(f"{name:32s} FAILED: {row['error'][:300]}", flush=True)
+                report["targets"].append(row)
+        finally:
+            fleet.stop()
     (out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     write_markdown(report, out / "report.md")
     write_plots(report, out)
     return report
+
+
+def agent_settings(args: argparse.Namespace) -> AgentSettings:
+    """The tier agents of a `--with-agents` run: capacities in the 64-byte stand-ins the replicas store."""
+    sim_args: list[str] = []
+    for link in args.agent_link or ():
+        sim_args += ["--agent-link", link]
+    return AgentSettings(write_policy=args.agent_write_policy,
+                         dram_capacity=str(args.agent_dram_blocks * 64) if args.agent_dram_blocks else None,
+                         nvme=args.agent_nvme, shared=not args.no_agent_shared, sim_args=tuple(sim_args))
 
 
 def _command_line() -> str:

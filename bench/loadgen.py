@@ -159,6 +159,7 @@ def latency_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
 FLEET_COUNTERS = {
     "vllm:prefix_cache_hits_total": "hit_tokens",
     "vllm:prefix_cache_queries_total": "query_tokens",
+    "vllm:external_prefix_cache_hits_total": "tier_hit_tokens",  # loaded by a KV connector (the tier agent)
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:request_success_total": "requests",
@@ -199,8 +200,11 @@ def fleet_summary(before: Sequence[dict[str, float]], after: Sequence[dict[str, 
         return max(values) / mean if mean else None
 
     generated = sum(d["generation_tokens"] for d in deltas)
+    tier_hits = sum(d["tier_hit_tokens"] for d in deltas)
     return {
         "hit_rate": hits / queries if queries else 0.0, "hit_tokens": hits, "query_tokens": queries,
+        # GPU hits plus tokens loaded from the tier agents, over the same queries (vLLM's cached_tokens view)
+        "hit_rate_with_tiers": (hits + tier_hits) / queries if queries else 0.0, "tier_hit_tokens": tier_hits,
         "replicas": [{"url": u, **d} for u, d in zip(urls, deltas, strict=True)],
         "request_share": [r / sum(requests) if sum(requests) else 0.0 for r in requests],
         "prompt_token_share": [p / sum(prompt) if sum(prompt) else 0.0 for p in prompt],

@@ -12,9 +12,10 @@ def _f(value: Any, fmt: str = "{:.0f}") -> str:
 
 
 def headline_table(report: dict[str, Any]) -> list[str]:
-    lines = ["| target | hit rate | of bound | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | e2e p50 | "
-             "req imbalance | token imbalance | errors | req/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    tiers = any(t.get("agents") for t in report["targets"])
+    lines = ["| target | hit rate | " + ("hit incl. tiers | " if tiers else "") + "of bound | TTFT p50 | TTFT p90 | "
+             "TTFT p99 | ITL p50 | e2e p50 | req imbalance | token imbalance | errors | req/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tiers else "")]
     for t in report["targets"]:
         if "fleet" not in t:
             lines.append(f"| {t['name']} | did not run: {t.get('error', '?').splitlines()[0][:160]} |"
@@ -22,7 +23,9 @@ def headline_table(report: dict[str, Any]) -> list[str]:
             continue
         lat, fleet = t["latency"], t["fleet"]
         lines.append(
-            f"| {t['name']} | {fleet['hit_rate']:.3f} | {_f(t.get('fraction_of_bound'), '{:.0%}')} | "
+            f"| {t['name']} | {fleet['hit_rate']:.3f} | "
+            + (f"{fleet.get('hit_rate_with_tiers', fleet['hit_rate']):.3f} | " if tiers else "")
+            + f"{_f(t.get('fraction_of_bound'), '{:.0%}')} | "
             f"{_f(lat['ttft_ms_p50'])} ms | {_f(lat['ttft_ms_p90'])} ms | {_f(lat['ttft_ms_p99'])} ms | "
             f"{_f(lat['itl_ms_p50'], '{:.1f}')} ms | {_f(lat['e2e_ms_p50'])} ms | "
             f"{_f(fleet['request_imbalance'], '{:.2f}')} | {_f(fleet['prompt_token_imbalance'], '{:.2f}')} | "
@@ -46,13 +49,17 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"Fleet: {fl['replicas']} `kvgate sim` replicas, profile `{fl['profile']}`, speedup {fl['speedup']} "
         f"(latencies are wall-clock, i.e. the model's divided by the speedup, plus the router), block size "
         f"{fl['block_size']}, {fl['gpu_blocks_per_replica']} KV blocks per replica, max model len "
-        f"{fl['max_model_len']}. Caches reset before every target.",
+        f"{fl['max_model_len']}. Caches reset before every target."
+        + (f" Tier agents (`+agent` rows, every tier emptied before each target): `{report['agents']}`."
+           if report.get("agents") else ""),
         "",
         f"Upper bound ({ub['definition']}): hit rate **{ub['hit_rate']:.3f}**.",
         "",
         *headline_table(report),
         "",
-        "Hit rate: the replicas' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas (tokens). "
+        "Hit rate: the replicas' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas (tokens); "
+        "hit incl. tiers adds `vllm:external_prefix_cache_hits_total` (tokens loaded from the tier agents; targets "
+        "named `+agent` ran on replicas with a `kvgate agent` each, docs/agent.md). "
         "Imbalance: max / mean over replicas of requests (prompt tokens).",
         "",
         "## Targets and their configuration",
