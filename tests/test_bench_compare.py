@@ -127,3 +127,23 @@ def test_a_target_that_cannot_start_is_reported_with_its_error(tiny_model_dir: P
                     "command": "c", "created": "t", "machine": {"python": "3", "cpus": 1}, "targets": [row]},
                    markdown)
     assert "Did not run" in markdown.read_text() and "no-such-model" in markdown.read_text()
+
+
+def test_the_readme_benchmark_commands_parse() -> None:
+    """Every `kvgate bench compare|vsim ...` command the README shows is accepted by the benchmark's parser."""
+    import re
+    import shlex
+
+    from bench import vsim
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(r"^kvgate bench (compare|vsim) (.*)$", readme, re.M)
+    commands += re.findall(r"`kvgate bench (compare|vsim) ([^`]*)`", readme)
+    assert {name for name, _ in commands} == {"compare", "vsim"}
+    for name, rest in commands:
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        (compare if name == "compare" else vsim).add_arguments(parser)
+        args = parser.parse_args(shlex.split(rest))
+        for target in getattr(args, "targets", "").split(","):
+            if target:
+                parse_target(target)
