@@ -36,6 +36,9 @@ def flags_of(args: argparse.Namespace) -> list[str]:
                 out.append(flag)
         elif value is None:
             continue
+        elif isinstance(action, argparse._AppendAction):  # repeatable flag: once per value
+            for item in value:
+                out += [flag, str(item)]
         elif isinstance(value, list):
             out += [flag, *map(str, value)]
         else:
