@@ -8,7 +8,7 @@ import importlib
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "what the gateway adds over direct access to the workers"),
     "kv": ("bench.kv_bench", "KV events applied per second, index lookup and decision cost, bytes per entry"),
-    "prefix": ("bench.prefix_bench", "prefix routing: tokenize/trie costs, and hit rate and TTFT vs round_robin"),
+    "prefix": ("bench.prefix_bench", "prefix routing costs: tokenize + hash, next turn, trie lookup, bytes per node"),
     "sim-throughput": ("bench.sim_throughput", "requests/s one simulated replica process sustains"),
     "sim-ttft": ("bench.sim_ttft_curve", "TTFT vs prompt length: a sim profile's model and a live replica"),
     "compare": ("bench.compare", "kvgate strategies, sglang-router, vllm-router on one sim fleet"),

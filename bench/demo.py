@@ -10,14 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
+from bench.loadgen import closed_loop, fleet_summary, latency_summary, scrape
 from bench.make_model import write_model
 from bench.procs import free_port
 from bench.sim.launch import SimFleet, running_sim_fleet
@@ -60,19 +61,6 @@ def _workload(n: int) -> list[dict[str, Any]]:
     return bodies
 
 
-async def _fleet_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    for url in urls:
-        async with http.get(url + "/metrics") as resp:
-            for line in (await resp.text()).splitlines():
-                name = line.split("{", 1)[0].split(" ", 1)[0]
-                if name == "vllm:prefix_cache_hits_total":
-                    hits += float(line.rsplit(" ", 1)[1])
-                elif name == "vllm:prefix_cache_queries_total":
-                    queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
-
-
 async def _run_strategy(fleet: SimFleet, model_dir: str, strategy: str, args: argparse.Namespace) -> dict[str, Any]:
     config = GatewayConfig(host="127.0.0.1", port=free_port(), strategy=strategy, block_size=16,
                            model_dir=[model_dir], worker=[WorkerSpec.parse(s) for s in fleet.worker_specs],
@@ -82,7 +70,6 @@ async def _run_strategy(fleet: SimFleet, model_dir: str, strategy: str, args: ar
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     url = f"http://{config.host}:{config.port}"
-    ttfts: list[float] = []
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             for replica in fleet.urls:
@@ -92,22 +79,12 @@ async def _run_strategy(fleet: SimFleet, model_dir: str, strategy: str, args: ar
             if gateway.kv_events is not None:
                 while not all(gateway.kv_events.trusted(u) for u in fleet.urls):  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
-            before = await _fleet_counters(http, fleet.urls)
-            queue = list(reversed(_workload(args.requests)))
-
-            async def client() -> None:
-                while queue:
-                    body = queue.pop()
-                    started = time.perf_counter()
-                    async with http.post(url + "/v1/chat/completions", json=body) as resp:
-                        first = True
-                        async for _ in resp.content.iter_any():
-                            if first:
-                                ttfts.append(time.perf_counter() - started)
-                                first = False
-
-            await asyncio.gather(*(client() for _ in range(args.concurrency)))
-            after = await _fleet_counters(http, fleet.urls)
+            before = await scrape(http, fleet.urls)
+            started = time.perf_counter()
+            bodies = [orjson.dumps(body) for body in _workload(args.requests)]
+            results = await closed_loop(http, url, bodies, args.concurrency, path="/v1/chat/completions")
+            fleet_figures = fleet_summary(before, await scrape(http, fleet.urls), time.perf_counter() - started,
+                                          fleet.urls)
             registry = gateway.metrics.registry
             routed = {w.url: w.routed for w in gateway.pool.all()}
             predicted = registry.get_sample_value("kvgate_usage_predicted_cached_tokens_total",
@@ -115,9 +92,10 @@ async def _run_strategy(fleet: SimFleet, model_dir: str, strategy: str, args: ar
             actual = registry.get_sample_value("kvgate_actual_cached_tokens_total", {"strategy": strategy}) or 0.0
     finally:
         await runner.cleanup()
-    hits, queries = after[0] - before[0], after[1] - before[1]
-    return {"strategy": strategy, "hit_rate": hits / queries if queries else 0.0, "routed": routed,
-            "ttft_p50_ms": statistics.median(ttfts) * 1e3, "predicted": predicted, "actual": actual}
+    latency = latency_summary(results)
+    return {"strategy": strategy, "hit_rate": fleet_figures["hit_rate"], "routed": routed,
+            "ttft_p50_ms": latency["ttft_ms_p50"], "errors": latency["errors"], "predicted": predicted,
+            "actual": actual}
 
 
 async def _demo(args: argparse.Namespace) -> None:
@@ -137,7 +115,8 @@ async def _demo(args: argparse.Namespace) -> None:
     for r in results:
         routed = " ".join(f"{n:>3}" for n in r["routed"].values())
         ratio = f"{r['predicted']:.0f}/{r['actual']:.0f}" if r["actual"] else "-"
-        print(f"{r['strategy']:<12}{r['hit_rate']:>16.1%}{r['ttft_p50_ms']:>9.1f}ms   {routed:<22} {ratio}")
+        print(f"{r['strategy']:<12}{r['hit_rate']:>16.1%}{r['ttft_p50_ms']:>9.1f}ms   {routed:<22} {ratio}"
+              + (f"   ({r['errors']} errors)" if r["errors"] else ""))
     print("\nhit rate = vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total over the fleet (token-weighted);"
           "\nthe gateway exports its own view at /metrics (kvgate_*).")
 

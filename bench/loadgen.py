@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 
 from bench.workloads import PromptVocabulary, WorkloadRequest
+from router.prom_text import sum_samples
 
 
 @dataclass(slots=True)
@@ -39,13 +40,13 @@ def request_body(req: WorkloadRequest, vocab: PromptVocabulary, model: str, prom
 
 
 async def send_streaming(http: aiohttp.ClientSession, url: str, body: bytes, result: RequestResult,
-                         t0: float) -> RequestResult:
+                         t0: float, path: str = "/v1/completions") -> RequestResult:
+    """Send one streamed request (completions, or chat when `path` says so) and time it at the client."""
     started = time.perf_counter()
     result.start_s = started - t0
     last: float | None = None
     try:
-        async with http.post(url + "/v1/completions", data=body,
-                             headers={"Content-Type": "application/json"}) as resp:
+        async with http.post(url + path, data=body, headers={"Content-Type": "application/json"}) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result
@@ -54,7 +55,7 @@ async def send_streaming(http: aiohttp.ClientSession, url: str, body: bytes, res
                     continue
                 chunk = orjson.loads(line[6:])
                 choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
+                if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
                     now = time.perf_counter()
                     if last is None:
                         result.ttft_s = now - started
@@ -104,7 +105,8 @@ async def open_loop(http: aiohttp.ClientSession, url: str, bodies: Sequence[byte
 
 
 async def closed_loop(http: aiohttp.ClientSession, url: str, bodies: Sequence[bytes], concurrency: int,
-                      *, progress: bool = False, desc: str = "") -> list[RequestResult]:
+                      *, progress: bool = False, desc: str = "", path: str = "/v1/completions",
+                      ) -> list[RequestResult]:
     """`concurrency` clients, each sending the next request as soon as its previous one ended."""
     results = [RequestResult(i) for i in range(len(bodies))]
     bar = _progress(len(bodies), desc, progress)
@@ -116,7 +118,7 @@ async def closed_loop(http: aiohttp.ClientSession, url: str, bodies: Sequence[by
         while next_index < len(bodies):
             i = next_index
             next_index += 1
-            await send_streaming(http, url, bodies[i], results[i], t0)
+            await send_streaming(http, url, bodies[i], results[i], t0, path)
             bar.update(1)
 
     try:
@@ -168,15 +170,7 @@ FLEET_COUNTERS = {
 
 def parse_counters(text: str) -> dict[str, float]:
     """Sums of the fleet counters in one Prometheus text exposition (labels summed over)."""
-    out = dict.fromkeys(FLEET_COUNTERS.values(), 0.0)
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = FLEET_COUNTERS.get(name)
-        if key is not None:
-            out[key] += float(line.rsplit(" ", 1)[1])
-    return out
+    return {FLEET_COUNTERS[name]: value for name, value in sum_samples(text, FLEET_COUNTERS).items()}
 
 
 async def scrape(http: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, float]]:

@@ -2,10 +2,8 @@
 
 Costs, measured in this process on the tiny model from `kvgate make-model`: tokenize + hash an ~8,000-token chat
 prompt (cold), the next turn of the same conversation (its earlier turns cached), a prefix-trie lookup for a
-500-block prompt over 16 workers, memory per trie node. Gains, measured on a simulated fleet (`kvgate sim`
-replicas, one process each): fleet prefix-cache hit rate (the replicas' own `vllm:prefix_cache_*` counters) and
-client-side TTFT p50/p90 of `prefix` against `round_robin` on a shared-prefix workload. Prints a table and writes
-JSON (`--json`).
+500-block prompt over 16 workers, memory per trie node. Prints a table and writes JSON (`--json`). What prefix
+routing buys on a fleet (hit rate, TTFT against round_robin and the peers) is `kvgate bench compare`'s job.
 """
 
 from __future__ import annotations
@@ -21,12 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-from aiohttp import web
-
 from bench.make_model import write_model
-from bench.procs import free_port, spawn_kvgate, stop, wait_http
-from router.app import GATEWAY, create_app
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
 from router.pool import Worker
@@ -150,132 +143,9 @@ def measure_trie(workers: int = 16, blocks: int = 500, filler_nodes: int = 200_0
     }
 
 
-# --- gains on a simulated fleet ------------------------------------------------------------------------------
-
-
-async def _metric_sum(http: aiohttp.ClientSession, urls: list[str], name: str) -> float:
-    total = 0.0
-    for url in urls:
-        async with http.get(url + "/metrics") as resp:
-            for line in (await resp.text()).splitlines():
-                if line.split("{", 1)[0].split(" ", 1)[0] == name:
-                    total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def _ttft(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:
-    """Seconds until the first generated text arrives (vLLM's first chunk only carries the role)."""
-    started = time.perf_counter()
-    async with http.post(url + CHAT, json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            if choices[0].get("delta", {}).get("content"):
-                first = time.perf_counter() - started
-                await resp.read()
-                return first
-    raise RuntimeError("the stream ended without any generated text")
-
-
-async def run_workload(
-    urls: list[str], strategy: str, model_dir: Path, args: argparse.Namespace,
-) -> dict[str, Any]:
-    rng = random.Random(args.seed)
-    systems = [_words(random.Random(100 + g), args.system_words) for g in range(args.groups)]
-    weights = [1.0 / (g + 1) for g in range(args.groups)]  # Zipf-like popularity
-    bodies = [{"model": "tiny", "stream": True, "max_tokens": args.max_tokens, "ignore_eos": True,
-               "messages": [{"role": "system", "content": rng.choices(systems, weights)[0]},
-                            {"role": "user", "content": _words(rng, args.user_words)}]}
-              for _ in range(args.requests)]
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        for url in urls:
-            async with http.post(url + "/reset_prefix_cache") as resp:
-                await resp.read()
-        hits0 = await _metric_sum(http, urls, "vllm:prefix_cache_hits_total")
-        queries0 = await _metric_sum(http, urls, "vllm:prefix_cache_queries_total")
-        config = GatewayConfig(host="127.0.0.1", port=free_port(), worker=[WorkerSpec.parse(u) for u in urls],
-                               strategy=strategy, model_dir=[str(model_dir)], block_size=16,
-                               health_interval_s=0.5, metrics_interval_s=0.25,
-                               prefix_request_cost_tokens=args.request_cost, prefix_prefill_weight=args.prefill_weight)
-        app = create_app(config)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", config.port).start()
-        gateway_url = f"http://127.0.0.1:{config.port}"
-        try:
-            queue = list(reversed(bodies))
-            ttfts: list[float] = []
-
-            async def client() -> None:
-                while queue:
-                    ttfts.append(await _ttft(http, gateway_url, queue.pop()))
-
-            started = time.perf_counter()
-            await asyncio.gather(*(client() for _ in range(args.concurrency)))
-            elapsed = time.perf_counter() - started
-            routed = {w.url: w.routed for w in app[GATEWAY].pool.all()}
-        finally:
-            await runner.cleanup()
-        hits = await _metric_sum(http, urls, "vllm:prefix_cache_hits_total") - hits0
-        queries = await _metric_sum(http, urls, "vllm:prefix_cache_queries_total") - queries0
-    return {
-        "strategy": strategy, "requests": len(ttfts), "seconds": elapsed,
-        "fleet_hit_rate": hits / queries if queries else 0.0,
-        "ttft_ms_p50": _pct(ttfts, 0.5) * 1e3, "ttft_ms_p90": _pct(ttfts, 0.9) * 1e3,
-        "requests_per_replica": sorted(routed.values()),
-    }
-
-
-async def measure_fleet(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    # one `kvgate sim --replicas 1` process per replica, each on its own free ports
-    procs = []
-    urls = []
-    try:
-        for _ in range(args.replicas):
-            port = free_port()
-            procs.append(spawn_kvgate([
-                "sim", "--replicas", "1", "--port", str(port), "--events-port", str(free_port()),
-                "--replay-port", str(free_port()), "--model-dir", str(model_dir), "--served-model-name", "tiny",
-                "--speedup", str(args.speedup), "--block-size", "16",
-                "--num-gpu-blocks-override", str(args.gpu_blocks), "--log-level", "warning"]))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url in urls:
-            wait_http(url + "/health", 60)
-        results = [await run_workload(urls, s, model_dir, args) for s in args.strategies.split(",")]
-    finally:
-        for proc in procs:
-            stop(proc)
-    return {"replicas": args.replicas, "speedup": args.speedup, "request_cost_tokens": args.request_cost,
-            "prefill_weight": args.prefill_weight, "gpu_blocks_per_replica": args.gpu_blocks,
-            "groups": args.groups, "system_words": args.system_words, "user_words": args.user_words,
-            "requests": args.requests, "concurrency": args.concurrency, "results": results}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
     parser.add_argument("--repeat", type=int, default=20, help="tokenizer timing repetitions")
-    parser.add_argument("--skip-fleet", action="store_true", help="only the in-process costs")
-    parser.add_argument("--skip-costs", action="store_true", help="only the simulated fleet")
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--speedup", type=float, default=10.0, help="sim time divisor (TTFTs are wall time)")
-    parser.add_argument("--gpu-blocks", type=int, default=1024, help="KV blocks per simulated replica")
-    parser.add_argument("--groups", type=int, default=16, help="distinct system prompts")
-    parser.add_argument("--system-words", type=int, default=450, help="words per system prompt (~1,000 tokens)")
-    parser.add_argument("--user-words", type=int, default=30)
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--strategies", default="round_robin,prefix", help="comma-separated, compared in order")
-    defaults = GatewayConfig()
-    parser.add_argument("--request-cost", type=float, default=defaults.prefix_request_cost_tokens,
-                        help="prefix strategy knob (--prefix-request-cost-tokens)")
-    parser.add_argument("--prefill-weight", type=float, default=defaults.prefix_prefill_weight,
-                        help="prefix strategy knob (--prefix-prefill-weight)")
 
 
 def _print_costs(report: dict[str, Any]) -> None:
@@ -293,27 +163,14 @@ def _print_costs(report: dict[str, Any]) -> None:
     print(f"memory per trie node: {p['bytes_per_node']:.0f} bytes")
 
 
-def _print_fleet(f: dict[str, Any]) -> None:
-    print(f"fleet: {f['replicas']} sim replicas (speedup {f['speedup']:g}, {f['gpu_blocks_per_replica']} blocks "
-          f"each), {f['groups']} system prompts, {f['requests']} requests at concurrency {f['concurrency']}; "
-          f"prefix knobs: request cost {f['request_cost_tokens']:g} tokens, prefill weight {f['prefill_weight']:g}")
-    for r in f["results"]:
-        print(f"  {r['strategy']:<12} hit rate {r['fleet_hit_rate']:.3f}  TTFT p50 {r['ttft_ms_p50']:.1f} ms  "
-              f"p90 {r['ttft_ms_p90']:.1f} ms  per replica {r['requests_per_replica']}")
-
-
 def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvgate-prefix-bench-") as tmp:
         model_dir = Path(tmp)
         write_model(model_dir)
-        if not args.skip_costs:
-            report["tokenize"] = asyncio.run(measure_tokenize(model_dir, args.repeat))
-            report["trie"] = measure_trie()
-            _print_costs(report)
-        if not args.skip_fleet:
-            report["fleet"] = asyncio.run(measure_fleet(model_dir, args))
-            _print_fleet(report["fleet"])
+        report["tokenize"] = asyncio.run(measure_tokenize(model_dir, args.repeat))
+        report["trie"] = measure_trie()
+        _print_costs(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

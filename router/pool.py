@@ -19,6 +19,7 @@ import orjson
 
 from router.config import GatewayConfig, WorkerSpec
 from router.metrics import GatewayMetrics
+from router.prom_text import sum_samples
 from router.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -86,26 +87,8 @@ class Worker:
 
 
 def parse_load_gauges(text: str) -> dict[str, float]:
-    """Sum each load gauge over its label sets, reading only the lines that matter (the page is large)."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_end = len(line)
-        for stop in ("{", " "):
-            pos = line.find(stop)
-            if pos != -1:
-                name_end = min(name_end, pos)
-        attr = LOAD_GAUGES.get(line[:name_end])
-        if attr is None:
-            continue
-        rest = line[line.rfind("}") + 1:] if "{" in line[:name_end + 1] else line[name_end:]
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        totals[attr] = totals.get(attr, 0.0) + value
-    return totals
+    """The load gauges of a vLLM `/metrics` page, by Worker attribute, summed over label sets."""
+    return {LOAD_GAUGES[name]: value for name, value in sum_samples(text, LOAD_GAUGES).items()}
 
 
 class WorkerPool:

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.loadgen import scrape
 from tests.conftest import running_gateway
 
 CHAT = "/v1/chat/completions"
@@ -23,17 +24,8 @@ def words(rng: random.Random, n: int) -> str:
 
 async def prefix_cache_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
     """(hits, queries) in tokens, summed over the fleet, from each replica's vLLM metrics."""
-    hits = queries = 0.0
-    for url in urls:
-        async with http.get(url + "/metrics") as resp:
-            text = await resp.text()
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name == "vllm:prefix_cache_hits_total":
-                hits += float(line.rsplit(" ", 1)[1])
-            elif name == "vllm:prefix_cache_queries_total":
-                queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+    counters = await scrape(http, urls)
+    return sum(c["hit_tokens"] for c in counters), sum(c["query_tokens"] for c in counters)
 
 
 async def send(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
