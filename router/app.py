@@ -164,7 +164,12 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
 async def _read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    return await request.read()
+    seconds = request.app[GATEWAY].config.body_timeout_s
+    try:
+        async with asyncio.timeout(seconds):
+            return await request.read()
+    except TimeoutError:
+        raise GatewayError(408, f"request body not received within {seconds:g} s", code="body_timeout") from None
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

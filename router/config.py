@@ -107,6 +107,7 @@ class GatewayConfig:
     admin_key: str = option("", "key required for /admin/* (Authorization: Bearer); empty = same as api keys")
     upstream_api_key: str = option("", "API key sent to workers; empty = forward the client's Authorization")
     max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body in bytes (413 above)")
+    body_timeout_s: float = option(30.0, "longest wait for a client's request body (408 after)")
     connect_timeout_s: float = option(5.0, "timeout for opening a connection to a worker")
     ttfb_timeout_s: float = option(120.0, "timeout until a worker sends its response headers")
     read_timeout_s: float = option(120.0, "longest silence between two chunks of a worker's response")

@@ -315,3 +315,16 @@ async def test_failover_when_a_worker_dies(http: aiohttp.ClientSession, subproce
     finally:
         for proc in procs:
             stop_process(proc)
+
+
+async def test_slow_body_times_out_with_408_and_gateway_keeps_serving(http: aiohttp.ClientSession) -> None:
+    async with running_standin() as worker, running_gateway([worker.url], body_timeout_s=0.3) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")  # and then nothing more
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(4096), 5)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 408") and b"body_timeout" in head
+        assert (await post(http, gw.url + "/v1/completions", COMPLETION))[0] == 200
