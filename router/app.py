@@ -179,10 +179,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request, gateway.config.max_body_bytes)
     parsed = parse_body(request.path, body, model_required=True)
     assert parsed.model is not None
-    _check_model(gateway, parsed.model)
+    workers = _eligible(gateway, parsed.model)
     route = RouteRequest(model=parsed.model, path=request.path, body=parsed.payload, headers=request.headers)
     if gateway.prompts is not None:
-        await gateway.prompts.fill(route, gateway.pool.eligible(parsed.model))
+        await gateway.prompts.fill(route, workers)
     return await gateway.proxy.forward(request, route, body, stream=parsed.stream, started=started)
 
 
@@ -202,15 +202,17 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         parsed = parse_body(request.path, body, model_required=False)
         payload, model, stream = parsed.payload, parsed.model, parsed.stream
         if model is not None:
-            _check_model(gateway, model)
+            _eligible(gateway, model)
     route = RouteRequest(model=model or "", path=request.path, body=payload, headers=request.headers)
     return await gateway.proxy.forward(request, route, body, stream=stream, started=started)
 
 
-def _check_model(gateway: Gateway, model: str) -> None:
+def _eligible(gateway: Gateway, model: str) -> list[Worker]:
+    """The workers that may take a request for `model` now; the right error when there are none."""
     pool = gateway.pool
-    if pool.eligible(model):
-        return
+    workers = pool.eligible(model)
+    if workers:
+        return workers
     if pool.knows_model(model):
         raise no_worker(f"no healthy worker serves model `{model}` right now")
     if not pool.healthy():
