@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +164,49 @@ def test_bad_link_flags_are_refused(text: str) -> None:
 
     with pytest.raises(ValueError):
         parse_link(text)
+
+
+class HalfLoader:
+    """A connector whose lookups promise blocks its loads only half deliver (a load error after the lookup)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int]] = []
+
+    def lookup(self, block_hashes: Sequence[bytes], start: int, end: int) -> tuple[int, str]:
+        self.asked.append((start, end))
+        return end - start, "C" * (end - start)
+
+    def load(self, block_hashes: Sequence[bytes], start: int, where: str) -> tuple[int, float]:
+        return len(where) // 2, 0.001
+
+
+def test_a_load_error_after_the_lookup_recomputes_in_the_same_step() -> None:
+    from bench.sim.kv_cache import BlockPool, KvCacheManager
+    from bench.sim.scheduler import Scheduler, SimRequest
+    from router.vllm_hash import event_hash, make_block_hasher
+
+    bs = 4
+    hasher, _ = make_block_hasher("sha256")
+
+    def block_hash(parent: bytes | None, ids: Sequence[int], extra: tuple[Any, ...] | None = None) -> bytes:
+        return hasher(parent, ids)
+
+    connector = HalfLoader()
+    scheduler = Scheduler(KvCacheManager(BlockPool(16, bs, event_hash), 64), block_hash, 8, 64, 64,
+                          connector=connector)
+    tokens = list(range(100, 120))  # 20 tokens, 5 full blocks: the last token's block is never asked for
+    digests: list[bytes] = []
+    for end in range(bs, len(tokens) + 1, bs):
+        digests.append(hasher(digests[-1] if digests else None, tokens[end - bs:end]))
+    request = SimRequest("r", tokens, 1, [7], digests, 0.0)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert connector.asked == [(0, 4)]
+    (chunk,) = out.chunks
+    assert chunk.num_context_tokens == 2 * bs and chunk.num_new_tokens == len(tokens) - 2 * bs  # 2 of 4 loaded
+    assert out.load_s == 0.001 and scheduler.external.load_errors == 2
+    assert request.num_cached_tokens == 4 * bs  # vLLM's prefill stats keep what the lookup promised
+    assert scheduler.external.hits == 4 * bs and scheduler.external.queries == len(tokens)
+    assert out.saves == [([digests[4]], digests[3])]  # only the block computed here goes to the agent
+    scheduler.update_from_output(out, 0.0)
+    assert request.finished
