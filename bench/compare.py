@@ -271,15 +271,16 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         report["agents"] = {"write_policy": tiers.write_policy, "dram_capacity": tiers.dram_capacity or "default",
                             "nvme": tiers.nvme, "shared": "one Valkey" if tiers.shared else None,
                             "sim_args": list(tiers.sim_args)}
+    names = [t.name for t in targets]
     for suffix, agents in runs:
         fleet = start_sim_fleet(args.replicas, model_dir, model=MODEL, profile=args.profile, speedup=args.speedup,
                                 extra_args=engine_args, timeout=60, agents=agents)
         try:
-            for target in targets:
+            for target, base in zip(targets, names, strict=True):
                 if agents is not None:
                     fleet.reset_agents()
+                target.name = name = base + suffix  # also names its log file
                 row = await run_target(target, fleet, settings, bodies, arrivals, args)
-                row["name"] = name = target.name + suffix
                 row["agents"] = agents is not None
                 bound_rate = bound.hit_rate
                 if "fleet" in row:

@@ -210,3 +210,33 @@ def test_a_load_error_after_the_lookup_recomputes_in_the_same_step() -> None:
     assert out.saves == [([digests[4]], digests[3])]  # only the block computed here goes to the agent
     scheduler.update_from_output(out, 0.0)
     assert request.finished
+
+
+@pytest.mark.timeout(120)
+def test_compare_with_agents_runs_each_target_with_and_without(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import argparse
+    import asyncio
+
+    from bench import compare
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args(["--targets", "kvgate:round_robin", "--out", str(tmp_path), "--model-dir",
+                              str(tiny_model_dir), "--replicas", "2", "--speedup", "20", "--gpu-blocks", "16",
+                              "--workload", "multi_turn", "--sessions", "3", "--turns", "3", "--system-tokens", "64",
+                              "--question-tokens", "48", "--answer-tokens", "8", "--idle-s", "0.3",
+                              "--with-agents", "--no-progress"])
+    report = asyncio.run(compare.compare(args))
+    rows = {t["name"]: t for t in report["targets"]}
+    assert list(rows) == ["kvgate:round_robin", "kvgate:round_robin+agent"]
+    plain, tiered = rows["kvgate:round_robin"], rows["kvgate:round_robin+agent"]
+    for row in (plain, tiered):
+        assert "error" not in row, row.get("error")
+        assert row["latency"]["errors"] == 0 and row["latency"]["ok"] == 9
+    assert plain["fleet"]["tier_hit_tokens"] == 0 and not plain["agents"]
+    # turn k+1 goes to the other replica: its history comes from the shared tier
+    assert tiered["fleet"]["tier_hit_tokens"] > 0 and tiered["agents"]
+    assert tiered["fleet"]["hit_rate_with_tiers"] > plain["fleet"]["hit_rate"] + 0.1
+    assert any("agent_events=" in a for a in tiered["argv"]) and not any("agent_events=" in a for a in plain["argv"])
+    assert "hit incl. tiers" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "logs" / "kvgate_round_robin+agent.log").exists()
