@@ -5,7 +5,9 @@ request, and two replicas share blocks through one real Valkey."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -107,6 +109,15 @@ def test_agent_stopped_mid_run_means_recompute_then_reconnect(tiny_model_dir: Pa
         url = fleet.urls[0]
         agent = fleet.agents[0]
         complete(url, prompt(11))
+        assert agent.proc is not None
+        os.kill(agent.proc.pid, signal.SIGSTOP)  # a hung agent: calls time out (--agent-timeout-s 0.5)
+        try:
+            elapsed, cached = complete(url, prompt(10))
+        finally:
+            os.kill(agent.proc.pid, signal.SIGCONT)
+        # one timed-out lookup and one timed-out save, then the replica leaves the agent alone for a second
+        assert cached == 0 and 0.9 < elapsed < 3.0, elapsed
+        time.sleep(1.1)
         agent.stop()  # the agent goes away with every block it held
         for seed in (12, 13):
             complete(url, prompt(seed))
@@ -240,3 +251,26 @@ def test_compare_with_agents_runs_each_target_with_and_without(tiny_model_dir: P
     assert any("agent_events=" in a for a in tiered["argv"]) and not any("agent_events=" in a for a in plain["argv"])
     assert "hit incl. tiers" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "logs" / "kvgate_round_robin+agent.log").exists()
+
+
+def test_replicas_of_one_command_get_one_agent_socket_each(tiny_model_dir: Path) -> None:
+    import argparse
+
+    from bench.sim.cli import add_arguments
+    from bench.sim.config import replica_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model-dir", str(tiny_model_dir), "--replicas", "2", "--agent-socket", "/run/a.sock",
+                              "--agent-link", "S=1:500", "--block-size", "16"])
+    configs = [replica_config(args, i) for i in range(2)]
+    assert [c.agent.socket_path for c in configs if c.agent] == ["/run/a.sock.0", "/run/a.sock.1"]
+    agent = configs[0].agent
+    assert agent is not None and agent.block_bytes == PROFILE.model.kv_bytes_per_token * 16
+    assert agent.links["S"].bytes_per_s == 1e9 and agent.links["S"].latency_s == pytest.approx(500e-6)
+    assert agent.links["C"].bytes_per_s == 25e9  # the others keep their defaults
+    other = configs[1].agent
+    assert other is not None and other.layout_id == agent.layout_id  # same profile and block size: shared blocks
+    single = parser.parse_args(["--model-dir", str(tiny_model_dir), "--agent-socket", "/run/a.sock"])
+    assert replica_config(single, 0).agent.socket_path == "/run/a.sock"  # type: ignore[union-attr]
+    assert replica_config(parser.parse_args(["--model-dir", str(tiny_model_dir)]), 0).agent is None
