@@ -142,11 +142,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    first = free_port()
-    ports = [first + i for i in range(args.workers)]
+    ports = [free_port() for _ in range(args.workers)]
     gw_port = free_port()
     env = dict(os.environ)
-    standins = spawn_kvgate(["standin", "--port", str(first), "--count", str(args.workers)], env)
+    standins = spawn_kvgate(["standin", *itertools.chain.from_iterable(("--port", str(p)) for p in ports)], env)
     gateway = spawn_kvgate(
         ["serve", "--host", "127.0.0.1", "--port", str(gw_port), "--log-level", "warning",
          *itertools.chain.from_iterable(("--worker", f"http://127.0.0.1:{p}") for p in ports)],

@@ -201,8 +201,8 @@ async def serve_standins(host: str, ports: list[int], behaviour: StandinBehaviou
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8101, help="first port; worker i listens on port+i")
-    parser.add_argument("--count", type=int, default=1, help="number of stand-in workers")
+    parser.add_argument("--port", type=int, action="append", help="a stand-in worker on this port, repeatable "
+                        "(default 8101)")
     parser.add_argument("--model", action="append", help="model name served (repeatable; default tiny)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer without max_tokens")
     parser.add_argument("--token-delay-s", type=float, default=0.0, help="pause per generated token")
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                                  token_delay_s=args.token_delay_s)
 
     async def main() -> None:
-        ports = [args.port + i for i in range(args.count)]
+        ports = args.port or [8101]
         async with serve_standins(args.host, ports, behaviour) as urls:
             print("stand-in workers: " + " ".join(urls), flush=True)
             await asyncio.Event().wait()
