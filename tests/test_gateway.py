@@ -11,16 +11,9 @@ import aiohttp
 import openai
 import pytest
 
+from bench.procs import free_port, stop, wait_for_port
 from bench.standin import StandinBehaviour
-from tests.conftest import (
-    eventually,
-    free_port,
-    kvgate_command,
-    running_gateway,
-    running_standin,
-    stop_process,
-    wait_for_port,
-)
+from tests.conftest import eventually, kvgate_command, running_gateway, running_standin
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> tuple[int, Any]:
@@ -314,7 +307,7 @@ async def test_failover_when_a_worker_dies(http: aiohttp.ClientSession, subproce
             assert dead.routed > routed
     finally:
         for proc in procs:
-            stop_process(proc)
+            stop(proc)
 
 
 async def test_slow_body_times_out_with_408_and_gateway_keeps_serving(http: aiohttp.ClientSession) -> None:

@@ -22,8 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -168,20 +166,8 @@ class SimReplicaProcess:
         return self.log_path.read_bytes()[-limit:].decode(errors="replace")
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
         assert self.proc is not None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sim replica {self.index} exited with {self.proc.returncode}: "
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"sim replica {self.index} not healthy on {self.url} after {timeout} s")
+        wait_http(self.url + "/health", timeout, self.proc, self.log_tail)
 
     def start(self, timeout: float = 30.0) -> None:
         """(Re)start on the same ports and wait until /health answers."""
@@ -189,16 +175,9 @@ class SimReplicaProcess:
         self.wait_ready(timeout)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-        proc = self.proc
-        if proc is None:
+        if self.proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout)
+        stop_process(self.proc, sig, timeout)
         if self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
             self.log_path = None
