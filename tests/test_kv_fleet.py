@@ -106,7 +106,7 @@ async def fleet_hit_rate(
     http: aiohttp.ClientSession, specs: list[str], urls: list[str], strategy: str, model_dir: Path,
 ) -> tuple[float, float]:
     """Two gateways behind one (simulated) L4 balancer, each taking every other request: 12 system prompts of
-    ~14 blocks with Zipf popularity, 320 requests 4 at a time, over replicas whose caches hold about 3 each.
+    ~14 blocks with Zipf popularity, 480 requests 4 at a time, over replicas whose caches hold about 3 each.
 
     Returns the fleet hit rate from the replicas' counters, and how far the first gateway's predicted cached
     tokens overshoot what the engines reported (predicted / actual - 1)."""
@@ -122,7 +122,7 @@ async def fleet_hit_rate(
         if strategy == "kv":
             await eventually(lambda: all(g.gateway.kv_events.trusted(u)  # type: ignore[union-attr]
                                          for g in (gw1, gw2) for u in urls))
-        bodies = [chat(rng, rng.choices(systems, weights)[0], 4) for _ in range(320)]
+        bodies = [chat(rng, rng.choices(systems, weights)[0], 4) for _ in range(480)]
         for i in range(0, len(bodies), 4):
             await asyncio.gather(*(send(http, (gw1, gw2)[(i + j) % 2].url, body)
                                    for j, body in enumerate(bodies[i:i + 4])))
@@ -141,7 +141,7 @@ async def test_kv_beats_prefix_with_two_gateways_and_small_caches(
     """Scale-out: two gateways in front of one fleet. Each `prefix` gateway only knows the half of the traffic it
     routed, so the two tries place a prefix group on different replicas and the small caches hold it twice;
     `kv` gateways both see every engine's events and agree without talking to each other."""
-    fleet = sim_fleet(3, speedup=20, extra_args=SMALL_CACHE)
+    fleet = sim_fleet(3, speedup=10, extra_args=SMALL_CACHE)
     kv, kv_overshoot = await fleet_hit_rate(http, fleet.worker_specs, fleet.urls, "kv", tiny_model_dir)
     prefix, prefix_overshoot = await fleet_hit_rate(http, fleet.worker_specs, fleet.urls, "prefix", tiny_model_dir)
     print(f"fleet hit rate: kv {kv:.3f}, prefix {prefix:.3f}; predicted/actual - 1: kv {kv_overshoot:.2f}, "
