@@ -16,14 +16,13 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.procs import free_port, wait_for_port
+from bench.procs import free_port, wait_for_port, wait_http
 from bench.procs import stop as stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,7 +176,7 @@ class LocalStack:
                 wait_for_port(local, timeout, service.proc)
             url = service.env.get("KVGATE_HEALTHCHECK_URL")
             if url:
-                wait_http_ok(url, timeout, service.proc)
+                wait_http(url, timeout, service.proc)
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"{name} did not come up: {exc}\n{self.tail(name)}") from exc
 
@@ -196,22 +195,6 @@ class LocalStack:
         for service in reversed(list(self.services.values())):
             if service.proc is not None:
                 stop_process(service.proc)
-
-
-def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError as exc:
-            last = exc
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout} s ({last})")
 
 
 def kvgate_program(args: list[str]) -> list[str]:
