@@ -14,8 +14,10 @@ import redis
 import redis.cluster
 
 from agent.block import HEADER_SIZE, BlockError, ChecksumError, key_name, pack, parse_key_name, verify
+from agent.tiers.base import DiskSpace
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
+from agent.tiers.segments import SegmentNvmeTier
 from agent.tiers.shared import FsSharedTier, RedisSharedTier
 from bench.procs import free_port, wait_for_port
 from bench.procs import stop as stop_process
@@ -172,6 +174,20 @@ small = tier.store((1, 3), b"z" * 100)
 u = tier.usage()
 print(ok, small, u.blocks, u.used_bytes, tier.stats.backend_errors)
 """
+
+
+def test_disk_space_reserve(tmp_path: Path) -> None:
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    roomy = DiskSpace(str(tmp_path), min_free=0)
+    assert roomy.take(1000) and roomy.take(1000)
+    tight = DiskSpace(str(tmp_path), min_free=free - 10_000)  # room for about 10 kB more
+    assert tight.take(4000) and tight.take(4000)
+    assert not tight.take(4000)  # debited by our own writes, not only by the last statvfs
+    assert not DiskSpace(str(tmp_path / "missing"), min_free=0).take(1)
+    for tier in (NvmeTier(tmp_path / "files", capacity=1 << 20, fsync=False, min_free=free * 2),
+                 SegmentNvmeTier(tmp_path / "segments", capacity=1 << 24, fsync=False, min_free=free * 2)):
+        assert not tier.store(key(1), payload(1))  # the reserve is never written into
+        assert tier.stats.refused + tier.stats.backend_errors >= 1 and read(tier, key(1)) is None
 
 
 def test_nvme_disk_full_refuses_without_crashing(tmp_path: Path) -> None:

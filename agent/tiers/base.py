@@ -7,7 +7,9 @@ outside this process verify the block's checksum; a block that fails is deleted 
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -69,3 +71,28 @@ class Tier(Protocol):
     def usage(self) -> TierUsage: ...
 
     def block_keys(self) -> Iterable[BlockKey]: ...
+
+
+class DiskSpace:
+    """Whether a directory's file system can take `size` more bytes and still keep `min_free` free: statvfs at
+    most every 0.5 s, debited by our own writes in between; a refusal looks again next time."""
+
+    def __init__(self, root: str, min_free: int) -> None:
+        self.root = root
+        self.min_free = min_free
+        self._free = 0
+        self._checked = 0.0
+
+    def take(self, size: int) -> bool:
+        now = time.monotonic()
+        if now - self._checked > 0.5:
+            try:
+                st = os.statvfs(self.root)
+            except OSError:
+                return False
+            self._free, self._checked = st.f_bavail * st.f_frsize, now
+        if self._free < self.min_free + size:
+            self._checked = 0.0  # space may have been freed: look again next time
+            return False
+        self._free -= size
+        return True

@@ -14,7 +14,6 @@ import errno
 import logging
 import os
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -31,7 +30,7 @@ from agent.block import (
     key_name,
     parse_key_name,
 )
-from agent.tiers.base import Buffer, RemovalListener, TierStats, TierUsage
+from agent.tiers.base import Buffer, DiskSpace, RemovalListener, TierStats, TierUsage
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +108,7 @@ class NvmeTier:
         self.low_bytes = int(capacity * low_watermark)
         self.fsync = fsync
         self.min_free = min_free
+        self._space = DiskSpace(str(self.root), min_free)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
         self._index: OrderedDict[BlockKey, int] = OrderedDict()  # key -> file size
@@ -116,8 +116,6 @@ class NvmeTier:
         self._used = 0
         self._lock = threading.Lock()
         self._shards: set[str] = set()  # shard directories known to exist
-        self._free = 0
-        self._free_checked = 0.0
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self._rebuild()
@@ -179,10 +177,10 @@ class NvmeTier:
         return ok
 
     def _write(self, key: BlockKey, payload: Buffer, size: int, digest: int | None) -> bool:
-        if self.min_free and not self._has_free(size):
+        if self.min_free and not self._space.take(size):
             with self._lock:
                 self._evict_locked(self._used - size)
-            if not self._has_free(size):
+            if not self._space.take(size):
                 return False
         header = encode_header(key[0], len(payload), checksum(payload) if digest is None else digest)
         final = self._path(key)
@@ -208,21 +206,6 @@ class NvmeTier:
                     with self._lock:
                         self._evict_locked(max(0, self._used - 2 * size))
         return False
-
-    def _has_free(self, size: int) -> bool:
-        """Free space check against `min_free`; statvfs at most every 0.5 s, debited by our own writes between."""
-        now = time.monotonic()
-        if now - self._free_checked > 0.5:
-            try:
-                st = os.statvfs(self.root)
-            except OSError:
-                return False
-            self._free, self._free_checked = st.f_bavail * st.f_frsize, now
-        if self._free < self.min_free + size:
-            self._free_checked = 0.0  # look again next time: space may have been freed
-            return False
-        self._free -= size
-        return True
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         with self._lock:

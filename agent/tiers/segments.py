@@ -21,7 +21,6 @@ import logging
 import os
 import struct
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from pathlib import Path
 import xxhash
 
 from agent.block import HEADER, HEADER_SIZE, MAGIC, VERSION, BlockError, BlockKey, ChecksumError, checksum
-from agent.tiers.base import Buffer, RemovalListener, TierStats, TierUsage
+from agent.tiers.base import Buffer, DiskSpace, RemovalListener, TierStats, TierUsage
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +114,7 @@ class SegmentNvmeTier:
         self.low_bytes = int(capacity * low_watermark)
         self.fsync = fsync
         self.min_free = min_free
+        self._space = DiskSpace(str(self.root), min_free)
         # at least 8 segments in the bound, so dropping one frees a small part of the tier
         self.segment_bytes = max(1024, min(segment_bytes, capacity // 8))
         self.stats = TierStats()
@@ -124,8 +124,6 @@ class SegmentNvmeTier:
         self._active: _Segment | None = None
         self._pending: set[BlockKey] = set()
         self._used = 0
-        self._free = 0
-        self._free_checked = 0.0
         self._lock = threading.Lock()
         self.seg_dir.mkdir(parents=True, exist_ok=True)
         self._rebuild()
@@ -259,7 +257,7 @@ class SegmentNvmeTier:
             total = sum(r.size for r in todo)
             if not todo:
                 return already
-            if self.min_free and not self._has_free(total):
+            if self.min_free and not self._space.take(total):
                 segment = None
             else:
                 self._evict_locked(self.capacity - total)
@@ -301,12 +299,7 @@ class SegmentNvmeTier:
                 return len(group)
             if error is not None:
                 self.stats.backend_errors += 1
-                if offset + total == segment.size and segment.seg_id in self._segments:
-                    segment.size = offset
-                    self._used -= total
-                    if segment.write_fd is not None:
-                        with contextlib.suppress(OSError):
-                            os.ftruncate(segment.write_fd, offset)
+                self._give_back_tail_locked(segment, offset, total)
             self._seal_locked(segment)
         if error is None:
             return already  # the segment was dropped while we wrote
@@ -318,9 +311,9 @@ class SegmentNvmeTier:
             with self._lock:
                 if key in self._index or key in self._pending:
                     return True
-                if self.min_free and not self._has_free(size):
+                if self.min_free and not self._space.take(size):
                     self._evict_oldest_locked()
-                    if not self._has_free(size):
+                    if not self._space.take(size):
                         self.stats.refused += 1
                         return False
                 self._evict_locked(self.capacity - size)
@@ -359,13 +352,7 @@ class SegmentNvmeTier:
                     return True
                 if error is not None:
                     self.stats.backend_errors += 1
-                    if offset + size == segment.size and segment.seg_id in self._segments:
-                        # the failed record is the segment's tail: give its bytes back
-                        segment.size = offset
-                        self._used -= size
-                        if segment.write_fd is not None:
-                            with contextlib.suppress(OSError):
-                                os.ftruncate(segment.write_fd, offset)
+                    self._give_back_tail_locked(segment, offset, size)
                     self._seal_locked(segment)  # never append after a hole
                     if error.errno in _FULL and attempt == 0:
                         if error.errno != errno.EFBIG:  # the disk is full: free the oldest segment
@@ -525,6 +512,15 @@ class SegmentNvmeTier:
             self._active = active
         return active
 
+    def _give_back_tail_locked(self, segment: _Segment, offset: int, size: int) -> None:
+        """A write of `size` bytes at `offset` failed: if it is the segment's tail, give its bytes back."""
+        if offset + size == segment.size and segment.seg_id in self._segments:
+            segment.size = offset
+            self._used -= size
+            if segment.write_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(segment.write_fd, offset)
+
     def _seal_locked(self, segment: _Segment) -> None:
         segment.sealed = True
         if segment.write_fd is not None and segment.inflight == 0:
@@ -602,18 +598,4 @@ class SegmentNvmeTier:
                 segment.keys.discard(key)
         if notify and self.on_removed is not None:
             self.on_removed(key)
-        return True
-
-    def _has_free(self, size: int) -> bool:
-        now = time.monotonic()
-        if now - self._free_checked > 0.5:
-            try:
-                st = os.statvfs(self.root)
-            except OSError:
-                return False
-            self._free, self._free_checked = st.f_bavail * st.f_frsize, now
-        if self._free < self.min_free + size:
-            self._free_checked = 0.0
-            return False
-        self._free -= size
         return True
