@@ -7,8 +7,8 @@ import logging
 
 from agent.config import ENV_PREFIX, AgentConfig
 from agent.server import TierAgent
-from router.aio import run_until_signalled
-from router.config import ConfigError, add_config_arguments, describe, load_config
+from kvcore.aio import run_until_signalled
+from kvcore.config import ConfigError, add_config_arguments, describe, load_config
 
 log = logging.getLogger(__name__)
 

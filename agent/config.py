@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from router.config import ConfigError, option
+from kvcore.config import ConfigError, option
 
 ENV_PREFIX = "KVGATE_AGENT_"
 

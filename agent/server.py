@@ -50,7 +50,7 @@ from agent.protocol import (
     request_decoder,
 )
 from agent.store import TierStore
-from router.kv_events import KvEventPublisher
+from kvcore.kv_events import KvEventPublisher
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from agent.tiers.dram import DramBlock, DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.segments import SegmentNvmeTier
 from agent.tiers.shared import FsSharedTier, RedisSharedTier, SharedTier
-from router.kv_events import BlockRemoved, BlockStored, KvEvent
+from kvcore.kv_events import BlockRemoved, BlockStored, KvEvent
 
 log = logging.getLogger(__name__)
 

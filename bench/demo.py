@@ -22,9 +22,10 @@ from bench.loadgen import closed_loop, fleet_summary, latency_summary, scrape
 from bench.make_model import write_model
 from bench.procs import free_port
 from bench.sim.launch import SimFleet, running_sim_fleet
-from router.aio import run_until_signalled
+from kvcore.aio import run_until_signalled
 from router.app import GATEWAY, create_app
 from router.config import GatewayConfig, WorkerSpec
+from strategies import create_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = ["databases", "compilers", "gardening", "astronomy", "cooking", "chess"]
@@ -65,7 +66,7 @@ async def _run_strategy(fleet: SimFleet, model_dir: str, strategy: str, args: ar
     config = GatewayConfig(host="127.0.0.1", port=free_port(), strategy=strategy, block_size=16,
                            model_dir=[model_dir], worker=[WorkerSpec.parse(s) for s in fleet.worker_specs],
                            health_interval_s=0.5, metrics_interval_s=0.5)
-    app = create_app(config)
+    app = create_app(config, create_strategy(config))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()

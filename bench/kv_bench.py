@@ -16,14 +16,14 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from kvcore.kv_events import BlockHash, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
-from router.kv_events import BlockHash, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.kv_index import GPU, InMemoryKvIndex, measure_entry_bytes
-from router.kv_subscriber import EventSource, KvEventHub, SourceState
+from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from router.pool import Worker
-from strategies.base import RouteRequest
+from router.routing import RouteRequest
 from strategies.kv import KvAware
 
 BLOCK = 16
@@ -57,12 +57,10 @@ async def events_in_process(n_batches: int, blocks_per_event: int) -> float:
     """Blocks applied per second through decode + apply (the subscriber's own work, no socket)."""
     payloads, blocks = _batches(n_batches, blocks_per_event)
     hub = _hub()
-    source = EventSource("http://w:1", "tcp://127.0.0.1:1")
-    hub._states[source] = SourceState()
-    hub._sources[source.worker] = [source]
+    stream = hub.stream(EventSource("http://w:1", "tcp://127.0.0.1:1"))  # fed here: no socket
     started = time.perf_counter()
     for seq, payload in enumerate(payloads):
-        await hub._receive(source, [b"kv", seq.to_bytes(8, "big"), payload])
+        await stream.received([b"kv", seq.to_bytes(8, "big"), payload])
     elapsed = time.perf_counter() - started
     await hub.close()
     return blocks / elapsed
@@ -75,8 +73,8 @@ async def events_over_zmq(n_batches: int, blocks_per_event: int) -> float:
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    hub = _hub()
-    metrics = hub._metrics
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny")
     source = EventSource("http://w:1", f"tcp://127.0.0.1:{port}")
     hub.watch([source])
     # a marker batch until the subscription is live (PUB drops what is sent before)
@@ -92,8 +90,8 @@ async def events_over_zmq(n_batches: int, blocks_per_event: int) -> float:
     for payload in payloads:
         await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
         seq += 1
-    state = hub._states[source]
-    while state.expected is None or state.expected < target:  # noqa: ASYNC110 - polling a counter, on purpose
+    stream = hub.stream(source)
+    while stream.expected is None or stream.expected < target:  # noqa: ASYNC110 - polling a counter, on purpose
         await asyncio.sleep(0.001)
     elapsed = time.perf_counter() - started
     await hub.close()

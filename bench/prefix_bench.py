@@ -25,7 +25,8 @@ from router.config import GatewayConfig, WorkerSpec
 from router.pool import Worker
 from router.prefix_trie import PrefixTrie
 from router.prompt_tokens import PromptTokens
-from strategies import RouteRequest, create_strategy
+from router.routing import RouteRequest
+from strategies import create_strategy
 from strategies.prefix import measure_node_bytes
 
 CHAT = "/v1/chat/completions"

@@ -26,7 +26,7 @@ def free_port() -> int:
 
 def spawn_kvgate(args: list[str], env: Mapping[str, str] | None = None, **kw: Any) -> subprocess.Popen[bytes]:
     """Start `kvgate ARGS...` with this interpreter (so it works from a venv without activation)."""
-    return subprocess.Popen([sys.executable, "-m", "router.cli", *args], env=dict(env or os.environ), **kw)
+    return subprocess.Popen([sys.executable, "-m", "kvgate.cli", *args], env=dict(env or os.environ), **kw)
 
 
 def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[Any] | None = None) -> None:

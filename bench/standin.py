@@ -20,7 +20,7 @@ import orjson
 import xxhash
 from aiohttp import web
 
-from router.aio import run_until_signalled
+from kvcore.aio import run_until_signalled
 
 
 @dataclass

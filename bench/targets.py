@@ -94,7 +94,7 @@ class Target:
             self.config = {"strategy": self.policy, "block_size": s.block_size, "model_dir": str(s.model_dir),
                            "other options": "defaults (kvgate serve --help)"}
             workers = [a for spec in fleet.worker_specs for a in ("--worker", spec)]
-            return [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+            return [sys.executable, "-m", "kvgate.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                     "--strategy", self.policy, "--model-dir", str(s.model_dir), "--block-size", str(s.block_size),
                     "--log-level", "warning", *workers]
         venv = ensure_peer(self.kind)

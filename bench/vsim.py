@@ -1,8 +1,8 @@
 """`kvgate bench vsim`: a whole fleet in virtual time, in one process, without HTTP.
 
 The pieces are the real ones: the routing strategies (`strategies/`, with their clock set to virtual time), the
-gateway's block keys (`router.block_keys`), the KV event hub and block index the `kv` strategy reads
-(`router.kv_subscriber.KvEventHub` applying the engines' own event batches), and the simulator's engine per
+gateway's block keys (`router.block_keys`), the KV event applier and block index the `kv` strategy reads
+(`router.kv_apply.KvEventApplier` applying the engines' own event batches), and the simulator's engine per
 replica (`bench/sim`: vLLM's block pool, prefix cache, scheduler, and the profile's step-time model). An event
 queue replaces the clock: arrivals, engine steps and metric scrapes happen at their virtual times, so a whole
 Mooncake trace over 8-64 replicas replays in minutes.
@@ -42,16 +42,17 @@ from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
 from bench.sim.perf_model import PROFILES, Profile
 from bench.sim.scheduler import Scheduler, SimRequest
 from bench.workloads import PromptVocabulary, Workload
+from kvcore.kv_events import BlockRemoved, BlockStored, KvEvent
+from kvcore.vllm_hash import make_block_hasher
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
-from router.kv_events import BlockRemoved, BlockStored, KvEvent
+from router.kv_apply import KvEventApplier
 from router.kv_index import InMemoryKvIndex
-from router.kv_subscriber import EventSource, KvEventHub, SourceState
+from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
 from router.pool import Worker
-from router.vllm_hash import make_block_hasher
-from strategies import RouteRequest, create_strategy
-from strategies.base import Decision, Strategy
+from router.routing import Decision, RouteRequest, Strategy
+from strategies import create_strategy
 
 MODEL = "tiny"
 TIERS = ("gpu", "dram", "nvme", "shared")
@@ -286,16 +287,12 @@ class FleetSimulation:
         self.workers = [r.worker for r in self.replicas]
         self.now = 0.0
         self.strategy_clock()
-        self.hub: KvEventHub | None = None
-        self.sources: list[EventSource] = []
+        # KV events go straight to the gateway's applier, in order and complete: no transport, nothing to recover
+        self.kv: KvEventApplier | None = None
+        self.sources = [EventSource(r.url, f"vsim://{r.index}") for r in self.replicas]
         if self.strategy.uses_kv_events:
-            self.hub = KvEventHub(InMemoryKvIndex(), GatewayMetrics(), lambda url: MODEL)
-            for r in self.replicas:
-                source = EventSource(r.url, f"vsim://{r.index}")
-                self.hub._states[source] = SourceState(expected=0)
-                self.hub._sources[r.url] = [source]
-                self.sources.append(source)
-            self.strategy.attach_kv(self.hub.index, self.hub.trusted)
+            self.kv = KvEventApplier(InMemoryKvIndex(), GatewayMetrics(), lambda url: MODEL)
+            self.strategy.attach_kv(self.kv.index, lambda url: True)
         self.tier_settings = tiers
         if tiers is not None:
             shared = SharedTier(tiers.shared_blocks)
@@ -330,7 +327,7 @@ class FleetSimulation:
         self._pending_events.append((replica, events))
 
     def _flush_events(self, replica: VirtualReplica) -> None:
-        """The step's engine events (and the tier events they cause) go to the hub after `event_delay_s`."""
+        """The step's engine events (and the tier events they cause) go to the applier after `event_delay_s`."""
         events = replica.pool.take_events()
         if events:
             self._pending_events.append((replica.index, events))
@@ -341,13 +338,13 @@ class FleetSimulation:
                     replica.tiers.computed(stored)
         if self._pending_events:
             batch, self._pending_events = self._pending_events, []
-            if self.hub is not None:
+            if self.kv is not None:
                 self._push(self.now + self.event_delay_s, "events", batch)
 
     def _apply_events(self, batch: list[tuple[int, list[KvEvent]]]) -> None:
-        assert self.hub is not None
+        assert self.kv is not None
         for replica, events in batch:
-            self.hub._apply(self.sources[replica], events)
+            self.kv.apply(self.sources[replica], events)
 
     # --- requests -------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The gateway's HTTP front: `create_app(config)` builds the aiohttp application with every endpoint."""
+"""The gateway's HTTP front: `create_app(config, strategy)` builds the aiohttp application with every endpoint."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.config import ConfigError, GatewayConfig, WorkerSpec
+from kvcore.config import ConfigError
+from router.config import GatewayConfig, WorkerSpec
 from router.discovery import WorkerDiscovery
 from router.errors import GatewayError, bad_request, error_response, no_worker
 from router.kv_index import InMemoryKvIndex, measure_entry_bytes
@@ -23,8 +24,8 @@ from router.pool import Worker, WorkerPool
 from router.prompt_tokens import PromptTokens
 from router.proxy import Proxy
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS, parse_body, parse_json_object, unknown_model
+from router.routing import RouteRequest, Strategy
 from router.upstream import UpstreamPool
-from strategies import RouteRequest, Strategy, create_strategy
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,10 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 class Gateway:
     """The running gateway's parts, owned by one application."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, strategy: Strategy) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        self.strategy: Strategy = create_strategy(config)
+        self.strategy = strategy
         self.strategy.attach_metrics(self.metrics)
         # tokenizing costs CPU: only for strategies that read the prompt's tokens
         self.prompts = PromptTokens(config, self.metrics) if self.strategy.needs_prompt_tokens else None
@@ -285,11 +286,11 @@ def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
-def create_app(config: GatewayConfig) -> web.Application:
-    """Build the gateway application; its workers are probed when the app starts."""
+def create_app(config: GatewayConfig, strategy: Strategy) -> web.Application:
+    """Build the gateway application around `strategy` (one per app); its workers are probed when the app starts."""
     # The body limit is enforced by _read_body with a JSON 413; aiohttp's own limit sits just above it.
     app = web.Application(middlewares=[edge_middleware], client_max_size=config.max_body_bytes + 1)
-    gateway = Gateway(config)
+    gateway = Gateway(config, strategy)
     app[GATEWAY] = gateway
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -314,9 +315,9 @@ def create_app(config: GatewayConfig) -> web.Application:
     return app
 
 
-async def run_gateway(config: GatewayConfig) -> None:
+async def run_gateway(config: GatewayConfig, strategy: Strategy) -> None:
     """Serve until cancelled; client disconnects cancel their handler so upstream requests end at once."""
-    app = create_app(config)
+    app = create_app(config, strategy)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=1024)

@@ -32,13 +32,14 @@ from typing import Any
 
 import orjson
 
+from kvcore.config import ConfigError
 from router.block_keys import BlockKey, block_keys, root_key
-from router.config import ConfigError, GatewayConfig
+from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS
+from router.routing import RouteRequest
 from router.tokenizer import ModelTokenizer, TokenizationError
-from strategies.base import RouteRequest
 
 log = logging.getLogger(__name__)
 

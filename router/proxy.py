@@ -21,8 +21,8 @@ from router.config import GatewayConfig
 from router.errors import GatewayError, no_worker
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool, describe_error
+from router.routing import Decision, RouteRequest, Strategy
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from strategies.base import Decision, RouteRequest, Strategy
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from router.config import GatewayConfig
 from router.kv_index import CPU, DISK, GPU, SHARED, KvBlockIndex
 from router.pool import Worker
-from strategies.base import Decision, RouteRequest
+from router.routing import Decision, RouteRequest
 from strategies.prefix import PrefixAffinity
 
 

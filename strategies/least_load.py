@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 
 from router.pool import Worker
-from strategies.base import Decision, RouteRequest, Strategy
+from router.routing import Decision, RouteRequest, Strategy
 
 
 class LeastLoad(Strategy):

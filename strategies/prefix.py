@@ -29,7 +29,7 @@ from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.prefix_trie import PrefixTrie
-from strategies.base import Decision, RouteRequest, Strategy
+from router.routing import Decision, RouteRequest, Strategy
 
 HIT, SPILL, MISS = "hit", "spill", "miss"
 

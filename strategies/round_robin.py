@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from router.pool import Worker
-from strategies.base import Decision, RouteRequest, Strategy
+from router.routing import Decision, RouteRequest, Strategy
 
 
 class RoundRobin(Strategy):

@@ -22,6 +22,7 @@ from bench.procs import stop as stop_process
 from bench.standin import StandinBehaviour, create_standin_app
 from router.app import GATEWAY, Gateway, create_app
 from router.config import GatewayConfig, WorkerSpec
+from strategies import create_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,7 +83,7 @@ async def running_gateway(workers: list[str], **overrides: Any) -> AsyncIterator
     settings: dict[str, Any] = {**FAST, **overrides}
     config = GatewayConfig(host="127.0.0.1", port=free_port(), worker=[WorkerSpec.parse(w) for w in workers],
                            **settings)
-    app = create_app(config)
+    app = create_app(config, create_strategy(config))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", config.port).start()
@@ -108,7 +109,7 @@ async def eventually(check: Callable[[], bool], timeout: float = 10.0, interval:
 
 
 def kvgate_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "kvgate.cli", *args]
 
 
 @dataclasses.dataclass

@@ -198,7 +198,7 @@ class LocalStack:
 
 
 def kvgate_program(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "kvgate.cli", *args]
 
 
 def valkey_program(args: list[str]) -> list[str]:

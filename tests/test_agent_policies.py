@@ -11,7 +11,7 @@ from typing import Any
 from agent.block import HEADER_SIZE
 from agent.config import AgentConfig
 from agent.store import TierStore
-from router.kv_events import BlockRemoved, BlockStored
+from kvcore.kv_events import BlockRemoved, BlockStored
 from tests.conftest import ValkeyServer
 
 LAYOUT = 7
@@ -166,7 +166,7 @@ def test_lookup_of_1000_hashes_is_well_under_a_millisecond(tmp_path: Path) -> No
 def test_config_rejects_bad_policies() -> None:
     import pytest
 
-    from router.config import ConfigError
+    from kvcore.config import ConfigError
 
     with pytest.raises(ConfigError):
         AgentConfig(write_policy="sometimes").validate()
@@ -193,7 +193,7 @@ def test_config_from_env_file_and_flags(tmp_path: Path) -> None:
     import argparse
 
     from agent.config import ENV_PREFIX
-    from router.config import add_config_arguments, load_config
+    from kvcore.config import add_config_arguments, load_config
 
     (tmp_path / "agent.yaml").write_text("nvme-dir: /data/kv\nshared_ttl_s: 60\n")
     parser = argparse.ArgumentParser()

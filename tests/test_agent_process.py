@@ -20,7 +20,7 @@ import zmq
 from agent.block import HEADER_SIZE, key_name
 from agent.client import AgentClient
 from agent.protocol import AgentError, Hello
-from router.kv_events import BlockStored, decode_batch
+from kvcore.kv_events import BlockStored, decode_batch
 from tests.agent_process import AgentProcess
 from tests.conftest import ValkeyServer
 

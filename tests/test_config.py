@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError, GatewayConfig, WorkerSpec, add_config_arguments, load_config
+from kvcore.config import ConfigError, add_config_arguments, load_config
+from router.config import GatewayConfig, WorkerSpec
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -66,7 +67,7 @@ def test_unknown_key_in_file(tmp_path: Path) -> None:
 
 
 def test_serve_help_documents_every_option() -> None:
-    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--help"], capture_output=True, text=True,
                          check=True).stdout
     for name in GatewayConfig.__dataclass_fields__:
         assert "--" + name.replace("_", "-") in out, name
@@ -74,6 +75,6 @@ def test_serve_help_documents_every_option() -> None:
 
 
 def test_serve_rejects_unknown_strategy() -> None:
-    result = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--strategy", "psychic"],
+    result = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--strategy", "psychic"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "psychic" in result.stderr

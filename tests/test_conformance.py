@@ -26,9 +26,9 @@ import msgspec
 import pytest
 import zmq
 
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
+from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
+from kvcore.vllm_hash import block_hashes, event_hash
 from router.tokenizer import ModelTokenizer
-from router.vllm_hash import block_hashes, event_hash
 from tests.vllm_server import ROOT, EngineServer, ensure_vllm_venv, start_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # server start-up (and a first install) count
@@ -389,8 +389,8 @@ import msgspec
 from vllm.utils.hashing import sha256, sha256_cbor
 from vllm.v1.core import kv_cache_utils as k
 from vllm.distributed import kv_events as v
-import router.kv_events as r
-import router.vllm_hash as h
+import kvcore.kv_events as r
+import kvcore.vllm_hash as h
 out = {}
 rng = random.Random(7)
 for seed in ("0", "12345", None):

@@ -228,9 +228,10 @@ def test_k8s_manifests_pass_the_schema_check() -> None:
 
 
 def test_k8s_manifests_wire_together(tmp_path: Path) -> None:
-    from router.config import GatewayConfig, load_config
-    from router.discovery import DnsSource, parse_source
-    from router.serve import ENV_PREFIX
+    from kvcore.config import load_config
+    from kvgate.serve import ENV_PREFIX
+    from router.config import GatewayConfig
+    from router.discovery_sources import DnsSource, parse_source
 
     docs = k8s_documents()
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}

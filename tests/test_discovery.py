@@ -23,9 +23,11 @@ from aiohttp import web
 from bench.procs import free_port, wait_for_port, wait_http
 from bench.procs import stop as stop_process
 from bench.standin import StandinBehaviour, create_standin_app
-from router.config import ConfigError, GatewayConfig, load_config
-from router.discovery import DnsSource, FileSource, parse_nameserver, parse_source, parse_workers_file
-from router.serve import ENV_PREFIX, add_arguments
+from kvcore.config import ConfigError, load_config
+from kvgate.serve import ENV_PREFIX, add_arguments
+from router.config import GatewayConfig
+from router.discovery import parse_workers_file
+from router.discovery_sources import DnsSource, FileSource, parse_nameserver, parse_source
 from tests.conftest import RunningGateway, Standin, eventually, running_gateway, running_standin
 
 NAME = "vllm.kvgate.test"
@@ -294,7 +296,7 @@ async def test_dns_discovered_replica_streams_kv_events(
     (from the events-port template) and applies the replica's BlockStored events."""
     port, events, replay = free_port(), free_port(), free_port()
     sim = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "sim", "--host", "127.0.0.2", "--port", str(port),
+        [sys.executable, "-m", "kvgate.cli", "sim", "--host", "127.0.0.2", "--port", str(port),
          "--events-port", str(events), "--replay-port", str(replay), "--model-dir", str(tiny_model_dir),
          "--served-model-name", "tiny", "--block-size", "16", "--log-level", "warning"],
         env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

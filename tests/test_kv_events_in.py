@@ -12,8 +12,8 @@ import zmq
 import zmq.asyncio
 
 from bench.procs import free_port
+from kvcore.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.block_keys import block_keys, root_key
-from router.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex, measure_entry_bytes
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics

@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvcore.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from router.kv_index import GPU
 from tests.conftest import eventually, running_gateway
 from tests.test_prefix_fleet import words

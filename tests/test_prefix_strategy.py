@@ -10,7 +10,8 @@ from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
 from router.metrics import GatewayMetrics
 from router.pool import Worker
-from strategies import STRATEGIES, RouteRequest, create_strategy
+from router.routing import RouteRequest
+from strategies import STRATEGIES, create_strategy
 from strategies.prefix import HIT, MISS, SPILL, PrefixAffinity
 
 BS = 16

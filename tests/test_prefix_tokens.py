@@ -13,8 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvcore.config import ConfigError
 from router.block_keys import block_keys, root_key
-from router.config import ConfigError, GatewayConfig, WorkerSpec
+from router.config import GatewayConfig, WorkerSpec
 from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.prompt_tokens import (
@@ -25,8 +26,8 @@ from router.prompt_tokens import (
     parse_model_dirs,
     resolve_model_dir,
 )
+from router.routing import RouteRequest
 from router.tokenizer import ModelTokenizer
-from strategies import RouteRequest
 from tests.conftest import eventually, running_gateway, running_standin
 
 CHAT = "/v1/chat/completions"

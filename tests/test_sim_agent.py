@@ -194,7 +194,7 @@ class HalfLoader:
 def test_a_load_error_after_the_lookup_recomputes_in_the_same_step() -> None:
     from bench.sim.kv_cache import BlockPool, KvCacheManager
     from bench.sim.scheduler import Scheduler, SimRequest
-    from router.vllm_hash import event_hash, make_block_hasher
+    from kvcore.vllm_hash import event_hash, make_block_hasher
 
     bs = 4
     hasher, _ = make_block_hasher("sha256")

@@ -12,8 +12,8 @@ import pytest
 
 from bench.sim.kv_cache import BlockPool, KvCacheManager
 from bench.sim.scheduler import Scheduler, SimRequest, Status
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from router.vllm_hash import event_hash, make_block_hasher
+from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from kvcore.vllm_hash import event_hash, make_block_hasher
 
 BS = 4
 

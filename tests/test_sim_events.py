@@ -16,8 +16,8 @@ import zmq
 import zmq.asyncio
 
 from bench.sim.launch import SimFleet
-from router.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from router.vllm_hash import block_hashes, event_hash
+from kvcore.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvcore.vllm_hash import block_hashes, event_hash
 
 MODEL = "tiny"
 BS = 16

@@ -19,7 +19,7 @@ import zmq
 
 from bench.sim.launch import SimFleet
 from bench.sim.perf_model import PROFILES
-from router.kv_events import decode_batch
+from kvcore.kv_events import decode_batch
 from tests.conftest import ROOT, kvgate_command
 
 

@@ -59,7 +59,7 @@ def offline_makespan(prompts: list[list[int]], max_tokens: int, max_num_seqs: in
     """The same requests through the same scheduler and cache, stepped without a clock: the model's answer."""
     from bench.sim.kv_cache import BlockPool, KvCacheManager
     from bench.sim.scheduler import Scheduler, SimRequest
-    from router.vllm_hash import block_hashes, event_hash, make_block_hasher
+    from kvcore.vllm_hash import block_hashes, event_hash, make_block_hasher
 
     hasher, _ = make_block_hasher("sha256")
     pool = BlockPool(PROFILE.num_gpu_blocks(16), 16, event_hash, enable_events=False)

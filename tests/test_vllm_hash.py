@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.vllm_hash import block_hashes, event_hash, make_block_hasher, none_hash
+from kvcore.vllm_hash import block_hashes, event_hash, make_block_hasher, none_hash
 
 # tokens 0..63 in two blocks of 32, PYTHONHASHSEED unset; the third value: block 0 with cache_salt "t1"
 VECTORS = {

@@ -128,7 +128,7 @@ def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = 
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
     elif kind == "sim":
-        cmd = [sys.executable, "-m", "router.cli", "sim", "--replicas", "1", "--model-dir", str(model_dir),
+        cmd = [sys.executable, "-m", "kvgate.cli", "sim", "--replicas", "1", "--model-dir", str(model_dir),
                *common]
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     else:

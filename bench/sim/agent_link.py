@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from agent.offload import DEFAULT_LINKS, AgentOffload, TierLink
 from bench.sim.kv_cache import Digest
-from router.vllm_hash import event_hash
+from kvcore.vllm_hash import event_hash
 
 
 @dataclass(frozen=True)

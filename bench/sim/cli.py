@@ -8,7 +8,7 @@ import sys
 
 from bench.sim.config import ReplicaConfig, replica_config
 from bench.sim.config import add_arguments as add_config_arguments
-from router.aio import run_until_signalled
+from kvcore.aio import run_until_signalled
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from bench.sim.kv_cache import BlockPool, Digest, EventHash, KvCacheManager
 from bench.sim.metrics import EngineCounters, EngineGauges
 from bench.sim.perf_model import Profile
 from bench.sim.scheduler import BlockHasher, Scheduler, SimRequest
-from router.kv_events import KvEventPublisher
+from kvcore.kv_events import KvEventPublisher
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def child_argv(argv: Sequence[str], index: int) -> list[str]:
     """The command line of replica `index`: the fleet's own flags plus `--replica-index`."""
-    return [sys.executable, "-m", "router.cli", "sim", *argv, "--replica-index", str(index)]
+    return [sys.executable, "-m", "kvgate.cli", "sim", *argv, "--replica-index", str(index)]
 
 
 def run_fleet(argv: Sequence[str], replicas: int, stop_timeout_s: float = 10.0) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 Digest = bytes
 EventHash = int | bytes

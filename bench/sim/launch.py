@@ -281,7 +281,7 @@ def start_sim_fleet(
                     fleet.valkey_url = f"redis://127.0.0.1:{port}/0"
         for i in range(n):
             port, events, replay = free_port(), free_port(), free_port()
-            argv = [sys.executable, "-m", "router.cli", "sim", "--replicas", "1", "--port", str(port),
+            argv = [sys.executable, "-m", "kvgate.cli", "sim", "--replicas", "1", "--port", str(port),
                     "--events-port", str(events), "--replay-port", str(replay), *common]
             agent = None
             if agents is not None:
@@ -315,7 +315,7 @@ def _agent_process(index: int, fleet: SimFleet, settings: AgentSettings, block_s
     assert fleet.workdir is not None
     socket_path = str(fleet.workdir / f"agent-{index}.sock")
     metrics, events, replay = free_port(), free_port(), free_port()
-    argv = [sys.executable, "-m", "router.cli", "agent", "--socket-path", socket_path,
+    argv = [sys.executable, "-m", "kvgate.cli", "agent", "--socket-path", socket_path,
             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics),
             "--events-endpoint", f"tcp://*:{events}", "--replay-endpoint", f"tcp://*:{replay}",
             "--block-size", str(block_size), "--write-policy", settings.write_policy, "--log-level", "warning"]

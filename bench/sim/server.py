@@ -25,9 +25,9 @@ from bench.sim.config import ReplicaConfig
 from bench.sim.engine import SimEngine
 from bench.sim.metrics import SimCollector, metrics_registry, render
 from bench.sim.scheduler import SimRequest
-from router.kv_events import KvEventPublisher
+from kvcore.kv_events import KvEventPublisher
+from kvcore.vllm_hash import cache_salt_extra_keys, event_hash, hash_fn, none_hash, use_int_event_hashes
 from router.tokenizer import ModelTokenizer, TokenizationError
-from router.vllm_hash import cache_salt_extra_keys, event_hash, hash_fn, none_hash, use_int_event_hashes
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,6 @@
-"""The routing-strategy interface: given a parsed request and the eligible workers, pick one and say why."""
+"""The routing contract the gateway defines: what a strategy sees of a request (`RouteRequest`), what it answers
+(`Decision`) and the interface it implements (`Strategy`). The strategies in strategies/ implement it; the gateway
+is handed one by `kvgate serve` and never imports them."""
 
 from __future__ import annotations
 

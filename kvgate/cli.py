@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 # subcommand -> module with `add_arguments(parser)` and `run(args) -> int`, imported only when chosen
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("router.serve", "run the gateway in front of vLLM workers"),
+    "serve": ("kvgate.serve", "run the gateway in front of vLLM workers"),
     "demo": ("bench.demo", "start a local fleet and the gateway, send traffic, show where it went"),
     "bench": ("bench.cli", "run a benchmark (`kvgate bench --help` lists them)"),
     "standin": ("bench.standin", "run stand-in OpenAI-compatible workers (for tests and benchmarks)"),

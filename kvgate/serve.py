@@ -1,4 +1,5 @@
-"""`kvgate serve`: run the gateway until SIGINT or SIGTERM."""
+"""`kvgate serve`: load the configuration, build the configured strategy from the registry, hand both to the
+gateway and run it until SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import argparse
 import logging
 import sys
 
-from router.aio import run_until_signalled
+from kvcore.aio import run_until_signalled
+from kvcore.config import ConfigError, add_config_arguments, describe, load_config
 from router.app import run_gateway
-from router.config import ConfigError, GatewayConfig, add_config_arguments, describe, load_config
+from router.config import GatewayConfig
+from strategies import create_strategy
 
 ENV_PREFIX = "KVGATE_"
 log = logging.getLogger(__name__)
@@ -21,14 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(GatewayConfig, ENV_PREFIX, args)
-        from strategies import STRATEGIES
-
-        if config.strategy not in STRATEGIES:
-            raise ConfigError(f"unknown strategy {config.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        strategy = create_strategy(config)
     except ConfigError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     logging.getLogger().setLevel(config.log_level.upper())
     log.info("configuration: %s", describe(config))
-    run_until_signalled(run_gateway(config))
+    run_until_signalled(run_gateway(config, strategy))
     return 0

@@ -1,0 +1,134 @@
+"""KV events in, the transport: ZMQ sockets to one event source, kept connected, and its replay socket.
+
+`subscribe` receives one source's messages forever and tells its `Receiver` what happens: the socket opened, the
+connection came back (the publisher may have restarted meanwhile), a message arrived. ZMQ reconnects by itself,
+with backoff; a broken socket is re-created. What the messages mean is not this module's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from kvcore.kv_events import END_OF_REPLAY
+
+log = logging.getLogger(__name__)
+
+Batches = list[tuple[int, bytes]]  # (sequence number, payload), in order
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """One publisher of KV events about one worker: its engine ("engine") or its tier agent ("agent")."""
+
+    worker: str
+    endpoint: str
+    replay: str | None = None
+    name: str = "engine"
+
+
+class ReplayError(Exception):
+    """The replay socket did not answer in time."""
+
+
+class Receiver(Protocol):
+    async def opened(self) -> None:
+        """The socket was (re)created and connected; the stream may have moved on meanwhile."""
+
+    async def reconnected(self) -> None:
+        """ZMQ re-established the connection; the publisher may have restarted meanwhile."""
+
+    async def received(self, frames: list[bytes]) -> None:
+        """One message, as its frames."""
+
+
+class ZmqEventTransport:
+    """Owns the ZMQ context of every subscription and replay request of one gateway."""
+
+    def __init__(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+
+    async def subscribe(self, endpoint: str, receiver: Receiver) -> None:
+        """Receive from `endpoint` until cancelled; a bug or a broken socket never ends the subscription."""
+        backoff = 0.1
+        while True:
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.IPV6, 1)  # endpoints of workers discovered by AAAA records are IPv6
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+            poller = zmq.asyncio.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            try:
+                sock.connect(endpoint)
+                await receiver.opened()
+                connections = 0
+                while True:
+                    ready = dict(await poller.poll())
+                    if monitor in ready:
+                        await monitor.recv_multipart()
+                        connections += 1
+                        if connections > 1:
+                            await receiver.reconnected()
+                    if sock in ready:
+                        # drain what has arrived without a round through the event loop per message
+                        while (frames := _recv_now(raw)) is not None:
+                            await receiver.received(frames)
+                        backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("kv event subscriber for %s failed; restarting", endpoint)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+                sock.close(linger=0)
+
+    async def replay(self, endpoint: str, start: int, timeout_s: float) -> Batches:
+        """The batches the publisher at `endpoint` still buffers with seq >= start; ReplayError on timeout."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        batches: Batches = []
+        try:
+            sock.connect(endpoint)
+            async with asyncio.timeout(timeout_s):
+                await sock.send_multipart((b"", start.to_bytes(8, "big")))
+                while True:
+                    frames = await sock.recv_multipart()
+                    if len(frames) != 4:
+                        continue
+                    _, _topic, seq_bytes, payload = frames
+                    if seq_bytes == END_OF_REPLAY:
+                        break
+                    if len(seq_bytes) == 8:
+                        batches.append((int.from_bytes(seq_bytes, "big"), payload))
+        except TimeoutError:
+            raise ReplayError(f"replay from {endpoint} timed out") from None
+        finally:
+            sock.close(linger=0)
+        return batches
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+
+
+def _recv_now(sock: zmq.Socket[bytes]) -> list[bytes] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
