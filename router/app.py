@@ -22,7 +22,7 @@ from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool
 from router.prompt_tokens import PromptTokens
-from router.proxy import Proxy
+from router.proxy import FORWARDED_REQUEST_HEADERS, Proxy
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS, parse_body, parse_json_object, unknown_model
 from router.routing import RouteRequest, Strategy
 from router.upstream import UpstreamPool
@@ -86,7 +86,11 @@ class Gateway:
             sources = [EventSource(worker.url, events, replay, name)
                        for name, events, replay in (("engine", spec.events, spec.replay),
                                                     ("agent", spec.agent_events, spec.agent_replay)) if events]
-            self.kv_events.watch(sources)
+            try:
+                self.kv_events.watch(sources)
+            except BaseException:
+                self.kv_events.forget_worker(worker.url)  # the pool undoes the add: leave nothing behind
+                raise
 
     def _worker_removed(self, url: str) -> None:
         self.strategy.forget_worker(url)
@@ -131,12 +135,21 @@ def _key_matches(given: str, keys: list[str]) -> bool:
     return bool(given) and any([hmac.compare_digest(given.encode(), k.encode()) for k in keys])
 
 
+def _check_header_bytes(request: web.Request, tenant_header: str) -> None:
+    """The headers the gateway reads or passes on must be ASCII: their bytes become keys and upstream requests."""
+    for name in (*FORWARDED_REQUEST_HEADERS, "Authorization", *((tenant_header,) if tenant_header else ())):
+        value = request.headers.get(name)
+        if value is not None and not value.isascii():
+            raise bad_request(f"header {name} holds bytes that are not ASCII", "invalid_header")
+
+
 @web.middleware
 async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Authentication, and the one place where every failure becomes an OpenAI-style JSON error."""
     gateway = request.app[GATEWAY]
     cfg = gateway.config
     try:
+        _check_header_bytes(request, cfg.tenant_header)
         path = request.path
         if path not in OPEN_PATHS:
             keys = ([cfg.admin_key] if cfg.admin_key else cfg.api_key) if path.startswith("/admin") else cfg.api_key

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvcore.config import ConfigError, option
 from router.discovery_sources import parse_nameserver, parse_source
@@ -25,13 +26,18 @@ class WorkerSpec:
 
     ATTRIBUTES = ("events", "replay", "agent_events", "agent_replay")
 
+    def __post_init__(self) -> None:
+        _check_worker_url(self.url)
+        for attr in self.ATTRIBUTES:
+            endpoint = getattr(self, attr)
+            if endpoint is not None:
+                _check_endpoint(attr, endpoint)
+
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
         """Parse `http://host:port;events=tcp://host:5557;replay=tcp://host:5558` (+ `agent_events=`,
         `agent_replay=`)."""
         url, *attrs = (part.strip() for part in text.split(";"))
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"worker URL must start with http:// or https://: {text!r}")
         values: dict[str, str] = {}
         for attr in attrs:
             key, sep, value = attr.partition("=")
@@ -52,6 +58,35 @@ class WorkerSpec:
             endpoints: dict[str, Any] = {a: value.get(a) for a in cls.ATTRIBUTES}
             return cls(url=cls.parse(value["url"]).url, **endpoints)
         raise ConfigError(f"a worker is a URL string or a mapping with 'url': {value!r}")
+
+
+def _check_worker_url(url: object) -> None:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(f"worker URL must start with http:// or https://: {url!r}")
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        # a password in a URL ends up in labels, logs and listings; workers authenticate with upstream_api_key
+        shown = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+        raise ConfigError(f"worker URL must not carry credentials (use upstream_api_key): {shown}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError:
+        raise ConfigError(f"worker URL has a bad port: {url!r}") from None
+    if not parts.hostname:
+        raise ConfigError(f"worker URL has no host: {url!r}")
+
+
+def _check_endpoint(attr: str, endpoint: object) -> None:
+    """A ZMQ endpoint the gateway connects to: tcp://HOST:PORT or ipc://PATH."""
+    if isinstance(endpoint, str):
+        scheme, sep, rest = endpoint.partition("://")
+        host, colon, port = rest.rpartition(":")
+        if sep and scheme == "ipc" and rest:
+            return
+        if (sep and scheme == "tcp" and colon and host and host != "*" and port.isdigit()
+                and 0 < int(port) < 65536 and not any(c.isspace() for c in rest)):
+            return
+    raise ConfigError(f"worker {attr} endpoint must be tcp://HOST:PORT or ipc://PATH: {endpoint!r}")
 
 
 def _parse_worker(text: str) -> WorkerSpec:
@@ -85,7 +120,11 @@ class GatewayConfig:
     max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body in bytes (413 above)")
     body_timeout_s: float = option(30.0, "longest wait for a client's request body (408 after)")
     connect_timeout_s: float = option(5.0, "timeout for opening a connection to a worker")
-    ttfb_timeout_s: float = option(120.0, "timeout until a worker sends its response headers")
+    ttfb_timeout_s: float = option(120.0, "streaming requests: timeout until a worker sends its response headers")
+    response_timeout_s: float = option(
+        600.0, "non-streaming requests: timeout until a worker's answer starts (vLLM answers once the whole "
+        "generation is done, so this bounds a generation)"
+    )
     read_timeout_s: float = option(120.0, "longest silence between two chunks of a worker's response")
     total_timeout_s: float = option(1800.0, "timeout for a whole proxied request")
     max_attempts: int = option(3, "workers tried for one request on connect errors or 502/503 before any byte")

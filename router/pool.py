@@ -157,12 +157,16 @@ class WorkerPool:
             raise KeyError(spec.url)
         worker = Worker(spec=spec)
         self._workers[spec.url] = worker
+        if self._on_added is not None:
+            try:
+                self._on_added(worker)
+            except BaseException:
+                del self._workers[spec.url]  # all or nothing: no half-added worker
+                raise
         self._metrics.healthy.labels(spec.url).set(0)
         self._metrics.in_flight.labels(spec.url).set(0)
         if self._running:
             self._start_task(worker)
-        if self._on_added is not None:
-            self._on_added(worker)
         return worker
 
     def remove(self, url: str) -> Worker:
@@ -175,13 +179,14 @@ class WorkerPool:
         if worker.in_flight == 0:
             self._forget(worker)
         else:
-            drain = asyncio.get_running_loop().create_task(self._drain(worker))
+            # the event exists before the drain task first runs, so a release in between is not missed
+            idle = self._idle[worker.url] = asyncio.Event()
+            drain = asyncio.get_running_loop().create_task(self._drain(worker, idle))
             self._drains.add(drain)
             drain.add_done_callback(self._drains.discard)
         return worker
 
-    async def _drain(self, worker: Worker) -> None:
-        idle = self._idle.setdefault(worker.url, asyncio.Event())
+    async def _drain(self, worker: Worker, idle: asyncio.Event) -> None:
         try:
             await asyncio.wait_for(idle.wait(), self._config.drain_timeout_s)
         except TimeoutError:
@@ -239,11 +244,16 @@ class WorkerPool:
         next_probe = time.monotonic() + cfg.health_interval_s
         while True:
             now = time.monotonic()
-            if now >= next_probe:
-                await self._probe(worker)
-                next_probe = time.monotonic() + cfg.health_interval_s
-            if worker.healthy:
-                await self._scrape_load(worker)
+            try:
+                if now >= next_probe:
+                    next_probe = now + cfg.health_interval_s
+                    await self._probe(worker)
+                    next_probe = time.monotonic() + cfg.health_interval_s
+                if worker.healthy:
+                    await self._scrape_load(worker)
+            except Exception as exc:  # whatever a worker answers, its watcher keeps watching
+                log.exception("watching %s failed", worker.url)
+                self._failed_probe(worker, f"health probe failed: {describe_error(exc)}")
             wake = min(next_probe, time.monotonic() + cfg.metrics_interval_s)
             await asyncio.sleep(max(0.0, wake - time.monotonic()))
 
@@ -263,10 +273,13 @@ class WorkerPool:
             worker.consecutive_failures = 0
             self._set_health(worker, True)
         else:
-            worker.consecutive_failures += 1
-            worker.last_error = error
-            if worker.consecutive_failures >= cfg.unhealthy_after:
-                self._set_health(worker, False)
+            self._failed_probe(worker, error or "health probe failed")
+
+    def _failed_probe(self, worker: Worker, error: str) -> None:
+        worker.consecutive_failures += 1
+        worker.last_error = error
+        if worker.consecutive_failures >= self._config.unhealthy_after:
+            self._set_health(worker, False)
 
     async def _fetch_models(self, worker: Worker) -> None:
         """Raises ValueError when the listing is missing or malformed."""
@@ -274,8 +287,8 @@ class WorkerPool:
         if status != 200:
             raise ValueError(f"/v1/models answered {status}")
         listing = orjson.loads(body)
-        if not isinstance(listing, dict):
-            raise ValueError("/v1/models did not answer a JSON object")
+        if not isinstance(listing, dict) or not isinstance(listing.get("data", []), list):
+            raise ValueError("/v1/models did not answer a JSON object with a `data` list")
         cards = {
             card["id"]: card
             for card in listing.get("data", [])

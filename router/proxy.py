@@ -21,8 +21,9 @@ from router.config import GatewayConfig
 from router.errors import GatewayError, no_worker
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool, describe_error
+from router.requests import CHAT_COMPLETIONS, COMPLETIONS
 from router.routing import Decision, RouteRequest, Strategy
-from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class _OpenStream:
     headers: list[tuple[str, str]]
     worker: Worker
     model_label: str
+    must_end_with_done: bool  # an OpenAI completions stream: complete only with its final `data: [DONE]`
 
 
 class Proxy:
@@ -116,7 +118,7 @@ class Proxy:
                 raise no_worker(f"no healthy worker serves model `{route.model}` right now")
             raise no_worker("no healthy worker available")
         raise GatewayError(
-            502, f"upstream failed after {len(tried)} attempt(s): {last_error}",
+            502, f"upstream failed after {len(tried)} attempt(s); last: {last_error}",
             type="upstream_error", code="upstream_failed",
         )
 
@@ -142,7 +144,10 @@ class Proxy:
     def _connection_lost(self, worker: Worker, exc: BaseException) -> _Retry:
         self._pool.report_connection_error(worker, describe_error(exc))
         self._metrics.retries.labels("connection_error").inc()
-        return _Retry(f"{worker.url}: {describe_error(exc)}")
+        log.warning("request to %s failed: %s", worker.url, describe_error(exc))
+        # the client is told what happened, never where: worker addresses stay inside the gateway
+        reached = not isinstance(exc, UpstreamConnectError)
+        return _Retry("the worker broke the connection" if reached else "the worker could not be reached")
 
     def _timeout(self, worker: Worker, model_label: str, what: str, seconds: float) -> GatewayError:
         worker.last_error = f"{what} after {seconds:g} s"
@@ -162,14 +167,16 @@ class Proxy:
         cfg = self._config
         worker = decision.worker
         model_label = route.model or ""
+        # a streamed answer's headers come at once; a whole answer's only when the generation is done
+        headers_timeout = cfg.ttfb_timeout_s if stream else cfg.response_timeout_s
         try:
-            async with asyncio.timeout(cfg.ttfb_timeout_s):
+            async with asyncio.timeout(headers_timeout):
                 upstream = await self._upstream.request(
                     request.method, worker.url + request.rel_url.raw_path_qs, self._upstream_headers(request), body,
                     read_timeout=cfg.read_timeout_s,
                 )
         except TimeoutError:
-            raise self._timeout(worker, model_label, "did not answer", cfg.ttfb_timeout_s) from None
+            raise self._timeout(worker, model_label, "did not answer", headers_timeout) from None
         except UpstreamError as exc:
             raise self._connection_lost(worker, exc) from None
         self._strategy.on_routed(route, decision)
@@ -179,14 +186,15 @@ class Proxy:
                 worker.last_error = f"answered {upstream.status}"
                 self._metrics.requests.labels(model_label, worker.url, str(upstream.status)).inc()
                 self._metrics.retries.labels(f"status_{upstream.status}").inc()
-                raise _Retry(f"{worker.url} answered {upstream.status}")
+                raise _Retry(f"the worker answered {upstream.status}")
             headers = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
             try:
                 if stream and upstream.status == 200:
                     chunks = upstream.chunks()
                     first = await anext(chunks, b"")
                     handed_over = True
-                    return _OpenStream(upstream, decision, chunks, first, headers, worker, model_label)
+                    done = route.path in (COMPLETIONS, CHAT_COMPLETIONS) and _is_event_stream(upstream.headers)
+                    return _OpenStream(upstream, decision, chunks, first, headers, worker, model_label, done)
                 data = await upstream.read()
             except UpstreamError as exc:
                 raise self._connection_lost(worker, exc) from None
@@ -214,6 +222,7 @@ class Proxy:
         self._metrics.ttfb.labels(label).observe(time.perf_counter() - started)
         response = web.StreamResponse(status=upstream.status, headers=stream.headers)
         status = str(upstream.status)
+        tail = stream.first[-32:]
         try:
             async with asyncio.timeout_at(deadline):
                 await response.prepare(request)
@@ -221,8 +230,13 @@ class Proxy:
                     await response.write(stream.first)
                 async for chunk in stream.chunks:
                     await response.write(chunk)
+                    tail = (tail + chunk[-32:])[-32:]
                     if CACHED_TOKENS in chunk:
                         self._count_usage(stream.decision, chunk)
+                if stream.must_end_with_done and not tail.rstrip().endswith(SSE_DONE):
+                    # the worker ended its answer cleanly at the HTTP level but mid-stream (it crashed, or
+                    # something between cut it): relaying the end would pass a short answer off as complete
+                    raise UpstreamError("the stream ended without its final `data: [DONE]`")
                 await response.write_eof()
         except ConnectionResetError:
             status = CLIENT_CLOSED
@@ -231,6 +245,7 @@ class Proxy:
             raise
         except (UpstreamError, TimeoutError) as exc:
             worker.last_error = f"stream broke: {describe_error(exc)}"
+            log.warning("stream from %s broke after its first byte: %s", worker.url, describe_error(exc))
             status = "502"
             if request.transport is not None:
                 request.transport.close()
@@ -242,6 +257,11 @@ class Proxy:
 
 
 CACHED_TOKENS = b'"cached_tokens"'
+SSE_DONE = (b"data: [DONE]", b"data:[DONE]")  # the last event of an OpenAI stream
+
+
+def _is_event_stream(headers: Sequence[tuple[str, str]]) -> bool:
+    return any(k.lower() == "content-type" and v.lower().startswith("text/event-stream") for k, v in headers)
 
 
 def usage_cached_tokens(data: bytes) -> tuple[int, int] | None:

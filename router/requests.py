@@ -32,8 +32,16 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return payload
 
 
+MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32, as vLLM's engines hold them
+
+
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    """Whether `value` is a list of token ids; ids outside uint32 are a 400 of their own."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return False
+    if value and not 0 <= min(value) <= max(value) <= MAX_TOKEN_ID:
+        raise bad_request(f"token ids must be integers from 0 to {MAX_TOKEN_ID}", "invalid_prompt")
+    return True
 
 
 def _check_prompt(prompt: Any) -> None:

@@ -55,6 +55,7 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.got_bytes = False
         self.headers_done = False
+        self.close_delimited = False  # the body ends when the connection closes (no length, not chunked)
         self.complete = False
         self.error: BaseException | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
@@ -79,8 +80,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         if not self.complete:
-            if self.headers_done and not self.keep_alive and exc is None:
-                self.on_message_complete()  # body delimited by connection close
+            if self.headers_done and self.close_delimited and exc is None:
+                self.on_message_complete()  # the body was delimited by the close
             else:
                 self._fail(UpstreamError(f"worker closed the connection{': ' + str(exc) if exc else ''}"))
 
@@ -92,6 +93,10 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self.keep_alive = self._parser.should_keep_alive()
+        # a close before a Content-Length or chunked body is complete is a truncated answer, never its end
+        self.close_delimited = not self.keep_alive and not any(
+            (name := key.lower()) == "content-length" or (name == "transfer-encoding" and "chunked" in value.lower())
+            for key, value in self.headers)
         self.headers_done = True
         self._wake()
 

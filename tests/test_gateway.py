@@ -166,7 +166,7 @@ async def test_bad_input_answered_and_gateway_keeps_serving(http: aiohttp.Client
 
 async def test_no_healthy_worker_502_and_504(http: aiohttp.ClientSession) -> None:
     async with running_standin() as w1, running_standin() as w2, running_gateway(
-        [w1.url, w2.url], ttfb_timeout_s=0.5
+        [w1.url, w2.url], response_timeout_s=0.5
     ) as gw:
         url = gw.url + "/v1/completions"
         # every worker answers 503: retried on the other, then 502

@@ -1,0 +1,182 @@
+"""The standing abuse suite: what an attacker or a broken worker did to the gateway (issue 13), each case a
+regression test against real servers on loopback — misbehaving raw-socket workers, raw-socket clients."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from bench.procs import free_port
+from bench.standin import StandinBehaviour
+from router.config import ConfigError, GatewayConfig, WorkerSpec
+from router.metrics import GatewayMetrics
+from router.pool import WorkerPool
+from router.upstream import UpstreamPool
+from tests.abuse_servers import listing_worker, raw_worker
+from tests.conftest import eventually, running_gateway, running_standin
+
+COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+CHUNK = b'data: {"choices": [{"index": 0, "text": " t0"}]}\n\n'
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> tuple[int, Any]:
+    async with http.post(url, json=body, **kw) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def raw_request(port: int, request: bytes, timeout: float = 5.0) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(65536), timeout)
+    finally:
+        writer.close()
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+# --- truncated upstream answers are never relayed as complete ---------------------------------------------------
+
+
+async def short_body_then_close(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                 b"Content-Length: 200\r\n\r\n{\"choices\": [{\"text\": \"cut")
+
+
+async def sse_without_done(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + CHUNK * 3)
+
+
+async def chunked_sse_cut(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                 b"Connection: close\r\n\r\n" + b"".join(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK) for _ in range(3)))
+
+
+async def test_short_content_length_body_with_connection_close_is_a_502(http: aiohttp.ClientSession) -> None:
+    async with raw_worker(short_body_then_close) as worker, running_gateway([worker]) as gw:
+        status, body = await post(http, gw.url + "/v1/completions", COMPLETION)
+        assert status == 502 and body["error"]["code"] == "upstream_failed"
+        # the client learns what happened, not where: no worker address in the message
+        assert "127.0.0.1" not in body["error"]["message"] and str(port_of(worker)) not in body["error"]["message"]
+
+
+@pytest.mark.parametrize("answer", [sse_without_done, chunked_sse_cut], ids=["close-delimited", "chunked"])
+async def test_stream_without_its_end_reaches_the_client_broken(http: aiohttp.ClientSession, answer: Any) -> None:
+    async with raw_worker(answer) as worker, running_gateway([worker]) as gw:
+        async with http.post(gw.url + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+            assert resp.status == 200
+            first = await resp.content.readany()
+            assert first.startswith(b"data: ")
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+        await eventually(lambda: gw.gateway.pool.all()[0].in_flight == 0)
+        metrics = await (await http.get(gw.url + "/metrics")).text()
+        assert 'kvgate_requests_total{model="tiny",status="502"' in metrics
+
+
+async def test_a_complete_stream_still_ends_cleanly(http: aiohttp.ClientSession) -> None:
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with (running_standin() as worker, running_gateway([worker.url]) as gw,
+                http.post(gw.url + "/v1/chat/completions", json=chat) as resp):
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+
+
+# --- small ones -------------------------------------------------------------------------------------------------
+
+
+async def test_non_ascii_header_bytes_are_a_400(http: aiohttp.ClientSession) -> None:
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    async with running_standin() as worker, running_gateway([worker.url], strategy="prefix",
+                                                            tenant_header="X-Tenant") as gw:
+        for header in (b"Authorization: Bearer \xff\xfe", b"X-Request-Id: \xe2\x82\xac", b"X-Request-Id: \xff",
+                       b"X-Tenant: \xff"):
+            answer = await raw_request(port_of(gw.url), b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                       b"Content-Type: application/json\r\nConnection: close\r\n" + header +
+                                       b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            assert answer.startswith(b"HTTP/1.1 400"), (header, answer[:200])
+            assert b'"code":"invalid_header"' in answer
+        # a header the gateway neither reads nor passes on is none of its business
+        answer = await raw_request(port_of(gw.url), b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Other: \xff\r\n"
+                                   b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert worker.stats.requests == 1
+
+
+async def test_token_ids_outside_uint32_are_a_400(http: aiohttp.ClientSession) -> None:
+    async with running_standin() as worker, running_gateway([worker.url], strategy="prefix") as gw:
+        for prompt in ([2**32], [-1], [[1, 2], [2**40]]):
+            status, body = await post(http, gw.url + "/v1/completions", {**COMPLETION, "prompt": prompt})
+            assert status == 400 and body["error"]["code"] == "invalid_prompt", (prompt, body)
+        assert (await post(http, gw.url + "/v1/completions", {**COMPLETION, "prompt": [0, 2**32 - 1]}))[0] == 200
+        assert worker.stats.requests == 1
+
+
+def test_worker_url_credentials_are_refused_without_echoing_them() -> None:
+    with pytest.raises(ConfigError, match=r"credentials") as caught:
+        WorkerSpec.parse("http://admin:s3cret@10.0.0.1:8000")
+    assert "s3cret" not in str(caught.value)
+
+
+async def test_admin_add_with_bad_endpoints_is_a_400_and_adds_nothing(http: aiohttp.ClientSession) -> None:
+    async with running_standin() as w1, running_standin() as w2, running_gateway([w1.url], strategy="kv") as gw:
+        admin = gw.url + "/admin/workers"
+        for bad in ({"url": w2.url, "events": ["tcp://127.0.0.1:1"]}, {"url": w2.url, "events": "garbage"},
+                    {"url": w2.url, "events": "tcp://*:5557"}, {"url": w2.url, "replay": 5558},
+                    {"url": "http://user:pw@127.0.0.1:1"}):
+            status, body = await post(http, admin, bad)
+            assert status == 400 and body["error"]["code"] == "invalid_worker", (bad, body)
+            assert "pw@" not in body["error"]["message"]
+        assert [w.url for w in gw.gateway.pool.all()] == [w1.url]
+        assert gw.gateway.kv_events is not None and not gw.gateway.kv_events.watched(w2.url)
+        status, _ = await post(http, admin, {"url": w2.url, "events": "tcp://127.0.0.1:1"})
+        assert status == 201
+
+
+async def test_malformed_model_listing_does_not_stop_the_watch(http: aiohttp.ClientSession) -> None:
+    """A worker answers a listing the gateway cannot read, then dies: it must not stay healthy."""
+    async with listing_worker(free_port()) as worker, running_gateway([worker.url], models_refresh_s=0.2) as gw:
+        await eventually(lambda: gw.gateway.pool.all()[0].healthy)
+        worker.models = {"object": "list", "data": 5}
+        await eventually(lambda: not gw.gateway.pool.all()[0].healthy, timeout=5)
+        assert "data" in (gw.gateway.pool.all()[0].last_error or "")
+        worker.models = {"object": "list", "data": [{"id": "tiny"}]}
+        await eventually(lambda: gw.gateway.pool.all()[0].healthy, timeout=5)  # the watch goes on
+        await worker.stop()
+        await eventually(lambda: not gw.gateway.pool.all()[0].healthy, timeout=5)
+
+
+async def test_worker_removed_as_its_last_request_ends_is_forgotten_at_once() -> None:
+    config = GatewayConfig(drain_timeout_s=30.0)
+    upstream = UpstreamPool(limit_per_host=4, connect_timeout=1.0)
+    pool = WorkerPool(config, upstream, GatewayMetrics())
+    try:
+        worker = pool.add(WorkerSpec("http://127.0.0.1:1"))
+        pool.acquire(worker)
+        pool.remove(worker.url)
+        pool.release(worker)  # the last request ends before the drain has looked
+        started = time.monotonic()
+        await eventually(lambda: pool.get(worker.url) is None, timeout=2)
+        assert time.monotonic() - started < 1
+    finally:
+        await pool.stop()
+        upstream.close()
+
+
+async def test_ttfb_timeout_does_not_cut_a_whole_generation(http: aiohttp.ClientSession) -> None:
+    """A non-streaming answer arrives when its generation is done: that is not a time-to-first-byte."""
+    async with running_standin(StandinBehaviour(token_delay_s=0.05)) as worker, running_gateway(
+            [worker.url], ttfb_timeout_s=0.3) as gw:
+        started = time.monotonic()
+        status, _ = await post(http, gw.url + "/v1/completions", {**COMPLETION, "max_tokens": 16})
+        assert status == 200 and time.monotonic() - started > 0.7
+    async with running_standin(StandinBehaviour(token_delay_s=0.05)) as worker, running_gateway(
+            [worker.url], response_timeout_s=0.3) as gw:
+        status, body = await post(http, gw.url + "/v1/completions", {**COMPLETION, "max_tokens": 16})
+        assert status == 504 and body["error"]["code"] == "upstream_timeout"
