@@ -73,7 +73,7 @@ class Gateway:
         self._pool = WorkerPool(cfg, self._upstream, self.metrics, on_added=self._worker_added,
                                 on_removed=self._worker_removed)
         for spec in cfg.worker:
-            self._pool.add(spec)
+            self._pool.add(spec, configured=True)
         self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream)
         await self._pool.start()
         if cfg.discover:
@@ -152,6 +152,8 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         _check_header_bytes(request, cfg.tenant_header)
         path = request.path
         if path not in OPEN_PATHS:
+            # without an admin key, /admin/* takes the api keys only where allow_api_key_admin said so (the
+            # config refuses api keys without either), and is open only when the whole gateway is
             keys = ([cfg.admin_key] if cfg.admin_key else cfg.api_key) if path.startswith("/admin") else cfg.api_key
             if keys and not _key_matches(_bearer(request), keys):
                 raise GatewayError(401, "invalid or missing API key", type="authentication_error",
@@ -337,6 +339,9 @@ async def run_gateway(config: GatewayConfig, strategy: Strategy) -> None:
     await site.start()
     log.info("kvgate listening on http://%s:%d (strategy %s, %d workers)", config.host, config.port,
              config.strategy, len(config.worker))
+    if not config.api_key and not config.admin_key:
+        log.warning("no api_key and no admin_key: anyone who reaches port %d can add workers (/admin/*) and so "
+                    "receive every prompt; set admin_key unless this port is private", config.port)
     try:
         await asyncio.Event().wait()
     finally:

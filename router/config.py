@@ -115,8 +115,16 @@ class GatewayConfig:
     )
     strategy: str = option("round_robin", "routing strategy (see `kvgate strategies`)")
     api_key: list[str] = option([], "accepted client API key (Authorization: Bearer), repeatable; none = open")
-    admin_key: str = option("", "key required for /admin/* (Authorization: Bearer); empty = same as api keys")
-    upstream_api_key: str = option("", "API key sent to workers; empty = forward the client's Authorization")
+    admin_key: str = option(
+        "", "key required for /admin/* (Authorization: Bearer), different from every api key; empty with api "
+        "keys set = refused at start unless --allow-api-key-admin; empty without api keys = /admin/* open"
+    )
+    allow_api_key_admin: bool = option(
+        False, "without admin_key, let every api key use /admin/* (add workers, so receive any tenant's prompts)"
+    )
+    upstream_api_key: str = option(
+        "", "API key sent to workers; empty = forward the client's Authorization, to the workers of --worker only"
+    )
     max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body in bytes (413 above)")
     body_timeout_s: float = option(30.0, "longest wait for a client's request body (408 after)")
     connect_timeout_s: float = option(5.0, "timeout for opening a connection to a worker")
@@ -188,3 +196,11 @@ class GatewayConfig:
     kv_resync_s: float = option(
         300.0, "kv: after missed events, seconds a worker is routed approximately before its map is trusted again"
     )
+
+    def __post_init__(self) -> None:
+        if self.api_key and not self.admin_key and not self.allow_api_key_admin:
+            raise ConfigError("api_key is set but admin_key is not: /admin/* would accept every client key (and an "
+                              "admin can route any tenant's prompts to a worker of its own); set admin_key, or "
+                              "allow_api_key_admin to accept that")
+        if self.admin_key and self.admin_key in self.api_key:
+            raise ConfigError("admin_key must differ from every api_key")

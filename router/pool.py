@@ -39,6 +39,9 @@ class Worker:
     """One upstream replica as the gateway sees it."""
 
     spec: WorkerSpec
+    # listed in the gateway's own configuration (--worker): only such a worker receives a client's
+    # Authorization; one added at run time (admin, discovery) gets upstream_api_key or nothing
+    configured: bool = False
     models: frozenset[str] = frozenset()
     model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
     healthy: bool = False
@@ -75,6 +78,7 @@ class Worker:
             "agent_events": self.spec.agent_events,
             "agent_replay": self.spec.agent_replay,
             "models": sorted(self.models),
+            "configured": self.configured,
             "healthy": self.healthy,
             "draining": self.draining,
             "in_flight": self.in_flight,
@@ -152,10 +156,10 @@ class WorkerPool:
         if workers:
             await asyncio.gather(*(self._probe(w) for w in workers), return_exceptions=True)
 
-    def add(self, spec: WorkerSpec) -> Worker:
+    def add(self, spec: WorkerSpec, *, configured: bool = False) -> Worker:
         if spec.url in self._workers:
             raise KeyError(spec.url)
-        worker = Worker(spec=spec)
+        worker = Worker(spec=spec, configured=configured)
         self._workers[spec.url] = worker
         if self._on_added is not None:
             try:

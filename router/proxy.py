@@ -122,11 +122,12 @@ class Proxy:
             type="upstream_error", code="upstream_failed",
         )
 
-    def _upstream_headers(self, request: web.Request) -> list[tuple[str, str]]:
+    def _upstream_headers(self, request: web.Request, worker: Worker) -> list[tuple[str, str]]:
         headers = [(name, value) for name in FORWARDED_REQUEST_HEADERS if (value := request.headers.get(name))]
         if self._config.upstream_api_key:
             headers.append(("Authorization", f"Bearer {self._config.upstream_api_key}"))
-        elif "Authorization" in request.headers:
+        elif worker.configured and "Authorization" in request.headers:
+            # a worker added at run time may be anyone's listener: it never sees a client's key
             headers.append(("Authorization", request.headers["Authorization"]))
         return headers
 
@@ -172,8 +173,8 @@ class Proxy:
         try:
             async with asyncio.timeout(headers_timeout):
                 upstream = await self._upstream.request(
-                    request.method, worker.url + request.rel_url.raw_path_qs, self._upstream_headers(request), body,
-                    read_timeout=cfg.read_timeout_s,
+                    request.method, worker.url + request.rel_url.raw_path_qs,
+                    self._upstream_headers(request, worker), body, read_timeout=cfg.read_timeout_s,
                 )
         except TimeoutError:
             raise self._timeout(worker, model_label, "did not answer", headers_timeout) from None

@@ -4,7 +4,9 @@ regression test against real servers on loopback — misbehaving raw-socket work
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,7 +19,7 @@ from router.metrics import GatewayMetrics
 from router.pool import WorkerPool
 from router.upstream import UpstreamPool
 from tests.abuse_servers import listing_worker, raw_worker
-from tests.conftest import eventually, running_gateway, running_standin
+from tests.conftest import eventually, kvgate_command, running_gateway, running_standin
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 CHUNK = b'data: {"choices": [{"index": 0, "text": " t0"}]}\n\n'
@@ -180,3 +182,61 @@ async def test_ttfb_timeout_does_not_cut_a_whole_generation(http: aiohttp.Client
             [worker.url], response_timeout_s=0.3) as gw:
         status, body = await post(http, gw.url + "/v1/completions", {**COMPLETION, "max_tokens": 16})
         assert status == 504 and body["error"]["code"] == "upstream_timeout"
+
+
+# --- keys: admin has its own, a client's reaches only configured workers ----------------------------------------
+
+
+def test_api_keys_without_an_admin_key_refuse_to_start(subprocess_env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="admin_key"):
+        GatewayConfig(api_key=["tenant-a"])
+    with pytest.raises(ConfigError, match="differ"):
+        GatewayConfig(api_key=["tenant-a"], admin_key="tenant-a")
+    GatewayConfig(api_key=["tenant-a"], admin_key="ops")
+    GatewayConfig(api_key=["tenant-a"], allow_api_key_admin=True)
+    result = subprocess.run(kvgate_command("serve", "--api-key", "tenant-a", "--port", str(free_port())),
+                            env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "admin_key" in result.stderr
+
+
+async def test_admin_takes_only_the_admin_key(http: aiohttp.ClientSession) -> None:
+    async with running_standin() as worker, running_gateway([worker.url], api_key=["tenant-a"],
+                                                            admin_key="ops") as gw:
+        for key, status in (("tenant-a", 401), ("ops", 200)):
+            async with http.get(gw.url + "/admin/workers", headers={"Authorization": f"Bearer {key}"}) as resp:
+                assert resp.status == status
+    async with (running_standin() as worker,
+                running_gateway([worker.url], api_key=["tenant-a"], allow_api_key_admin=True) as gw,
+                http.get(gw.url + "/admin/workers", headers={"Authorization": "Bearer tenant-a"}) as resp):
+        assert resp.status == 200
+
+
+async def test_a_client_key_never_reaches_a_worker_added_at_run_time(http: aiohttp.ClientSession,
+                                                                     tmp_path: Path) -> None:
+    """A tenant's listener added as a worker (by an admin, or through discovery) must not collect other
+    tenants' keys; the workers of the configuration still get them, as before."""
+    async with (running_standin() as configured, running_standin() as added, running_standin() as discovered):
+        workers_file = tmp_path / "workers.txt"
+        workers_file.write_text(discovered.url + "\n")
+        async with running_gateway([configured.url], api_key=["tenant-a", "tenant-b"], admin_key="ops",
+                                   discover=[f"file:{workers_file}"], discover_interval_s=0.2) as gw:
+            status, _ = await post(http, gw.url + "/admin/workers", {"url": added.url},
+                                   headers={"Authorization": "Bearer ops"})
+            assert status == 201
+            await eventually(lambda: len(gw.gateway.pool.healthy()) == 3)
+            for _ in range(6):  # round robin: each worker twice
+                status, _ = await post(http, gw.url + "/v1/completions", COMPLETION,
+                                       headers={"Authorization": "Bearer tenant-b"})
+                assert status == 200
+            assert configured.stats.requests == added.stats.requests == discovered.stats.requests == 2
+            assert configured.stats.last_headers.get("Authorization") == "Bearer tenant-b"
+            assert "Authorization" not in added.stats.last_headers
+            assert "Authorization" not in discovered.stats.last_headers
+    async with running_standin() as configured, running_standin() as added, running_gateway(
+            [configured.url], upstream_api_key="fleet-key") as gw:
+        assert (await post(http, gw.url + "/admin/workers", {"url": added.url}))[0] == 201
+        for _ in range(2):
+            assert (await post(http, gw.url + "/v1/completions", COMPLETION,
+                               headers={"Authorization": "Bearer tenant-b"}))[0] == 200
+        for worker in (configured, added):
+            assert worker.stats.last_headers.get("Authorization") == "Bearer fleet-key"
