@@ -14,11 +14,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcore.config import ConfigError
+from router.admission import Admission, Admitted
 from router.config import GatewayConfig, WorkerSpec
 from router.discovery import WorkerDiscovery
 from router.errors import GatewayError, bad_request, error_response, no_worker
 from router.kv_index import InMemoryKvIndex, measure_entry_bytes
 from router.kv_subscriber import EventSource, KvEventHub
+from router.listener import raise_open_file_limit, serving
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool
 from router.prompt_tokens import PromptTokens
@@ -39,6 +41,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, strategy: Strategy) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
+        self.admission = Admission(config.max_in_flight_requests, config.max_in_flight_bytes, self.metrics)
         self.strategy = strategy
         self.strategy.attach_metrics(self.metrics)
         # tokenizing costs CPU: only for strategies that read the prompt's tokens
@@ -177,29 +180,51 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return error_response(500, "internal gateway error", type="internal_error", code="internal_error")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+def _admit(request: web.Request) -> Admitted:
+    """A slot in the gateway's in-flight caps for a request to proxy (a body over the limit is a 413 first)."""
+    gateway = request.app[GATEWAY]
+    _check_declared_size(request, gateway.config.max_body_bytes)
+    return gateway.admission.admit(request.content_length or 0)
+
+
+def _check_declared_size(request: web.Request, limit: int) -> None:
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+
+
+async def _read_body(request: web.Request, limit: int, admitted: Admitted | None = None) -> bytes:
+    """The whole body within `body_timeout_s`; at most `limit` bytes (413), each counted as it arrives."""
+    _check_declared_size(request, limit)
     seconds = request.app[GATEWAY].config.body_timeout_s
+    chunks: list[bytes] = []
+    size = 0
     try:
         async with asyncio.timeout(seconds):
-            return await request.read()
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+                if admitted is not None:
+                    admitted.hold(size)
+                chunks.append(chunk)
     except TimeoutError:
         raise GatewayError(408, f"request body not received within {seconds:g} s", code="body_timeout") from None
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """`/v1/completions` and `/v1/chat/completions`: validate, route, proxy."""
+    """`/v1/completions` and `/v1/chat/completions`: admit, validate, route, proxy."""
     started = time.perf_counter()
     gateway = request.app[GATEWAY]
-    body = await _read_body(request, gateway.config.max_body_bytes)
-    parsed = parse_body(request.path, body, model_required=True)
-    assert parsed.model is not None
-    workers = _eligible(gateway, parsed.model)
-    route = RouteRequest(model=parsed.model, path=request.path, body=parsed.payload, headers=request.headers)
-    if gateway.prompts is not None:
-        await gateway.prompts.fill(route, workers)
-    return await gateway.proxy.forward(request, route, body, stream=parsed.stream, started=started)
+    with _admit(request) as admitted:
+        body = await _read_body(request, gateway.config.max_body_bytes, admitted)
+        parsed = parse_body(request.path, body, model_required=True)
+        assert parsed.model is not None
+        workers = _eligible(gateway, parsed.model)
+        route = RouteRequest(model=parsed.model, path=request.path, body=parsed.payload, headers=request.headers)
+        if gateway.prompts is not None:
+            await gateway.prompts.fill(route, workers)
+        return await gateway.proxy.forward(request, route, body, stream=parsed.stream, started=started)
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
@@ -209,18 +234,19 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         raise web.HTTPMethodNotAllowed(request.method, [allowed])
     started = time.perf_counter()
     gateway = request.app[GATEWAY]
-    body: bytes | None = None
-    model: str | None = None
-    payload: dict[str, Any] = {}
-    stream = False
-    if request.method in ("POST", "PUT", "PATCH"):
-        body = await _read_body(request, gateway.config.max_body_bytes)
-        parsed = parse_body(request.path, body, model_required=False)
-        payload, model, stream = parsed.payload, parsed.model, parsed.stream
-        if model is not None:
-            _eligible(gateway, model)
-    route = RouteRequest(model=model or "", path=request.path, body=payload, headers=request.headers)
-    return await gateway.proxy.forward(request, route, body, stream=stream, started=started)
+    with _admit(request) as admitted:
+        body: bytes | None = None
+        model: str | None = None
+        payload: dict[str, Any] = {}
+        stream = False
+        if request.method in ("POST", "PUT", "PATCH"):
+            body = await _read_body(request, gateway.config.max_body_bytes, admitted)
+            parsed = parse_body(request.path, body, model_required=False)
+            payload, model, stream = parsed.payload, parsed.model, parsed.stream
+            if model is not None:
+                _eligible(gateway, model)
+        route = RouteRequest(model=model or "", path=request.path, body=payload, headers=request.headers)
+        return await gateway.proxy.forward(request, route, body, stream=stream, started=started)
 
 
 def _eligible(gateway: Gateway, model: str) -> list[Worker]:
@@ -332,17 +358,13 @@ def create_app(config: GatewayConfig, strategy: Strategy) -> web.Application:
 
 async def run_gateway(config: GatewayConfig, strategy: Strategy) -> None:
     """Serve until cancelled; client disconnects cancel their handler so upstream requests end at once."""
+    files = raise_open_file_limit()
     app = create_app(config, strategy)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
-    await site.start()
-    log.info("kvgate listening on http://%s:%d (strategy %s, %d workers)", config.host, config.port,
-             config.strategy, len(config.worker))
-    if not config.api_key and not config.admin_key:
-        log.warning("no api_key and no admin_key: anyone who reaches port %d can add workers (/admin/*) and so "
-                    "receive every prompt; set admin_key unless this port is private", config.port)
-    try:
+    async with serving(app, config, app[GATEWAY].metrics) as connections:
+        log.info("kvgate listening on http://%s:%d (strategy %s, %d workers; at most %d client connections, "
+                 "open-file limit %d)", config.host, config.port, config.strategy, len(config.worker),
+                 connections.limit, files)
+        if not config.api_key and not config.admin_key:
+            log.warning("no api_key and no admin_key: anyone who reaches port %d can add workers (/admin/*) and so "
+                        "receive every prompt; set admin_key unless this port is private", config.port)
         await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()

@@ -127,6 +127,21 @@ class GatewayConfig:
     )
     max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body in bytes (413 above)")
     body_timeout_s: float = option(30.0, "longest wait for a client's request body (408 after)")
+    max_in_flight_requests: int = option(
+        4096, "proxied requests in flight at once, gateway-wide; beyond, an immediate 503 with Retry-After"
+    )
+    max_in_flight_bytes: int = option(
+        256 * 1024 * 1024, "request-body bytes held by requests in flight, gateway-wide; beyond, an immediate 503 "
+        "with Retry-After (a parsed body takes a few times its size on top)"
+    )
+    max_client_connections: int = option(
+        16384, "open client connections; beyond, a new one gets a 503 and is closed (logged, counted); lowered "
+        "to fit the open-file limit, which `kvgate serve` raises to its hard limit"
+    )
+    client_idle_timeout_s: float = option(
+        15.0, "a client connection that has not sent a whole request head this long after connecting or after its "
+        "last answer is closed (idle keep-alive, and slowloris heads)"
+    )
     connect_timeout_s: float = option(5.0, "timeout for opening a connection to a worker")
     ttfb_timeout_s: float = option(120.0, "streaming requests: timeout until a worker sends its response headers")
     response_timeout_s: float = option(

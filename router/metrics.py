@@ -25,6 +25,21 @@ class GatewayMetrics:
             "kvgate_rejected_requests", "Requests answered by the gateway itself with an error, by status and code",
             ["status", "code"], registry=r,
         )
+        # admission and connections (router/admission.py, router/listener.py)
+        self.requests_in_flight = Gauge(
+            "kvgate_requests_in_flight", "Proxied requests in flight, against max_in_flight_requests", registry=r,
+        )
+        self.request_bytes_in_flight = Gauge(
+            "kvgate_request_bytes_in_flight", "Request-body bytes held by requests in flight, against "
+            "max_in_flight_bytes", registry=r,
+        )
+        self.client_connections = Gauge(
+            "kvgate_client_connections", "Open client connections, against max_client_connections", registry=r,
+        )
+        self.client_connections_refused = Counter(
+            "kvgate_client_connections_refused", "Client connections answered 503 and closed at the connection cap",
+            registry=r,
+        )
         self.request_duration = Histogram(
             "kvgate_request_duration_seconds", "Time from request arrival to the last byte sent to the client",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,

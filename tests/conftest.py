@@ -22,6 +22,7 @@ from bench.procs import stop as stop_process
 from bench.standin import StandinBehaviour, create_standin_app
 from router.app import GATEWAY, Gateway, create_app
 from router.config import GatewayConfig, WorkerSpec
+from router.listener import ClientConnections, serving
 from strategies import create_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +69,7 @@ async def running_standin(behaviour: StandinBehaviour | None = None, port: int |
 class RunningGateway:
     url: str
     app: web.Application
-    runner: web.AppRunner
+    connections: ClientConnections
 
     @property
     def gateway(self) -> Gateway:
@@ -84,13 +85,8 @@ async def running_gateway(workers: list[str], **overrides: Any) -> AsyncIterator
     config = GatewayConfig(host="127.0.0.1", port=free_port(), worker=[WorkerSpec.parse(w) for w in workers],
                            **settings)
     app = create_app(config, create_strategy(config))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", config.port).start()
-    try:
-        yield RunningGateway(f"http://127.0.0.1:{config.port}", app, runner)
-    finally:
-        await runner.cleanup()
+    async with serving(app, config, app[GATEWAY].metrics) as connections:  # the listener `kvgate serve` uses
+        yield RunningGateway(f"http://127.0.0.1:{config.port}", app, connections)
 
 
 @pytest.fixture

@@ -240,3 +240,105 @@ async def test_a_client_key_never_reaches_a_worker_added_at_run_time(http: aioht
                                headers={"Authorization": "Bearer tenant-b"}))[0] == 200
         for worker in (configured, added):
             assert worker.stats.last_headers.get("Authorization") == "Bearer fleet-key"
+
+
+# --- overload: a fast, clear answer -----------------------------------------------------------------------------
+
+
+async def test_overload_is_an_immediate_503_not_a_timeout(http: aiohttp.ClientSession) -> None:
+    async with running_standin(StandinBehaviour(first_token_delay_s=30)) as worker, running_gateway(
+            [worker.url], max_in_flight_requests=4) as gw:
+        stuck = [asyncio.create_task(post(http, gw.url + "/v1/completions", COMPLETION)) for _ in range(4)]
+        await eventually(lambda: worker.stats.requests == 4)
+        started = time.perf_counter()
+        async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
+            body = await resp.json()
+            elapsed = time.perf_counter() - started
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        assert body["error"]["code"] == "overloaded" and body["error"]["type"] == "service_unavailable"
+        assert elapsed < 0.5, f"the overload answer took {elapsed * 1000:.0f} ms"
+        async with http.get(gw.url + "/health") as resp:  # the gateway itself stays reachable
+            assert resp.status == 200
+        assert worker.stats.requests == 4  # the refused request never reached a worker
+        for task in stuck:
+            task.cancel()
+        await eventually(lambda: gw.gateway.admission.requests == 0)
+        worker.behaviour.first_token_delay_s = 0
+        assert (await post(http, gw.url + "/v1/completions", COMPLETION))[0] == 200
+
+
+async def test_request_bytes_in_flight_are_capped(http: aiohttp.ClientSession) -> None:
+    big = {**COMPLETION, "prompt": "x" * 2000}
+    async with running_standin(StandinBehaviour(first_token_delay_s=30)) as worker, running_gateway(
+            [worker.url], max_in_flight_bytes=3000) as gw:
+        stuck = asyncio.create_task(post(http, gw.url + "/v1/completions", big))
+        await eventually(lambda: worker.stats.requests == 1)
+        assert gw.gateway.admission.bytes > 2000
+        status, body = await post(http, gw.url + "/v1/completions", big)
+        assert status == 503 and body["error"]["code"] == "overloaded"
+
+        async def chunked() -> Any:  # no Content-Length: counted as it arrives
+            yield b'{"model": "tiny", "max_tokens": 1, "prompt": "'
+            for _ in range(20):
+                yield b"y" * 100
+            yield b'"}'
+
+        async with http.post(gw.url + "/v1/completions", data=chunked()) as resp:
+            assert resp.status == 503 and (await resp.json())["error"]["code"] == "overloaded"
+        worker.behaviour.first_token_delay_s = 0
+        assert (await post(http, gw.url + "/v1/completions", COMPLETION))[0] == 200  # small ones still fit
+        stuck.cancel()
+        await eventually(lambda: gw.gateway.admission.bytes == 0)
+
+
+# --- connections: a cap with a clear refusal, deadlines on idle and slow heads ----------------------------------
+
+
+async def test_connection_cap_answers_503_and_logs(http: aiohttp.ClientSession,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    async with running_standin() as worker, running_gateway([worker.url], max_client_connections=20) as gw:
+        idle = [await asyncio.open_connection("127.0.0.1", port_of(gw.url)) for _ in range(20)]
+        await eventually(lambda: gw.connections.open == 20)
+        answer = await raw_request(port_of(gw.url), b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer
+        assert b'"code":"too_many_connections"' in answer
+        assert "client connection cap of 20 reached" in caplog.text
+        for _, writer in idle:
+            writer.close()
+        await eventually(lambda: gw.connections.open == 0)
+        async with http.get(gw.url + "/metrics") as resp:
+            text = await resp.text()
+        assert "kvgate_client_connections_refused_total 1.0" in text
+        assert (await post(http, gw.url + "/v1/completions", COMPLETION))[0] == 200
+
+
+async def test_idle_and_slow_heads_are_cut_off(http: aiohttp.ClientSession) -> None:
+    async with running_standin() as worker, running_gateway([worker.url], client_idle_timeout_s=0.5) as gw:
+        port = port_of(gw.url)
+
+        async def closed_after(send: bytes, drip: float = 0.0) -> float:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            started = time.monotonic()
+            try:
+                for byte in send:  # a slowloris head: one byte every `drip` seconds, never finished
+                    writer.write(bytes([byte]))
+                    await asyncio.sleep(drip)
+                    if reader.at_eof():
+                        break
+                while await asyncio.wait_for(reader.read(65536), 5):
+                    pass
+                return time.monotonic() - started
+            finally:
+                writer.close()
+
+        assert await closed_after(b"") < 2  # says nothing
+        assert await closed_after(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100, 0.05) < 2
+        # after an answer, an idle keep-alive connection goes too
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        while await asyncio.wait_for(reader.read(65536), 5):
+            pass
+        assert time.monotonic() - started < 2
+        writer.close()
