@@ -166,7 +166,7 @@ async def _set_behaviour(request: web.Request) -> web.Response:
 
 
 def create_standin_app(name: str, behaviour: StandinBehaviour | None = None) -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM takes large bodies too
     app[NAME] = name
     app[BEHAVIOUR] = behaviour or StandinBehaviour()
     app[STATS] = StandinStats()

@@ -78,6 +78,8 @@ class Gateway:
         for spec in cfg.worker:
             self._pool.add(spec, configured=True)
         self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream)
+        if self.prompts is not None:
+            self.prompts.start()
         await self._pool.start()
         if cfg.discover:
             self._discovery = WorkerDiscovery(cfg, self._pool, self.metrics)
@@ -116,7 +118,7 @@ class Gateway:
         if self._discovery is not None:
             await self._discovery.stop()
         if self.prompts is not None:
-            self.prompts.close()
+            await self.prompts.aclose()
         if self._pool is not None:
             await self._pool.stop()
         if self.kv_events is not None:
@@ -223,7 +225,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         workers = _eligible(gateway, parsed.model)
         route = RouteRequest(model=parsed.model, path=request.path, body=parsed.payload, headers=request.headers)
         if gateway.prompts is not None:
-            await gateway.prompts.fill(route, workers)
+            await gateway.prompts.fill(route, workers, body)
         return await gateway.proxy.forward(request, route, body, stream=parsed.stream, started=started)
 
 

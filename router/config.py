@@ -180,6 +180,16 @@ class GatewayConfig:
     block_size: int = option(16, "tokens per KV block; must equal the engines' --block-size")
     tenant_header: str = option("", "request header naming the tenant's cache namespace (a body `cache_salt` wins)")
     tokenizer_threads: int = option(2, "threads that tokenize prompts off the event loop")
+    trust_request_chat_template: bool = option(
+        False, "render a request's own chat_template (Jinja code written by the client) to route it by tokens, in "
+        "sandbox processes with a deadline and memory limit; off = route such requests in text mode (vLLM refuses "
+        "them unless started with --trust-request-chat-template)"
+    )
+    template_processes: int = option(1, "sandbox processes rendering clients' own chat templates")
+    template_timeout_s: float = option(
+        1.0, "longest a client's chat template may take to render (waiting for a sandbox included); the process is "
+        "killed and replaced after, the request routed in text mode"
+    )
     chat_cache_entries: int = option(8192, "rendered chat segments kept tokenized, so a new turn costs its new text")
     prefix_trie_max_nodes: int = option(500_000, "most prefix-trie nodes (one per block); LRU leaves go first")
     prefix_trie_ttl_s: float = option(600.0, "seconds a worker is assumed to keep a prefix it was sent")

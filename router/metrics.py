@@ -91,6 +91,11 @@ class GatewayMetrics:
             "kvgate_tokenize_duration_seconds", "Time to tokenize and hash one prompt, by mode (tokens or text)",
             ["mode"], buckets=TOKENIZE_BUCKETS, registry=r,
         )
+        self.client_template_renders = Counter(
+            "kvgate_client_template_renders", "Chat requests with a template of their own, by outcome (ok; else "
+            "routed in text mode: untrusted, busy, timeout, crashed, memory, output, error)", ["outcome"],
+            registry=r,
+        )
         self.prefix_match_ratio = Histogram(
             "kvgate_prefix_match_ratio", "Share of the prompt's tokens predicted cached on the chosen worker",
             ["strategy"], buckets=RATIO_BUCKETS, registry=r,

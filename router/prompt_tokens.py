@@ -24,7 +24,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +39,8 @@ from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS
 from router.routing import RouteRequest
-from router.tokenizer import ModelTokenizer, TokenizationError
+from router.template_sandbox import RenderFailed, TemplateSandbox, sandbox_memory_bytes
+from router.tokenizer import ModelTokenizer, TokenizationError, chat_adds_special_tokens
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,15 @@ class SegmentCachingTokenizer(ModelTokenizer):
 
     def prompt_ids_and_bytes(self, body: Mapping[str, Any], *, chat: bool) -> tuple[list[int], bytes]:
         """`prompt_ids`, and the ids as native uint32 bytes (what block hashing reads)."""
+        return self._with_bytes(lambda: self.prompt_ids(body, chat=chat))
+
+    def text_ids_and_bytes(self, text: str, *, add_special_tokens: bool) -> tuple[list[int], bytes]:
+        """`encode`, and the ids as native uint32 bytes."""
+        return self._with_bytes(lambda: self.encode(text, add_special_tokens=add_special_tokens))
+
+    def _with_bytes(self, ids_of: Callable[[], list[int]]) -> tuple[list[int], bytes]:
         self._local.last = None
-        ids = self.prompt_ids(body, chat=chat)
+        ids = ids_of()
         last = self._local.last
         self._local.last = None
         if last is not None and last[0] is ids:
@@ -333,6 +341,11 @@ class PromptTokens:
         self._directories: dict[str, str | None] = {}  # model -> resolved directory, or None for text mode
         self._chains = ChainMemo(config.block_size)
         self._executor = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="kvgate-tokenize")
+        # a client's own chat template runs only in the sandbox, and only when the engines would run it too
+        self._sandbox = TemplateSandbox(
+            config.template_processes, config.template_timeout_s, sandbox_memory_bytes(config.max_body_bytes),
+            max_output_chars=config.max_body_bytes,
+        ) if config.trust_request_chat_template else None
         for name, directory in self._named.items():
             resolve_model_dir(directory, name)  # fail at start-up, not on the first request
         if self._default is not None:
@@ -348,8 +361,18 @@ class PromptTokens:
             tokenizer.clear_cache()
         self._chains = ChainMemo(self.block_size)
 
+    def start(self) -> None:
+        """Start what runs beside the event loop (the template sandbox's processes)."""
+        if self._sandbox is not None:
+            self._sandbox.start()
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def aclose(self) -> None:
+        if self._sandbox is not None:
+            await self._sandbox.close()
+        self.close()
 
     def describe(self) -> dict[str, Any]:
         return {"models": dict(self._named), "default": self._default,
@@ -398,41 +421,69 @@ class PromptTokens:
 
     async def keys(
         self, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str],
-        lora: str | None = None,
+        lora: str | None = None, raw: bytes | None = None,
     ) -> PromptKeys:
         """Token ids and block keys of a completions or chat request body. `model` names the tokenizer (a LoRA
-        adapter's base model) and `lora` the adapter, if any."""
+        adapter's base model) and `lora` the adapter, if any; `raw` is the body as received."""
         started = time.perf_counter()
+        loop = asyncio.get_running_loop()
         root = root_key(model, lora, cache_namespace(body, headers, self.tenant_header))
         tokenizer = await self.tokenizer(model)
         chat = path == CHAT_COMPLETIONS
+        # the body's size bounds the work of tokenizing it, tools and documents included
+        inline = (len(raw) if raw is not None else _text_size(body, chat)) < INLINE_CHARS
         result: PromptKeys | None = None
         if not chat and path == COMPLETIONS:
             prompt = _first_prompt(body.get("prompt"))
             if isinstance(prompt, list):  # token ids: exact with or without a tokenizer
                 result = self._from_ids(prompt, root)
         if result is None and tokenizer is not None:
-            size = _text_size(body, chat)
             try:
-                if size < INLINE_CHARS:
+                if chat and not tokenizer.chat.owns(body.get("chat_template")):
+                    result = await self._with_client_template(tokenizer, body, raw, root)
+                elif inline:
                     result = self.tokenize_now(tokenizer, body, chat, root)
                 else:
-                    result = await asyncio.get_running_loop().run_in_executor(
-                        self._executor, self.tokenize_now, tokenizer, body, chat, root)
+                    result = await loop.run_in_executor(self._executor, self.tokenize_now, tokenizer, body, chat,
+                                                        root)
             except TokenizationError as exc:
                 log.debug("tokenization failed, routing by text: %s", exc)
         if result is None:
-            text = chat_text(body) if chat else _first_prompt(body.get("prompt"))
-            result = self._from_text(text if isinstance(text, str) else "", root)
+            result = (self.text_keys(body, chat, root) if inline
+                      else await loop.run_in_executor(self._executor, self.text_keys, body, chat, root))
         if self._metrics is not None:
             self._metrics.tokenize_duration.labels(result.mode).observe(time.perf_counter() - started)
         return result
 
-    async def fill(self, route: RouteRequest, workers: Iterable[Worker]) -> None:
+    async def _with_client_template(self, tokenizer: SegmentCachingTokenizer, body: Mapping[str, Any],
+                                    raw: bytes | None, root: BlockKey) -> PromptKeys | None:
+        """A chat whose template the client wrote: rendered in the sandbox, or None (text mode) when it may not
+        run (`trust_request_chat_template` off, as vLLM refuses such requests by default) or did not finish."""
+        if self._sandbox is None:
+            self._count_render("untrusted")
+            return None
+        loop = asyncio.get_running_loop()
+        if raw is None:
+            raw = await loop.run_in_executor(self._executor, orjson.dumps, body)
+        try:
+            text = await self._sandbox.render(tokenizer.chat.state(templates=False), raw)
+        except RenderFailed as exc:
+            self._count_render(exc.reason)
+            log.debug("client chat template not rendered (%s: %s), routing by text", exc.reason, exc)
+            return None
+        self._count_render("ok")
+        return await loop.run_in_executor(self._executor, self.encode_now, tokenizer, text,
+                                          chat_adds_special_tokens(body), root)
+
+    def _count_render(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.client_template_renders.labels(outcome).inc()
+
+    async def fill(self, route: RouteRequest, workers: Iterable[Worker], raw: bytes | None = None) -> None:
         """Give a routed request its token ids, block keys and prompt length before the strategy runs."""
         base = lora_base(route.model, workers)
         found = await self.keys(route.path, base or route.model, route.body, route.headers,
-                                lora=route.model if base else None)
+                                lora=route.model if base else None, raw=raw)
         route.token_ids, route.block_keys, route.prompt_tokens = found.token_ids, found.block_keys, found.prompt_tokens
 
     def _from_ids(self, ids: list[int], root: BlockKey) -> PromptKeys:
@@ -445,6 +496,17 @@ class PromptTokens:
             body = {**body, "prompt": _first_prompt(body.get("prompt"))}
         ids, data = tokenizer.prompt_ids_and_bytes(body, chat=chat)
         return PromptKeys(self._chains.keys(data, root), len(ids), ids, TOKENS)
+
+    def encode_now(self, tokenizer: SegmentCachingTokenizer, text: str, add_special_tokens: bool,
+                   root: BlockKey) -> PromptKeys:
+        """Encode an already rendered prompt and hash it, on the calling thread."""
+        ids, data = tokenizer.text_ids_and_bytes(text, add_special_tokens=add_special_tokens)
+        return PromptKeys(self._chains.keys(data, root), len(ids), ids, TOKENS)
+
+    def text_keys(self, body: Mapping[str, Any], chat: bool, root: BlockKey) -> PromptKeys:
+        """Text mode, on the calling thread."""
+        text = chat_text(body) if chat else _first_prompt(body.get("prompt"))
+        return self._from_text(text if isinstance(text, str) else "", root)
 
     def _from_text(self, text: str, root: BlockKey) -> PromptKeys:
         # a different root than token mode: character blocks must never be mistaken for token blocks

@@ -9,7 +9,8 @@ renderer) would feed its engine for the same request:
   developer role), the template is rendered like transformers' `apply_chat_template` (sandboxed jinja2 with
   trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, a non-escaping `tojson`, the named special tokens,
   `messages`, `tools`, `documents`, `add_generation_prompt`, and the accepted `chat_template_kwargs`), then the text
-  is encoded with `add_special_tokens` (default false for chat).
+  is encoded with `add_special_tokens` (default false for chat). The chat part is `ChatRenderer`, which holds no
+  tokenizer, so a client's own template can be rendered in a sandbox process (router/template_sandbox.py).
 
 Encoding runs in Rust without the GIL (`encode_batch_fast`), so the methods may be called from a thread pool
 and run in parallel with the event loop; the template environment is immutable once built.
@@ -132,6 +133,167 @@ def _merge(defaults: Mapping[str, Any] | None, overrides: Mapping[str, Any] | No
     return out
 
 
+class ChatRenderer:
+    """A model's chat templates and vLLM's way of applying them: a chat request → its prompt text. It holds no
+    tokenizer, so it can run in a process of its own where a client's own template is rendered
+    (router/template_sandbox.py): `state()` is all it is made of, as JSON-ready data."""
+
+    def __init__(self, special_tokens: Mapping[str, str], templates: Mapping[str, str], *,
+                 server_template: str | None = None, default_kwargs: Mapping[str, Any] | None = None,
+                 source: str = "") -> None:
+        self.special_tokens = dict(special_tokens)
+        self._templates = dict(templates)
+        self._server_template = server_template
+        self._default_kwargs = dict(default_kwargs or {})
+        self._source = source  # where the templates came from, for errors
+
+    def state(self, *, templates: bool = True) -> dict[str, Any]:
+        return {"special_tokens": self.special_tokens, "templates": self._templates if templates else {},
+                "server_template": self._server_template, "default_kwargs": self._default_kwargs,
+                "source": self._source}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> ChatRenderer:
+        return cls(state["special_tokens"], state["templates"], server_template=state["server_template"],
+                   default_kwargs=state["default_kwargs"], source=state["source"])
+
+    def owns(self, request_template: object) -> bool:
+        """Whether a request's `chat_template` is none, or names one of the model's own templates: anything else
+        is template code written by the client."""
+        return request_template is None or (isinstance(request_template, str) and request_template in self._templates)
+
+    def chat_template(self, tools: object = None, request_template: str | None = None) -> str:
+        """The template vLLM would use: the request's, else the server's, else the tokenizer's (the
+        `tool_use` one when tools are given and it exists)."""
+        if request_template is not None:
+            return self._templates.get(request_template, request_template)
+        if self._server_template is not None:
+            return self._server_template
+        if tools and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        if len(self._templates) == 1:
+            return next(iter(self._templates.values()))
+        raise TokenizationError(f"the tokenizer in {self._source} has no chat template")
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        max_chars: int | None = None,
+    ) -> str:
+        """Render a conversation to the prompt text, as vLLM's chat endpoint does; a render that grows past
+        `max_chars` is stopped with a TokenizationError."""
+        if continue_final_message and add_generation_prompt:
+            raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        user_kwargs = dict(chat_template_kwargs or {})
+        if bad := {"chat_template", "tokenize"} & user_kwargs.keys():
+            raise TokenizationError(f"Found unexpected chat template kwargs from request: {bad}")
+        kwargs = _merge(_merge(self._default_kwargs, {"tools": tools}),
+                        _merge(user_kwargs, {"add_generation_prompt": add_generation_prompt,
+                                             "continue_final_message": continue_final_message,
+                                             "documents": documents}))
+        template = self.chat_template(kwargs.get("tools"), chat_template)
+        compiled, variables, content_format = _compile(template)
+        conversation = self._conversation(messages, content_format, template)
+        if not conversation:
+            raise TokenizationError("Cannot apply chat template to an empty conversation.")
+        extra = {k: v for k, v in kwargs.items() if k in variables and k not in _APPLY_PARAMS}
+        cont = bool(kwargs.get("continue_final_message"))
+        final_text = ""
+        if cont:
+            last = conversation[-1]
+            if "content" not in template:
+                raise TokenizationError('continue_final_message is set but "content" is not in the template')
+            if not isinstance(last.get("content"), str):
+                raise TokenizationError("continue_final_message needs a final message with text content")
+            final_text = last["content"]
+            conversation[-1] = {**last, "content": final_text + _CONTINUE_TAG}
+        variables_in = {
+            **self.special_tokens, **extra, "messages": conversation,
+            "tools": list(kwargs["tools"]) if kwargs.get("tools") is not None else None,
+            "documents": kwargs.get("documents"),
+            "add_generation_prompt": bool(kwargs.get("add_generation_prompt", False)),
+        }
+        try:
+            rendered = (compiled.render(**variables_in) if max_chars is None
+                        else _render_bounded(compiled, variables_in, max_chars))
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise TokenizationError(f"chat template rejected the request: {e}") from e
+        if cont:
+            tag = _CONTINUE_TAG.strip()
+            if final_text.strip() not in rendered or tag not in rendered:
+                raise TokenizationError("continue_final_message is set but the final message does not appear "
+                                        "in the chat after applying the chat template")
+            at = rendered.rindex(tag)
+            rendered = (rendered[:at] if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG
+                        else rendered[:at].rstrip())
+        return rendered
+
+    def prompt_text(self, body: Mapping[str, Any], *, max_chars: int | None = None) -> str:
+        """The prompt text vLLM renders for an OpenAI `/v1/chat/completions` body (also a chat `/tokenize` body).
+        Raises TokenizationError on bad input."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise TokenizationError("`messages` must be a list of objects")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise TokenizationError("`tools` must be a list")
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TokenizationError("`chat_template_kwargs` must be an object")
+        user_kwargs = dict(kwargs or {})
+        effort = body.get("reasoning_effort")
+        if effort is not None:
+            user_kwargs["reasoning_effort"] = effort
+            user_kwargs.setdefault("enable_thinking", effort != "none")
+        template = body.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            raise TokenizationError("`chat_template` must be a string")
+        return self.render_chat(
+            messages,
+            tools=None if tools is None else [_tool_dict(t) for t in tools],
+            documents=body.get("documents"),
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            continue_final_message=bool(body.get("continue_final_message", False)),
+            chat_template=template,
+            chat_template_kwargs=user_kwargs,
+            max_chars=max_chars,
+        )
+
+    # ---- vLLM's message normalisation (parse_chat_messages) ---------------------------------------------
+
+    def _conversation(self, messages: Sequence[Mapping[str, Any]], content_format: str,
+                      template: str) -> list[Message]:
+        conversation = [_parse_message(m, content_format) for m in messages]
+        for message in conversation:
+            _parse_tool_call_arguments(message)
+        if any(m["role"] == "developer" for m in conversation) and not (
+                '"developer"' in template or "'developer'" in template):
+            conversation = _consolidate_system(
+                [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m["role"] == "developer"
+                 else m for m in conversation])
+        return conversation
+
+
+def _render_bounded(compiled: jinja2.Template, variables: Mapping[str, Any], max_chars: int) -> str:
+    pieces: list[str] = []
+    size = 0
+    for piece in compiled.generate(**variables):
+        size += len(piece)
+        if size > max_chars:
+            raise TokenizationError(f"the chat template's output grew past {max_chars} characters")
+        pieces.append(piece)
+    return "".join(pieces)
+
+
 class ModelTokenizer:
     """Tokenizer + chat template of one model, loaded offline from a model directory (HF layout)."""
 
@@ -155,9 +317,8 @@ class ModelTokenizer:
                 self.special_tokens[attr] = text
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.model_max_length: int | None = config.get("model_max_length")
-        self._templates = self._load_templates(config)
-        self._server_template = chat_template
-        self._default_kwargs = dict(default_chat_template_kwargs or {})
+        self.chat = ChatRenderer(self.special_tokens, self._load_templates(config), server_template=chat_template,
+                                 default_kwargs=default_chat_template_kwargs, source=str(self.model_dir))
 
     def _load_templates(self, config: Mapping[str, Any]) -> dict[str, str]:
         templates: dict[str, str] = {}
@@ -214,76 +375,11 @@ class ModelTokenizer:
     # ---- chat --------------------------------------------------------------------------------------------
 
     def chat_template(self, tools: object = None, request_template: str | None = None) -> str:
-        """The template vLLM would use: the request's, else the server's, else the tokenizer's (the
-        `tool_use` one when tools are given and it exists)."""
-        if request_template is not None:
-            return self._templates.get(request_template, request_template)
-        if self._server_template is not None:
-            return self._server_template
-        if tools and "tool_use" in self._templates:
-            return self._templates["tool_use"]
-        if "default" in self._templates:
-            return self._templates["default"]
-        if len(self._templates) == 1:
-            return next(iter(self._templates.values()))
-        raise TokenizationError(f"the tokenizer in {self.model_dir} has no chat template")
+        return self.chat.chat_template(tools, request_template)
 
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        documents: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str:
-        """Render a conversation to the prompt text, as vLLM's chat endpoint does."""
-        if continue_final_message and add_generation_prompt:
-            raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        user_kwargs = dict(chat_template_kwargs or {})
-        if bad := {"chat_template", "tokenize"} & user_kwargs.keys():
-            raise TokenizationError(f"Found unexpected chat template kwargs from request: {bad}")
-        kwargs = _merge(_merge(self._default_kwargs, {"tools": tools}),
-                        _merge(user_kwargs, {"add_generation_prompt": add_generation_prompt,
-                                             "continue_final_message": continue_final_message,
-                                             "documents": documents}))
-        template = self.chat_template(kwargs.get("tools"), chat_template)
-        compiled, variables, content_format = _compile(template)
-        conversation = self._conversation(messages, content_format, template)
-        if not conversation:
-            raise TokenizationError("Cannot apply chat template to an empty conversation.")
-        extra = {k: v for k, v in kwargs.items() if k in variables and k not in _APPLY_PARAMS}
-        cont = bool(kwargs.get("continue_final_message"))
-        final_text = ""
-        if cont:
-            last = conversation[-1]
-            if "content" not in template:
-                raise TokenizationError('continue_final_message is set but "content" is not in the template')
-            if not isinstance(last.get("content"), str):
-                raise TokenizationError("continue_final_message needs a final message with text content")
-            final_text = last["content"]
-            conversation[-1] = {**last, "content": final_text + _CONTINUE_TAG}
-        try:
-            rendered = compiled.render(
-                **{**self.special_tokens, **extra},
-                messages=conversation,
-                tools=list(kwargs["tools"]) if kwargs.get("tools") is not None else None,
-                documents=kwargs.get("documents"),
-                add_generation_prompt=bool(kwargs.get("add_generation_prompt", False)),
-            )
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
-            raise TokenizationError(f"chat template rejected the request: {e}") from e
-        if cont:
-            tag = _CONTINUE_TAG.strip()
-            if final_text.strip() not in rendered or tag not in rendered:
-                raise TokenizationError("continue_final_message is set but the final message does not appear "
-                                        "in the chat after applying the chat template")
-            at = rendered.rindex(tag)
-            rendered = (rendered[:at] if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG
-                        else rendered[:at].rstrip())
-        return rendered
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **render: Any) -> str:
+        """`ChatRenderer.render_chat` with this model's templates."""
+        return self.chat.render_chat(messages, **render)
 
     def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], *, add_special_tokens: bool = False,
                       **render: Any) -> list[int]:
@@ -294,30 +390,7 @@ class ModelTokenizer:
         """The prompt token ids vLLM would compute for an OpenAI `/v1/chat/completions` (chat=True) or
         `/v1/completions` request body (also vLLM's `/tokenize` bodies). Raises TokenizationError on bad input."""
         if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
-                raise TokenizationError("`messages` must be a list of objects")
-            tools = body.get("tools")
-            if tools is not None and not isinstance(tools, list):
-                raise TokenizationError("`tools` must be a list")
-            kwargs = body.get("chat_template_kwargs")
-            if kwargs is not None and not isinstance(kwargs, Mapping):
-                raise TokenizationError("`chat_template_kwargs` must be an object")
-            user_kwargs = dict(kwargs or {})
-            effort = body.get("reasoning_effort")
-            if effort is not None:
-                user_kwargs["reasoning_effort"] = effort
-                user_kwargs.setdefault("enable_thinking", effort != "none")
-            return self.tokenize_chat(
-                messages,
-                add_special_tokens=bool(body.get("add_special_tokens", False)),
-                tools=None if tools is None else [_tool_dict(t) for t in tools],
-                documents=body.get("documents"),
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                continue_final_message=bool(body.get("continue_final_message", False)),
-                chat_template=body.get("chat_template"),
-                chat_template_kwargs=user_kwargs,
-            )
+            return self.encode(self.chat.prompt_text(body), add_special_tokens=chat_adds_special_tokens(body))
         prompt = body.get("prompt")
         add_special = bool(body.get("add_special_tokens", True))
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -328,19 +401,10 @@ class ModelTokenizer:
             return list(prompt)
         raise TokenizationError("`prompt` must be a string or a list of token ids")
 
-    # ---- vLLM's message normalisation (parse_chat_messages) ---------------------------------------------
 
-    def _conversation(self, messages: Sequence[Mapping[str, Any]], content_format: str,
-                      template: str) -> list[Message]:
-        conversation = [_parse_message(m, content_format) for m in messages]
-        for message in conversation:
-            _parse_tool_call_arguments(message)
-        if any(m["role"] == "developer" for m in conversation) and not (
-                '"developer"' in template or "'developer'" in template):
-            conversation = _consolidate_system(
-                [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m["role"] == "developer"
-                 else m for m in conversation])
-        return conversation
+def chat_adds_special_tokens(body: Mapping[str, Any]) -> bool:
+    """vLLM encodes a rendered chat without adding special tokens unless the request asks."""
+    return bool(body.get("add_special_tokens", False))
 
 
 def _tool_dict(tool: Any) -> dict[str, Any]:

@@ -4,12 +4,14 @@ regression test against real servers on loopback — misbehaving raw-socket work
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from bench.procs import free_port
@@ -342,3 +344,135 @@ async def test_idle_and_slow_heads_are_cut_off(http: aiohttp.ClientSession) -> N
             pass
         assert time.monotonic() - started < 2
         writer.close()
+
+
+# --- client templates never run unbounded, nothing is rendered on the event loop --------------------------------
+
+NESTED_LOOPS = "{% for i in range(8000) %}{% for j in range(8000) %}{% endfor %}{% endfor %}"  # ~3 s of Jinja
+MEMORY_BOMB = "{{ 'a' * 1500000000 }}"
+
+
+def chat(template: str | None = None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    if template is not None:
+        body["chat_template"] = template
+    return {**body, **extra}
+
+
+async def health_while(http: aiohttp.ClientSession, gw_url: str, work: Any) -> tuple[Any, float]:
+    """Run `work` while probing /health every 10 ms; its result and the slowest probe, in seconds. A probe counts
+    from when it was due, so time the event loop spent blocked between probes counts too."""
+    slowest = 0.0
+    done = asyncio.Event()
+
+    async def probe() -> None:
+        nonlocal slowest
+        while not done.is_set():
+            due = time.perf_counter()
+            async with http.get(gw_url + "/health") as resp:
+                assert resp.status == 200
+            await asyncio.sleep(0.01)
+            slowest = max(slowest, time.perf_counter() - due - 0.01)
+
+    prober = asyncio.create_task(probe())
+    try:
+        result = await work
+    finally:
+        done.set()
+        await prober
+    return result, slowest
+
+
+def renders(gw: Any) -> dict[str, float]:
+    return {s.labels["outcome"]: s.value for m in gw.gateway.metrics.client_template_renders.collect()
+            for s in m.samples if s.name.endswith("_total")}
+
+
+async def test_a_client_template_is_not_run_unless_trusted(http: aiohttp.ClientSession, tiny_model_dir: Path) -> None:
+    async with running_standin() as worker, running_gateway([worker.url], strategy="prefix",
+                                                            model_dir=[str(tiny_model_dir)]) as gw:
+        (status, _), slowest = await health_while(
+            http, gw.url, post(http, gw.url + "/v1/chat/completions", chat(NESTED_LOOPS)))
+        assert status == 200  # routed by text, served
+        assert slowest < 0.5, f"/health waited {slowest * 1000:.0f} ms"
+        assert renders(gw) == {"untrusted": 1.0}
+        assert worker.stats.last_body["chat_template"] == NESTED_LOOPS  # the body reaches the worker unchanged
+
+
+async def test_client_templates_render_in_the_sandbox_within_budget(http: aiohttp.ClientSession,
+                                                                    tiny_model_dir: Path) -> None:
+    async with running_standin() as worker, running_gateway(
+            [worker.url], strategy="prefix", model_dir=[str(tiny_model_dir)], trust_request_chat_template=True,
+            template_timeout_s=1.0) as gw:
+        prompts = gw.gateway.prompts
+        assert prompts is not None
+        # a well-behaved template of the client's own is rendered (the first render waits for the process)
+        own = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        await eventually(lambda: (asyncio.ensure_future(post(http, gw.url + "/v1/chat/completions", chat(own)))
+                                  and renders(gw).get("ok", 0) >= 1), timeout=10, interval=0.3)
+        rss_before = _rss_bytes()
+        for template, outcome in ((NESTED_LOOPS, "timeout"), (MEMORY_BOMB, "memory"), ("{% for %}", "error")):
+            started = time.perf_counter()
+            (status, _), slowest = await health_while(
+                http, gw.url, post(http, gw.url + "/v1/chat/completions", chat(template)))
+            elapsed = time.perf_counter() - started
+            assert status == 200, template
+            assert renders(gw).get(outcome, 0) >= 1, (template, renders(gw))
+            assert slowest < 0.5, f"/health waited {slowest * 1000:.0f} ms during {outcome}"
+            assert elapsed < 3, f"{outcome}: the request took {elapsed:.1f} s"
+        assert _rss_bytes() - rss_before < 100 * 1024 * 1024  # the bomb went off in the sandbox, not here
+        # the sandbox came back after the kills: a good template renders again
+        before = renders(gw).get("ok", 0)
+        await eventually(lambda: (asyncio.ensure_future(post(http, gw.url + "/v1/chat/completions", chat(own)))
+                                  and renders(gw).get("ok", 0) > before), timeout=10, interval=0.3)
+
+
+async def test_the_model_template_with_huge_tools_stays_off_the_loop(http: aiohttp.ClientSession,
+                                                                      tiny_model_dir: Path) -> None:
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 20,
+                                               "parameters": {"type": "object", "properties": {}}}}
+             for i in range(6_000)]
+    async with running_standin() as worker, running_gateway([worker.url], strategy="prefix",
+                                                            model_dir=[str(tiny_model_dir)]) as gw:
+        await post(http, gw.url + "/v1/chat/completions", chat())  # the tokenizer is loaded
+        (status, _), slowest = await health_while(
+            http, gw.url, post(http, gw.url + "/v1/chat/completions", chat(tools=tools)))
+        assert status == 200
+        assert slowest < 0.5, f"/health waited {slowest * 1000:.0f} ms while the tools were rendered"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_sandbox_busy_output_limit_and_replacement() -> None:
+    from router.template_sandbox import RenderFailed, TemplateSandbox
+    from router.tokenizer import ChatRenderer
+
+    state = ChatRenderer({}, {}).state()
+
+    def body(template: str) -> bytes:
+        return orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "chat_template": template})
+
+    sandbox = TemplateSandbox(1, 2.0, 512 * 1024 * 1024, max_output_chars=10_000)
+    sandbox.start()
+    try:
+        assert await sandbox.render(state, body("{{ messages[0].content }}!")) == "hi!"
+        with pytest.raises(RenderFailed) as caught:
+            await sandbox.render(state, body("{% for i in range(100000) %}xxxxxxxx{% endfor %}"))
+        assert caught.value.reason == "error" and "grew past" in str(caught.value)
+        # one process: while it spins, a second render waits its whole budget, then gives up
+        sandbox.timeout_s = 0.5
+        spinning = asyncio.create_task(sandbox.render(state, body(NESTED_LOOPS)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RenderFailed) as caught:
+            await sandbox.render(state, body("{{ 1 }}"))
+        assert caught.value.reason == "busy"
+        with pytest.raises(RenderFailed) as caught:
+            await spinning
+        assert caught.value.reason == "timeout"
+        sandbox.timeout_s = 5.0  # the replacement process starts
+        assert await sandbox.render(state, body("{{ 2 + 2 }}")) == "4"
+    finally:
+        await sandbox.close()
