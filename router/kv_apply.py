@@ -65,8 +65,9 @@ class KvEventApplier:
         held = self._held.get(source)
         if not held:
             return
-        self._held[source] = {}
-        for (engine_hash, tier), holding in held.items():
+        gone = list(held.items())
+        held.clear()  # in place: `apply` may be holding it, in the middle of a batch that goes on after a clear
+        for (engine_hash, tier), holding in gone:
             self.index.remove(source.worker, (holding.key,), tier)
             self._drop_hash_if_unheld(source.worker, engine_hash)
         self._update_gauges()

@@ -14,6 +14,7 @@ import zmq.asyncio
 from bench.procs import free_port
 from kvcore.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.block_keys import block_keys, root_key
+from router.kv_apply import KvEventApplier
 from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex, measure_entry_bytes
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
@@ -134,6 +135,19 @@ async def test_stored_removed_cleared_with_gateway_keys() -> None:
         await publisher.send([AllBlocksCleared()])
         await eventually(lambda: not held(hub))
         assert metric(metrics, "kvgate_kv_events_applied_total", worker=WORKER, type="BlockStored") >= 4
+
+
+def test_blocks_stored_after_a_clear_in_the_same_batch_are_held() -> None:
+    """vLLM may clear its cache and store new blocks within one batch: what follows the clear counts."""
+    index = InMemoryKvIndex()
+    applier = KvEventApplier(index, GatewayMetrics(), lambda url: "tiny")
+    source = EventSource(WORKER, "tcp://127.0.0.1:1")
+    applier.apply(source, [stored([1], TOKENS[:4]), AllBlocksCleared(), stored([2], TOKENS[:4]),
+                           stored([3], TOKENS[4:8], parent=2)])
+    assert applier.engine_hashes(WORKER, GPU) == {2, 3}
+    assert index.holds(WORKER) == {(KEYS[0], GPU), (KEYS[1], GPU)}
+    applier.apply(source, [BlockRemoved(block_hashes=[3], medium="GPU")])
+    assert applier.engine_hashes(WORKER, GPU) == {2} and index.holds(WORKER) == {(KEYS[0], GPU)}
 
 
 async def test_shared_tier_reaches_every_worker_and_salt_separates() -> None:
