@@ -9,6 +9,7 @@ import random
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,12 @@ import zmq.asyncio
 from kvcore.kv_events import BlockHash, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
-from router.kv_index import GPU, InMemoryKvIndex, measure_entry_bytes
+from router.kv_index import GPU, InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.routing import RouteRequest
-from strategies.kv import KvAware
+from strategies import create_strategy
 
 BLOCK = 16
 
@@ -100,6 +101,23 @@ async def events_over_zmq(n_batches: int, blocks_per_event: int) -> float:
     return blocks / elapsed
 
 
+def measure_entry_bytes(blocks: int = 20_000, workers: int = 4) -> float:
+    """Bytes one (block, worker) entry costs in the in-memory index, measured with tracemalloc (0 if tracing)."""
+    if tracemalloc.is_tracing():
+        return 0.0  # someone else is measuring; do not disturb them
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = InMemoryKvIndex()
+        for w in range(workers):
+            index.add(f"http://10.0.0.{w}:8000", range(w * blocks // 2, w * blocks // 2 + blocks), GPU)
+        used = tracemalloc.get_traced_memory()[0] - before
+        return used / index.entries()
+    finally:
+        tracemalloc.stop()
+
+
+
 def lookup_cost(workers: int, blocks: int, repeats: int) -> dict[str, float]:
     """µs for one index lookup and one whole `kv` decision, for a `blocks`-block prompt over `workers`."""
     rng = random.Random(2)
@@ -116,11 +134,11 @@ def lookup_cost(workers: int, blocks: int, repeats: int) -> dict[str, float]:
         index.lookup(keys, urls)
         samples.append(time.perf_counter() - started)
     config = GatewayConfig(strategy="kv", block_size=BLOCK)
-    strategy = KvAware(config)
+    strategy = create_strategy(config)
     strategy.attach_kv(index, lambda url: True)
     pool = [Worker(spec=WorkerSpec(url), healthy=True) for url in urls]
-    request = RouteRequest(model="tiny", path="/v1/completions", body={}, headers={}, token_ids=tokens,
-                           block_keys=keys, prompt_tokens=len(tokens))
+    request = RouteRequest(model="tiny", path="/v1/completions", token_ids=tokens, block_keys=keys,
+                           prompt_tokens=len(tokens))
     decisions = []
     for _ in range(repeats):
         started = time.perf_counter()

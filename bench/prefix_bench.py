@@ -15,6 +15,7 @@ import random
 import statistics
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,32 @@ from router.config import GatewayConfig, WorkerSpec
 from router.pool import Worker
 from router.prefix_trie import PrefixTrie
 from router.prompt_tokens import PromptTokens
+from router.requests import Prompt, read_payload
 from router.routing import RouteRequest
 from strategies import create_strategy
-from strategies.prefix import measure_node_bytes
 
 CHAT = "/v1/chat/completions"
 WORDS = Path(random.__file__).read_text().split()
+
+
+def measure_node_bytes(prompts: int = 40, blocks: int = 100, workers: int = 4) -> float:
+    """Memory one trie node takes (trie node, index entry, worker map), measured with tracemalloc on a
+    throwaway trie; skipped (0) when something else is already tracing."""
+    if tracemalloc.is_tracing():
+        return 0.0
+    rng = random.Random(0)
+    prompt_keys = [[rng.getrandbits(64) for _ in range(blocks)] for _ in range(prompts)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        trie = PrefixTrie(max_nodes=prompts * blocks, ttl_s=3600.0)
+        for i, keys in enumerate(prompt_keys):
+            for w in range(workers if i % 2 == 0 else 1):
+                trie.insert(keys, f"http://worker-{w}:8000")
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    return (after - before) / max(1, len(trie))
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -64,6 +85,12 @@ def _conversation(rng: random.Random, target_tokens: int) -> list[dict[str, str]
     return messages
 
 
+def _chat(messages: list[dict[str, str]]) -> Prompt:
+    prompt = read_payload(CHAT, {"model": "tiny", "messages": messages}, model_required=True).prompt
+    assert prompt is not None
+    return prompt
+
+
 async def measure_tokenize(model_dir: Path, repeat: int) -> dict[str, Any]:
     """Per request: render the chat template, encode, hash into block keys. `*_ms` run on this thread (the
     work itself); `*_service_ms` go through `PromptTokens.keys`, thread-pool hop included."""
@@ -77,28 +104,28 @@ async def measure_tokenize(model_dir: Path, repeat: int) -> dict[str, Any]:
     cold_service: list[float] = []
     tokens = 0
     for messages in conversations:
-        body = {"model": "tiny", "messages": messages}
+        prompt = _chat(messages)
         prompts.clear_caches()
         started = time.perf_counter()
-        tokens = prompts.tokenize_now(tokenizer, body, True, root).prompt_tokens
+        tokens = prompts.tokenize_now(tokenizer, prompt, root).prompt_tokens
         cold.append(time.perf_counter() - started)
         prompts.clear_caches()
         started = time.perf_counter()
-        await prompts.keys(CHAT, "tiny", body, {})
+        await prompts.keys(prompt, "tiny", {})
         cold_service.append(time.perf_counter() - started)
     turn: list[float] = []
     turn_service: list[float] = []
     for messages in conversations:
-        await prompts.keys(CHAT, "tiny", {"messages": messages}, {})  # the conversation so far is cached
+        await prompts.keys(_chat(messages), "tiny", {})  # the conversation so far is cached
         following = [*messages, {"role": "assistant", "content": _words(rng, 40)},
                      {"role": "user", "content": _words(rng, 25)}]
         started = time.perf_counter()
-        prompts.tokenize_now(tokenizer, {"messages": following}, True, root)
+        prompts.tokenize_now(tokenizer, _chat(following), root)
         turn.append(time.perf_counter() - started)
         following = [*following, {"role": "assistant", "content": _words(rng, 40)},
                      {"role": "user", "content": _words(rng, 25)}]
         started = time.perf_counter()
-        await prompts.keys(CHAT, "tiny", {"messages": following}, {})
+        await prompts.keys(_chat(following), "tiny", {})
         turn_service.append(time.perf_counter() - started)
     prompts.close()
     return {
@@ -131,8 +158,7 @@ def measure_trie(workers: int = 16, blocks: int = 500, filler_nodes: int = 200_0
     strategy = create_strategy(config)
     pool = [Worker(spec=WorkerSpec(u), healthy=True, models=frozenset({"tiny"})) for u in urls]
     token_ids = [rng.randrange(4096) for _ in range(blocks * 16)]
-    request = RouteRequest("tiny", CHAT, {}, {}, token_ids, block_keys(token_ids, 16, root_key("tiny")),
-                           len(token_ids))
+    request = RouteRequest("tiny", CHAT, {}, token_ids, block_keys(token_ids, 16, root_key("tiny")), len(token_ids))
     choose = _timed(lambda: strategy.choose(request, pool), 500)
     return {
         "workers": workers, "prompt_blocks": blocks, "trie_nodes": len(trie),

@@ -44,15 +44,17 @@ from bench.sim.scheduler import Scheduler, SimRequest
 from bench.workloads import PromptVocabulary, Workload
 from kvcore.kv_events import BlockRemoved, BlockStored, KvEvent
 from kvcore.vllm_hash import make_block_hasher
+from kvgate.serve import assemble
 from router.block_keys import block_keys, root_key
-from router.config import GatewayConfig, WorkerSpec
+from router.config import WorkerSpec
 from router.kv_apply import KvEventApplier
 from router.kv_index import InMemoryKvIndex
 from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
 from router.pool import Worker
-from router.routing import Decision, RouteRequest, Strategy
-from strategies import create_strategy
+from router.routing import Decision, RouteRequest
+from strategies.balance import PrefillBalance
+from strategies.kv import KvAware
 
 MODEL = "tiny"
 TIERS = ("gpu", "dram", "nvme", "shared")
@@ -272,12 +274,13 @@ class FleetSimulation:
         blocks = gpu_blocks or self.profile.num_gpu_blocks(block_size)
         blocks = max(blocks, self.max_model_len // block_size + 2)
         self.gpu_blocks = blocks
-        self.config = GatewayConfig(strategy=strategy, block_size=block_size, **(config_overrides or {}))
-        self.strategy: Strategy = create_strategy(self.config)
+        self.config, self.strategy = assemble({"strategy": strategy, "block_size": block_size,
+                                               **(config_overrides or {})})
         random.seed(seed)  # least_load breaks ties with the module's random
-        rng = getattr(self.strategy, "_random", None)
-        if isinstance(rng, random.Random):
-            rng.seed(seed)
+        balance = getattr(self.strategy, "balance", None)  # prefix and kv: seeded, and on virtual time
+        if isinstance(balance, PrefillBalance):
+            balance.random.seed(seed)
+            balance.clock = lambda: self.now
         hasher, to_event = make_block_hasher("sha256", seed="vsim", int_hashes=True)
         self.hasher = hasher
         self.to_event = to_event
@@ -286,7 +289,6 @@ class FleetSimulation:
                                         events=True) for i in range(replicas)]
         self.workers = [r.worker for r in self.replicas]
         self.now = 0.0
-        self.strategy_clock()
         # KV events go straight to the gateway's applier, in order and complete: no transport, nothing to recover
         self.kv: KvEventApplier | None = None
         self.sources = [EventSource(r.url, f"vsim://{r.index}") for r in self.replicas]
@@ -313,10 +315,6 @@ class FleetSimulation:
         self._by_id: dict[str, VRequest] = {}
         self._done = 0
         self._next = 0
-
-    def strategy_clock(self) -> None:
-        if hasattr(self.strategy, "clock"):
-            self.strategy.clock = lambda: self.now
 
     # --- events ---------------------------------------------------------------------------------------------
 
@@ -350,7 +348,7 @@ class FleetSimulation:
 
     def _arrive(self, req: VRequest) -> None:
         req.arrival = self.now
-        route = RouteRequest(MODEL, "/v1/completions", {}, {}, req.token_ids, req.keys, len(req.token_ids))
+        route = RouteRequest(MODEL, "/v1/completions", {}, req.token_ids, req.keys, len(req.token_ids))
         decision = self.strategy.choose(route, self.workers)
         worker = decision.worker
         worker.in_flight += 1
@@ -450,8 +448,8 @@ class FleetSimulation:
             worker = replica.worker
             worker.in_flight -= 1
             assert req.route is not None and req.decision is not None
-            if hasattr(self.strategy, "pending"):  # kv: pending blocks stay for the grace period
-                self._push(self.now + self.config.kv_pending_grace_s, "discard", req)
+            if isinstance(self.strategy, KvAware):  # pending blocks stay for the grace period, in virtual time
+                self._push(self.now + self.strategy.pending_grace_s, "discard", req)
             else:
                 self.strategy.on_finished(req.route, req.decision)
             if self.concurrency is not None:
@@ -492,8 +490,8 @@ class FleetSimulation:
             elif kind == "events":
                 self._apply_events(payload)
             elif kind == "discard":
-                pending = self.strategy.pending  # type: ignore[attr-defined]
-                pending.discard(payload.decision.worker.url, payload.keys)
+                assert isinstance(self.strategy, KvAware)
+                self.strategy.pending.discard(payload.decision.worker.url, payload.keys)
             elif kind == "scrape":
                 self._scrape()
                 if self._done < len(self.requests):

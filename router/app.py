@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -18,14 +18,14 @@ from router.admission import Admission, Admitted
 from router.config import GatewayConfig, WorkerSpec
 from router.discovery import WorkerDiscovery
 from router.errors import GatewayError, bad_request, error_response, no_worker
-from router.kv_index import InMemoryKvIndex, measure_entry_bytes
+from router.kv_index import InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.listener import raise_open_file_limit, serving
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool
 from router.prompt_tokens import PromptTokens
 from router.proxy import FORWARDED_REQUEST_HEADERS, Proxy
-from router.requests import CHAT_COMPLETIONS, COMPLETIONS, parse_body, parse_json_object, unknown_model
+from router.requests import CHAT_COMPLETIONS, COMPLETIONS, ApiRequest, parse_body, parse_json_object
 from router.routing import RouteRequest, Strategy
 from router.upstream import UpstreamPool
 
@@ -43,7 +43,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.admission = Admission(config.max_in_flight_requests, config.max_in_flight_bytes, self.metrics)
         self.strategy = strategy
-        self.strategy.attach_metrics(self.metrics)
+        self.strategy.register_metrics(self.metrics.registry)
         # tokenizing costs CPU: only for strategies that read the prompt's tokens
         self.prompts = PromptTokens(config, self.metrics) if self.strategy.needs_prompt_tokens else None
         self._upstream: UpstreamPool | None = None
@@ -72,7 +72,6 @@ class Gateway:
             self.kv_events = KvEventHub(index, self.metrics, self._base_model, replay_timeout_s=cfg.kv_replay_timeout_s,
                                         resync_s=cfg.kv_resync_s)
             self.strategy.attach_kv(index, self.kv_events.trusted)
-            self.metrics.kv_index_entry_bytes.set(measure_entry_bytes())
         self._pool = WorkerPool(cfg, self._upstream, self.metrics, on_added=self._worker_added,
                                 on_removed=self._worker_removed)
         for spec in cfg.worker:
@@ -103,12 +102,27 @@ class Gateway:
             self.kv_events.forget_worker(url)
 
     def _base_model(self, url: str) -> str | None:
-        """The base model a worker serves (its card without a `parent`): the root of its events' block keys."""
         worker = self.pool.get(url)
-        if worker is None:
-            return None
-        bases = [m for m, card in worker.model_cards.items() if card.get("parent") in (None, m)]
-        return bases[0] if bases else None
+        return worker.base_model if worker is not None else None
+
+    def eligible(self, model: str | None) -> list[Worker]:
+        """The workers that may take a request for `model` now; the right error when there are none."""
+        workers = self.pool.eligible(model)
+        if not workers:
+            raise self.pool.unavailable(model)
+        return workers
+
+    async def route_request(self, api: ApiRequest, workers: Sequence[Worker], headers: Mapping[str, str],
+                            raw: bytes | None = None) -> RouteRequest:
+        """What the strategy sees of a request, built once: its prompt's keys when the strategy reads them (`raw`:
+        the body as received). A LoRA adapter's prompt is tokenized by its base model's tokenizer and keyed under
+        the adapter's name."""
+        model = api.model or ""
+        if self.prompts is None or api.prompt is None:
+            return RouteRequest(model, api.path, headers)
+        base = workers[0].lora_base(model) if workers else None  # every eligible worker lists the model
+        found = await self.prompts.keys(api.prompt, base or model, headers, lora=model if base else None, raw=raw)
+        return RouteRequest(model, api.path, headers, found.token_ids, found.block_keys, found.prompt_tokens)
 
     @property
     def discovery(self) -> WorkerDiscovery | None:
@@ -220,13 +234,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     with _admit(request) as admitted:
         body = await _read_body(request, gateway.config.max_body_bytes, admitted)
-        parsed = parse_body(request.path, body, model_required=True)
-        assert parsed.model is not None
-        workers = _eligible(gateway, parsed.model)
-        route = RouteRequest(model=parsed.model, path=request.path, body=parsed.payload, headers=request.headers)
-        if gateway.prompts is not None:
-            await gateway.prompts.fill(route, workers, body)
-        return await gateway.proxy.forward(request, route, body, stream=parsed.stream, started=started)
+        api = parse_body(request.path, body, model_required=True)
+        route = await gateway.route_request(api, gateway.eligible(api.model), request.headers, body)
+        return await gateway.proxy.forward(request, route, body, stream=api.stream, started=started)
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
@@ -238,30 +248,14 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     with _admit(request) as admitted:
         body: bytes | None = None
-        model: str | None = None
-        payload: dict[str, Any] = {}
-        stream = False
+        api = ApiRequest(request.path, None, False)
         if request.method in ("POST", "PUT", "PATCH"):
             body = await _read_body(request, gateway.config.max_body_bytes, admitted)
-            parsed = parse_body(request.path, body, model_required=False)
-            payload, model, stream = parsed.payload, parsed.model, parsed.stream
-            if model is not None:
-                _eligible(gateway, model)
-        route = RouteRequest(model=model or "", path=request.path, body=payload, headers=request.headers)
-        return await gateway.proxy.forward(request, route, body, stream=stream, started=started)
-
-
-def _eligible(gateway: Gateway, model: str) -> list[Worker]:
-    """The workers that may take a request for `model` now; the right error when there are none."""
-    pool = gateway.pool
-    workers = pool.eligible(model)
-    if workers:
-        return workers
-    if pool.knows_model(model):
-        raise no_worker(f"no healthy worker serves model `{model}` right now")
-    if not pool.healthy():
-        raise no_worker("no healthy worker available")
-    raise unknown_model(model)
+            api = parse_body(request.path, body, model_required=False)
+            if api.model is not None:
+                gateway.eligible(api.model)
+        route = RouteRequest(api.model or "", api.path, request.headers)
+        return await gateway.proxy.forward(request, route, body, stream=api.stream, started=started)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -113,7 +113,7 @@ class GatewayConfig:
         [], "upstream vLLM replica, repeatable: URL[;events=EP;replay=EP;agent_events=EP;agent_replay=EP]",
         parse=_parse_worker, aliases=("workers",),
     )
-    strategy: str = option("round_robin", "routing strategy (see `kvgate strategies`)")
+    strategy: str = option("round_robin", "routing strategy: round_robin, least_load, prefix or kv")
     api_key: list[str] = option([], "accepted client API key (Authorization: Bearer), repeatable; none = open")
     admin_key: str = option(
         "", "key required for /admin/* (Authorization: Bearer), different from every api key; empty with api "
@@ -172,7 +172,7 @@ class GatewayConfig:
     discover_events_port: int = option(0, "KV-event PUB port on each discovered host, as tcp://HOST:PORT; 0 = none")
     discover_replay_port: int = option(0, "KV-event replay port on each discovered host; 0 = none")
     log_level: str = option("info", "log level: debug, info, warning, error")
-    # prefix-aware routing (issue 4): tokenization, block keys, the prefix trie, the `prefix` strategy
+    # prompts: tokenization and block keys, for strategies that read them (`prefix`, `kv`)
     model_dir: list[str] = option(
         [], "tokenizer source, repeatable: DIR for every model, or NAME=DIR per served model; DIR is a model "
         "directory or a Hugging Face cache (models--org--name); none = text mode (character blocks)"
@@ -191,31 +191,7 @@ class GatewayConfig:
         "killed and replaced after, the request routed in text mode"
     )
     chat_cache_entries: int = option(8192, "rendered chat segments kept tokenized, so a new turn costs its new text")
-    prefix_trie_max_nodes: int = option(500_000, "most prefix-trie nodes (one per block); LRU leaves go first")
-    prefix_trie_ttl_s: float = option(600.0, "seconds a worker is assumed to keep a prefix it was sent")
-    prefix_request_cost_tokens: float = option(
-        128.0, "prefix: cost of each outstanding request on a worker, in prefill tokens"
-    )
-    prefix_prefill_weight: float = option(
-        2.0, "prefix: weight of the prefill a request needs on a worker against the queue it joins there"
-    )
-    prefix_prefill_tokens_per_s: float = option(
-        20000.0, "prefix: rate at which a worker's queued prefill tokens are assumed to drain"
-    )
-    # KV-aware routing (issue 5): KV events, the block index, the `kv` strategy
-    kv_cost_cpu: float = option(0.1, "kv: cost of a block held in the agent's DRAM tier, as a share of recomputing it")
-    kv_cost_disk: float = option(0.25, "kv: cost of a block on the agent's NVMe tier, as a share of recomputing it")
-    kv_cost_shared: float = option(
-        0.4, "kv: cost of a block in the fleet-shared tier (reachable from every worker), share of recomputing it"
-    )
-    kv_pending_grace_s: float = option(
-        0.1, "kv: seconds a finished request's blocks still count as predicted on its worker, for its KV events "
-        "to arrive (while it is in flight they always count)"
-    )
-    kv_affinity: float = option(
-        0.5, "kv: pull of the worker a prefix was last sent to when the engines no longer hold it, as a share of "
-        "the prefill it would save if they did (keeps a group in one place instead of copying it around)"
-    )
+    # KV events in and the block index, for strategies that read them (`kv`)
     kv_index_max_entries: int = option(20_000_000, "kv: most (block, worker) entries in the block index")
     kv_replay_timeout_s: float = option(2.0, "kv: timeout of one replay request to an event source")
     kv_resync_s: float = option(

@@ -50,3 +50,9 @@ def no_worker(message: str, retry_after_s: int = 1) -> GatewayError:
         503, message, type="service_unavailable", code="no_healthy_worker",
         headers={"Retry-After": str(retry_after_s)},
     )
+
+
+def unknown_model(model: str) -> GatewayError:
+    return GatewayError(
+        404, f"The model `{model}` does not exist.", type="NotFoundError", code="model_not_found"
+    )

@@ -248,22 +248,3 @@ def _cheapest(mask: int) -> str:
         if mask & _BIT[tier]:
             return tier
     raise ValueError(mask)
-
-
-def measure_entry_bytes(blocks: int = 20_000, workers: int = 4) -> float:
-    """Bytes one (block, worker) entry costs in the in-memory index, measured with tracemalloc (0 if tracing)."""
-    import tracemalloc
-
-    if tracemalloc.is_tracing():
-        return 0.0  # someone else is measuring; do not disturb them
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        index = InMemoryKvIndex()
-        for w in range(workers):
-            index.add(f"http://10.0.0.{w}:8000", range(w * blocks // 2, w * blocks // 2 + blocks), GPU)
-        used = tracemalloc.get_traced_memory()[0] - before
-        return used / index.entries()
-    finally:
-        tracemalloc.stop()
-

@@ -8,7 +8,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKENIZE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
-RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 class GatewayMetrics:
@@ -86,7 +85,7 @@ class GatewayMetrics:
             "kvgate_discovery_errors", "Discovery rounds a source failed (its last answer kept)", ["source"],
             registry=r,
         )
-        # prefix-aware routing
+        # prompts (strategies that read them)
         self.tokenize_duration = Histogram(
             "kvgate_tokenize_duration_seconds", "Time to tokenize and hash one prompt, by mode (tokens or text)",
             ["mode"], buckets=TOKENIZE_BUCKETS, registry=r,
@@ -96,27 +95,7 @@ class GatewayMetrics:
             "routed in text mode: untrusted, busy, timeout, crashed, memory, output, error)", ["outcome"],
             registry=r,
         )
-        self.prefix_match_ratio = Histogram(
-            "kvgate_prefix_match_ratio", "Share of the prompt's tokens predicted cached on the chosen worker",
-            ["strategy"], buckets=RATIO_BUCKETS, registry=r,
-        )
-        self.predicted_cached_tokens = Counter(
-            "kvgate_predicted_cached_tokens", "Prompt tokens predicted to be cached on the chosen worker",
-            ["strategy"], registry=r,
-        )
-        self.routed_prompt_tokens = Counter(
-            "kvgate_routed_prompt_tokens", "Prompt tokens of routed requests (the denominator of the hit rate)",
-            ["strategy"], registry=r,
-        )
-        self.trie_nodes = Gauge("kvgate_prefix_trie_nodes", "Nodes (blocks) in the prefix trie", registry=r)
-        self.trie_node_bytes = Gauge(
-            "kvgate_prefix_trie_node_bytes", "Measured memory per prefix-trie node, bytes", registry=r,
-        )
-        self.trie_evictions = Counter(
-            "kvgate_prefix_trie_evictions", "Prefix-trie nodes removed, by reason (capacity, ttl)", ["reason"],
-            registry=r,
-        )
-        # KV events and the block index (the `kv` strategy)
+        # KV events and the block index (strategies that read them: `kv`)
         self.kv_events_applied = Counter(
             "kvgate_kv_events_applied", "KV events applied to the block index, by worker and event type",
             ["worker", "type"], registry=r,
@@ -143,9 +122,6 @@ class GatewayMetrics:
         )
         self.kv_index_entries = Gauge(
             "kvgate_kv_index_entries", "(block, worker) entries in the KV block index", registry=r,
-        )
-        self.kv_index_entry_bytes = Gauge(
-            "kvgate_kv_index_entry_bytes", "Measured memory per (block, worker) index entry, bytes", registry=r,
         )
         self.actual_cached_tokens = Counter(
             "kvgate_actual_cached_tokens",

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from router.config import GatewayConfig, WorkerSpec
+from router.errors import GatewayError, no_worker, unknown_model
 from router.metrics import GatewayMetrics
 from router.prom_text import sum_samples
 from router.upstream import UpstreamError, UpstreamPool
@@ -69,6 +70,20 @@ class Worker:
 
     def serves(self, model: str) -> bool:
         return self.healthy and not self.draining and model in self.models
+
+    @property
+    def base_model(self) -> str | None:
+        """The base model this worker serves (its model card without a `parent`): the root of the block keys of
+        its KV events. None while its models are unknown."""
+        bases = [m for m, card in self.model_cards.items() if card.get("parent") in (None, m)]
+        return bases[0] if bases else None
+
+    def lora_base(self, model: str) -> str | None:
+        """The base model of the LoRA adapter this worker serves as `model` (vLLM's model card names it
+        `parent`); None for a base model, or a model this worker does not list."""
+        card = self.model_cards.get(model)
+        parent = card.get("parent") if card is not None else None
+        return parent if isinstance(parent, str) and parent and parent != model else None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -125,13 +140,19 @@ class WorkerPool:
     def all(self) -> list[Worker]:
         return list(self._workers.values())
 
-    def eligible(self, model: str) -> list[Worker]:
-        """Workers that may take a new request for `model` now."""
-        return [w for w in self._workers.values() if w.serves(model)]
+    def eligible(self, model: str | None, exclude: Container[str] = ()) -> list[Worker]:
+        """Workers that may take a new request for `model` now (any healthy one when the request names no
+        model), but none whose URL is in `exclude` (those tried already)."""
+        workers = [w for w in self._workers.values() if w.serves(model)] if model else self.healthy()
+        return [w for w in workers if w.url not in exclude] if exclude else workers
 
-    def knows_model(self, model: str) -> bool:
-        """Whether any worker, healthy or not, has ever listed `model`."""
-        return any(model in w.models for w in self._workers.values())
+    def unavailable(self, model: str | None) -> GatewayError:
+        """Why no worker may take a request for `model` now: the error to answer it with."""
+        if model and any(model in w.models for w in self._workers.values()):
+            return no_worker(f"no healthy worker serves model `{model}` right now")
+        if not self.healthy() or not model:
+            return no_worker("no healthy worker available")
+        return unknown_model(model)
 
     def healthy(self) -> list[Worker]:
         return [w for w in self._workers.values() if w.healthy and not w.draining]

@@ -24,7 +24,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +36,7 @@ from kvcore.config import ConfigError
 from router.block_keys import BlockKey, block_keys, root_key
 from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
-from router.pool import Worker
-from router.requests import CHAT_COMPLETIONS, COMPLETIONS
-from router.routing import RouteRequest
+from router.requests import ChatPrompt, CompletionPrompt, Prompt
 from router.template_sandbox import RenderFailed, TemplateSandbox, sandbox_memory_bytes
 from router.tokenizer import ModelTokenizer, TokenizationError, chat_adds_special_tokens
 
@@ -282,20 +280,13 @@ def parse_model_dirs(entries: Sequence[str]) -> tuple[dict[str, str], str | None
     return named, default
 
 
-def cache_namespace(body: Mapping[str, Any], headers: Mapping[str, str], tenant_header: str) -> str | None:
+def cache_namespace(prompt: Prompt, headers: Mapping[str, str], tenant_header: str) -> str | None:
     """The tenant's cache namespace: the body's `cache_salt` (as vLLM takes it), else the tenant header."""
-    salt = body.get("cache_salt")
-    if isinstance(salt, str) and salt:
-        return salt
+    if prompt.cache_salt:
+        return prompt.cache_salt
     if tenant_header:
         return headers.get(tenant_header) or None
     return None
-
-
-def _first_prompt(prompt: Any) -> Any:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return prompt[0]  # a batch: route by its first prompt
-    return prompt
 
 
 def _part_text(content: Any) -> str:
@@ -307,16 +298,25 @@ def _part_text(content: Any) -> str:
     return ""
 
 
-def chat_text(body: Mapping[str, Any]) -> str:
-    """Text mode's canonical rendering of a chat request: tools, then each message's role and text."""
+def prompt_text(prompt: Prompt) -> str:
+    """Text mode's canonical rendering of a prompt: a completion's text, or a chat's tools, then each message's
+    role and text."""
+    if isinstance(prompt, CompletionPrompt):
+        return prompt.prompt if isinstance(prompt.prompt, str) else ""
     parts: list[str] = []
-    tools = body.get("tools")
+    tools = prompt.template.get("tools")
     if tools:
         parts.append("\x1etools\x1f" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
-    for message in body.get("messages") or ():
-        if isinstance(message, dict):
-            parts.append(f"\x1e{message.get('role', '')}\x1f{_part_text(message.get('content'))}")
+    for message in prompt.messages:
+        parts.append(f"\x1e{message.get('role', '')}\x1f{_part_text(message.get('content'))}")
     return "".join(parts)
+
+
+def _text_size(prompt: Prompt) -> int:
+    """Characters of text the tokenizer would encode (what decides the thread)."""
+    if isinstance(prompt, CompletionPrompt):
+        return len(prompt.prompt) if isinstance(prompt.prompt, str) else 0
+    return sum(len(_part_text(m.get("content"))) for m in prompt.messages)
 
 
 def text_block_keys(text: str, block_size: int, root: BlockKey) -> list[BlockKey]:
@@ -419,43 +419,37 @@ class PromptTokens:
         log.info("tokenizer loaded from %s", directory)
         return tokenizer
 
-    async def keys(
-        self, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str],
-        lora: str | None = None, raw: bytes | None = None,
-    ) -> PromptKeys:
-        """Token ids and block keys of a completions or chat request body. `model` names the tokenizer (a LoRA
-        adapter's base model) and `lora` the adapter, if any; `raw` is the body as received."""
+    async def keys(self, prompt: Prompt, model: str, headers: Mapping[str, str], lora: str | None = None,
+                   raw: bytes | None = None) -> PromptKeys:
+        """Token ids and block keys of a request's prompt. `model` names the tokenizer (a LoRA adapter's base
+        model) and `lora` the adapter, if any; `raw` is the request body as received."""
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        root = root_key(model, lora, cache_namespace(body, headers, self.tenant_header))
+        root = root_key(model, lora, cache_namespace(prompt, headers, self.tenant_header))
         tokenizer = await self.tokenizer(model)
-        chat = path == CHAT_COMPLETIONS
         # the body's size bounds the work of tokenizing it, tools and documents included
-        inline = (len(raw) if raw is not None else _text_size(body, chat)) < INLINE_CHARS
+        inline = (len(raw) if raw is not None else _text_size(prompt)) < INLINE_CHARS
         result: PromptKeys | None = None
-        if not chat and path == COMPLETIONS:
-            prompt = _first_prompt(body.get("prompt"))
-            if isinstance(prompt, list):  # token ids: exact with or without a tokenizer
-                result = self._from_ids(prompt, root)
+        if isinstance(prompt, CompletionPrompt) and isinstance(prompt.prompt, list):
+            result = self._from_ids(prompt.prompt, root)  # token ids: exact with or without a tokenizer
         if result is None and tokenizer is not None:
             try:
-                if chat and not tokenizer.chat.owns(body.get("chat_template")):
-                    result = await self._with_client_template(tokenizer, body, raw, root)
+                if isinstance(prompt, ChatPrompt) and not tokenizer.chat.owns(prompt.template.get("chat_template")):
+                    result = await self._with_client_template(tokenizer, prompt, raw, root)
                 elif inline:
-                    result = self.tokenize_now(tokenizer, body, chat, root)
+                    result = self.tokenize_now(tokenizer, prompt, root)
                 else:
-                    result = await loop.run_in_executor(self._executor, self.tokenize_now, tokenizer, body, chat,
-                                                        root)
+                    result = await loop.run_in_executor(self._executor, self.tokenize_now, tokenizer, prompt, root)
             except TokenizationError as exc:
                 log.debug("tokenization failed, routing by text: %s", exc)
         if result is None:
-            result = (self.text_keys(body, chat, root) if inline
-                      else await loop.run_in_executor(self._executor, self.text_keys, body, chat, root))
+            result = (self.text_keys(prompt, root) if inline
+                      else await loop.run_in_executor(self._executor, self.text_keys, prompt, root))
         if self._metrics is not None:
             self._metrics.tokenize_duration.labels(result.mode).observe(time.perf_counter() - started)
         return result
 
-    async def _with_client_template(self, tokenizer: SegmentCachingTokenizer, body: Mapping[str, Any],
+    async def _with_client_template(self, tokenizer: SegmentCachingTokenizer, prompt: ChatPrompt,
                                     raw: bytes | None, root: BlockKey) -> PromptKeys | None:
         """A chat whose template the client wrote: rendered in the sandbox, or None (text mode) when it may not
         run (`trust_request_chat_template` off, as vLLM refuses such requests by default) or did not finish."""
@@ -463,6 +457,7 @@ class PromptTokens:
             self._count_render("untrusted")
             return None
         loop = asyncio.get_running_loop()
+        body = prompt.vllm_body()
         if raw is None:
             raw = await loop.run_in_executor(self._executor, orjson.dumps, body)
         try:
@@ -479,22 +474,12 @@ class PromptTokens:
         if self._metrics is not None:
             self._metrics.client_template_renders.labels(outcome).inc()
 
-    async def fill(self, route: RouteRequest, workers: Iterable[Worker], raw: bytes | None = None) -> None:
-        """Give a routed request its token ids, block keys and prompt length before the strategy runs."""
-        base = lora_base(route.model, workers)
-        found = await self.keys(route.path, base or route.model, route.body, route.headers,
-                                lora=route.model if base else None, raw=raw)
-        route.token_ids, route.block_keys, route.prompt_tokens = found.token_ids, found.block_keys, found.prompt_tokens
-
     def _from_ids(self, ids: list[int], root: BlockKey) -> PromptKeys:
         return PromptKeys(block_keys(ids, self.block_size, root), len(ids), ids, TOKENS)
 
-    def tokenize_now(self, tokenizer: SegmentCachingTokenizer, body: Mapping[str, Any], chat: bool,
-                     root: BlockKey) -> PromptKeys:
+    def tokenize_now(self, tokenizer: SegmentCachingTokenizer, prompt: Prompt, root: BlockKey) -> PromptKeys:
         """Tokenize and hash on the calling thread (`keys` decides which thread that is)."""
-        if not chat:
-            body = {**body, "prompt": _first_prompt(body.get("prompt"))}
-        ids, data = tokenizer.prompt_ids_and_bytes(body, chat=chat)
+        ids, data = tokenizer.prompt_ids_and_bytes(prompt.vllm_body(), chat=isinstance(prompt, ChatPrompt))
         return PromptKeys(self._chains.keys(data, root), len(ids), ids, TOKENS)
 
     def encode_now(self, tokenizer: SegmentCachingTokenizer, text: str, add_special_tokens: bool,
@@ -503,30 +488,12 @@ class PromptTokens:
         ids, data = tokenizer.text_ids_and_bytes(text, add_special_tokens=add_special_tokens)
         return PromptKeys(self._chains.keys(data, root), len(ids), ids, TOKENS)
 
-    def text_keys(self, body: Mapping[str, Any], chat: bool, root: BlockKey) -> PromptKeys:
+    def text_keys(self, prompt: Prompt, root: BlockKey) -> PromptKeys:
         """Text mode, on the calling thread."""
-        text = chat_text(body) if chat else _first_prompt(body.get("prompt"))
-        return self._from_text(text if isinstance(text, str) else "", root)
+        return self._from_text(prompt_text(prompt), root)
 
     def _from_text(self, text: str, root: BlockKey) -> PromptKeys:
         # a different root than token mode: character blocks must never be mistaken for token blocks
         text_root = root_key(f"text:{root:x}", None, None)
         return PromptKeys(text_block_keys(text, self.block_size, text_root),
                           -(-len(text) // CHARS_PER_TOKEN), None, TEXT)
-
-
-def _text_size(body: Mapping[str, Any], chat: bool) -> int:
-    if not chat:
-        prompt = _first_prompt(body.get("prompt"))
-        return len(prompt) if isinstance(prompt, str) else 0
-    return sum(len(_part_text(m.get("content"))) for m in body.get("messages") or () if isinstance(m, dict))
-
-
-def lora_base(model: str, workers: Iterable[Worker]) -> str | None:
-    """The base model of a LoRA adapter served under `model` (vLLM's model card names it `parent`)."""
-    for worker in workers:
-        card = worker.model_cards.get(model)
-        if card is not None:
-            parent = card.get("parent")
-            return parent if isinstance(parent, str) and parent and parent != model else None
-    return None

@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from router.config import GatewayConfig
-from router.errors import GatewayError, no_worker
+from router.errors import GatewayError
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool, describe_error
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS
@@ -75,10 +75,6 @@ class Proxy:
         self._metrics = metrics
         self._upstream = upstream
 
-    def _candidates(self, model: str | None, tried: set[str]) -> Sequence[Worker]:
-        workers = self._pool.eligible(model) if model else self._pool.healthy()
-        return [w for w in workers if w.url not in tried]
-
     async def forward(
         self, request: web.Request, route: RouteRequest, body: bytes | None, *, stream: bool, started: float
     ) -> web.StreamResponse:
@@ -87,7 +83,7 @@ class Proxy:
         last_error = ""
         deadline = asyncio.get_running_loop().time() + self._config.total_timeout_s
         for _ in range(self._config.max_attempts):
-            candidates = self._candidates(route.model, tried)
+            candidates = self._pool.eligible(route.model, exclude=tried)
             if not candidates:
                 break
             decision = self._strategy.choose(route, candidates)
@@ -114,9 +110,7 @@ class Proxy:
                 self._pool.release(worker)
                 self._strategy.on_finished(route, decision)
         if not tried:
-            if route.model and self._pool.knows_model(route.model):
-                raise no_worker(f"no healthy worker serves model `{route.model}` right now")
-            raise no_worker("no healthy worker available")
+            raise self._pool.unavailable(route.model)
         raise GatewayError(
             502, f"upstream failed after {len(tried)} attempt(s); last: {last_error}",
             type="upstream_error", code="upstream_failed",

@@ -1,4 +1,5 @@
-"""Validation of OpenAI-style request bodies at the edge: bad input becomes a 400 before any routing."""
+"""OpenAI-style request bodies, decoded and checked once at the edge: bad input becomes a 400 before any routing,
+good input a typed `ApiRequest` holding only what the gateway reads (the proxy forwards the original bytes)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,55 @@ from typing import Any
 
 import orjson
 
-from router.errors import GatewayError, bad_request
+from router.errors import bad_request
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 
 
+# what vLLM's chat prompt rendering reads besides `messages` (router/tokenizer.py, `ModelTokenizer.prompt_ids`)
+CHAT_TEMPLATE_FIELDS = ("tools", "documents", "chat_template", "chat_template_kwargs", "reasoning_effort",
+                        "add_generation_prompt", "continue_final_message", "add_special_tokens")
+
+
 @dataclass(frozen=True, slots=True)
-class ParsedBody:
-    payload: dict[str, Any]
+class CompletionPrompt:
+    """A `/v1/completions` prompt: text or token ids (a batch is routed by its first prompt)."""
+
+    prompt: str | list[int]
+    add_special_tokens: bool
+    cache_salt: str | None
+
+    def vllm_body(self) -> dict[str, Any]:
+        """The fields vLLM turns into prompt token ids, as a request body (`ModelTokenizer.prompt_ids`)."""
+        return {"prompt": self.prompt, "add_special_tokens": self.add_special_tokens}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A `/v1/chat/completions` prompt: the messages and the chat-template settings sent with them."""
+
+    messages: list[dict[str, Any]]
+    template: dict[str, Any]  # the CHAT_TEMPLATE_FIELDS the request set, as sent
+    cache_salt: str | None
+
+    def vllm_body(self) -> dict[str, Any]:
+        """The fields vLLM turns into prompt token ids, as a request body (`ModelTokenizer.prompt_ids`)."""
+        return {"messages": self.messages, **self.template}
+
+
+Prompt = CompletionPrompt | ChatPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """A request body as the gateway reads it: its model, whether it streams, and its prompt (on the two
+    generation endpoints)."""
+
+    path: str
     model: str | None
     stream: bool
+    prompt: Prompt | None = None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -70,9 +109,13 @@ def _check_messages(messages: Any) -> None:
             raise bad_request(f"messages[{i}].content must be a string or a list of parts", "invalid_messages")
 
 
-def parse_body(path: str, body: bytes, *, model_required: bool) -> ParsedBody:
+def parse_body(path: str, body: bytes, *, model_required: bool) -> ApiRequest:
+    """Decode a JSON request body once and check the fields the gateway relies on (`read_payload`)."""
+    return read_payload(path, parse_json_object(body), model_required=model_required)
+
+
+def read_payload(path: str, payload: dict[str, Any], *, model_required: bool) -> ApiRequest:
     """Check the fields the gateway relies on; everything else is the engine's to judge."""
-    payload = parse_json_object(body)
     model = payload.get("model")
     if model is None:
         if model_required:
@@ -84,22 +127,24 @@ def parse_body(path: str, body: bytes, *, model_required: bool) -> ParsedBody:
         stream = False
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "invalid_stream")
+    salt = payload.get("cache_salt")
+    cache_salt = salt if isinstance(salt, str) and salt else None
+    prompt: Prompt | None = None
     if path == COMPLETIONS:
         if "prompt" not in payload:
             raise bad_request("'prompt' is required", "missing_prompt")
-        _check_prompt(payload["prompt"])
+        given = payload["prompt"]
+        _check_prompt(given)
+        first = given[0] if isinstance(given, list) and isinstance(given[0], str | list) else given  # non-empty
+        prompt = CompletionPrompt(first, bool(payload.get("add_special_tokens", True)), cache_salt)
     elif path == CHAT_COMPLETIONS:
         if "messages" not in payload:
             raise bad_request("'messages' is required", "missing_messages")
         _check_messages(payload["messages"])
+        template = {name: payload[name] for name in CHAT_TEMPLATE_FIELDS if name in payload}
+        prompt = ChatPrompt(payload["messages"], template, cache_salt)
     for name in ("max_tokens", "max_completion_tokens", "n"):
         value = payload.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise bad_request(f"'{name}' must be a non-negative integer", f"invalid_{name}")
-    return ParsedBody(payload=payload, model=model, stream=stream)
-
-
-def unknown_model(model: str) -> GatewayError:
-    return GatewayError(
-        404, f"The model `{model}` does not exist.", type="NotFoundError", code="model_not_found"
-    )
+    return ApiRequest(path, model, stream, prompt)

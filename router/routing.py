@@ -9,22 +9,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from prometheus_client import CollectorRegistry
+
 from router.config import GatewayConfig
 from router.kv_index import KvBlockIndex
-from router.metrics import GatewayMetrics
 from router.pool import Worker
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """What a strategy may look at. `token_ids` and `block_keys` are filled when the gateway tokenizes."""
+    """What a strategy may look at, built once per request: its model and path, its headers and, for strategies
+    that read prompts, the prompt's token ids, block keys and length."""
 
     model: str
     path: str
-    body: dict[str, Any]
-    headers: Mapping[str, str]
-    token_ids: list[int] | None = None
-    block_keys: list[int] = field(default_factory=list)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    token_ids: list[int] | None = None  # None when not tokenized, or in text mode
+    block_keys: Sequence[int] = ()
     prompt_tokens: int = 0  # the prompt's length in tokens (estimated in text mode); 0 when not tokenized
 
 
@@ -37,24 +38,35 @@ class Decision:
     predicted_cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """The settings of a strategy that has none."""
+
+
 class Strategy(abc.ABC):
-    """Chooses a worker for each request. One instance per gateway; `choose` runs on the event loop."""
+    """Chooses a worker for each request. One instance per gateway; `choose` runs on the event loop.
+
+    A strategy's settings are its `Options`: a frozen dataclass of `kvcore.config.option()` fields, read by
+    `kvgate serve` from the same file, `KVGATE_*` environment and flags as the gateway's own, and handed to the
+    constructor. Its metrics it registers itself, on the gateway's registry."""
 
     name: ClassVar[str]
+    Options: ClassVar[type[Any]] = NoOptions
     # whether `choose` reads token_ids / block_keys; the gateway tokenizes only for strategies that do
     needs_prompt_tokens: ClassVar[bool] = False
     # whether the gateway should subscribe to the workers' KV events and hand the strategy its block index
     uses_kv_events: ClassVar[bool] = False
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, options: Any) -> None:
         self.config = config
+        self.options = options  # an instance of this strategy's `Options`
 
     @abc.abstractmethod
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
         """Pick one of `workers` (never empty, all healthy and serving the model)."""
 
-    def attach_metrics(self, metrics: GatewayMetrics) -> None:  # noqa: B027 - optional hook
-        """Called once by the gateway with its metrics, for strategies that export their own."""
+    def register_metrics(self, registry: CollectorRegistry) -> None:  # noqa: B027 - optional hook
+        """Called once by the gateway with its metrics registry, for strategies that export their own."""
 
     def attach_kv(self, index: KvBlockIndex, trusted: Callable[[str], bool]) -> None:  # noqa: B027
         """Called once by the gateway, for strategies with `uses_kv_events`: the block index fed by KV events

@@ -1,9 +1,12 @@
-"""Routing strategies by name. Adding one is one new module and one line in STRATEGIES; the contract they
-implement (`Strategy`, `RouteRequest`, `Decision`) is the gateway's, in router/routing.py."""
+"""Routing strategies by name. Adding one is one new module and one line in STRATEGIES: the module declares the
+strategy's settings (`Options`) and registers its metrics itself. The contract they implement (`Strategy`,
+`RouteRequest`, `Decision`) is the gateway's, in router/routing.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from typing import Any
 
 from kvcore.config import ConfigError
 from router.config import GatewayConfig
@@ -28,9 +31,27 @@ def strategy_class(name: str) -> type[Strategy]:
     return cls
 
 
-def create_strategy(config: GatewayConfig) -> Strategy:
-    """The strategy `config.strategy` names, built for this configuration."""
-    return strategy_class(config.strategy)(config)
+def option_classes() -> list[type[Any]]:
+    """Every registered strategy's `Options`, each once: what `kvgate serve` accepts besides its own settings."""
+    found: list[type[Any]] = []
+    for name in STRATEGIES:
+        options = strategy_class(name).Options
+        if options not in found:
+            found.append(options)
+    return found
 
 
-__all__ = ["STRATEGIES", "create_strategy", "strategy_class"]
+def create_strategy(config: GatewayConfig, options: Any = None, **overrides: Any) -> Strategy:
+    """The strategy `config.strategy` names, with `options` (an instance of its `Options`; its defaults when
+    None) and any single settings overridden by name (`prefix_prefill_weight=3.0`)."""
+    cls = strategy_class(config.strategy)
+    chosen = cls.Options() if options is None else options
+    if not isinstance(chosen, cls.Options):
+        raise ConfigError(f"strategy {config.strategy!r} takes {cls.Options.__name__}, not {type(chosen).__name__}")
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(chosen)}
+    if unknown:
+        raise ConfigError(f"strategy {config.strategy!r} has no option {', '.join(sorted(unknown))}")
+    return cls(config, dataclasses.replace(chosen, **overrides))
+
+
+__all__ = ["STRATEGIES", "create_strategy", "option_classes", "strategy_class"]

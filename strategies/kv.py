@@ -1,7 +1,7 @@
 """`kv`: route by the blocks each worker really holds, as its engine's (and tier agent's) KV events say.
 
-The score is the `prefix` strategy's (see strategies/prefix.py) — prefill a request needs on a worker against
-the queue it joins there — with the saving taken from the KV block index instead of from past routing:
+The score is the prefill balance `prefix` uses too (strategies/balance.py) — prefill a request needs on a worker
+against the queue it joins there — with the saving taken from the KV block index instead of from past routing:
 
     saved tokens = block_size * ( GPU blocks * 1
                                 + CPU blocks    * (1 - kv_cost_cpu)      the tier agent's DRAM
@@ -20,38 +20,76 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
+from kvcore.config import option
 from router.config import GatewayConfig
 from router.kv_index import CPU, DISK, GPU, SHARED, KvBlockIndex
 from router.pool import Worker
-from router.routing import Decision, RouteRequest
-from strategies.prefix import PrefixAffinity
+from router.routing import Decision, RouteRequest, Strategy
+from strategies.balance import PrefillBalance, PrefixOptions
 
 
-class KvAware(PrefixAffinity):
+@dataclass(frozen=True)
+class KvOptions(PrefixOptions):
+    """The prefill balance's settings (`prefix_*`) and kv's own."""
+
+    kv_cost_cpu: float = option(0.1, "kv: cost of a block held in the agent's DRAM tier, as a share of recomputing it")
+    kv_cost_disk: float = option(0.25, "kv: cost of a block on the agent's NVMe tier, as a share of recomputing it")
+    kv_cost_shared: float = option(
+        0.4, "kv: cost of a block in the fleet-shared tier (reachable from every worker), share of recomputing it"
+    )
+    kv_pending_grace_s: float = option(
+        0.1, "kv: seconds a finished request's blocks still count as predicted on its worker, for its KV events "
+        "to arrive (while it is in flight they always count)"
+    )
+    kv_affinity: float = option(
+        0.5, "kv: pull of the worker a prefix was last sent to when the engines no longer hold it, as a share of "
+        "the prefill it would save if they did (keeps a group in one place instead of copying it around)"
+    )
+
+
+class KvAware(Strategy):
     name = "kv"
+    Options = KvOptions
+    needs_prompt_tokens = True
     uses_kv_events = True
 
-    def __init__(self, config: GatewayConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: GatewayConfig, options: KvOptions) -> None:
+        super().__init__(config, options)
+        self.balance = PrefillBalance(options, config.block_size, self.name)
         self.pending = PendingBlocks()
-        self.saving = {GPU: 1.0, CPU: 1.0 - config.kv_cost_cpu, DISK: 1.0 - config.kv_cost_disk,
-                       SHARED: 1.0 - config.kv_cost_shared}
-        self.affinity = config.kv_affinity
+        self.saving = {GPU: 1.0, CPU: 1.0 - options.kv_cost_cpu, DISK: 1.0 - options.kv_cost_disk,
+                       SHARED: 1.0 - options.kv_cost_shared}
+        self.affinity = options.kv_affinity
+        self.pending_grace_s = options.kv_pending_grace_s
         self.index: KvBlockIndex | None = None
         self._trusted: Callable[[str], bool] = lambda url: False
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        self.balance.register_metrics(registry)
 
     def attach_kv(self, index: KvBlockIndex, trusted: Callable[[str], bool]) -> None:
         self.index = index
         self._trusted = trusted
 
+    def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
+        decision = self.balance.choose(request, workers, self.predict)
+        if request.block_keys:
+            self.pending.add(decision.worker.url, request.block_keys)
+        return decision
+
     def predict(self, keys: Sequence[int], workers: Sequence[Worker], cacheable: int) -> tuple[list[int], list[float]]:
+        """Per worker: the prompt tokens the index (or, untrusted, the trie) says are cached there, and the
+        prefill tokens that saves given the tier each block is on."""
         if not keys:
             return [0] * len(workers), [0.0] * len(workers)
-        bs = self.block_size
+        bs = self.balance.block_size
         known = [w.url for w in workers if self._trusted(w.url)]
         runs = self.index.lookup(keys, known) if self.index is not None and known else {}
-        guessed = self.trie.match(keys)
+        guessed = self.balance.trie.match(keys)
         cached: list[int] = []
         saved: list[float] = []
         for worker in workers:
@@ -77,17 +115,13 @@ class KvAware(PrefixAffinity):
             saved.append(max(tokens * weight, affinity))
         return cached, saved
 
-    def remember(self, keys: Sequence[int], worker: str) -> None:
-        super().remember(keys, worker)
-        self.pending.add(worker, keys)
-
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
         if request.block_keys:
             asyncio.get_running_loop().call_later(
-                self.config.kv_pending_grace_s, self.pending.discard, decision.worker.url, request.block_keys)
+                self.pending_grace_s, self.pending.discard, decision.worker.url, request.block_keys)
 
     def forget_worker(self, url: str) -> None:
-        super().forget_worker(url)
+        self.balance.forget_worker(url)
         self.pending.forget_worker(url)
 
 

@@ -20,10 +20,10 @@ from aiohttp import web
 from bench.procs import free_port, spawn_valkey, valkey_server_binary
 from bench.procs import stop as stop_process
 from bench.standin import StandinBehaviour, create_standin_app
+from kvgate.serve import assemble
 from router.app import GATEWAY, Gateway, create_app
-from router.config import GatewayConfig, WorkerSpec
+from router.config import WorkerSpec
 from router.listener import ClientConnections, serving
-from strategies import create_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,10 +81,9 @@ FAST = dict(health_interval_s=0.2, health_timeout_s=1.0, metrics_interval_s=0.2,
 
 @asynccontextmanager
 async def running_gateway(workers: list[str], **overrides: Any) -> AsyncIterator[RunningGateway]:
-    settings: dict[str, Any] = {**FAST, **overrides}
-    config = GatewayConfig(host="127.0.0.1", port=free_port(), worker=[WorkerSpec.parse(w) for w in workers],
-                           **settings)
-    app = create_app(config, create_strategy(config))
+    config, strategy = assemble({"host": "127.0.0.1", "port": free_port(),
+                                 "worker": [WorkerSpec.parse(w) for w in workers], **FAST, **overrides})
+    app = create_app(config, strategy)
     async with serving(app, config, app[GATEWAY].metrics) as connections:  # the listener `kvgate serve` uses
         yield RunningGateway(f"http://127.0.0.1:{config.port}", app, connections)
 

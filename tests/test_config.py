@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvcore.config import ConfigError, add_config_arguments, load_config
+from kvgate.serve import add_arguments, load
 from router.config import GatewayConfig, WorkerSpec
+from strategies import option_classes
+from strategies.kv import KvAware
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -69,7 +73,9 @@ def test_unknown_key_in_file(tmp_path: Path) -> None:
 def test_serve_help_documents_every_option() -> None:
     out = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for name in GatewayConfig.__dataclass_fields__:
+    names = [f.name for options in (GatewayConfig, *option_classes()) for f in dataclasses.fields(options)]
+    assert "prefix_prefill_weight" in names and "kv_cost_cpu" in names
+    for name in names:
         assert "--" + name.replace("_", "-") in out, name
         assert "KVGATE_" + name.upper() in out.replace("\n", "").replace(" ", ""), name
 
@@ -78,3 +84,23 @@ def test_serve_rejects_unknown_strategy() -> None:
     result = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--strategy", "psychic"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "psychic" in result.stderr
+
+
+def test_strategy_options_come_from_the_same_file_env_and_flags(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "kv.yaml"
+    cfg_file.write_text("strategy: kv\nworkers: [http://a:1]\nkv_cost_cpu: 0.3\nprefix-prefill-weight: 3\n"
+                        "prefix_trie_ttl_s: 7\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--config", str(cfg_file), "--prefix-trie-ttl-s", "5", "--block-size", "32"])
+    config, strategy = load(args, {"KVGATE_KV_AFFINITY": "0.2", "KVGATE_KV_COST_CPU": "0.35"})
+    assert isinstance(strategy, KvAware) and config.block_size == 32 and config.worker == [WorkerSpec("http://a:1")]
+    options = strategy.options
+    assert (options.kv_cost_cpu, options.prefix_prefill_weight, options.kv_affinity, options.prefix_trie_ttl_s) == (
+        0.35, 3.0, 0.2, 5.0)  # flags > environment > file > defaults
+    assert strategy.balance.trie.ttl_s == 5.0 and strategy.balance.block_size == 32
+    # another strategy's option is checked too, and an unknown one is refused
+    for bad, match in (("kv_cost_cpu: cheap\n", "kv_cost_cpu"), ("kv_cost_gpu: 0\n", "kv_cost_gpu")):
+        cfg_file.write_text("strategy: prefix\n" + bad)
+        with pytest.raises(ConfigError, match=match):
+            load(parser.parse_args(["--config", str(cfg_file)]), {})

@@ -11,11 +11,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from bench.kv_bench import measure_entry_bytes
 from bench.procs import free_port
 from kvcore.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.block_keys import block_keys, root_key
 from router.kv_apply import KvEventApplier
-from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex, measure_entry_bytes
+from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from tests.conftest import eventually

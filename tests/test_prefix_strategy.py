@@ -12,24 +12,25 @@ from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.routing import RouteRequest
 from strategies import STRATEGIES, create_strategy
-from strategies.prefix import HIT, MISS, SPILL, PrefixAffinity
+from strategies.balance import HIT, MISS, SPILL
+from strategies.prefix import PrefixAffinity
 
 BS = 16
 ROOT = root_key("tiny")
 
 
-def make(n: int = 4, **overrides: Any) -> tuple[PrefixAffinity, list[Worker]]:
-    config = GatewayConfig(strategy="prefix", block_size=BS, **overrides)
-    strategy = create_strategy(config)
+def make(n: int = 4, **options: Any) -> tuple[PrefixAffinity, list[Worker]]:
+    config = GatewayConfig(strategy="prefix", block_size=BS)
+    strategy = create_strategy(config, **options)
     assert isinstance(strategy, PrefixAffinity)
-    strategy.clock = lambda: 1000.0  # frozen: queued prefill drains only when a test moves time
+    strategy.balance.clock = lambda: 1000.0  # frozen: queued prefill drains only when a test moves time
     workers = [Worker(spec=WorkerSpec(f"http://127.0.0.1:{9000 + i}"), healthy=True, models=frozenset({"tiny"}))
                for i in range(n)]
     return strategy, workers
 
 
 def request(tokens: list[int]) -> RouteRequest:
-    return RouteRequest(model="tiny", path="/v1/completions", body={}, headers={},
+    return RouteRequest(model="tiny", path="/v1/completions",
                         token_ids=tokens, block_keys=block_keys(tokens, BS, ROOT), prompt_tokens=len(tokens))
 
 
@@ -137,16 +138,16 @@ def test_queue_cost_outweighs_a_short_match() -> None:
 
 def test_forget_worker_purges_and_metrics_are_recorded() -> None:
     strategy, workers = make()
-    metrics = GatewayMetrics()
-    strategy.attach_metrics(metrics)
+    registry = GatewayMetrics().registry
+    strategy.register_metrics(registry)
     prompt = tokens(1, 320)
     first = strategy.choose(request(prompt), workers)
     strategy.choose(request(prompt), workers)
-    assert metrics.trie_nodes._value.get() == 20
-    assert metrics.predicted_cached_tokens.labels("prefix")._value.get() == 19 * BS
-    assert metrics.trie_node_bytes._value.get() > 50
+    assert registry.get_sample_value("kvgate_prefix_trie_nodes") == 20
+    assert registry.get_sample_value("kvgate_predicted_cached_tokens_total", {"strategy": "prefix"}) == 19 * BS
     strategy.forget_worker(first.worker.url)
-    assert len(strategy.trie) == 0
+    assert len(strategy.balance.trie) == 0
+    assert registry.get_sample_value("kvgate_prefix_trie_nodes") == 0
     rest = [w for w in workers if w is not first.worker]
     assert strategy.choose(request(prompt), rest).reason == MISS
 
@@ -154,11 +155,11 @@ def test_forget_worker_purges_and_metrics_are_recorded() -> None:
 def test_queued_prefill_drains_with_time() -> None:
     strategy, workers = make(2)
     now = [1000.0]
-    strategy.clock = lambda: now[0]
+    strategy.balance.clock = lambda: now[0]
     system = tokens(1, 1000)
     first = strategy.choose(request(system + tokens(2, 40)), workers)
     for _ in range(3):  # three cold prompts queued behind it on the same worker...
-        strategy._queue(first.worker.url).add(2000, now[0])
+        strategy.balance._queue(first.worker.url).add(2000, now[0])
     assert strategy.choose(request(system + tokens(3, 40)), workers).reason == SPILL  # ...so it spills
     now[0] += 1.0  # a second later the 20,000 tokens/s estimate has drained both queues
     decision = strategy.choose(request(system + tokens(4, 40)), workers)

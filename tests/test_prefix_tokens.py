@@ -14,6 +14,8 @@ import aiohttp
 import pytest
 
 from kvcore.config import ConfigError
+from kvgate.serve import assemble
+from router.app import Gateway
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
 from router.metrics import GatewayMetrics
@@ -26,7 +28,7 @@ from router.prompt_tokens import (
     parse_model_dirs,
     resolve_model_dir,
 )
-from router.routing import RouteRequest
+from router.requests import Prompt, read_payload
 from router.tokenizer import ModelTokenizer
 from tests.conftest import eventually, running_gateway, running_standin
 
@@ -38,6 +40,13 @@ WORDS = Path(random.__file__).read_text().split()
 def words(seed: int, n: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def prompt(path: str, body: dict[str, Any]) -> Prompt:
+    """The typed prompt of a request body, as the gateway's edge reads it."""
+    found = read_payload(path, body, model_required=False).prompt
+    assert found is not None
+    return found
 
 
 def service(model_dirs: list[str], **overrides: Any) -> PromptTokens:
@@ -53,7 +62,7 @@ async def test_chat_turns_match_the_tokenizer_and_encode_only_new_text(tiny_mode
         messages.append({"role": "user", "content": words(10 + turn, 40 + 30 * turn)})
         body = {"model": "tiny", "messages": list(messages)}
         before = tokenizer.encoded_chars if tokenizer else 0
-        found = await prompts.keys(CHAT, "tiny", body, {})
+        found = await prompts.keys(prompt(CHAT, body), "tiny", {})
         tokenizer = await prompts.tokenizer("tiny")
         assert tokenizer is not None
         expected = reference.prompt_ids(body, chat=True)
@@ -72,18 +81,18 @@ async def test_completions_text_and_token_id_prompts(tiny_model_dir: Path) -> No
     prompts = service([f"tiny={tiny_model_dir}"])
     reference = ModelTokenizer(tiny_model_dir)
     text = words(3, 200)
-    found = await prompts.keys(COMPLETIONS, "tiny", {"prompt": text}, {})
+    found = await prompts.keys(prompt(COMPLETIONS, {"prompt": text}), "tiny", {})
     assert found.token_ids == reference.encode(text, add_special_tokens=True)
     assert found.token_ids[0] == reference.bos_token_id
-    batch = await prompts.keys(COMPLETIONS, "tiny", {"prompt": [text, "other"]}, {})
+    batch = await prompts.keys(prompt(COMPLETIONS, {"prompt": [text, "other"]}), "tiny", {})
     assert batch.block_keys == found.block_keys  # a batch routes by its first prompt
     ids = list(range(5, 105))
-    exact = await prompts.keys(COMPLETIONS, "tiny", {"prompt": ids}, {})
+    exact = await prompts.keys(prompt(COMPLETIONS, {"prompt": ids}), "tiny", {})
     assert exact.token_ids == ids and exact.block_keys == block_keys(ids, 16, root_key("tiny"))
     # another model without a tokenizer: token ids stay exact, text falls back to labelled text mode
-    untokenized = await prompts.keys(COMPLETIONS, "other", {"prompt": ids}, {})
+    untokenized = await prompts.keys(prompt(COMPLETIONS, {"prompt": ids}), "other", {})
     assert untokenized.mode == TOKENS and untokenized.block_keys == block_keys(ids, 16, root_key("other"))
-    by_text = await prompts.keys(COMPLETIONS, "other", {"prompt": text}, {})
+    by_text = await prompts.keys(prompt(COMPLETIONS, {"prompt": text}), "other", {})
     assert by_text.mode == TEXT and by_text.token_ids is None
     prompts.close()
 
@@ -91,16 +100,16 @@ async def test_completions_text_and_token_id_prompts(tiny_model_dir: Path) -> No
 async def test_text_mode_blocks_characters_and_never_collides_with_token_keys() -> None:
     prompts = service([])
     system = "You are a support agent for ACME. " * 40
-    a = await prompts.keys(CHAT, "m", {"messages": [{"role": "system", "content": system},
-                                                     {"role": "user", "content": "first question? " * 10}]}, {})
-    b = await prompts.keys(CHAT, "m", {"messages": [{"role": "system", "content": system},
-                                                     {"role": "user", "content": "another one! " * 10}]}, {})
+    a = await prompts.keys(prompt(CHAT, {"messages": [{"role": "system", "content": system},
+                                                     {"role": "user", "content": "first question? " * 10}]}), "m", {})
+    b = await prompts.keys(prompt(CHAT, {"messages": [{"role": "system", "content": system},
+                                                     {"role": "user", "content": "another one! " * 10}]}), "m", {})
     assert a.mode == TEXT and a.token_ids is None
     assert a.prompt_tokens == pytest.approx((len(system) + 160) / 4, abs=5)
     shared = len(system) // 64  # 16 tokens x 4 characters per block
     assert a.block_keys[:shared] == b.block_keys[:shared]
     assert a.block_keys != b.block_keys
-    completion = await prompts.keys(COMPLETIONS, "m", {"prompt": system}, {})
+    completion = await prompts.keys(prompt(COMPLETIONS, {"prompt": system}), "m", {})
     assert completion.mode == TEXT and len(completion.block_keys) == len(system) // 64
     assert not set(completion.block_keys) & set(block_keys([ord(c) for c in system], 64, root_key("m")))
     histogram = prompts._metrics.tokenize_duration.labels(TEXT)  # type: ignore[union-attr]
@@ -112,10 +121,10 @@ async def test_text_mode_blocks_characters_and_never_collides_with_token_keys() 
 async def test_tenants_with_different_salts_never_share_keys(tiny_model_dir: Path, with_tokenizer: bool) -> None:
     prompts = service([str(tiny_model_dir)] if with_tokenizer else [], tenant_header="X-Tenant")
     body = {"messages": [{"role": "system", "content": words(5, 300)}, {"role": "user", "content": "hi"}]}
-    plain = await prompts.keys(CHAT, "tiny", body, {})
-    alice = await prompts.keys(CHAT, "tiny", {**body, "cache_salt": "alice"}, {})
-    alice2 = await prompts.keys(CHAT, "tiny", {**body, "cache_salt": "alice"}, {"X-Tenant": "bob"})
-    bob = await prompts.keys(CHAT, "tiny", body, {"X-Tenant": "bob"})
+    plain = await prompts.keys(prompt(CHAT, body), "tiny", {})
+    alice = await prompts.keys(prompt(CHAT, {**body, "cache_salt": "alice"}), "tiny", {})
+    alice2 = await prompts.keys(prompt(CHAT, {**body, "cache_salt": "alice"}), "tiny", {"X-Tenant": "bob"})
+    bob = await prompts.keys(prompt(CHAT, body), "tiny", {"X-Tenant": "bob"})
     assert len(plain.block_keys) > 10
     assert alice.block_keys == alice2.block_keys  # the body's cache_salt wins over the header
     for x, y in ((plain, alice), (plain, bob), (alice, bob)):
@@ -128,15 +137,25 @@ async def test_lora_adapter_uses_its_base_tokenizer_and_its_own_keys(tiny_model_
     worker = Worker(spec=WorkerSpec("http://127.0.0.1:1"), healthy=True, models=frozenset({"tiny", "sql-lora"}))
     worker.model_cards = {"tiny": {"id": "tiny", "parent": None},
                           "sql-lora": {"id": "sql-lora", "root": "/adapters/sql", "parent": "tiny"}}
-    body = {"model": "sql-lora", "messages": [{"role": "user", "content": words(9, 200)}]}
-    lora = RouteRequest(model="sql-lora", path=CHAT, body=body, headers={})
-    base = RouteRequest(model="tiny", path=CHAT, body={**body, "model": "tiny"}, headers={})
-    await prompts.fill(lora, [worker])
-    await prompts.fill(base, [worker])
+    assert worker.base_model == "tiny"
+    assert worker.lora_base("sql-lora") == "tiny" and worker.lora_base("tiny") is None
+    assert worker.lora_base("absent") is None
+    body = {"messages": [{"role": "user", "content": words(9, 200)}]}
+    lora = await prompts.keys(prompt(CHAT, body), "tiny", {}, lora="sql-lora")
+    base = await prompts.keys(prompt(CHAT, body), "tiny", {})
     assert lora.token_ids == base.token_ids and lora.token_ids  # tokenized by the base model's tokenizer
     assert lora.prompt_tokens == len(lora.token_ids)
     assert lora.block_keys and not set(lora.block_keys) & set(base.block_keys)
     prompts.close()
+    # the gateway builds the request the strategy sees the same way, from the worker's model card
+    config, strategy = assemble({"strategy": "prefix", "block_size": 16, "model_dir": [f"tiny={tiny_model_dir}"]})
+    gateway = Gateway(config, strategy)
+    assert gateway.prompts is not None
+    for model, expected in (("sql-lora", lora), ("tiny", base)):
+        api = read_payload(CHAT, {"model": model, **body}, model_required=True)
+        route = await gateway.route_request(api, [worker], {})
+        assert (route.model, route.block_keys, route.token_ids) == (model, expected.block_keys, expected.token_ids)
+    gateway.prompts.close()
 
 
 def test_model_dirs_and_hugging_face_cache_layout(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -178,7 +197,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_dir: Pat
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0.01)
     started = time.perf_counter()
-    found = await prompts.keys(CHAT, "tiny", body, {})
+    found = await prompts.keys(prompt(CHAT, body), "tiny", {})
     took = time.perf_counter() - started
     stop.set()
     await task
@@ -213,10 +232,10 @@ async def test_gateway_fills_route_keys_only_for_strategies_that_read_them(
             # removing the worker that holds the prefix purges it from the trie
             strategy = gw.gateway.strategy
             holder = a.url if a.stats.requests else b.url
-            assert len(strategy.trie) > 0  # type: ignore[attr-defined]
+            assert len(strategy.balance.trie) > 0  # type: ignore[attr-defined]
             async with http.delete(gw.url + "/admin/workers", params={"url": holder}) as resp:
                 assert resp.status == 202
-            await eventually(lambda: len(strategy.trie) == 0)  # type: ignore[attr-defined]
+            await eventually(lambda: len(strategy.balance.trie) == 0)  # type: ignore[attr-defined]
 
 
 def test_piece_cache_gives_whole_text_ids_on_awkward_conversations(tiny_model_dir: Path) -> None:
@@ -246,17 +265,17 @@ async def test_next_turn_reuses_the_block_keys_of_the_previous_turn(tiny_model_d
     prompts = service([str(tiny_model_dir)])
     messages: list[dict[str, Any]] = [{"role": "system", "content": words(1, 500)},
                                       {"role": "user", "content": words(2, 50)}]
-    first = await prompts.keys(CHAT, "tiny", {"messages": messages}, {})
+    first = await prompts.keys(prompt(CHAT, {"messages": messages}), "tiny", {})
     assert prompts._chains.reused_blocks == 0
     messages += [{"role": "assistant", "content": words(3, 40)}, {"role": "user", "content": words(4, 30)}]
-    second = await prompts.keys(CHAT, "tiny", {"messages": messages}, {})
+    second = await prompts.keys(prompt(CHAT, {"messages": messages}), "tiny", {})
     assert second.token_ids is not None
     assert second.block_keys == block_keys(second.token_ids, 16, root_key("tiny"))  # still exact
     assert second.block_keys[: len(first.block_keys) - 1] == first.block_keys[:-1]
     assert prompts._chains.reused_blocks >= len(first.block_keys) - 1
     # a prompt diverging inside the first turn reuses only what it shares, and is still exact
     changed = [messages[0], {"role": "user", "content": words(2, 25) + " different"}]
-    third = await prompts.keys(CHAT, "tiny", {"messages": changed}, {})
+    third = await prompts.keys(prompt(CHAT, {"messages": changed}), "tiny", {})
     assert third.token_ids is not None
     assert third.block_keys == block_keys(third.token_ids, 16, root_key("tiny"))
     prompts.close()

@@ -6,21 +6,32 @@ import dataclasses
 import re
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
+from strategies import STRATEGIES, create_strategy, option_classes
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
 def test_every_gateway_option_is_documented() -> None:
-    for f in dataclasses.fields(GatewayConfig):
-        assert f"`--{f.name.replace('_', '-')}`" in README, f.name
-        assert f"KVGATE_{f.name.upper()}" in README, f.name
+    """The gateway's own options and every strategy's."""
+    for options in (GatewayConfig, *option_classes()):
+        for f in dataclasses.fields(options):
+            assert f"`--{f.name.replace('_', '-')}`" in README, f.name
+            assert f"KVGATE_{f.name.upper()}" in README, f.name
 
 
 def test_every_gateway_metric_is_documented() -> None:
+    """The gateway's own metrics and those every strategy registers."""
     names = {m.name for m in GatewayMetrics().registry.collect()}
+    for strategy in STRATEGIES:  # one gateway, one strategy: each on its own registry
+        registry = CollectorRegistry()
+        create_strategy(GatewayConfig(strategy=strategy)).register_metrics(registry)
+        names |= {m.name for m in registry.collect()}
+    assert "kvgate_prefix_match_ratio" in names
     for name in names:
         assert re.search(rf"`{name}(_total)?`", README), name
 

@@ -1,0 +1,189 @@
+"""The prefill balance `prefix` and `kv` share: send each request where its prefix is cached, unless the queue
+there costs more than the prefix saves.
+
+Every eligible worker gets one score, in prefill tokens (lower wins):
+
+    score = prefill_weight * (prompt tokens - predicted saved tokens)    the prefill this request needs there
+          + queued prefill tokens                                        what it waits behind (a draining estimate)
+          + request_cost_tokens * (in-flight + engine-waiting)           everything else the worker is busy with
+
+The prediction is the strategy's (`prefix`: the trie of recent routing decisions; `kv`: the KV block index, the
+trie where the index cannot be trusted). Prefill weighs more than queue (`prefill_weight`, default 2) because it
+costs twice: this request waits for it, and the fleet spends the compute (and the cache space) that every later
+request on that worker waits behind. A match therefore wins exactly while the prefill it saves outweighs the
+extra queue it joins: a hot prefix stays on its worker while that worker has headroom and spills to a second
+(then third) worker when the queue there outgrows the saving; a prefix shared by the whole traffic (one global
+system prompt) counts the same on every worker that has it, so load decides among them, and a short shared first
+block saves too little to outweigh any queue. Misses go to the least-loaded worker. Ties go to the longest match,
+then to the worker holding the least cached prefix state (so distinct prefix groups spread), then at random.
+Every decision is remembered in the trie.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvcore.config import option
+from router.pool import Worker
+from router.prefix_trie import PrefixTrie
+from router.routing import Decision, RouteRequest
+
+HIT, SPILL, MISS = "hit", "spill", "miss"
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+# (keys, workers, cacheable prompt tokens) -> per worker: tokens predicted cached there, prefill tokens saved
+Prediction = Callable[[Sequence[int], Sequence[Worker], int], tuple[list[int], list[float]]]
+
+
+@dataclass(frozen=True)
+class PrefixOptions:
+    """The settings of the prefill balance and its trie (`prefix`, and `kv` too)."""
+
+    prefix_trie_max_nodes: int = option(500_000, "most prefix-trie nodes (one per block); LRU leaves go first")
+    prefix_trie_ttl_s: float = option(600.0, "seconds a worker is assumed to keep a prefix it was sent")
+    prefix_request_cost_tokens: float = option(
+        128.0, "prefix: cost of each outstanding request on a worker, in prefill tokens"
+    )
+    prefix_prefill_weight: float = option(
+        2.0, "prefix: weight of the prefill a request needs on a worker against the queue it joins there"
+    )
+    prefix_prefill_tokens_per_s: float = option(
+        20000.0, "prefix: rate at which a worker's queued prefill tokens are assumed to drain"
+    )
+
+
+class PrefixMetrics:
+    """What the balance exports, on the gateway's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.match_ratio = Histogram(
+            "kvgate_prefix_match_ratio", "Share of the prompt's tokens predicted cached on the chosen worker",
+            ["strategy"], buckets=RATIO_BUCKETS, registry=r,
+        )
+        self.predicted_cached_tokens = Counter(
+            "kvgate_predicted_cached_tokens", "Prompt tokens predicted to be cached on the chosen worker",
+            ["strategy"], registry=r,
+        )
+        self.routed_prompt_tokens = Counter(
+            "kvgate_routed_prompt_tokens", "Prompt tokens of routed requests (the denominator of the hit rate)",
+            ["strategy"], registry=r,
+        )
+        self.trie_nodes = Gauge("kvgate_prefix_trie_nodes", "Nodes (blocks) in the prefix trie", registry=r)
+        self.trie_evictions = Counter(
+            "kvgate_prefix_trie_evictions", "Prefix-trie nodes removed, by reason (capacity, ttl)", ["reason"],
+            registry=r,
+        )
+
+
+class PrefillQueue:
+    """Prefill tokens sent to one worker and not yet worked off, drained at an assumed constant rate."""
+
+    __slots__ = ("at", "rate", "tokens")
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.tokens = 0.0
+        self.at = 0.0
+
+    def level(self, now: float) -> float:
+        return max(0.0, self.tokens - self.rate * (now - self.at))
+
+    def add(self, tokens: float, now: float) -> None:
+        self.tokens = self.level(now) + tokens
+        self.at = now
+
+
+class PrefillBalance:
+    """Scores the workers for a request with a strategy's prediction, picks one, and remembers the choice."""
+
+    def __init__(self, options: PrefixOptions, block_size: int, strategy: str) -> None:
+        self.trie = PrefixTrie(options.prefix_trie_max_nodes, options.prefix_trie_ttl_s)
+        self.block_size = block_size
+        self.strategy = strategy  # the metrics' label
+        self.request_cost = options.prefix_request_cost_tokens
+        self.prefill_weight = options.prefix_prefill_weight
+        self._drain_rate = options.prefix_prefill_tokens_per_s
+        self._queues: dict[str, PrefillQueue] = {}
+        self._metrics: PrefixMetrics | None = None
+        self._evictions = 0
+        self._expirations = 0
+        self.random = random.Random()
+        self.clock: Callable[[], float] = time.monotonic  # injectable: tests and the virtual-time fleet set it
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        self._metrics = PrefixMetrics(registry)
+
+    def _queue(self, url: str) -> PrefillQueue:
+        queue = self._queues.get(url)
+        if queue is None:
+            queue = self._queues[url] = PrefillQueue(self._drain_rate)
+        return queue
+
+    def score(self, worker: Worker, uncached_tokens: int, now: float) -> float:
+        return (self.prefill_weight * uncached_tokens + self._queue(worker.url).level(now)
+                + self.request_cost * worker.outstanding)
+
+    def choose(self, request: RouteRequest, workers: Sequence[Worker], predict: Prediction) -> Decision:
+        now = self.clock()
+        keys = request.block_keys
+        bs = self.block_size
+        prompt = max(request.prompt_tokens, len(keys) * bs)
+        # vLLM always computes a prompt's last token, so a fully cached prompt still hits one block short
+        cacheable = ((prompt - 1) // bs) * bs if prompt > 0 else 0
+        cached, saved = predict(keys, workers, cacheable)
+        scores = [self.score(w, prompt - round(v), now) for w, v in zip(workers, saved, strict=True)]
+        best = min(scores)
+        tied = [i for i, s in enumerate(scores) if s <= best + 1e-9]
+        if len(tied) > 1:
+            longest_tied = max(cached[i] for i in tied)
+            tied = [i for i in tied if cached[i] == longest_tied]
+        if len(tied) > 1:
+            least_state = min(self.trie.worker_nodes(workers[i].url) for i in tied)
+            tied = [i for i in tied if self.trie.worker_nodes(workers[i].url) == least_state]
+        pick = tied[0] if len(tied) == 1 else self.random.choice(tied)
+        worker, predicted = workers[pick], cached[pick]
+        longest = max(cached)
+        reason = MISS if longest == 0 else HIT if predicted >= longest else SPILL
+        # Recorded now rather than once the worker answers: a burst of one prefix must see its own first
+        # request, or every request of the burst would be a miss.
+        self._queue(worker.url).add(prompt - predicted, now)
+        if keys:
+            self.trie.insert(keys, worker.url)
+        self._record(prompt, predicted)
+        return Decision(worker, reason, predicted)
+
+    def trie_prediction(self, keys: Sequence[int], workers: Sequence[Worker],
+                        cacheable: int) -> tuple[list[int], list[float]]:
+        """The trie's guess: the prompt tokens last sent to each worker are cached there, and save as much."""
+        matched = self.trie.match(keys) if keys else {}
+        cached = [min(matched.get(w.url, 0) * self.block_size, cacheable) for w in workers]
+        return cached, [float(c) for c in cached]
+
+    def _record(self, prompt: int, predicted: int) -> None:
+        metrics = self._metrics
+        if metrics is None:
+            return
+        if prompt:
+            metrics.match_ratio.labels(self.strategy).observe(predicted / prompt)
+            metrics.routed_prompt_tokens.labels(self.strategy).inc(prompt)
+            metrics.predicted_cached_tokens.labels(self.strategy).inc(predicted)
+        trie = self.trie
+        metrics.trie_nodes.set(len(trie))
+        if trie.evictions != self._evictions:
+            metrics.trie_evictions.labels("capacity").inc(trie.evictions - self._evictions)
+            self._evictions = trie.evictions
+        if trie.expirations != self._expirations:
+            metrics.trie_evictions.labels("ttl").inc(trie.expirations - self._expirations)
+            self._expirations = trie.expirations
+
+    def forget_worker(self, url: str) -> None:
+        self.trie.forget_worker(url)
+        self._queues.pop(url, None)
+        if self._metrics is not None:
+            self._metrics.trie_nodes.set(len(self.trie))
