@@ -246,7 +246,7 @@ def test_the_agent_maps_only_client_shared_memory(tmp_path: Path, agents: list[A
 
 def test_offload_handle_for_a_simulated_replica(tmp_path: Path, agents: list[AgentProcess],
                                                 subprocess_env: dict[str, str]) -> None:
-    from agent.offload import AgentOffload, transfer_seconds
+    from bench.sim.offload import AgentOffload, transfer_seconds
 
     two_mib = 2 * 2**20
     assert transfer_seconds("CCDD", two_mib) == pytest.approx(20e-6 + 2 * two_mib / 25e9 + 100e-6

@@ -116,9 +116,10 @@ tier = SegmentNvmeTier(sys.argv[1], capacity=1 << 30, fsync=False, segment_bytes
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))  # no file may grow past 64 KiB now
 stored = sum(tier.store((1, i), bytes([i % 256]) * 10_000) for i in range(20))
 big = tier.store((1, 999), b"y" * 100_000)
-ok = all(tier.read_into((1, i), memoryview(bytearray(10_000))) == 10_000 for i in range(20))
+chain = tier.store_many([((2, i), bytes([i % 256]) * 10_000, None) for i in range(20)])  # one 200 kB write fails
+ok = all(tier.read_into((layout, i), memoryview(bytearray(10_000))) == 10_000 for layout in (1, 2) for i in range(20))
 u = tier.usage()
-print(stored, big, ok, u.blocks, u.used_bytes, tier.stats.backend_errors)
+print(stored, big, chain, ok, u.blocks, u.used_bytes, tier.stats.backend_errors)
 """
 
 
@@ -127,8 +128,9 @@ def test_disk_full_seals_the_segment_and_refuses_what_cannot_fit(tmp_path: Path)
     out = subprocess.run([sys.executable, "-c", DISK_FULL_SCRIPT, str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    stored, big, ok, blocks, used, errors = out.stdout.split()
-    assert stored == "20" and big == "False" and ok == "True" and int(blocks) == 20
+    stored, big, chain, ok, blocks, used, errors = out.stdout.split()
+    assert stored == "20" and big == "False" and ok == "True" and int(blocks) == 40
+    assert chain == "20"  # the chain's write failed as a whole, then went in record by record
     assert int(errors) >= 2
     assert int(used) == on_disk(tmp_path)
 

@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 import pytest
 
-from agent.offload import transfer_seconds
 from bench.sim.launch import AgentSettings, SimFleet, start_sim_fleet
+from bench.sim.offload import transfer_seconds
 from bench.sim.perf_model import PROFILES
 
 PROFILE = PROFILES["llama-3.1-8b-h100"]
@@ -171,7 +171,7 @@ def test_prefix_computed_on_one_replica_loads_from_valkey_on_another(tiny_model_
 
 @pytest.mark.parametrize("text", ["C=25", "X=1:1", "C=0:5"])
 def test_bad_link_flags_are_refused(text: str) -> None:
-    from agent.offload import parse_link
+    from bench.sim.offload import parse_link
 
     with pytest.raises(ValueError):
         parse_link(text)

@@ -34,6 +34,11 @@ from agent.tiers.base import Buffer, DiskSpace, RemovalListener, TierStats, Tier
 log = logging.getLogger(__name__)
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class _ReserveReached(OSError):
+    """Writing would eat into `min_free`: refused like a full disk, but nothing failed."""
+
 _BYTES_KEY = 0x8000  # header flag: the key is bytes (else a 64-bit int); low bits hold the key length
 _META = struct.Struct("<Q")
 
@@ -224,10 +229,7 @@ class SegmentNvmeTier:
         return _Record(key, parts, meta_end + length, meta_end, length)
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
-        if HEADER_SIZE + 16 + len(payload) > self.capacity:
-            self.stats.add("refused")
-            return False
-        return self._append(self._record(key, payload, digest))
+        return self.store_many([(key, payload, digest)]) == 1
 
     def store_many(self, items: Sequence[tuple[BlockKey, Buffer, int | None]]) -> int:
         """Append blocks with one write per group that fits a segment; how many are held afterwards."""
@@ -240,99 +242,48 @@ class SegmentNvmeTier:
                 continue
             record = self._record(key, payload, digest)
             if group and (group_bytes + record.size > self.segment_bytes or len(group) >= _MAX_GROUP):
-                held += self._append_group(group)
+                held += self._append(group)
                 group, group_bytes = [], 0
             group.append(record)
             group_bytes += record.size
         if group:
-            held += self._append_group(group)
+            held += self._append(group)
         return held
 
-    def _append_group(self, group: list[_Record]) -> int:
-        if len(group) == 1:
-            return int(self._append(group[0]))
-        with self._lock:
-            todo = [r for r in group if r.key not in self._index and r.key not in self._pending]
-            already = len(group) - len(todo)
-            total = sum(r.size for r in todo)
-            if not todo:
-                return already
-            if self.min_free and not self._space.take(total):
-                segment = None
-            else:
-                self._evict_locked(self.capacity - total)
-                try:
-                    segment = self._segment_for_locked(total)
-                except OSError:
-                    segment = None
-            if segment is not None:
-                offset = segment.size
-                segment.size += total
-                segment.inflight += 1
-                self._used += total
-                self._pending.update(r.key for r in todo)
-                fd = segment.write_fd
-        if segment is None:  # one record at a time, with the full-disk handling
-            return already + sum(self._append(r) for r in todo)
-        assert fd is not None
+    def _append(self, records: list[_Record], retry: bool = True) -> int:
+        """Append records back to back at the end of the active segment, one pwritev; how many of them are held
+        afterwards. A failed write gives its bytes back and seals the segment (never append after a hole). A
+        group that cannot be written is tried again a record at a time, so what fits is kept; a record that
+        meets a full disk is tried once more after the oldest segment is dropped (a file-size limit or a short
+        write: in a new segment)."""
         error: OSError | None = None
-        try:
-            written = os.pwritev(fd, [part for r in todo for part in r.parts], offset)
-            if written != total:
-                raise OSError(errno.EFBIG, f"short write ({written} of {total} bytes)")
-            if self.fsync:
-                os.fdatasync(fd)
-        except OSError as exc:
-            error = exc
+        segment: _Segment | None = None
         with self._lock:
-            self._pending.difference_update(r.key for r in todo)
-            segment.inflight -= 1
-            if error is None and segment.seg_id in self._segments:
-                position = offset
-                for r in todo:
-                    self._index[r.key] = _Location(segment.seg_id, position, r.meta_end, r.length)
-                    segment.keys.add(r.key)
-                    position += r.size
-                self.stats.stores += len(todo)
-                if segment.sealed:
-                    self._seal_locked(segment)
-                return len(group)
-            if error is not None:
-                self.stats.backend_errors += 1
-                self._give_back_tail_locked(segment, offset, total)
-            self._seal_locked(segment)
-        if error is None:
-            return already  # the segment was dropped while we wrote
-        return already + sum(self._append(r) for r in todo)
-
-    def _append(self, record: _Record) -> bool:
-        key, parts, size, meta_end, length = record.key, record.parts, record.size, record.meta_end, record.length
-        for attempt in range(2):
-            with self._lock:
-                if key in self._index or key in self._pending:
-                    return True
-                if self.min_free and not self._space.take(size):
-                    self._evict_oldest_locked()
-                    if not self._space.take(size):
-                        self.stats.refused += 1
-                        return False
+            fresh = [r for r in records if r.key not in self._index and r.key not in self._pending]
+            held = len(records) - len(fresh)
+            if not fresh:
+                return held
+            size = sum(r.size for r in fresh)
+            if self.min_free and not self._space.take(size):
+                error = _ReserveReached(errno.ENOSPC, "the free-space reserve would be used")
+            else:
                 self._evict_locked(self.capacity - size)
                 try:
                     segment = self._segment_for_locked(size)
                 except OSError as exc:
-                    log.warning("nvme segments: cannot open a segment: %s", exc)
-                    self.stats.backend_errors += 1
-                    return False
+                    error = exc
+                    self.stats.add("backend_errors")
+            if segment is not None:
                 offset = segment.size
                 segment.size += size
                 segment.inflight += 1
                 self._used += size
-                self._pending.add(key)
+                self._pending.update(r.key for r in fresh)
                 fd = segment.write_fd
+        if segment is not None:
             assert fd is not None
-            error: OSError | None = None
             try:
-                written = os.pwritev(fd, parts, offset)
+                written = os.pwritev(fd, [part for r in fresh for part in r.parts], offset)
                 if written != size:
                     # a file-size limit, or the first sign of a full disk (the next write says ENOSPC)
                     raise OSError(errno.EFBIG, f"short write ({written} of {size} bytes)")
@@ -341,27 +292,35 @@ class SegmentNvmeTier:
             except OSError as exc:
                 error = exc
             with self._lock:
-                self._pending.discard(key)
+                self._pending.difference_update(r.key for r in fresh)
                 segment.inflight -= 1
+                kept = error is None and segment.seg_id in self._segments  # else it was dropped while we wrote
+                if kept:
+                    position = offset
+                    for r in fresh:
+                        self._index[r.key] = _Location(segment.seg_id, position, r.meta_end, r.length)
+                        segment.keys.add(r.key)
+                        position += r.size
+                elif error is not None:
+                    self.stats.add("backend_errors")
+                    self._give_back_tail_locked(segment, offset, size)
+                    segment.sealed = True
                 if segment.sealed:
                     self._seal_locked(segment)  # closes the fd once the last write is done
-                if error is None and segment.seg_id in self._segments:
-                    self._index[key] = _Location(segment.seg_id, offset, meta_end, length)
-                    segment.keys.add(key)
-                    self.stats.stores += 1
-                    return True
-                if error is not None:
-                    self.stats.backend_errors += 1
-                    self._give_back_tail_locked(segment, offset, size)
-                    self._seal_locked(segment)  # never append after a hole
-                    if error.errno in _FULL and attempt == 0:
-                        if error.errno != errno.EFBIG:  # the disk is full: free the oldest segment
-                            self._evict_oldest_locked()
-                        continue
-                    log.warning("nvme segments: cannot write a block: %s", error)
-                self.stats.refused += 1
-                return False
-        return False
+            if kept:
+                self.stats.add("stores", len(fresh))
+                return held + len(fresh)
+        if error is not None and len(fresh) > 1:
+            return held + sum(self._append([r]) for r in fresh)
+        if error is not None and retry and error.errno in _FULL:
+            if error.errno != errno.EFBIG:  # the disk is full: free the oldest segment
+                with self._lock:
+                    self._evict_oldest_locked()
+            return held + self._append(fresh, retry=False)
+        if error is not None and not isinstance(error, _ReserveReached):
+            log.warning("nvme segments: cannot write a block: %s", error)
+        self.stats.add("refused", len(fresh))
+        return held
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         return self.read_many([key], [out])[0]

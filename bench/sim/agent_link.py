@@ -1,7 +1,7 @@
 """A simulated replica's KV connector to a real tier agent (`kvgate agent`) beside it, as the kvgate vLLM connector
 (agent/vllm_connector.py) behaves: the scheduler asks the agent for the blocks after its own prefix-cache hit and
 loads them synchronously; every block that becomes fully computed is handed to the agent after its step. Block
-bytes are stand-ins (agent/offload.py); the time a transfer would take on real hardware is modelled per tier and
+bytes are stand-ins (bench/sim/offload.py); the time a transfer would take on real hardware is modelled per tier and
 charged to the engine step, which is synchronous in the connector.
 
 The scheduler side (lookups, loads) runs on the engine's event loop, as vLLM's scheduler calls its connector
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from agent.offload import DEFAULT_LINKS, AgentOffload, TierLink
 from bench.sim.kv_cache import Digest
+from bench.sim.offload import DEFAULT_LINKS, AgentOffload, TierLink
 from kvcore.vllm_hash import event_hash
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import msgspec
 
-from agent.offload import DEFAULT_LINKS, parse_link
 from bench.sim.agent_link import AgentLinkConfig
 from bench.sim.engine import EngineConfig
+from bench.sim.offload import DEFAULT_LINKS, parse_link
 from bench.sim.perf_model import DEFAULT_PROFILE, PROFILES, Profile
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
