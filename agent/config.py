@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from agent.tiers.base import TierName
 from kvcore.config import ConfigError, option
 
 ENV_PREFIX = "KVGATE_AGENT_"
@@ -84,8 +85,8 @@ class AgentConfig:
             raise ConfigError(f"nvme_layout must be one of {NVME_LAYOUTS}: {self.nvme_layout!r}")
         if self.shared_backend == "fs" and not self.shared_dir:
             raise ConfigError("shared_backend=fs needs shared_dir")
-        for low, high, name in ((self.dram_low_watermark, self.dram_high_watermark, "dram"),
-                                (self.nvme_low_watermark, self.nvme_high_watermark, "nvme")):
+        for low, high, name in ((self.dram_low_watermark, self.dram_high_watermark, TierName.DRAM),
+                                (self.nvme_low_watermark, self.nvme_high_watermark, TierName.NVME)):
             if not 0.0 < low <= high <= 1.0:
                 raise ConfigError(f"{name} watermarks need 0 < low <= high <= 1 (got {low}, {high})")
         return self

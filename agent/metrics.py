@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from agent.store import TierStore
+from agent.tiers.base import TierName
 
 LATENCY_BUCKETS = (0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
@@ -64,12 +65,12 @@ class AgentMetrics:
     def __init__(self, store: TierStore, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.registry.register(TierCollector(store))
-        self.load_seconds = Histogram("kvgate_agent_load_seconds", "time to load one block (or one batch "
-                                      "from the shared tier)", ["tier"], buckets=LATENCY_BUCKETS,
+        self.load_seconds = Histogram("kvgate_agent_load_seconds", "time to load one block from DRAM, or one "
+                                      "run of blocks from a lower tier", ["tier"], buckets=LATENCY_BUCKETS,
                                       registry=self.registry)
-        self.store_seconds = Histogram("kvgate_agent_store_seconds", "time to store one block (or one batch "
-                                       "to the shared tier)", ["tier"], buckets=LATENCY_BUCKETS,
-                                       registry=self.registry)
+        self.store_seconds = Histogram("kvgate_agent_store_seconds", "time to store the new blocks of one chain "
+                                       "in a tier (one write where the medium allows)", ["tier"],
+                                       buckets=LATENCY_BUCKETS, registry=self.registry)
         self.requests = Counter("kvgate_agent_requests", "API requests", ["op"], registry=self.registry)
         self.request_errors = Counter("kvgate_agent_request_errors", "API requests answered with an error",
                                       ["op"], registry=self.registry)
@@ -77,5 +78,5 @@ class AgentMetrics:
                                         buckets=LATENCY_BUCKETS, registry=self.registry)
         store.observe = self.observe
 
-    def observe(self, op: str, tier: str, seconds: float) -> None:
+    def observe(self, op: str, tier: TierName, seconds: float) -> None:
         (self.load_seconds if op == "load" else self.store_seconds).labels(tier).observe(seconds)

@@ -330,7 +330,7 @@ class TierAgent:
         tiers = {}
         for tier in self.store.tiers:
             usage = tier.usage()
-            tiers[tier.name] = TierInfo(used_bytes=usage.used_bytes, blocks=usage.blocks,
+            tiers[tier.name.value] = TierInfo(used_bytes=usage.used_bytes, blocks=usage.blocks,
                                         capacity_bytes=usage.capacity_bytes, hits=tier.stats.hits,
                                         misses=tier.stats.misses)
         return StatsReply(tiers=tiers)

@@ -33,12 +33,17 @@ from agent.client import AgentClient
 from agent.config import AgentConfig
 from agent.server import TierAgent
 from agent.store import TierStore
+from agent.tiers.base import StoreItem, Tier, TierName
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.segments import SegmentNvmeTier
 from agent.tiers.shared import RedisSharedTier
 from bench.procs import free_port, wait_for_port
 from bench.procs import stop as stop_process
+
+# the tiers measured: DRAM, NVMe in its two layouts, the shared tier on Redis/Valkey
+DRAM, NVME, NVME_FILES, REDIS = TierName.DRAM.value, TierName.NVME.value, f"{TierName.NVME}-files", "redis"
+CASES = (DRAM, NVME, NVME_FILES, REDIS)
 
 LAYOUT = 0xBE4C
 
@@ -155,19 +160,15 @@ def bench_nvme(size: int, count: int, repeat: int, directory: Path, fsync: bool,
             os.close(fd)
 
     def tier_write() -> None:
-        tier: NvmeTier | SegmentNvmeTier = state["tier"]
-        if isinstance(tier, SegmentNvmeTier):  # the agent stores chains: a batch per write
-            for start in range(0, count, batch):
-                tier.store_many([((LAYOUT, i), data[i], None) for i in range(start, min(start + batch, count))])
-        else:
-            for i, d in enumerate(data):
-                tier.store((LAYOUT, i), d)
+        tier: Tier = state["tier"]
+        for start in range(0, count, batch):  # the agent stores chains (the segment log: one write per chain)
+            tier.store_many([StoreItem((LAYOUT, i), data[i]) for i in range(start, min(start + batch, count))])
 
     write = side_by_side(raw_write, tier_write, repeat, size * count, setup=reset)
     reset()
     raw_write()
     tier_write()
-    tier: NvmeTier | SegmentNvmeTier = state["tier"]
+    tier: Tier = state["tier"]
     tier_files = [p for p in tier_dir.rglob("*") if p.is_file()]
     buffers = [memoryview(bytearray(size)) for _ in range(count)]
 
@@ -177,14 +178,9 @@ def bench_nvme(size: int, count: int, repeat: int, directory: Path, fsync: bool,
                 f.readinto(b)
 
     def tier_read() -> None:
-        if isinstance(tier, SegmentNvmeTier):  # the agent loads chains: a batch per read
-            for start in range(0, count, batch):
-                keys: list[BlockKey] = [(LAYOUT, i) for i in range(start, min(start + batch, count))]
-                if None in tier.read_many(keys, buffers[start: start + batch]):
-                    raise RuntimeError("nvme tier lost a block during the benchmark")
-            return
-        for i, b in enumerate(buffers):
-            if tier.read_into((LAYOUT, i), b) != size:
+        for start in range(0, count, batch):  # the agent loads chains (the segment log: one read per chain)
+            keys: list[BlockKey] = [(LAYOUT, i) for i in range(start, min(start + batch, count))]
+            if None in tier.read_many(keys, buffers[start: start + batch]):
                 raise RuntimeError("nvme tier lost a block during the benchmark")
 
     warm = side_by_side(raw_read, tier_read, repeat, size * count)
@@ -218,7 +214,7 @@ def bench_redis(size: int, count: int, repeat: int, url: str, batch: int) -> dic
         generation[0] += 1  # new keys each run: the tier skips blocks it already wrote
         base = generation[0] * count
         for start in range(0, count, batch):
-            items = [((LAYOUT, base + i), data[i], None) for i in range(start, min(start + batch, count))]
+            items = [StoreItem((LAYOUT, base + i), data[i]) for i in range(start, min(start + batch, count))]
             if tier.store_many(items) != len(items):
                 raise RuntimeError("redis tier refused blocks")
 
@@ -329,7 +325,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default="", help="Redis/Valkey to use (default: start a valkey-server)")
     parser.add_argument("--batch", type=int, default=16,
                         help="blocks per call (a chain): NVMe segment writes/reads and Redis pipelines")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["dram", "nvme", "nvme-files", "redis", "lookup"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=[*CASES, "lookup"])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
 
 
@@ -342,19 +338,19 @@ def run(args: argparse.Namespace) -> int:
     valkey: subprocess.Popen[bytes] | None = None
     try:
         url = args.redis_url
-        if "redis" not in args.skip and not url:
+        if REDIS not in args.skip and not url:
             valkey, url = start_valkey(workdir)
         for size in args.block_bytes:
             count = max(4, args.total_mib * 2**20 // size)
             entry: dict[str, Any] = {"blocks": count}
-            if "dram" not in args.skip:
-                entry["dram"] = bench_dram(size, count, args.repeat)
-            if "nvme" not in args.skip:
-                entry["nvme"] = bench_nvme(size, count, args.repeat, workdir, args.fsync, "segments", args.batch)
-            if "nvme-files" not in args.skip:
-                entry["nvme-files"] = bench_nvme(size, count, args.repeat, workdir, args.fsync, "files", 1)
-            if "redis" not in args.skip:
-                entry["redis"] = bench_redis(size, count, args.repeat, url, args.batch)
+            if DRAM not in args.skip:
+                entry[DRAM] = bench_dram(size, count, args.repeat)
+            if NVME not in args.skip:
+                entry[NVME] = bench_nvme(size, count, args.repeat, workdir, args.fsync, "segments", args.batch)
+            if NVME_FILES not in args.skip:
+                entry[NVME_FILES] = bench_nvme(size, count, args.repeat, workdir, args.fsync, "files", 1)
+            if REDIS not in args.skip:
+                entry[REDIS] = bench_redis(size, count, args.repeat, url, args.batch)
             results["block_sizes"][str(size)] = entry
         if "lookup" not in args.skip:
             results["lookup"] = bench_lookup(workdir)
@@ -374,7 +370,7 @@ def print_report(results: dict[str, Any]) -> None:
           f"{results['repeat']}; ratio = raw time / tier time, target >= 0.80)")
     print(f"{'block':>9} {'tier':<10} {'operation':<16} {'raw GB/s':>9} {'tier GB/s':>10} {'ratio':>6}")
     for size, entry in results["block_sizes"].items():
-        for tier_name in ("dram", "nvme", "nvme-files", "redis"):
+        for tier_name in CASES:
             for op, figures in entry.get(tier_name, {}).items():
                 if isinstance(figures, dict):
                     print(f"{int(size) // 1024:>6}KiB {tier_name:<10} {op:<16} {figures['raw_gbps']:>9.2f} "

@@ -10,7 +10,9 @@ from typing import Any
 
 from agent.block import HEADER_SIZE
 from agent.config import AgentConfig
+from agent.policy import TierPolicy
 from agent.store import TierStore
+from agent.tiers.base import TierName
 from kvcore.kv_events import BlockRemoved, BlockStored
 from tests.conftest import ValkeyServer
 
@@ -204,3 +206,29 @@ def test_config_from_env_file_and_flags(tmp_path: Path) -> None:
     config = load_config(AgentConfig, ENV_PREFIX, args, environ=env).validate()
     assert config.dram_capacity == 2 * 2**30 and config.nvme_dir == "/data/kv" and config.shared_ttl_s == 60
     assert config.write_policy == "eager" and config.nvme_fsync is False  # flags beat env beats file
+
+
+def test_every_tier_reports_the_blocks_it_loses(tmp_path: Path) -> None:
+    store = make_store(tmp_path, dram_capacity=0, write_policy="eager", nvme_layout="files")
+    store.store_chain(LAYOUT, [1, 2], [payload(1), payload(2)])
+    assert media(store.drain_events(), BlockStored) == {"DISK": [1, 2], "SHARED": [1, 2]}
+    for root in (tmp_path / "nvme" / "blocks", tmp_path / "shared"):  # both copies of block 2 vanish
+        next(p for p in root.rglob("*") if p.name.endswith(f"{2:016x}")).unlink()
+    assert store.load_chain(LAYOUT, [1, 2], outs(2)) == [SIZE]
+    assert media(store.drain_events(), BlockRemoved) == {"DISK": [2], "SHARED": [2]}
+    assert store.lookup(LAYOUT, [1, 2]) == (1, "D")
+
+
+def test_policy_decisions() -> None:
+    below = [TierName.NVME, TierName.SHARED]
+    lazy = TierPolicy(eager=False, nvme_admit_reuse=2, shared_admit_reuse=1)
+    assert lazy.write_through(below, 5) == []  # lazy: nothing moves on a store
+    assert lazy.demote_to(below, 1) is TierName.SHARED  # NVMe wants a second use first
+    assert lazy.demote_to(below, 2) is TierName.NVME
+    assert lazy.demote_to([], 9) is None
+    eager = TierPolicy(eager=True, nvme_admit_reuse=1, shared_admit_reuse=3)
+    assert eager.write_through(below, 1) == [TierName.NVME]
+    assert eager.write_through(below, 3) == below
+    assert eager.demote_to(below, 9) is None  # written through already
+    assert TierPolicy.from_config(AgentConfig(write_policy="eager", promote_on_hit=False)) == TierPolicy(
+        eager=True, promote_on_hit=False)

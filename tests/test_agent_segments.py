@@ -110,13 +110,14 @@ def test_byte_bound_drops_oldest_segments(tmp_path: Path) -> None:
 
 DISK_FULL_SCRIPT = """
 import resource, signal, sys
+from agent.tiers.base import StoreItem
 from agent.tiers.segments import SegmentNvmeTier
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
 tier = SegmentNvmeTier(sys.argv[1], capacity=1 << 30, fsync=False, segment_bytes=1 << 20)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))  # no file may grow past 64 KiB now
 stored = sum(tier.store((1, i), bytes([i % 256]) * 10_000) for i in range(20))
 big = tier.store((1, 999), b"y" * 100_000)
-chain = tier.store_many([((2, i), bytes([i % 256]) * 10_000, None) for i in range(20)])  # one 200 kB write fails
+chain = tier.store_many([StoreItem((2, i), bytes([i % 256]) * 10_000) for i in range(20)])  # one 200 kB write fails
 ok = all(tier.read_into((layout, i), memoryview(bytearray(10_000))) == 10_000 for layout in (1, 2) for i in range(20))
 u = tier.usage()
 print(stored, big, chain, ok, u.blocks, u.used_bytes, tier.stats.backend_errors)

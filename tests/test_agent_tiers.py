@@ -14,7 +14,7 @@ import redis
 import redis.cluster
 
 from agent.block import HEADER_SIZE, BlockError, ChecksumError, key_name, pack, parse_key_name, verify
-from agent.tiers.base import DiskSpace
+from agent.tiers.base import DiskSpace, Removed, StoreItem
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.segments import SegmentNvmeTier
@@ -68,13 +68,21 @@ def test_key_names_round_trip() -> None:
 # -- DRAM --------------------------------------------------------------------------------------------------
 
 
+def removals(tier: DramTier) -> list[Removed]:
+    seen: list[Removed] = []
+    tier.on_removed = seen.extend
+    return seen
+
+
 def test_dram_bound_and_lru() -> None:
     tier = DramTier(capacity=3000)
+    evicted = removals(tier)
     for i in range(3):
         assert tier.store(key(i), payload(i))
     assert read(tier, key(0)) == payload(0)  # 0 becomes most recent
-    evicted = tier.store_evicting(key(3), payload(3))
-    assert evicted is not None and [k for k, _ in evicted] == [key(1)]
+    assert tier.store(key(3), payload(3))
+    assert [r.key for r in evicted] == [key(1)]
+    assert evicted[0].block is not None and bytes(evicted[0].block.data) == payload(1)  # to move down
     assert tier.usage().used_bytes == 3000 and tier.usage().blocks == 3
     assert read(tier, key(1)) is None
     assert not tier.store(key(9), payload(9, 3001))  # bigger than the tier: refused
@@ -93,7 +101,7 @@ def test_dram_parent_outlives_children() -> None:
     assert tier.contains(key(0))
     assert not tier.contains(key(1)) or not tier.contains(key(10))
     for k in tier.block_keys():
-        block = tier.get(k)
+        block = tier.held(k)
         assert block is not None
         if block.parent is not None:
             assert tier.contains(block.parent)
@@ -101,12 +109,14 @@ def test_dram_parent_outlives_children() -> None:
 
 def test_dram_watermarks() -> None:
     tier = DramTier(capacity=10_000, high_watermark=0.8, low_watermark=0.5)
+    evicted = removals(tier)
     for i in range(9):
         tier.store(key(i), payload(i))
-    assert tier.above_high_watermark()
-    evicted = tier.evict_to_low_watermark()
+    assert tier.above_high_watermark() and evicted == []
+    tier.evict_to_low_watermark()
     assert len(evicted) == 4 and tier.usage().used_bytes == 5000
-    assert [k for k, _ in evicted] == [key(i) for i in range(4)]
+    assert [r.key for r in evicted] == [key(i) for i in range(4)]
+    assert tier.delete(key(8)) and evicted[-1] == Removed(key(8))  # a deleted block is reported, without bytes
 
 
 # -- NVMe --------------------------------------------------------------------------------------------------
@@ -211,7 +221,7 @@ def test_nvme_disk_full_refuses_without_crashing(tmp_path: Path) -> None:
 def test_redis_shared_round_trip_across_replicas(valkey: ValkeyServer) -> None:
     a = RedisSharedTier(valkey.url, ttl_s=60)
     b = RedisSharedTier(valkey.url, ttl_s=60)
-    assert a.store_many([(key(i), payload(i), None) for i in range(4)]) == 4
+    assert a.store_many([StoreItem(key(i), payload(i)) for i in range(4)]) == 4
     assert not b.contains(key(0))  # b never asked: its local index does not know yet
     assert b.probe([key(0), key(9)]) == [True, False]
     assert b.contains(key(0))
@@ -283,7 +293,7 @@ def test_redis_down_is_counted_and_recovers(valkey: ValkeyServer) -> None:
 def test_fs_shared_round_trip_ttl_sweep(tmp_path: Path) -> None:
     a = FsSharedTier(tmp_path, ttl_s=60)
     b = FsSharedTier(tmp_path, ttl_s=60)
-    assert a.store_many([(key(i), payload(i), None) for i in range(3)]) == 3
+    assert a.store_many([StoreItem(key(i), payload(i)) for i in range(3)]) == 3
     assert b.refresh_index() == 3
     assert read(b, key(2)) == payload(2)
     old = time.time() - 120
@@ -302,9 +312,10 @@ def test_fs_shared_round_trip_ttl_sweep(tmp_path: Path) -> None:
 def valkey_cluster(tmp_path: Path) -> Iterator[str]:
     """A one-node Valkey Cluster (all 16384 slots on one server): the cluster protocol, MOVED-free."""
     port = free_port()
+    # the cluster bus port defaults to port + 10000, which does not exist for a free port above 55535
     proc = subprocess.Popen([valkey_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(tmp_path), "--cluster-enabled", "yes",
-                             "--cluster-config-file", str(tmp_path / "nodes.conf")],
+                             "--cluster-port", str(free_port()), "--cluster-config-file", str(tmp_path / "nodes.conf")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port, 15, proc)
@@ -324,7 +335,7 @@ def test_redis_cluster_backend(valkey_cluster: str) -> None:
     a = RedisSharedTier(valkey_cluster, cluster=True, ttl_s=60)
     b = RedisSharedTier(valkey_cluster, cluster=True, ttl_s=60)
     assert isinstance(a.client, redis.cluster.RedisCluster)
-    assert a.store_many([(key(i), payload(i), None) for i in range(20)]) == 20  # keys over many slots
+    assert a.store_many([StoreItem(key(i), payload(i)) for i in range(20)]) == 20  # keys over many slots
     assert b.probe([key(0), key(19), key(99)]) == [True, True, False]
     assert b.refresh_index() == 20
     outs = [memoryview(bytearray(2000)) for _ in range(20)]

@@ -1,8 +1,12 @@
-"""The one interface every tier offers, and the counters each keeps for metrics.
+"""The one interface every tier offers, the tiers' names, and the counters each keeps for metrics.
 
-A tier is a bounded key -> bytes store for KV blocks: `store`, `read_into` (load into a caller's buffer, so a
-block can go from a file or DRAM straight into shared memory), `contains`, `delete`, `usage`. Reads from media
-outside this process verify the block's checksum; a block that fails is deleted and reported as a miss.
+A tier is a bounded key -> bytes store for KV blocks on one medium: `store_many` (a chain, written together where
+the medium allows), `read_many` (into a caller's buffers, so a block can go from a file or DRAM straight into
+shared memory), `contains` (local state only), `delete`, `usage`, and the pressure hooks the store's upkeep
+drives (watermarks, eviction candidates). Reads from media outside this process verify the block's checksum; a
+block that fails is deleted and reported as a miss. Every block that leaves a tier, for whatever reason
+(eviction, expiry, corruption, deletion behind the agent's back, `delete`), is reported to the tier's
+`on_removed` listener -- the one way the store hears of removals.
 """
 
 from __future__ import annotations
@@ -10,13 +14,81 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from enum import StrEnum
+from typing import NamedTuple, Protocol
 
-from agent.block import BlockKey
+from agent.block import BlockKey, checksum
 
 Buffer = bytes | bytearray | memoryview
+
+
+class TierName(StrEnum):
+    """The agent's tiers, top to bottom, spelled once: metric labels, stats, logs, benchmark rows. `medium` is the
+    tier's name in KV events, `code` its letter in a lookup answer (agent/protocol.py's `where`)."""
+
+    DRAM = "dram"
+    NVME = "nvme"
+    SHARED = "shared"
+
+    @property
+    def medium(self) -> str:
+        return _MEDIUM[self]
+
+    @property
+    def code(self) -> str:
+        return _CODE[self]
+
+    @classmethod
+    def from_code(cls, code: str) -> TierName:
+        return _BY_CODE[code]
+
+
+# vLLM's KV-event medium names ("CPU", "DISK"; "SHARED" is kvgate's own for the fleet-shared tier)
+_MEDIUM = {TierName.DRAM: "CPU", TierName.NVME: "DISK", TierName.SHARED: "SHARED"}
+_CODE = {TierName.DRAM: "C", TierName.NVME: "D", TierName.SHARED: "S"}
+_BY_CODE = {code: name for name, code in _CODE.items()}
+
+
+class StoreItem(NamedTuple):
+    """One block to store: a chain is a sequence of these, each block's parent the one before it."""
+
+    key: BlockKey
+    payload: Buffer
+    digest: int | None = None  # the payload's checksum, when already known
+    parent: BlockKey | None = None  # the previous block of the same prefix (the DRAM tier keeps prefix order)
+
+
+@dataclass(slots=True)
+class HeldBlock:
+    """A block whose bytes this process holds in memory (the DRAM tier's own copy): lower tiers take them from
+    here without another copy, and the checksum is computed once, when a block first leaves for a medium."""
+
+    data: bytearray
+    parent: BlockKey | None
+    digest: int | None = None
+
+    def checksum(self) -> int:
+        if self.digest is None:
+            self.digest = checksum(self.data)
+        return self.digest
+
+    def item(self, key: BlockKey) -> StoreItem:
+        return StoreItem(key, self.data, self.checksum(), self.parent)
+
+
+class Removed(NamedTuple):
+    """A block that left a tier. `block` is set when a tier pushed it out to make room and still had its bytes in
+    memory (the DRAM tier): then it can still move down."""
+
+    key: BlockKey
+    block: HeldBlock | None = None
+
+
+# told of every block a tier lost, in batches; may be called with the tier's lock held: it must not call back
+# into that tier
+RemovalListener = Callable[[list[Removed]], None]
 
 
 @dataclass
@@ -45,25 +117,38 @@ class TierUsage:
     capacity_bytes: int
 
 
-# called with the key of every block a tier drops by itself (eviction, corruption, external deletion)
-RemovalListener = Callable[[BlockKey], None]
-
-
 class Tier(Protocol):
-    name: str  # "dram", "nvme", "shared"
-    medium: str  # KV-event medium: "CPU", "DISK", "SHARED"
+    name: TierName
     stats: TierStats
+    on_removed: RemovalListener | None
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
-        """Keep a block; False when it cannot be admitted (too big, medium full, backend down)."""
+        """Keep one block; False when it cannot be admitted (too big, medium full, backend down)."""
         ...
 
-    def read_into(self, key: BlockKey, out: memoryview) -> int | None:
-        """Copy the block's payload into `out`; its length, or None on a miss (or a bad / unreadable block)."""
+    def store_many(self, items: Sequence[StoreItem]) -> int:
+        """Keep blocks (one write per chain where the medium allows); how many of them are held afterwards."""
+        ...
+
+    def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
+        """Copy one block's payload into `out`; its length, or None on a miss (or a bad / unreadable block).
+        `touch=False`: a read that is not a use (a demotion), which leaves the tier's use order as it is."""
+        ...
+
+    def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
+        """`read_into` for a run of blocks (one read / one round trip where the medium allows)."""
         ...
 
     def contains(self, key: BlockKey) -> bool:
         """Answered from local state only: no I/O."""
+        ...
+
+    def held(self, key: BlockKey) -> HeldBlock | None:
+        """The block's bytes if this tier holds them in this process's memory, without a copy; else None."""
+        ...
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """A chain of blocks was used (stored or loaded): keep it, parents longest, where the tier orders by use."""
         ...
 
     def delete(self, key: BlockKey) -> bool: ...
@@ -71,6 +156,23 @@ class Tier(Protocol):
     def usage(self) -> TierUsage: ...
 
     def block_keys(self) -> Iterable[BlockKey]: ...
+
+    def above_high_watermark(self) -> bool: ...
+
+    def evict_to_low_watermark(self) -> None:
+        """Make room down to the low watermark; what goes is reported to `on_removed`."""
+        ...
+
+    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
+        """(key, payload bytes) of the blocks `evict_to_low_watermark` would drop now whose bytes the eviction
+        cannot hand over (they are on a medium): a lazy store copies them down first. None for a memory tier."""
+        ...
+
+    def upkeep(self) -> None:
+        """Periodic checks off the request path (e.g. segment files deleted behind the agent's back)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class DiskSpace:

@@ -11,35 +11,31 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from agent.block import BlockKey, checksum
-from agent.tiers.base import Buffer, TierStats, TierUsage
+from agent.block import BlockKey
+from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 
 
 @dataclass(slots=True)
-class DramBlock:
-    data: bytearray
-    parent: BlockKey | None
-    children: int = 0
-    digest: int | None = None
-
-    def checksum(self) -> int:
-        if self.digest is None:
-            self.digest = checksum(self.data)
-        return self.digest
+class DramBlock(HeldBlock):
+    children: int = 0  # resident blocks whose parent this is: while any, this block is not evicted
 
 
 class DramTier:
-    name = "dram"
-    medium = "CPU"
+    """`prefix_order=False` makes it plain LRU (the simulator's model of an LRU medium)."""
 
-    def __init__(self, capacity: int, high_watermark: float = 0.95, low_watermark: float = 0.85) -> None:
+    name = TierName.DRAM
+
+    def __init__(self, capacity: int, high_watermark: float = 0.95, low_watermark: float = 0.85,
+                 prefix_order: bool = True) -> None:
         self.capacity = capacity
+        self.prefix_order = prefix_order
         self.high_bytes = int(capacity * high_watermark)
         self.low_bytes = int(capacity * low_watermark)
         self.stats = TierStats()
+        self.on_removed: RemovalListener | None = None
         self._blocks: OrderedDict[BlockKey, DramBlock] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
@@ -48,24 +44,22 @@ class DramTier:
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None,
               parent: BlockKey | None = None) -> bool:
-        evicted = self.store_evicting(key, payload, digest, parent)
-        return evicted is not None
-
-    def store_evicting(self, key: BlockKey, payload: Buffer, digest: int | None = None,
-                       parent: BlockKey | None = None) -> list[tuple[BlockKey, DramBlock]] | None:
-        """Store; returns the blocks evicted to make room (for demotion), or None if refused."""
+        """Copy a block in, evicting least recently used leaves to make room (reported with their bytes, so they
+        can move down); a block bigger than the whole tier is refused."""
         size = len(payload)
         if size > self.capacity:
             self.stats.add("refused")
-            return None
+            return False
+        if not self.prefix_order:
+            parent = None
         with self._lock:  # the DRAM tier's counters are only touched under its own lock
             blocks = self._blocks
             if key in blocks:
                 blocks.move_to_end(key)
-                return []
+                return True
             evicted = self._evict_locked(self.capacity - size, protect=parent) if self._used + size > \
                 self.capacity else []
-            block = DramBlock(bytearray(payload), None, 0, digest)
+            block = DramBlock(bytearray(payload), None, digest)
             if parent is not None:
                 parent_block = blocks.get(parent)
                 if parent_block is not None:
@@ -74,9 +68,14 @@ class DramTier:
             blocks[key] = block
             self._used += size
             self.stats.stores += 1
-        return evicted
+        if evicted:
+            self._report(evicted)
+        return True
 
-    def read_into(self, key: BlockKey, out: memoryview) -> int | None:
+    def store_many(self, items: Sequence[StoreItem]) -> int:
+        return sum(self.store(*item) for item in items)
+
+    def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         with self._lock:
             block = self._blocks.get(key)
             if block is None or len(block.data) > len(out):
@@ -84,11 +83,15 @@ class DramTier:
                 return None
             size = len(block.data)
             out[:size] = block.data
-            self._blocks.move_to_end(key)
+            if touch:
+                self._blocks.move_to_end(key)
             self.stats.hits += 1
             return size
 
-    def get(self, key: BlockKey) -> DramBlock | None:
+    def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
+        return [self.read_into(key, out, touch) for key, out in zip(keys, outs, strict=True)]
+
+    def held(self, key: BlockKey) -> DramBlock | None:
         """The resident block itself (no copy), for demotion and write-through; does not touch LRU order."""
         return self._blocks.get(key)
 
@@ -105,7 +108,8 @@ class DramTier:
             for other in self._blocks.values():
                 if other.parent == key:
                     other.parent = None
-            return True
+        self._report([Removed(key)])
+        return True
 
     def usage(self) -> TierUsage:
         return TierUsage(self._used, len(self._blocks), self.capacity)
@@ -114,9 +118,15 @@ class DramTier:
         with self._lock:
             return list(self._blocks)
 
+    def upkeep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     # -- ordering and pressure -------------------------------------------------------------------------------
 
-    def touch_chain(self, keys: list[BlockKey]) -> None:
+    def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark a prefix chain as used: children first, so each parent ends up more recent than its child."""
         with self._lock:
             for key in reversed(keys):
@@ -126,13 +136,17 @@ class DramTier:
     def above_high_watermark(self) -> bool:
         return self._used > self.high_bytes
 
-    def evict_to_low_watermark(self) -> list[tuple[BlockKey, DramBlock]]:
+    def evict_to_low_watermark(self) -> None:
         with self._lock:
-            return self._evict_locked(self.low_bytes)
+            evicted = self._evict_locked(self.low_bytes)
+        self._report(evicted)
 
-    def _evict_locked(self, target: int, protect: BlockKey | None = None) -> list[tuple[BlockKey, DramBlock]]:
+    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
+        return []  # an eviction reports the evicted blocks with their bytes
+
+    def _evict_locked(self, target: int, protect: BlockKey | None = None) -> list[Removed]:
         """Evict least recently used leaves until usage <= target."""
-        evicted: list[tuple[BlockKey, DramBlock]] = []
+        evicted: list[Removed] = []
         while self._used > target and self._blocks:
             victim = None
             for key, block in self._blocks.items():
@@ -142,7 +156,7 @@ class DramTier:
             if victim is None:  # only the protected parent is left
                 break
             self._remove_locked(*victim)
-            evicted.append(victim)
+            evicted.append(Removed(*victim))
         self.stats.evictions += len(evicted)
         return evicted
 
@@ -153,3 +167,7 @@ class DramTier:
             parent_block = self._blocks.get(block.parent)
             if parent_block is not None:
                 parent_block.children -= 1
+
+    def _report(self, removed: list[Removed]) -> None:
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)

@@ -16,7 +16,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from agent.block import (
@@ -30,7 +30,17 @@ from agent.block import (
     key_name,
     parse_key_name,
 )
-from agent.tiers.base import Buffer, DiskSpace, RemovalListener, TierStats, TierUsage
+from agent.tiers.base import (
+    Buffer,
+    DiskSpace,
+    HeldBlock,
+    RemovalListener,
+    Removed,
+    StoreItem,
+    TierName,
+    TierStats,
+    TierUsage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +105,7 @@ def read_block_file(path: Path, key: BlockKey, out: memoryview) -> int:
 
 
 class NvmeTier:
-    name = "nvme"
-    medium = "DISK"
+    name = TierName.NVME
 
     def __init__(self, directory: str | Path, capacity: int, high_watermark: float = 0.95,
                  low_watermark: float = 0.85, fsync: bool = True, min_free: int = 0) -> None:
@@ -160,9 +169,10 @@ class NvmeTier:
                 return True
             if key in self._pending:
                 return True
-            self._evict_locked(self.capacity - size)
+            evicted = self._evict_locked(self.capacity - size)
             self._pending[key] = size
             self._used += size
+        self._report(evicted)
         ok = False
         try:
             ok = self._write(key, payload, size, digest)
@@ -179,7 +189,8 @@ class NvmeTier:
     def _write(self, key: BlockKey, payload: Buffer, size: int, digest: int | None) -> bool:
         if self.min_free and not self._space.take(size):
             with self._lock:
-                self._evict_locked(self._used - size)
+                evicted = self._evict_locked(self._used - size)
+            self._report(evicted)
             if not self._space.take(size):
                 return False
         header = encode_header(key[0], len(payload), checksum(payload) if digest is None else digest)
@@ -204,8 +215,12 @@ class NvmeTier:
                 self.stats.add("backend_errors")
                 if attempt == 0:  # disk full: make room once, then give up on this block
                     with self._lock:
-                        self._evict_locked(max(0, self._used - 2 * size))
+                        evicted = self._evict_locked(max(0, self._used - 2 * size))
+                    self._report(evicted)
         return False
+
+    def store_many(self, items: Sequence[StoreItem]) -> int:
+        return sum(self.store(item.key, item.payload, item.digest) for item in items)
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         with self._lock:
@@ -241,17 +256,26 @@ class NvmeTier:
         self.stats.add("hits")
         return length
 
+    def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
+        return [self.read_into(key, out, touch) for key, out in zip(keys, outs, strict=True)]
+
     def contains(self, key: BlockKey) -> bool:
         return key in self._index
 
+    def held(self, key: BlockKey) -> HeldBlock | None:
+        return None
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        pass  # reads keep the LRU order
+
     def delete(self, key: BlockKey) -> bool:
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is None:
-                return False
-            self._used -= size
-        self._path(key).unlink(missing_ok=True)
-        return True
+        return self._forget(key, unlink=True)
+
+    def upkeep(self) -> None:
+        pass  # a block file deleted behind our back is noticed when it is read
+
+    def close(self) -> None:
+        pass
 
     def usage(self) -> TierUsage:
         return TierUsage(self._used, len(self._index), self.capacity)
@@ -265,28 +289,27 @@ class NvmeTier:
     def above_high_watermark(self) -> bool:
         return self._used > self.high_bytes
 
-    def evict_to_low_watermark(self) -> list[BlockKey]:
+    def evict_to_low_watermark(self) -> None:
         with self._lock:
-            return self._evict_locked(self.low_bytes)
+            evicted = self._evict_locked(self.low_bytes)
+        self._report(evicted)
 
-    def payload_size(self, key: BlockKey) -> int | None:
-        size = self._index.get(key)
-        return None if size is None else size - HEADER_SIZE
-
-    def eviction_candidates(self, nbytes: int) -> list[BlockKey]:
-        """The least recently used keys that hold at least `nbytes` (demoted before they are evicted)."""
+    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
+        """The least recently used blocks, down to the low watermark."""
         with self._lock:
-            out: list[BlockKey] = []
+            out: list[tuple[BlockKey, int]] = []
             total = 0
+            excess = self._used - self.low_bytes
             for key, size in self._index.items():
-                if total >= nbytes:
+                if total >= excess:
                     break
-                out.append(key)
+                out.append((key, size - HEADER_SIZE))
                 total += size
             return out
 
-    def _evict_locked(self, target: int) -> list[BlockKey]:
-        evicted: list[BlockKey] = []
+    def _evict_locked(self, target: int) -> list[Removed]:
+        """Drop least recently used blocks until usage <= target; the caller reports them (outside the lock)."""
+        evicted: list[Removed] = []
         while self._used > target and self._index:
             key, size = self._index.popitem(last=False)
             self._used -= size
@@ -296,20 +319,23 @@ class NvmeTier:
                 pass
             except OSError as exc:
                 log.warning("nvme tier: cannot delete %s: %s", key_name(key), exc)
-            evicted.append(key)
+            evicted.append(Removed(key))
         if evicted:
             self.stats.add("evictions", len(evicted))
-            if self.on_removed is not None:
-                for key in evicted:
-                    self.on_removed(key)
         return evicted
 
-    def _forget(self, key: BlockKey, unlink: bool) -> None:
+    def _forget(self, key: BlockKey, unlink: bool) -> bool:
         with self._lock:
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
         if unlink:
             self._path(key).unlink(missing_ok=True)
-        if size is not None and self.on_removed is not None:
-            self.on_removed(key)
+        if size is None:
+            return False
+        self._report([Removed(key)])
+        return True
+
+    def _report(self, removed: list[Removed]) -> None:
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)

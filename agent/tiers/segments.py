@@ -29,7 +29,17 @@ from pathlib import Path
 import xxhash
 
 from agent.block import HEADER, HEADER_SIZE, MAGIC, VERSION, BlockError, BlockKey, ChecksumError, checksum
-from agent.tiers.base import Buffer, DiskSpace, RemovalListener, TierStats, TierUsage
+from agent.tiers.base import (
+    Buffer,
+    DiskSpace,
+    HeldBlock,
+    RemovalListener,
+    Removed,
+    StoreItem,
+    TierName,
+    TierStats,
+    TierUsage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +116,7 @@ class _Location:
 
 
 class SegmentNvmeTier:
-    name = "nvme"
-    medium = "DISK"
+    name = TierName.NVME
 
     def __init__(self, directory: str | Path, capacity: int, high_watermark: float = 0.95,
                  low_watermark: float = 0.85, fsync: bool = True, min_free: int = 0,
@@ -229,14 +238,14 @@ class SegmentNvmeTier:
         return _Record(key, parts, meta_end + length, meta_end, length)
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
-        return self.store_many([(key, payload, digest)]) == 1
+        return self.store_many([StoreItem(key, payload, digest)]) == 1
 
-    def store_many(self, items: Sequence[tuple[BlockKey, Buffer, int | None]]) -> int:
+    def store_many(self, items: Sequence[StoreItem]) -> int:
         """Append blocks with one write per group that fits a segment; how many are held afterwards."""
         held = 0
         group: list[_Record] = []
         group_bytes = 0
-        for key, payload, digest in items:
+        for key, payload, digest, _parent in items:
             if HEADER_SIZE + 16 + len(payload) > self.capacity:
                 self.stats.add("refused")
                 continue
@@ -325,7 +334,7 @@ class SegmentNvmeTier:
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         return self.read_many([key], [out])[0]
 
-    def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[int | None]:
+    def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
         """Read blocks into `outs`; records lying back to back in one segment (a chain stored together) are
         read with one preadv. Each entry: the payload length, or None (miss, or a block that failed checks)."""
         results: list[int | None] = []
@@ -386,15 +395,10 @@ class SegmentNvmeTier:
                 raise BlockError("record header does not match the index")
             if checksum(payload) != digest:
                 raise ChecksumError("payload checksum mismatch")
-        except ChecksumError as exc:
-            log.warning("nvme segments: %s", exc)
-            self.stats.add("checksum_failures")
-            self.stats.add("misses")
-            self._forget(key)
-            return None
         except BlockError as exc:
-            log.warning("nvme segments: unreadable block: %s", exc)
-            self.stats.add("read_errors")
+            corrupt = isinstance(exc, ChecksumError)
+            log.warning("nvme segments: %s: %s", "corrupt block" if corrupt else "unreadable block", exc)
+            self.stats.add("checksum_failures" if corrupt else "read_errors")
             self.stats.add("misses")
             self._forget(key)
             return None
@@ -403,9 +407,15 @@ class SegmentNvmeTier:
     def contains(self, key: BlockKey) -> bool:
         return key in self._index
 
+    def held(self, key: BlockKey) -> HeldBlock | None:
+        return None
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        pass  # first in, first out: a hot block lives on in DRAM, and is written again once its segment is gone
+
     def delete(self, key: BlockKey) -> bool:
         """Forget a block; its bytes stay until its segment is dropped."""
-        return self._forget(key, notify=False)
+        return self._forget(key)
 
     def usage(self) -> TierUsage:
         return TierUsage(self._used, len(self._index), self.capacity)
@@ -414,30 +424,31 @@ class SegmentNvmeTier:
         with self._lock:
             return list(self._index)
 
-    def payload_size(self, key: BlockKey) -> int | None:
-        loc = self._index.get(key)
-        return None if loc is None else loc.length
 
     # -- pressure --------------------------------------------------------------------------------------------
 
     def above_high_watermark(self) -> bool:
         return self._used > self.high_bytes
 
-    def evict_to_low_watermark(self) -> list[BlockKey]:
+    def evict_to_low_watermark(self) -> None:
         with self._lock:
-            return self._evict_locked(self.low_bytes)
+            self._evict_locked(self.low_bytes)
 
-    def eviction_candidates(self, nbytes: int) -> list[BlockKey]:
-        """Blocks of the oldest segments, which go first, holding at least `nbytes`."""
+    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
+        """The blocks of the oldest segments, which go first, down to the low watermark."""
         with self._lock:
-            out: list[BlockKey] = []
+            out: list[tuple[BlockKey, int]] = []
             total = 0
+            excess = self._used - self.low_bytes
             for segment in self._segments.values():
-                if total >= nbytes or segment is self._active:
+                if total >= excess or segment is self._active:
                     break
-                out.extend(segment.keys)
+                out.extend((key, loc.length) for key in segment.keys if (loc := self._index.get(key)) is not None)
                 total += segment.size
             return out
+
+    def upkeep(self) -> None:
+        self.verify_segments()
 
     def verify_segments(self) -> int:
         """Drop segments whose file disappeared behind our back; how many were dropped."""
@@ -510,26 +521,21 @@ class SegmentNvmeTier:
                 os.close(segment.read_fd)
                 segment.read_fd = None
 
-    def _evict_locked(self, target: int) -> list[BlockKey]:
-        evicted: list[BlockKey] = []
-        while self._used > target:
-            dropped = self._evict_oldest_locked()
-            if dropped is None:
-                break
-            evicted.extend(dropped)
-        return evicted
+    def _evict_locked(self, target: int) -> None:
+        while self._used > target and self._evict_oldest_locked():
+            pass
 
-    def _evict_oldest_locked(self) -> list[BlockKey] | None:
+    def _evict_oldest_locked(self) -> bool:
+        """Drop the oldest segment no write is in flight to; whether there was one."""
         for segment in self._segments.values():
             if segment.inflight:
                 continue  # writes in flight there
-            keys = list(segment.keys)
-            self._drop_segment_locked(segment, unlink=True)
-            self.stats.evictions += len(keys)
-            return keys
-        return None
+            self.stats.add("evictions", self._drop_segment_locked(segment, unlink=True))
+            return True
+        return False
 
-    def _drop_segment_locked(self, segment: _Segment, unlink: bool) -> None:
+    def _drop_segment_locked(self, segment: _Segment, unlink: bool) -> int:
+        """Forget a segment and its blocks (reported to `on_removed`); how many blocks went with it."""
         self._segments.pop(segment.seg_id, None)
         self._seal_locked(segment)
         segment.dropped = True
@@ -537,17 +543,19 @@ class SegmentNvmeTier:
             os.close(segment.read_fd)
             segment.read_fd = None
         self._used -= segment.size
+        removed: list[Removed] = []
         for key in segment.keys:
             loc = self._index.get(key)
             if loc is not None and loc.seg_id == segment.seg_id:
                 del self._index[key]
-                if self.on_removed is not None:
-                    self.on_removed(key)
+                removed.append(Removed(key))
         if unlink:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(segment.path)
+        self._report(removed)
+        return len(removed)
 
-    def _forget(self, key: BlockKey, notify: bool = True) -> bool:
+    def _forget(self, key: BlockKey) -> bool:
         with self._lock:
             loc = self._index.pop(key, None)
             if loc is None:
@@ -555,6 +563,9 @@ class SegmentNvmeTier:
             segment = self._segments.get(loc.seg_id)
             if segment is not None:
                 segment.keys.discard(key)
-        if notify and self.on_removed is not None:
-            self.on_removed(key)
+        self._report([Removed(key)])
         return True
+
+    def _report(self, removed: list[Removed]) -> None:
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,19 @@ from agent.block import (
     parse_key_name,
     verify,
 )
-from agent.tiers.base import Buffer, TierStats, TierUsage
+from agent.tiers.base import (
+    Buffer,
+    HeldBlock,
+    RemovalListener,
+    Removed,
+    StoreItem,
+    TierName,
+    TierStats,
+    TierUsage,
+)
 from agent.tiers.nvme import read_block_file, write_file_atomically
 
 log = logging.getLogger(__name__)
-
-StoreItem = tuple[BlockKey, Buffer, int | None]  # key, payload, checksum if known
 
 
 class BackendDown(Exception):
@@ -45,16 +52,18 @@ class BackendDown(Exception):
 
 
 class SharedTier:
-    """Index, TTL bookkeeping, stats and back-off common to both backends."""
+    """Index, TTL bookkeeping, stats and back-off common to every backend. `clock` (monotonic seconds) is what
+    expiry and back-off are measured on: a simulation passes its virtual clock."""
 
-    name = "shared"
-    medium = "SHARED"
+    name = TierName.SHARED
 
-    def __init__(self, ttl_s: float, retry_s: float = 1.0) -> None:
+    def __init__(self, ttl_s: float, retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.retry_s = retry_s
+        self.clock = clock
         self.stats = TierStats()
-        self._index: dict[BlockKey, tuple[float, int]] = {}  # key -> (expiry on monotonic clock, bytes or 0)
+        self.on_removed: RemovalListener | None = None
+        self._index: dict[BlockKey, tuple[float, int]] = {}  # key -> (expiry on `clock`, bytes or 0)
         self._down_until = 0.0
         self._lock = threading.Lock()
 
@@ -78,28 +87,32 @@ class SharedTier:
     def close(self) -> None:
         pass
 
+    def sweep(self) -> int:
+        """Delete what outlived the TTL where the backend does not expire entries itself; how many went."""
+        return 0
+
     # -- back-off --------------------------------------------------------------------------------------------
 
     @property
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self.clock() >= self._down_until
 
     def _failed(self, exc: Exception) -> None:
         self.stats.add("backend_errors")
-        self._down_until = time.monotonic() + self.retry_s
+        self._down_until = self.clock() + self.retry_s
         log.warning("shared tier backend error (retrying in %.1f s): %s", self.retry_s, exc)
 
     def _expiry(self) -> float:
-        return time.monotonic() + self.ttl_s if self.ttl_s > 0 else float("inf")
+        return self.clock() + self.ttl_s if self.ttl_s > 0 else float("inf")
 
     # -- interface -------------------------------------------------------------------------------------------
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
-        return self.store_many([(key, payload, digest)]) == 1
+        return self.store_many([StoreItem(key, payload, digest)]) == 1
 
     def store_many(self, items: Sequence[StoreItem]) -> int:
         """Write blocks in one round trip; returns how many were written (0 when the backend is down)."""
-        todo = [(key, payload, digest) for key, payload, digest in items if not self.contains(key)]
+        todo = [(key, payload, digest) for key, payload, digest, _parent in items if not self.contains(key)]
         if not todo:
             return len(items)
         if not self.available:
@@ -120,10 +133,10 @@ class SharedTier:
         self.stats.add("stores", len(todo))
         return len(items)
 
-    def read_into(self, key: BlockKey, out: memoryview) -> int | None:
+    def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         return self.read_many([key], [out])[0]
 
-    def read_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | None]:
+    def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
         """Fetch blocks in one round trip into `outs`; each entry its length or None (miss or bad block)."""
         if not keys:
             return []
@@ -131,7 +144,7 @@ class SharedTier:
             self.stats.add("misses", len(keys))
             return [None] * len(keys)
         try:
-            results = self._fetch_many(keys, outs)
+            results = self._fetch_many(list(keys), list(outs))
         except Exception as exc:
             self._failed(exc)
             self.stats.add("misses", len(keys))
@@ -162,7 +175,25 @@ class SharedTier:
 
     def contains(self, key: BlockKey) -> bool:
         entry = self._index.get(key)
-        return entry is not None and entry[0] > time.monotonic()
+        return entry is not None and entry[0] > self.clock()
+
+    def held(self, key: BlockKey) -> HeldBlock | None:
+        return None
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        pass  # entries live for the TTL from their last write
+
+    def above_high_watermark(self) -> bool:
+        return False  # the backend's own bound (maxmemory, quota) governs
+
+    def evict_to_low_watermark(self) -> None:
+        pass
+
+    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
+        return []
+
+    def upkeep(self) -> None:
+        pass
 
     def probe(self, keys: list[BlockKey]) -> list[bool]:
         """Ask the backend which of these blocks exist (one round trip) and remember the answer."""
@@ -174,13 +205,15 @@ class SharedTier:
             self._failed(exc)
             return [False] * len(keys)
         expiry = self._expiry()
+        gone: list[Removed] = []
         with self._lock:
             for key, present in zip(keys, found, strict=True):
                 if present:
                     if key not in self._index:
                         self._index[key] = (expiry, 0)
-                else:
-                    self._index.pop(key, None)
+                elif self._index.pop(key, None) is not None:
+                    gone.append(Removed(key))
+        self._report(gone)
         return found
 
     def refresh_index(self) -> int:
@@ -193,19 +226,20 @@ class SharedTier:
             self._failed(exc)
             return 0
         expiry = self._expiry()
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             present = set(found)
             for key in found:
                 if key not in self._index:
                     self._index[key] = (expiry, 0)
-            for key in [k for k, (exp, _n) in self._index.items() if k not in present or exp <= now]:
-                del self._index[key]
+            gone = [Removed(k) for k, (exp, _n) in self._index.items() if k not in present or exp <= now]
+            for removed in gone:
+                del self._index[removed.key]
+        self._report(gone)
         return len(found)
 
     def delete(self, key: BlockKey) -> bool:
-        known = self._drop(key, remote=True)
-        return known
+        return self._drop(key, remote=True)
 
     def _drop(self, key: BlockKey, remote: bool) -> bool:
         with self._lock:
@@ -215,11 +249,17 @@ class SharedTier:
                 self._delete(key)
             except Exception as exc:
                 self._failed(exc)
+        if known:
+            self._report([Removed(key)])
         return known
+
+    def _report(self, removed: list[Removed]) -> None:
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)
 
     def usage(self) -> TierUsage:
         """Blocks known locally; bytes of those whose size is known (the backend's own bound governs)."""
-        now = time.monotonic()
+        now = self.clock()
         entries = [(exp, n) for exp, n in list(self._index.values()) if exp > now]
         return TierUsage(sum(n for _e, n in entries), len(entries), 0)
 
@@ -402,7 +442,9 @@ class FsSharedTier(SharedTier):
                         key = parse_key_name(entry.name)
                         if key is not None:
                             with self._lock:
-                                self._index.pop(key, None)
+                                known = self._index.pop(key, None) is not None
+                            if known:
+                                self._report([Removed(key)])
                 except FileNotFoundError:
                     pass
         return removed
