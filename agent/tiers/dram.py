@@ -2,15 +2,19 @@
 
 Prefix order: a block whose child (the next block of the same prefix) is resident is never evicted before that
 child, so what survives pressure is always a usable leading run of blocks. Only leaves are eviction candidates;
-reads touch a chain child-first so parents sit on the recent side of the LRU order.
+reads touch a chain child-first so parents sit on the recent side of the LRU order. The victim is the least
+recently used leaf, found in a heap of leaves by last use: a scan of the LRU order from its old end would pass
+every parent older than its children first -- the heads of prefixes whose rest was saved in later steps, which
+pile up at the old end -- for every block evicted.
 The checksum is computed lazily (when a block leaves for NVMe or the shared tier): memory of this process is
 trusted like the rest of it, and skipping the hash keeps stores at memcpy speed.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +25,7 @@ from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreI
 @dataclass(slots=True)
 class DramBlock(HeldBlock):
     children: int = 0  # resident blocks whose parent this is: while any, this block is not evicted
+    used: int = 0  # when it was last stored or read (a tick of the tier's clock)
 
 
 class DramTier:
@@ -36,7 +41,10 @@ class DramTier:
         self.low_bytes = int(capacity * low_watermark)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
-        self._blocks: OrderedDict[BlockKey, DramBlock] = OrderedDict()
+        self._blocks: dict[BlockKey, DramBlock] = {}
+        # (last use, key) of leaves; an entry is stale once the block is gone, used again or a parent again
+        self._leaves: list[tuple[int, BlockKey]] = []
+        self._ticks = itertools.count()
         self._used = 0
         self._lock = threading.Lock()
 
@@ -54,8 +62,9 @@ class DramTier:
             parent = None
         with self._lock:  # the DRAM tier's counters are only touched under its own lock
             blocks = self._blocks
-            if key in blocks:
-                blocks.move_to_end(key)
+            existing = blocks.get(key)
+            if existing is not None:
+                self._use_locked(key, existing)
                 return True
             evicted = self._evict_locked(self.capacity - size, protect=parent) if self._used + size > \
                 self.capacity else []
@@ -66,6 +75,7 @@ class DramTier:
                     parent_block.children += 1
                     block.parent = parent
             blocks[key] = block
+            self._use_locked(key, block)
             self._used += size
             self.stats.stores += 1
         if evicted:
@@ -84,7 +94,7 @@ class DramTier:
             size = len(block.data)
             out[:size] = block.data
             if touch:
-                self._blocks.move_to_end(key)
+                self._use_locked(key, block)
             self.stats.hits += 1
             return size
 
@@ -130,8 +140,9 @@ class DramTier:
         """Mark a prefix chain as used: children first, so each parent ends up more recent than its child."""
         with self._lock:
             for key in reversed(keys):
-                if key in self._blocks:
-                    self._blocks.move_to_end(key)
+                block = self._blocks.get(key)
+                if block is not None:
+                    self._use_locked(key, block)
 
     def above_high_watermark(self) -> bool:
         return self._used > self.high_bytes
@@ -144,19 +155,31 @@ class DramTier:
     def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
         return []  # an eviction reports the evicted blocks with their bytes
 
+    def _use_locked(self, key: BlockKey, block: DramBlock) -> None:
+        block.used = next(self._ticks)
+        if block.children == 0:
+            heapq.heappush(self._leaves, (block.used, key))
+            if len(self._leaves) > 2 * len(self._blocks) + 1024:  # mostly stale entries: rebuild
+                self._leaves = [(b.used, k) for k, b in self._blocks.items() if b.children == 0]
+                heapq.heapify(self._leaves)
+
     def _evict_locked(self, target: int, protect: BlockKey | None = None) -> list[Removed]:
         """Evict least recently used leaves until usage <= target."""
         evicted: list[Removed] = []
-        while self._used > target and self._blocks:
-            victim = None
-            for key, block in self._blocks.items():
-                if block.children == 0 and key != protect:
-                    victim = key, block
-                    break
-            if victim is None:  # only the protected parent is left
-                break
-            self._remove_locked(*victim)
-            evicted.append(Removed(*victim))
+        spared: list[tuple[int, BlockKey]] = []
+        leaves = self._leaves
+        while self._used > target and leaves:
+            used, key = heapq.heappop(leaves)
+            block = self._blocks.get(key)
+            if block is None or block.used != used or block.children:
+                continue  # stale
+            if key == protect:
+                spared.append((used, key))
+                continue
+            self._remove_locked(key, block)
+            evicted.append(Removed(key, block))
+        for entry in spared:  # the parent of the block being stored: still a leaf, still that old
+            heapq.heappush(leaves, entry)
         self.stats.evictions += len(evicted)
         return evicted
 
@@ -167,6 +190,8 @@ class DramTier:
             parent_block = self._blocks.get(block.parent)
             if parent_block is not None:
                 parent_block.children -= 1
+                if parent_block.children == 0:  # a leaf again, as old as its last use
+                    heapq.heappush(self._leaves, (parent_block.used, block.parent))
 
     def _report(self, removed: list[Removed]) -> None:
         if removed and self.on_removed is not None:
