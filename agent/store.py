@@ -219,15 +219,19 @@ class TierStore:
             self._background(size, self._write_down, descent, "write_through")
 
     def _removed(self, tier: Tier, removed: list[Removed]) -> None:
-        """A tier lost blocks: announce it; lazy, a block pushed out with its bytes in hand moves down."""
+        """A tier lost blocks: announce it; lazy, blocks pushed out with their bytes in hand move down (one
+        background write per lower tier)."""
         self.events.append(BlockRemoved(block_hashes=[r.key[1] for r in removed], medium=tier.name.medium))
         below = [t.name for t in self._below(tier)]
+        descent: Descent = {}
+        size = 0
         for key, block in removed:
-            if block is None:
-                continue
-            target = self.policy.demote_to(below, self.uses.get(key))
-            if target is not None:
-                self._background(len(block.data), self._write_down, {target: [(key, block)]}, "demotions")
+            target = None if block is None else self.policy.demote_to(below, self.uses.get(key))
+            if block is not None and target is not None:
+                descent.setdefault(target, []).append((key, block))
+                size += len(block.data)
+        if descent:
+            self._background(size, self._write_down, descent, "demotions")
 
     def _write_down(self, descent: Descent, kind: str) -> None:
         """Background: copy blocks held in DRAM to lower tiers, a chain per write where the tier allows."""
@@ -248,11 +252,16 @@ class TierStore:
         return {item.key for item in items if tier.contains(item.key)}
 
     def _announce(self, tier: Tier, stored: list[StoreItem]) -> None:
-        if stored:
-            parent = stored[0].parent
-            self.events.append(BlockStored(block_hashes=[item.key[1] for item in stored],
+        """One BlockStored per run of blocks that is a chain (each block the parent of the next)."""
+        start = 0
+        for end in range(1, len(stored) + 1):
+            if end < len(stored) and stored[end].parent == stored[end - 1].key:
+                continue
+            parent = stored[start].parent
+            self.events.append(BlockStored(block_hashes=[item.key[1] for item in stored[start:end]],
                                            parent_block_hash=parent[1] if parent else None,
                                            block_size=self.config.block_size, medium=tier.name.medium))
+            start = end
 
     # -- load ------------------------------------------------------------------------------------------------
 

@@ -52,8 +52,24 @@ class DramTier:
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None,
               parent: BlockKey | None = None) -> bool:
-        """Copy a block in, evicting least recently used leaves to make room (reported with their bytes, so they
-        can move down); a block bigger than the whole tier is refused."""
+        evicted: list[Removed] = []
+        held = self._store(key, payload, digest, parent, evicted)
+        self._report(evicted)
+        return held
+
+    def store_many(self, items: Sequence[StoreItem]) -> int:
+        """Copy blocks in; what is evicted for them is reported once, so it can move down together."""
+        evicted: list[Removed] = []
+        held = 0
+        for key, payload, digest, parent in items:
+            held += self._store(key, payload, digest, parent, evicted)
+        self._report(evicted)
+        return held
+
+    def _store(self, key: BlockKey, payload: Buffer, digest: int | None, parent: BlockKey | None,
+               evicted: list[Removed]) -> bool:
+        """Copy a block in, evicting least recently used leaves to make room (added to `evicted`, with their bytes);
+        a block bigger than the whole tier is refused."""
         size = len(payload)
         if size > self.capacity:
             self.stats.add("refused")
@@ -66,8 +82,8 @@ class DramTier:
             if existing is not None:
                 self._use_locked(key, existing)
                 return True
-            evicted = self._evict_locked(self.capacity - size, protect=parent) if self._used + size > \
-                self.capacity else []
+            if self._used + size > self.capacity:
+                evicted += self._evict_locked(self.capacity - size, protect=parent)
             block = DramBlock(bytearray(payload), None, digest)
             if parent is not None:
                 parent_block = blocks.get(parent)
@@ -78,12 +94,7 @@ class DramTier:
             self._use_locked(key, block)
             self._used += size
             self.stats.stores += 1
-        if evicted:
-            self._report(evicted)
         return True
-
-    def store_many(self, items: Sequence[StoreItem]) -> int:
-        return sum(self.store(*item) for item in items)
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         with self._lock:
