@@ -7,14 +7,15 @@ replica (`bench/sim`: vLLM's block pool, prefix cache, scheduler, and the profil
 queue replaces the clock: arrivals, engine steps and metric scrapes happen at their virtual times, so a whole
 Mooncake trace over 8-64 replicas replays in minutes.
 
-Tiers (`--tiers`): each replica gets the tier agent's DRAM and NVMe tiers and the fleet one shared tier, with
-the agent's policies (agent/store.py): every block the engine computes is stored in DRAM; `lazy` demotes DRAM's
-least recently used blocks to NVMe and NVMe's to the shared tier under pressure, `eager` writes through to NVMe
-and shared at once; a block enters NVMe / shared only after `admit_reuse` uses; a hit on NVMe / shared is
-promoted to DRAM. At admission a replica loads the run of blocks after its GPU prefix hit from its tiers
-(DRAM, NVMe, shared), which delays the request by the transfer (bytes / bandwidth + latency per tier) and saves
-their prefill; the tiers' contents are announced to the `kv` strategy as CPU / DISK / SHARED KV events (shared
-blocks on the replica that wrote them). Capacities are in blocks; bandwidths and latencies are flags.
+Tiers (`--tiers`): each replica runs the tier agent's own tier stack (bench/sim/tier_model.py: the agent's
+`TierStore`, policies and DRAM tier over stand-in bytes, NVMe as an LRU model, one shared store for the fleet):
+every chain of blocks the engine computes is handed to it, as the connector does; `lazy` demotes what DRAM and
+NVMe push out, `eager` writes through to NVMe and shared at once; a block enters NVMe / shared only after
+`admit_reuse` uses; a hit on NVMe / shared is promoted to DRAM; the watermark upkeep runs every 0.2 s. At
+admission a replica loads the run of blocks after its GPU prefix hit from its tiers, which delays the request by
+the transfer (latency + bytes / bandwidth per run of blocks from one tier, bench/sim/offload.py) and saves their
+prefill; the agents' KV events (CPU / DISK / SHARED) go to the `kv` strategy. Capacities are in blocks;
+bandwidths and latencies are flags.
 
 Not modelled: the HTTP and tokenization time of the gateway, event delivery delay (events apply at the end of the
 step that made them, plus `--event-delay-s`), the sim's engine lag.
@@ -28,7 +29,6 @@ import itertools
 import math
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,13 +36,17 @@ from typing import Any
 
 import orjson
 
+from agent.config import AgentConfig
+from agent.tiers.base import TierName
 from bench import workloads
 from bench.loadgen import percentile
 from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
+from bench.sim.offload import TierLink, transfer_seconds
 from bench.sim.perf_model import PROFILES, Profile
 from bench.sim.scheduler import Scheduler, SimRequest
+from bench.sim.tier_model import UPKEEP_S, FleetBackend, ReplicaAgent
 from bench.workloads import PromptVocabulary, Workload
-from kvcore.kv_events import BlockRemoved, BlockStored, KvEvent
+from kvcore.kv_events import BlockStored, KvEvent
 from kvcore.vllm_hash import make_block_hasher
 from kvgate.serve import assemble
 from router.block_keys import block_keys, root_key
@@ -57,8 +61,7 @@ from strategies.balance import PrefillBalance
 from strategies.kv import KvAware
 
 MODEL = "tiny"
-TIERS = ("gpu", "dram", "nvme", "shared")
-MEDIUM = {"dram": "CPU", "nvme": "DISK", "shared": "SHARED"}
+TIERS = ("gpu", *(tier.value for tier in TierName))
 
 
 @dataclass(frozen=True)
@@ -79,147 +82,16 @@ class TierSettings:
     nvme_admit_reuse: int = 1
     shared_admit_reuse: int = 1
 
+    def agent_config(self) -> AgentConfig:
+        """The agent's settings (everything not named here: the agent's defaults, watermarks and TTL included)."""
+        return AgentConfig(write_policy=self.write_policy, promote_on_hit=self.promote_on_hit,
+                           nvme_admit_reuse=self.nvme_admit_reuse,
+                           shared_admit_reuse=self.shared_admit_reuse).validate()
 
-class LruTier:
-    """A capacity-bounded set of block hashes, least recently used first."""
-
-    def __init__(self, name: str, capacity: int) -> None:
-        self.name = name
-        self.capacity = capacity
-        self.blocks: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, h: int) -> bool:
-        return h in self.blocks
-
-    def touch(self, h: int) -> None:
-        self.blocks.move_to_end(h)
-
-    def put(self, h: int) -> list[int]:
-        """Store (or refresh) one block; returns the blocks evicted to make room."""
-        if h in self.blocks:
-            self.blocks.move_to_end(h)
-            return []
-        if self.capacity <= 0:
-            return [h]
-        self.blocks[h] = None
-        evicted = []
-        while len(self.blocks) > self.capacity:
-            evicted.append(self.blocks.popitem(last=False)[0])
-        return evicted
-
-
-class SharedTier(LruTier):
-    """The fleet's shared tier; remembers which replica wrote each block (the one that announces it)."""
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__("shared", capacity)
-        self.writer: dict[int, int] = {}
-
-
-class ReplicaTiers:
-    """One replica's agent: DRAM over NVMe over the fleet's shared tier."""
-
-    def __init__(self, settings: TierSettings, shared: SharedTier, index: int,
-                 announce: Callable[[int, list[KvEvent]], None]) -> None:
-        self.s = settings
-        self.dram = LruTier("dram", settings.dram_blocks)
-        self.nvme = LruTier("nvme", settings.nvme_blocks)
-        self.shared = shared
-        self.index = index
-        self.uses: dict[int, int] = {}
-        self._announce = announce
-
-    def _events(self, tier: str, stored: Sequence[int], removed: Sequence[int], writer: int | None = None) -> None:
-        events: list[KvEvent] = []
-        if stored:
-            events.append(BlockStored(block_hashes=list(stored), parent_block_hash=None, token_ids=[],
-                                      block_size=0, medium=MEDIUM[tier]))
-        if removed:
-            events.append(BlockRemoved(block_hashes=list(removed), medium=MEDIUM[tier]))
-        if events:
-            self._announce(self.index if writer is None else writer, events)
-
-    def _bump(self, h: int) -> int:
-        n = self.uses.get(h, 0) + 1
-        self.uses[h] = n
-        return n
-
-    def _put_shared(self, hashes: Sequence[int]) -> None:
-        stored = []
-        for h in hashes:
-            if h in self.shared:
-                self.shared.touch(h)
-                continue
-            for gone in self.shared.put(h):
-                self._events("shared", [], [gone], self.shared.writer.pop(gone, self.index))
-            self.shared.writer[h] = self.index
-            stored.append(h)
-        self._events("shared", stored, [])
-
-    def _put_nvme(self, hashes: Sequence[int]) -> None:
-        stored, removed, down = [], [], []
-        for h in hashes:
-            new = h not in self.nvme
-            for gone in self.nvme.put(h):
-                removed.append(gone)
-                if self.s.write_policy == "lazy" and self.uses.get(gone, 0) >= self.s.shared_admit_reuse:
-                    down.append(gone)
-            if new:
-                stored.append(h)
-        self._events("nvme", stored, removed)
-        if down:
-            self._put_shared(down)
-
-    def _put_dram(self, hashes: Sequence[int]) -> None:
-        stored, removed, down = [], [], []
-        for h in hashes:
-            new = h not in self.dram
-            for gone in self.dram.put(h):
-                removed.append(gone)
-                if self.s.write_policy == "lazy" and self.uses.get(gone, 0) >= self.s.nvme_admit_reuse:
-                    down.append(gone)
-            if new:
-                stored.append(h)
-        self._events("dram", stored, removed)
-        if down:
-            self._put_nvme(down)
-
-    def computed(self, hashes: Sequence[int]) -> None:
-        """The engine computed (stored) these blocks: the connector hands them to the agent."""
-        uses = [self._bump(h) for h in hashes]
-        self._put_dram(hashes)
-        if self.s.write_policy == "eager":
-            self._put_nvme([h for h, u in zip(hashes, uses, strict=True) if u >= self.s.nvme_admit_reuse])
-            self._put_shared([h for h, u in zip(hashes, uses, strict=True) if u >= self.s.shared_admit_reuse])
-
-    def load(self, hashes: Sequence[int], bytes_per_block: int) -> tuple[dict[str, int], float]:
-        """The leading run of `hashes` the tiers hold: blocks per tier, and seconds to bring them to the GPU."""
-        counts = {"dram": 0, "nvme": 0, "shared": 0}
-        promote = []
-        for h in hashes:
-            if h in self.dram:
-                self.dram.touch(h)
-                counts["dram"] += 1
-            elif h in self.nvme:
-                self.nvme.touch(h)
-                counts["nvme"] += 1
-                promote.append(h)
-            elif h in self.shared:
-                self.shared.touch(h)
-                counts["shared"] += 1
-                promote.append(h)
-            else:
-                break
-            self._bump(h)
-        s = self.s
-        seconds = 0.0
-        for tier, gbps, latency in (("dram", s.dram_gbps, s.dram_latency_s), ("nvme", s.nvme_gbps, s.nvme_latency_s),
-                                    ("shared", s.shared_gbps, s.shared_latency_s)):
-            if counts[tier]:
-                seconds += latency + counts[tier] * bytes_per_block / (gbps * 1e9)
-        if promote and s.promote_on_hit:
-            self._put_dram(promote)
-        return counts, seconds
+    def links(self) -> dict[str, TierLink]:
+        return {TierName.DRAM.code: TierLink(self.dram_gbps * 1e9, self.dram_latency_s),
+                TierName.NVME.code: TierLink(self.nvme_gbps * 1e9, self.nvme_latency_s),
+                TierName.SHARED.code: TierLink(self.shared_gbps * 1e9, self.shared_latency_s)}
 
 
 @dataclass
@@ -250,7 +122,8 @@ class VirtualReplica:
         self.worker = Worker(spec=WorkerSpec(self.url), healthy=True, models=frozenset({MODEL}))
         self.busy = False
         self.out: Any = None
-        self.tiers: ReplicaTiers | None = None
+        self.tiers: ReplicaAgent | None = None
+        self.upkeep_due = False
         self.requests = 0
         self.prompt_tokens = 0
 
@@ -297,9 +170,10 @@ class FleetSimulation:
             self.strategy.attach_kv(self.kv.index, lambda url: True)
         self.tier_settings = tiers
         if tiers is not None:
-            shared = SharedTier(tiers.shared_blocks)
+            fleet = FleetBackend(tiers.shared_blocks, clock=lambda: self.now)
             for r in self.replicas:
-                r.tiers = ReplicaTiers(tiers, shared, r.index, self._announce_tier)
+                r.tiers = ReplicaAgent(tiers.agent_config(), tiers.dram_blocks, tiers.nvme_blocks, fleet)
+            self.links = tiers.links()
         self.bytes_per_block = self.profile.model.kv_bytes_per_token * block_size
         self.event_delay_s = event_delay_s
         self.metrics_interval_s = metrics_interval_s
@@ -321,19 +195,24 @@ class FleetSimulation:
     def _push(self, at: float, kind: str, payload: Any = None) -> None:
         heapq.heappush(self._queue, (at, next(self._seq), kind, payload))
 
-    def _announce_tier(self, replica: int, events: list[KvEvent]) -> None:
-        self._pending_events.append((replica, events))
-
     def _flush_events(self, replica: VirtualReplica) -> None:
         """The step's engine events (and the tier events they cause) go to the applier after `event_delay_s`."""
         events = replica.pool.take_events()
         if events:
             self._pending_events.append((replica.index, events))
             if replica.tiers is not None:
-                stored = [int(h) for e in events if isinstance(e, BlockStored) and e.medium == "GPU"
-                          for h in e.block_hashes]
-                if stored:
-                    replica.tiers.computed(stored)
+                for event in events:
+                    if isinstance(event, BlockStored) and event.medium == "GPU":
+                        parent = event.parent_block_hash
+                        replica.tiers.save([int(h) for h in event.block_hashes],
+                                           None if parent is None else int(parent))
+        if replica.tiers is not None:
+            tier_events = replica.tiers.events()
+            if tier_events:
+                self._pending_events.append((replica.index, tier_events))
+                if not replica.upkeep_due:
+                    replica.upkeep_due = True
+                    self._push(self.now + UPKEEP_S, "upkeep", replica)
         if self._pending_events:
             batch, self._pending_events = self._pending_events, []
             if self.kv is not None:
@@ -394,8 +273,9 @@ class FleetSimulation:
         rest = [int(self.to_event(d)) for d in hashes[len(gpu):]]
         if not rest:
             return 0.0
-        counts, seconds = replica.tiers.load(rest, self.bytes_per_block)
-        n = sum(counts.values())
+        where = replica.tiers.load(rest)
+        seconds = transfer_seconds(where, self.bytes_per_block, self.links)
+        n = len(where)
         pool.touch(gpu)  # keep the GPU run while loading next to it
         n = min(n, pool.num_free_blocks)
         if n > 0:
@@ -404,11 +284,9 @@ class FleetSimulation:
             pool.free_blocks(reversed([*gpu, *fresh]))
         else:
             pool.free_blocks(reversed(gpu))
-        left = n
-        for tier in ("dram", "nvme", "shared"):
-            take = min(counts[tier], left)
-            req.tier_tokens[tier] = take * self.block_size
-            left -= take
+        for code in where[:n]:
+            tier = TierName.from_code(code).value
+            req.tier_tokens[tier] = req.tier_tokens.get(tier, 0) + self.block_size
         self._flush_events(replica)
         return seconds if n else 0.0
 
@@ -489,6 +367,10 @@ class FleetSimulation:
                 self._admit(*payload)
             elif kind == "events":
                 self._apply_events(payload)
+            elif kind == "upkeep":
+                payload.upkeep_due = False
+                payload.tiers.maintain()
+                self._flush_events(payload)
             elif kind == "discard":
                 assert isinstance(self.strategy, KvAware)
                 self.strategy.pending.discard(payload.decision.worker.url, payload.keys)
@@ -527,7 +409,7 @@ class FleetSimulation:
 
 def _scale(tiers: dict[str, int], cached: int) -> dict[str, int]:
     out = {}
-    for tier in ("dram", "nvme", "shared"):
+    for tier in (t.value for t in TierName):
         take = min(tiers.get(tier, 0), cached)
         out[tier] = take
         cached -= take

@@ -1,0 +1,151 @@
+"""The tier agent in virtual time (`kvgate bench vsim --tiers`): the agent's own `TierStore` -- its write policy,
+admission by reuse, promotion, demotion and watermarks (agent/store.py, agent/policy.py), its DRAM tier's
+eviction in prefix order, its shared tier's index and TTL -- over tiers that keep one stand-in byte per block, so
+capacities count blocks.
+
+Modelled rather than run: NVMe keeps the DRAM tier's bookkeeping without prefix order, i.e. exact LRU (the order
+of the agent's `files` layout; the default segment log drops the oldest eighth at a time), and like DRAM it hands
+a block it pushes out to the tier below (the agent copies NVMe's eviction candidates down before its upkeep
+evicts them). The fleet's Redis is a dict on the virtual clock: TTL from the last write, a bound in blocks with
+least-recently-used eviction nobody is told of, as Redis's allkeys-lru. Each replica's agent has its own
+shared-tier index and asks the backend about the blocks it does not know before a lookup (the connector with
+`probe_ms`). Background writes happen at once; `maintain()` runs every `UPKEEP_S` virtual seconds, as in the agent.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor, Future
+from typing import ParamSpec, TypeVar
+
+from agent.block import BlockKey
+from agent.config import AgentConfig
+from agent.store import TierStore
+from agent.tiers.base import Buffer, TierName
+from agent.tiers.dram import DramTier
+from agent.tiers.shared import SharedTier
+from kvcore.kv_events import KvEvent
+
+LAYOUT = 0
+UPKEEP_S = 0.2  # the agent's maintain() interval (agent/server.py)
+_STAND_IN = b"\x00"  # one byte per block: tier capacities in bytes are capacities in blocks
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class InlineExecutor(Executor):
+    """Runs what is submitted at once: the agent's background writes take no virtual time."""
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+
+class NvmeModel(DramTier):
+    """The NVMe tier of the model: DRAM's bookkeeping without prefix order (exact LRU)."""
+
+    name = TierName.NVME
+
+    def __init__(self, capacity: int, high_watermark: float, low_watermark: float) -> None:
+        super().__init__(capacity, high_watermark, low_watermark, prefix_order=False)
+
+
+class FleetBackend:
+    """The fleet's shared store (Redis in a real fleet): which blocks it holds, until when, least recently used
+    first; at most `capacity` blocks."""
+
+    def __init__(self, capacity: int, clock: Callable[[], float]) -> None:
+        self.capacity = capacity
+        self.clock = clock
+        self._expiry: OrderedDict[BlockKey, float] = OrderedDict()
+
+    def put(self, key: BlockKey, ttl_s: float) -> None:
+        self._expiry[key] = self.clock() + ttl_s if ttl_s > 0 else float("inf")
+        self._expiry.move_to_end(key)
+        while len(self._expiry) > self.capacity:
+            self._expiry.popitem(last=False)
+
+    def get(self, key: BlockKey) -> bool:
+        expiry = self._expiry.get(key)
+        if expiry is None or expiry <= self.clock():
+            return False
+        self._expiry.move_to_end(key)
+        return True
+
+    def has(self, key: BlockKey) -> bool:
+        expiry = self._expiry.get(key)
+        return expiry is not None and expiry > self.clock()
+
+    def delete(self, key: BlockKey) -> None:
+        self._expiry.pop(key, None)
+
+    def keys(self) -> Iterable[BlockKey]:
+        now = self.clock()
+        return [key for key, expiry in self._expiry.items() if expiry > now]
+
+
+class FleetSharedTier(SharedTier):
+    """One replica's view of the fleet's shared store: the agent's shared tier (index, TTL) over `FleetBackend`."""
+
+    def __init__(self, backend: FleetBackend, ttl_s: float) -> None:
+        super().__init__(ttl_s, clock=backend.clock)
+        self.backend = backend
+
+    def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
+        for key, _parts in items:
+            self.backend.put(key, self.ttl_s)
+
+    def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
+        results: list[int | Exception | None] = []
+        for key, out in zip(keys, outs, strict=True):
+            if self.backend.get(key):
+                out[:1] = _STAND_IN
+                results.append(1)
+            else:
+                results.append(None)
+        return results
+
+    def _exists_many(self, keys: list[BlockKey]) -> list[bool]:
+        return [self.backend.has(key) for key in keys]
+
+    def _delete(self, key: BlockKey) -> None:
+        self.backend.delete(key)
+
+    def _list_keys(self) -> Iterable[BlockKey]:
+        return self.backend.keys()
+
+
+class ReplicaAgent:
+    """One replica's tier agent: the agent's `TierStore` over the model's tiers."""
+
+    def __init__(self, config: AgentConfig, dram_blocks: int, nvme_blocks: int, fleet: FleetBackend) -> None:
+        dram = (DramTier(dram_blocks, config.dram_high_watermark, config.dram_low_watermark)
+                if dram_blocks > 0 else None)
+        nvme = (NvmeModel(nvme_blocks, config.nvme_high_watermark, config.nvme_low_watermark)
+                if nvme_blocks > 0 else None)
+        self.store = TierStore(config, dram=dram, nvme=nvme, shared=FleetSharedTier(fleet, config.shared_ttl_s),
+                               executor=InlineExecutor())
+        self._buffer = memoryview(bytearray(1))
+
+    def save(self, hashes: Sequence[int], parent: int | None) -> None:
+        """The connector hands the agent a chain of blocks the engine computed."""
+        self.store.store_chain(LAYOUT, hashes, [_STAND_IN] * len(hashes), parent)
+
+    def load(self, hashes: Sequence[int]) -> str:
+        """Load the leading run of `hashes` the tiers hold; the `TierName.code` of the tier each came from."""
+        self.store.probe_shared(LAYOUT, hashes)
+        count, where = self.store.lookup(LAYOUT, hashes)
+        loaded = self.store.load_chain(LAYOUT, hashes[:count], [self._buffer] * count)
+        return where[: len(loaded)]
+
+    def maintain(self) -> None:
+        self.store.maintain()
+
+    def events(self) -> list[KvEvent]:
+        return self.store.drain_events()

@@ -1,0 +1,74 @@
+"""The virtual-time simulator's tier agents (bench/sim/tier_model.py): the agent's own tier stack and policies over
+stand-in bytes, the fleet's shared store and its TTL on the virtual clock, and the KV events they announce."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.config import AgentConfig
+from bench.sim.tier_model import FleetBackend, ReplicaAgent
+from kvcore.kv_events import BlockRemoved, BlockStored
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def media(events: list[Any], kind: type[BlockStored] | type[BlockRemoved]) -> dict[str | None, list[Any]]:
+    found: dict[str | None, list[Any]] = {}
+    for event in events:
+        if isinstance(event, kind):
+            found.setdefault(event.medium, []).extend(event.block_hashes)
+    return found
+
+
+def test_lazy_tiers_demote_under_pressure_and_promote_on_hit() -> None:
+    fleet = FleetBackend(capacity=100, clock=Clock())
+    a = ReplicaAgent(AgentConfig(write_policy="lazy"), dram_blocks=4, nvme_blocks=4, fleet=fleet)
+    for first in (1, 3, 5, 7, 9):  # five chains of two blocks; DRAM and NVMe hold four blocks each
+        a.save([first, first + 1], None)
+    # DRAM pushed out its least recently used chains to NVMe, and NVMe its oldest to the shared store
+    assert [a.store.lookup(0, [h, h + 1]) for h in (1, 3, 5, 7, 9)] == [(2, "SS"), (2, "DD"), (2, "DD"),
+                                                                       (2, "CC"), (2, "CC")]
+    assert a.load([1, 2, 99]) == "SS"  # the leading run the tiers hold
+    # promoted on the hit, which pushed 7 and 8 down to NVMe, and NVMe's oldest (3, 4) to the shared store
+    assert [a.store.lookup(0, [h, h + 1]) for h in (1, 3, 5, 7, 9)] == [(2, "CC"), (2, "SS"), (2, "DD"),
+                                                                       (2, "DD"), (2, "CC")]
+    events = a.events()
+    stored, removed = media(events, BlockStored), media(events, BlockRemoved)
+    assert sorted(stored["CPU"]) == [1, 1, 2, 2, *range(3, 11)] and sorted(removed["CPU"]) == list(range(1, 9))
+    assert sorted(stored["DISK"]) == list(range(1, 9)) and sorted(removed["DISK"]) == [1, 2, 3, 4]
+    assert sorted(stored["SHARED"]) == [1, 2, 3, 4] and a.store.flow.promotions["shared"] == 2
+
+
+def test_replicas_share_through_the_fleet_store_until_the_ttl() -> None:
+    clock = Clock()
+    fleet = FleetBackend(capacity=100, clock=clock)
+    config = AgentConfig(write_policy="eager", shared_ttl_s=60)
+    a = ReplicaAgent(config, dram_blocks=8, nvme_blocks=0, fleet=fleet)
+    b = ReplicaAgent(config, dram_blocks=8, nvme_blocks=0, fleet=fleet)
+    a.save([1, 2, 3], None)
+    assert media(a.events(), BlockStored)["SHARED"] == [1, 2, 3]  # eager: written through at once
+    assert b.load([1, 2, 3, 4]) == "SSS"  # b asks the fleet store about blocks it does not know, then loads
+    assert b.load([1, 2, 3]) == "CCC"  # promoted into b's DRAM
+    assert b.store.flow.promotions["shared"] == 3
+    clock.now = 61.0  # past the TTL on the virtual clock
+    c = ReplicaAgent(config, dram_blocks=8, nvme_blocks=0, fleet=fleet)
+    assert c.load([1, 2, 3]) == ""
+
+
+def test_admission_by_reuse_keeps_one_off_blocks_out_of_the_lower_tiers() -> None:
+    fleet = FleetBackend(capacity=100, clock=Clock())
+    config = AgentConfig(write_policy="eager", nvme_admit_reuse=2, shared_admit_reuse=3)
+    a = ReplicaAgent(config, dram_blocks=8, nvme_blocks=8, fleet=fleet)
+    a.save([1], None)
+    assert "DISK" not in media(a.events(), BlockStored)
+    assert a.load([1]) == "C"  # second use: nothing moves now (eager writes through on store only)
+    a.store.dram.delete((0, 1))  # type: ignore[union-attr]
+    a.save([1], None)  # third use: NVMe and the shared store admit it
+    stored = media(a.events(), BlockStored)
+    assert stored["DISK"] == [1] and stored["SHARED"] == [1]
