@@ -8,9 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,44 @@ def stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout)
+
+
+@dataclass(kw_only=True)
+class LoggedProcess:
+    """A child process that can be (re)started with the same command line, its stderr in a temporary log file
+    (a pipe nobody reads could fill up and stall it), stopped by its PID."""
+
+    name: str  # for messages and the log file's name
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def spawn(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is already running (pid {self.proc.pid})")
+        fd, path = tempfile.mkstemp(prefix=f"kvgate-{self.name.replace(' ', '-')}-", suffix=".log")
+        with os.fdopen(fd, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
+        self.log_path = Path(path)
+
+    def log_tail(self, limit: int = 2000) -> str:
+        """The end of the process's stderr (its log)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_bytes()[-limit:].decode(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        """Stop it (kept in `proc`, so its exit status can be read) and remove its log."""
+        if self.proc is not None:
+            stop(self.proc, sig, timeout)
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path = None
 
 
 def cpu_seconds(pid: int) -> float:

@@ -47,7 +47,7 @@ from bench.sim.scheduler import Scheduler, SimRequest
 from bench.sim.tier_model import UPKEEP_S, FleetBackend, ReplicaAgent
 from bench.workloads import PromptVocabulary, Workload
 from kvcore.kv_events import BlockStored, KvEvent
-from kvcore.vllm_hash import make_block_hasher
+from kvcore.vllm_hash import chain_hashes, make_block_hasher
 from kvgate.serve import assemble
 from router.block_keys import block_keys, root_key
 from router.config import WorkerSpec
@@ -158,7 +158,7 @@ class FleetSimulation:
         self.hasher = hasher
         self.to_event = to_event
         self.replicas = [VirtualReplica(i, self.profile, block_size, blocks, self.max_model_len,
-                                        lambda parent, ids, extra=None: hasher(parent, ids), to_event,
+                                        hasher, to_event,
                                         events=True) for i in range(replicas)]
         self.workers = [r.worker for r in self.replicas]
         self.now = 0.0
@@ -240,7 +240,7 @@ class FleetSimulation:
         replica.requests += 1
         replica.prompt_tokens += len(req.token_ids)
         sim = SimRequest(str(req.index), req.token_ids, req.max_tokens, [5] * 8,
-                         self._block_hashes(req.token_ids), self.now)
+                         chain_hashes(self.hasher, req.token_ids, self.block_size), self.now)
         sim.listener = None
         delay = 0.0
         if replica.tiers is not None:
@@ -249,15 +249,6 @@ class FleetSimulation:
             self._push(self.now + delay, "admit", (replica, sim, req))
         else:
             self._admit(replica, sim, req)
-
-    def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
-        bs = self.block_size
-        out: list[bytes] = []
-        parent: bytes | None = None
-        for end in range(bs, len(token_ids) + 1, bs):
-            parent = self.hasher(parent, token_ids[end - bs:end])
-            out.append(parent)
-        return out
 
     def _load_from_tiers(self, replica: VirtualReplica, sim: SimRequest, req: VRequest) -> float:
         """Blocks after the GPU prefix hit that the tiers hold are loaded into the GPU cache before admission."""

@@ -20,7 +20,8 @@ from typing import Any
 Digest = bytes
 EventHash = int | bytes
 HashFn = Callable[[Any], bytes]
-BlockHasher = Callable[[Digest | None, Sequence[int]], Digest]
+# (parent digest, one block's token ids, its extra keys) -> its digest
+BlockHasher = Callable[[Digest | None, Sequence[int], tuple[Any, ...] | None], Digest]
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
@@ -134,17 +135,25 @@ def cache_salt_extra_keys(cache_salt: str | None) -> tuple[Any, ...] | None:
     return (("cache_salt", cache_salt),) if cache_salt else None
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, algo: str = "sha256", *, seed: str | None = None,
-                 cache_salt: str | None = None) -> list[Digest]:
-    """The digests of every full block of a prompt, chained from NONE_HASH."""
-    fn, none = hash_fn(algo), none_hash(algo, seed)
+def chain_hashes(hasher: BlockHasher, token_ids: Sequence[int], block_size: int,
+                 first_extra_keys: tuple[Any, ...] | None = None) -> list[Digest]:
+    """The digests of every full block of a prompt, each chained to the one before (the first to NONE_HASH);
+    `first_extra_keys` are the first block's extra keys (`cache_salt_extra_keys`)."""
     out: list[Digest] = []
     parent: Digest | None = None
-    for i, end in enumerate(range(block_size, len(token_ids) + 1, block_size)):
-        extra = cache_salt_extra_keys(cache_salt) if i == 0 else None
-        parent = hash_block_tokens(fn, parent, token_ids[end - block_size:end], none, extra)
+    extra = first_extra_keys
+    for end in range(block_size, len(token_ids) + 1, block_size):
+        parent = hasher(parent, token_ids[end - block_size:end], extra)
+        extra = None
         out.append(parent)
     return out
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, algo: str = "sha256", *, seed: str | None = None,
+                 cache_salt: str | None = None) -> list[Digest]:
+    """The digests of every full block of a prompt, as an engine with these settings computes them."""
+    hasher, _ = make_block_hasher(algo, seed)
+    return chain_hashes(hasher, token_ids, block_size, cache_salt_extra_keys(cache_salt))
 
 
 def use_int_event_hashes(env: dict[str, str] | None = None) -> bool:
@@ -159,11 +168,11 @@ def event_hash(digest: Digest) -> int:
 
 def make_block_hasher(algo: str = "sha256", seed: str | None = None,
                       int_hashes: bool | None = None) -> tuple[BlockHasher, Callable[[Digest], EventHash]]:
-    """(hasher(parent, block_token_ids) -> digest, digest -> event hash) for one engine's settings."""
+    """(hasher(parent, block_token_ids, extra_keys) -> digest, digest -> event hash) for one engine's settings."""
     fn, none = hash_fn(algo), none_hash(algo, seed)
 
-    def hasher(parent: Digest | None, token_ids: Sequence[int]) -> Digest:
-        return fn((parent or none, tuple(token_ids), None))
+    def hasher(parent: Digest | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None) -> Digest:
+        return hash_block_tokens(fn, parent, token_ids, none, extra_keys)
 
     as_int = use_int_event_hashes() if int_hashes is None else int_hashes
     to_event: Callable[[Digest], EventHash] = event_hash if as_int else bytes

@@ -9,7 +9,7 @@ events carry token ids, from which the gateway computes its own keys.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -40,3 +40,17 @@ def block_keys(token_ids: Sequence[int], block_size: int, root: BlockKey) -> lis
         parent = xxhash.xxh3_64_intdigest(data[end - step:end], seed=parent)
         keys.append(parent)
     return keys
+
+
+def longest_run(n: int, holds: Callable[[int], bool]) -> int:
+    """The largest k <= n with `holds(i)` for every block i < k, found by binary search: `holds` must be monotone
+    (true up to some block, false after), as it is for chained keys — whoever holds block i holds every block
+    before it."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if holds(mid - 1):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pygtrie
 
-from router.block_keys import BlockKey
+from router.block_keys import BlockKey, longest_run
 
 
 class _Node:
@@ -84,14 +84,7 @@ class PrefixTrie:
         index = self._index
         if not keys or keys[0] not in index:
             return {}
-        lo, hi = 0, len(keys) - 1  # deepest known depth: keys[lo] known, find the last known
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid] in index:
-                lo = mid
-            else:
-                hi = mid - 1
-        deepest = lo
+        known = longest_run(len(keys), lambda i: keys[i] in index)
         fresh_after = self._clock() - self.ttl_s
         first = index[keys[0]].workers
         wanted = first.keys() if workers is None else [w for w in workers if w in first]
@@ -99,15 +92,16 @@ class PrefixTrie:
         for url in wanted:
             if first[url] < fresh_after:
                 continue
-            lo, hi = 0, deepest
+            # `longest_run` written out: a callback per probe would cost more than the whole lookup does
+            lo, hi = 1, known  # blocks sent to `url` lately: at least the first, at most every known one
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                sent = index[keys[mid]].workers.get(url)
+                sent = index[keys[mid - 1]].workers.get(url)
                 if sent is not None and sent >= fresh_after:
                     lo = mid
                 else:
                     hi = mid - 1
-            out[url] = lo + 1
+            out[url] = lo
         return out
 
     # --- update -----------------------------------------------------------------------------------------------

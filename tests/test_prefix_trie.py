@@ -120,3 +120,18 @@ def test_random_operations_keep_trie_and_index_in_step() -> None:
             trie.check()
         assert len(trie) <= 300
     trie.check()
+
+
+def test_longest_run_finds_the_end_of_a_monotone_run() -> None:
+    from router.block_keys import longest_run
+
+    for n in range(0, 40):
+        for end in range(0, n + 1):
+            probes: list[int] = []
+
+            def holds(i: int, end: int = end, probes: list[int] = probes) -> bool:
+                probes.append(i)
+                return i < end
+
+            assert longest_run(n, holds) == end
+            assert all(0 <= i < n for i in probes) and len(probes) <= max(1, n.bit_length())

@@ -27,6 +27,8 @@ BLOCK_BYTES = PROFILE.model.kv_bytes_per_token * BS  # 2 MiB
 SPEEDUP = 0.5  # slower than real time, so HTTP overhead is small beside the modelled times
 PROMPT = 1000
 LOADABLE = (PROMPT - 1) // BS  # 62 blocks: never the block of the last prompt token
+# HTTP, scheduling and timer noise on a shared 2-core machine (a loaded full-suite run measured 15 ms over)
+SLACK_S = 0.03
 ENGINE_ARGS = ["--block-size", str(BS), "--num-gpu-blocks-override", "80", "--max-model-len", "1024"]
 
 
@@ -93,8 +95,8 @@ def test_evicted_blocks_come_back_from_dram_at_transfer_time(tiny_model_dir: Pat
         load_s = transfer_seconds("C" * LOADABLE, BLOCK_BYTES)
         expected = (PROFILE.step_time([(PROMPT - LOADABLE * BS, LOADABLE * BS)]) + load_s) / SPEEDUP
         expected_cold = (PROFILE.step_time([(PROMPT, 0)]) + 20e-6 + LOADABLE * BLOCK_BYTES / 25e9) / SPEEDUP
-        assert expected * 0.97 <= warm <= expected * 1.1 + 0.01, (warm, expected)
-        assert expected_cold * 0.97 <= cold <= expected_cold * 1.1 + 0.02, (cold, expected_cold)
+        assert expected * 0.97 <= warm <= expected * 1.1 + SLACK_S, (warm, expected)
+        assert expected_cold * 0.97 <= cold <= expected_cold * 1.1 + SLACK_S, (cold, expected_cold)
         assert warm < 0.5 * cold
         with urllib.request.urlopen(url + "/sim/blocks", timeout=10) as resp:
             agent = orjson.loads(resp.read())["agent"]
@@ -164,7 +166,7 @@ def test_prefix_computed_on_one_replica_loads_from_valkey_on_another(tiny_model_
             LOADABLE * BS  # the shared tier (S), as the kvgate connector reports it
         expected = (PROFILE.step_time([(PROMPT - LOADABLE * BS, LOADABLE * BS)])
                     + transfer_seconds("S" * LOADABLE, BLOCK_BYTES)) / SPEEDUP
-        assert expected * 0.97 <= elapsed <= expected * 1.1 + 0.01, (elapsed, expected)
+        assert expected * 0.97 <= elapsed <= expected * 1.1 + SLACK_S, (elapsed, expected)
     finally:
         fleet.stop()
 
@@ -194,21 +196,16 @@ class HalfLoader:
 def test_a_load_error_after_the_lookup_recomputes_in_the_same_step() -> None:
     from bench.sim.kv_cache import BlockPool, KvCacheManager
     from bench.sim.scheduler import Scheduler, SimRequest
-    from kvcore.vllm_hash import event_hash, make_block_hasher
+    from kvcore.vllm_hash import chain_hashes, event_hash, make_block_hasher
 
     bs = 4
     hasher, _ = make_block_hasher("sha256")
 
-    def block_hash(parent: bytes | None, ids: Sequence[int], extra: tuple[Any, ...] | None = None) -> bytes:
-        return hasher(parent, ids)
-
     connector = HalfLoader()
-    scheduler = Scheduler(KvCacheManager(BlockPool(16, bs, event_hash), 64), block_hash, 8, 64, 64,
+    scheduler = Scheduler(KvCacheManager(BlockPool(16, bs, event_hash), 64), hasher, 8, 64, 64,
                           connector=connector)
     tokens = list(range(100, 120))  # 20 tokens, 5 full blocks: the last token's block is never asked for
-    digests: list[bytes] = []
-    for end in range(bs, len(tokens) + 1, bs):
-        digests.append(hasher(digests[-1] if digests else None, tokens[end - bs:end]))
+    digests = chain_hashes(hasher, tokens, bs)
     request = SimRequest("r", tokens, 1, [7], digests, 0.0)
     scheduler.add_request(request)
     out = scheduler.schedule()

@@ -63,7 +63,7 @@ def offline_makespan(prompts: list[list[int]], max_tokens: int, max_num_seqs: in
 
     hasher, _ = make_block_hasher("sha256")
     pool = BlockPool(PROFILE.num_gpu_blocks(16), 16, event_hash, enable_events=False)
-    scheduler = Scheduler(KvCacheManager(pool, 2048), lambda p, t, e: hasher(p, t), max_num_seqs,
+    scheduler = Scheduler(KvCacheManager(pool, 2048), hasher, max_num_seqs,
                           PROFILE.max_num_batched_tokens, 2048)
     for i, prompt in enumerate(prompts):
         scheduler.add_request(SimRequest(str(i), prompt, max_tokens, [7, 8, 9], block_hashes(prompt, 16), 0.0))

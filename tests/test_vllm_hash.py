@@ -1,4 +1,4 @@
-"""router/vllm_hash.py reproduces vLLM's block hashes (vectors computed with vLLM 0.32's own
+"""kvcore/vllm_hash.py reproduces vLLM's block hashes (vectors computed with vLLM 0.32's own
 `hash_block_tokens`, default seed; the live and source comparisons are in test_conformance.py)."""
 
 from __future__ import annotations

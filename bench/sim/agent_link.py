@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from bench.sim.kv_cache import Digest
 from bench.sim.offload import DEFAULT_LINKS, AgentOffload, TierLink
-from kvcore.vllm_hash import event_hash
+from kvcore.vllm_hash import Digest, event_hash
 
 
 @dataclass(frozen=True)

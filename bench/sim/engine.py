@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.sim.agent_link import AgentConnector
-from bench.sim.kv_cache import BlockPool, Digest, EventHash, KvCacheManager
+from bench.sim.kv_cache import BlockPool, KvCacheManager
 from bench.sim.metrics import EngineCounters, EngineGauges
 from bench.sim.perf_model import Profile
-from bench.sim.scheduler import BlockHasher, Scheduler, SimRequest
+from bench.sim.scheduler import Scheduler, SimRequest
 from kvcore.kv_events import KvEventPublisher
+from kvcore.vllm_hash import BlockHasher, Digest, EventHash
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-
-Digest = bytes
-EventHash = int | bytes
+from kvcore.vllm_hash import Digest, EventHash
 
 
 class KvBlock:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.procs import free_port, spawn_valkey, wait_http
+from bench.procs import LoggedProcess, free_port, spawn_valkey, wait_http
 from bench.procs import stop as stop_process
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -48,7 +48,7 @@ class AgentSettings:
 
 
 @dataclass
-class SimAgentProcess:
+class SimAgentProcess(LoggedProcess):
     """A replica's `kvgate agent`, on a Unix socket in the fleet's work directory."""
 
     index: int
@@ -56,11 +56,7 @@ class SimAgentProcess:
     metrics_port: int
     events_port: int
     replay_port: int
-    argv: list[str]
-    env: dict[str, str]
     nvme_dir: Path | None = None
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
 
     @property
     def events(self) -> str:
@@ -74,37 +70,21 @@ class SimAgentProcess:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
-    def spawn(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError(f"agent {self.index} is already running (pid {self.proc.pid})")
-        fd, path = tempfile.mkstemp(prefix=f"kvgate-agent-{self.index}-", suffix=".log")
-        with os.fdopen(fd, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
-        self.log_path = Path(path)
-
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         assert self.proc is not None
         while not os.path.exists(self.socket_path):
             if self.proc.poll() is not None:
-                tail = self.log_path.read_bytes()[-2000:].decode(errors="replace") if self.log_path else ""
-                raise RuntimeError(f"agent {self.index} exited with {self.proc.returncode}: {tail}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.log_tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"agent {self.index}: no socket at {self.socket_path} after {timeout} s")
+                raise TimeoutError(f"{self.name}: no socket at {self.socket_path} after {timeout} s")
             time.sleep(0.05)
-        wait_http(f"http://127.0.0.1:{self.metrics_port}/health", max(1.0, deadline - time.monotonic()))
+        wait_http(f"http://127.0.0.1:{self.metrics_port}/health", max(1.0, deadline - time.monotonic()), self.proc,
+                  self.log_tail)
 
     def start(self, timeout: float = 30.0) -> None:
         self.spawn()
         self.wait_ready(timeout)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, sig)
-            self.proc = None
-        if self.log_path is not None:
-            self.log_path.unlink(missing_ok=True)
-            self.log_path = None
 
     def wipe(self) -> None:
         """Forget the local tiers (stopped agent): its NVMe directory is emptied."""
@@ -114,15 +94,13 @@ class SimAgentProcess:
 
 
 @dataclass
-class SimReplicaProcess:
+class SimReplicaProcess(LoggedProcess):
+    """One `kvgate sim --replicas 1` process."""
+
     index: int
     port: int
     events_port: int
     replay_port: int
-    argv: list[str]
-    env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
     agent: SimAgentProcess | None = None
 
     @property
@@ -146,25 +124,6 @@ class SimReplicaProcess:
             spec += f";agent_events={self.agent.events};agent_replay={self.agent.replay}"
         return spec
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def spawn(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError(f"replica {self.index} is already running (pid {self.proc.pid})")
-        # stderr goes to a file: a pipe nobody reads could fill up and stall the replica
-        fd, path = tempfile.mkstemp(prefix=f"kvgate-sim-{self.index}-", suffix=".log")
-        with os.fdopen(fd, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
-        self.log_path = Path(path)
-
-    def log_tail(self, limit: int = 2000) -> str:
-        """The end of the replica's stderr (its log)."""
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return self.log_path.read_bytes()[-limit:].decode(errors="replace")
-
     def wait_ready(self, timeout: float = 30.0) -> None:
         assert self.proc is not None
         wait_http(self.url + "/health", timeout, self.proc, self.log_tail)
@@ -173,14 +132,6 @@ class SimReplicaProcess:
         """(Re)start on the same ports and wait until /health answers."""
         self.spawn()
         self.wait_ready(timeout)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-        if self.proc is None:
-            return
-        stop_process(self.proc, sig, timeout)
-        if self.log_path is not None:
-            self.log_path.unlink(missing_ok=True)
-            self.log_path = None
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
@@ -287,7 +238,8 @@ def start_sim_fleet(
             if agents is not None:
                 agent = _agent_process(i, fleet, agents, _block_size(common), run_env)
                 argv += ["--agent-socket", agent.socket_path, *agents.sim_args]
-            fleet.replicas.append(SimReplicaProcess(i, port, events, replay, argv, run_env, agent=agent))
+            fleet.replicas.append(SimReplicaProcess(i, port, events, replay, agent=agent, name=f"sim replica {i}",
+                                                    argv=argv, env=run_env))
         for agent in fleet.agents:
             agent.spawn()
         for agent in fleet.agents:
@@ -330,7 +282,8 @@ def _agent_process(index: int, fleet: SimFleet, settings: AgentSettings, block_s
         argv += ["--shared-backend", "redis", "--shared-url", fleet.valkey_url,
                  "--shared-index-refresh-s", str(settings.shared_index_refresh_s)]
     argv += list(settings.extra_args)
-    return SimAgentProcess(index, socket_path, metrics, events, replay, argv, env, nvme_dir)
+    return SimAgentProcess(index, socket_path, metrics, events, replay, nvme_dir, name=f"agent {index}", argv=argv,
+                           env=env)
 
 
 @contextmanager

@@ -16,13 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bench.sim.kv_cache import Digest, ExternalCacheStats, KvBlock, KvCacheManager
+from bench.sim.kv_cache import ExternalCacheStats, KvBlock, KvCacheManager
+from kvcore.vllm_hash import BlockHasher, Digest
 
 # the agent's lookup codes as vLLM's CacheHitSource values (as agent/vllm_connector.py reports them)
 _CACHE_HIT_SOURCE = {"C": "host", "D": "disk", "S": "external_unspecified"}
 
-# vLLM's hash_block_tokens: (parent digest or None, the block's token ids, extra keys) -> digest
-BlockHasher = Callable[[Digest | None, Sequence[int], tuple[Any, ...] | None], Digest]
 
 
 class KvConnector(Protocol):

@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -26,7 +26,7 @@ from bench.sim.engine import SimEngine
 from bench.sim.metrics import SimCollector, metrics_registry, render
 from bench.sim.scheduler import SimRequest
 from kvcore.kv_events import KvEventPublisher
-from kvcore.vllm_hash import cache_salt_extra_keys, event_hash, hash_fn, none_hash, use_int_event_hashes
+from kvcore.vllm_hash import cache_salt_extra_keys, chain_hashes, make_block_hasher
 from router.tokenizer import ModelTokenizer, TokenizationError
 
 log = logging.getLogger(__name__)
@@ -111,13 +111,7 @@ class Replica:
         self.config = config
         self.tokenizer = ModelTokenizer(config.tokenizer_dir)
         self.vocab = OutputVocabulary(self.tokenizer)
-        fn, none = hash_fn(config.hash_algo), none_hash(config.hash_algo)
-
-        def hasher(parent: bytes | None, token_ids: Sequence[int], extra: tuple[Any, ...] | None = None) -> bytes:
-            # vLLM's hash_block_tokens
-            return fn((parent or none, tuple(token_ids), extra))
-
-        to_event: Callable[[bytes], int | bytes] = event_hash if use_int_event_hashes() else bytes
+        hasher, to_event = make_block_hasher(config.hash_algo)
         publisher = None
         if config.kv_events is not None:
             ev = config.kv_events
@@ -144,17 +138,6 @@ class Replica:
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
         return str(model)
 
-    def block_hashes(self, token_ids: list[int], extra: tuple[Any, ...] | None) -> list[bytes]:
-        bs = self.config.engine.block_size
-        hashes: list[bytes] = []
-        parent: bytes | None = None
-        hasher = self.hasher
-        for end in range(bs, len(token_ids) + 1, bs):
-            parent = hasher(parent, token_ids[end - bs:end], extra)
-            extra = None
-            hashes.append(parent)
-        return hashes
-
     def new_request(self, prompt: list[int], max_tokens: int | None, ignore_eos: bool,
                     listener: Callable[[SimRequest], None], cache_salt: str | None = None) -> SimRequest:
         max_len = self.config.engine.max_model_len
@@ -180,8 +163,9 @@ class Replica:
         if stop_at is not None and stop_at >= max_tokens:
             stop_at = None
         extra = cache_salt_extra_keys(cache_salt)
-        return SimRequest(os.urandom(8).hex(), prompt, max_tokens, self.vocab.plan(prompt),
-                          self.block_hashes(prompt, extra), time.monotonic(), stop_at=stop_at,
+        hashes = chain_hashes(self.hasher, prompt, self.config.engine.block_size, extra)
+        return SimRequest(os.urandom(8).hex(), prompt, max_tokens, self.vocab.plan(prompt), hashes, time.monotonic(),
+                          stop_at=stop_at,
                           eos_token_id=self.vocab.eos_token_id, listener=listener, first_block_extra=extra)
 
 
