@@ -130,6 +130,50 @@ def decode_batch_tolerant(payload: bytes) -> tuple[KvEventBatch, int]:
     return batch, len(loose.events) - len(events)
 
 
+BATCH_BLOCKS = 65_536  # blocks one published batch names at most
+BATCH_BYTES = 2 * 2**20  # and about this many bytes at most (a hash takes up to 9, a token id up to 5)
+
+
+def split_batches(events: list[KvEvent], max_blocks: int = BATCH_BLOCKS,
+                  max_bytes: int = BATCH_BYTES) -> list[list[KvEvent]]:
+    """The events in order, as batches naming at most `max_blocks` blocks and about `max_bytes` bytes each; an
+    event too big for one is cut into pieces (a stored piece's parent is the last block of the piece before, its
+    token ids its own blocks')."""
+    batches: list[list[KvEvent]] = [[]]
+    room = float(max_bytes)
+    blocks_room = max_blocks
+    for event in events:
+        hashes = event.block_hashes if isinstance(event, (BlockStored, BlockRemoved)) else []
+        weight = 9 + (5 * event.block_size if isinstance(event, BlockStored) and event.token_ids else 0)
+        start = 0
+        while True:
+            take = max(0, min(blocks_room, int(room // weight), len(hashes) - start))
+            if take == len(hashes) and start == 0:
+                batches[-1].append(event)
+            elif take > 0:
+                batches[-1].append(_piece(event, start, start + take))
+            room -= take * weight
+            blocks_room -= take
+            start += take
+            if start >= len(hashes):
+                break
+            batches.append([])
+            room, blocks_room = float(max_bytes), max_blocks
+    return [batch for batch in batches if batch]
+
+
+def _piece(event: KvEvent, start: int, stop: int) -> KvEvent:
+    if isinstance(event, BlockRemoved):
+        return msgspec.structs.replace(event, block_hashes=event.block_hashes[start:stop])
+    assert isinstance(event, BlockStored)
+    size = event.block_size
+    return msgspec.structs.replace(
+        event, block_hashes=event.block_hashes[start:stop],
+        parent_block_hash=event.parent_block_hash if start == 0 else event.block_hashes[start - 1],
+        token_ids=event.token_ids[start * size:stop * size] if event.token_ids else event.token_ids,
+        extra_keys=event.extra_keys[start:stop] if event.extra_keys else event.extra_keys)
+
+
 def should_bind(endpoint: str) -> bool:
     """vLLM binds an endpoint only if it has a wildcard host or is ipc/inproc; otherwise it connects."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -175,12 +219,15 @@ class KvEventPublisher:
         return self._seq
 
     def publish(self, events: list[KvEvent]) -> int:
-        """Send one batch; returns its sequence number."""
+        """Send the events as one batch, or as several when they are too big for one (subscribers drop oversized
+        batches: `split_batches`); returns the last batch's sequence number."""
         seq = self._seq
-        self._seq += 1
-        payload = encode_batch(events, rank=self._rank)
-        self._buffer.append((seq, payload))
-        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK, copy=False)
+        for batch in split_batches(events) or [[]]:
+            seq = self._seq
+            self._seq += 1
+            payload = encode_batch(batch, rank=self._rank)
+            self._buffer.append((seq, payload))
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK, copy=False)
         return seq
 
     async def start(self) -> None:

@@ -70,7 +70,8 @@ class Gateway:
         if self.strategy.uses_kv_events:
             index = InMemoryKvIndex(cfg.kv_index_max_entries)
             self.kv_events = KvEventHub(index, self.metrics, self._base_model, replay_timeout_s=cfg.kv_replay_timeout_s,
-                                        resync_s=cfg.kv_resync_s)
+                                        resync_s=cfg.kv_resync_s, block_size=cfg.block_size,
+                                        identity_blocks=cfg.kv_identity_blocks)
             self.strategy.attach_kv(index, self.kv_events.trusted)
         self._pool = WorkerPool(cfg, self._upstream, self.metrics, on_added=self._worker_added,
                                 on_removed=self._worker_removed)

@@ -193,6 +193,10 @@ class GatewayConfig:
     chat_cache_entries: int = option(8192, "rendered chat segments kept tokenized, so a new turn costs its new text")
     # KV events in and the block index, for strategies that read them (`kv`)
     kv_index_max_entries: int = option(20_000_000, "kv: most (block, worker) entries in the block index")
+    kv_identity_blocks: int = option(
+        1 << 19, "kv: engine block hashes remembered per model with the gateway key they name, kept across "
+        "resets so later blocks still chain to them (about 100 bytes each)"
+    )
     kv_replay_timeout_s: float = option(2.0, "kv: timeout of one replay request to an event source")
     kv_resync_s: float = option(
         300.0, "kv: after missed events, seconds a worker is routed approximately before its map is trusted again"

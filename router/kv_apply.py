@@ -2,16 +2,29 @@
 
 Engine block hashes depend on the engine's hash algorithm and seed; the gateway never needs them to match its
 own. A `BlockStored` event carries the blocks' token ids, from which the gateway computes its own chained keys
-(starting from its parent's key, or from the root key of the worker's model, LoRA adapter and cache salt), and
-remembers engine hash → gateway key per worker for removals and for later events that carry no token ids (an
-offload tier re-announcing blocks the engine described). Each (block, tier) a source announces is reference
-counted, since offload tiers may announce the same block twice.
+(starting from its parent's key, or from the root key of the worker's model, LoRA adapter and cache salt). Which
+engine hash names which gateway key is *content identity*: it is kept per model, bounded, across resets, so
+blocks announced after a reset still chain to parents announced before it, and announcements without token ids
+(the tier agent's, an offload tier's) are placed by it. Such an announcement that arrives before the engine's
+event for the same block waits for it (bounded in number and time) instead of being lost.
+
+What a source holds is a set per (block, tier) for an engine (vLLM may re-announce a block it reuses: one
+eviction removes it) and a reference count for the tier agent (whose protocol may announce a block once per
+copy). Events are checked before they touch the index: an invalid event (a token id outside uint32, a
+non-positive block size, more blocks than `MAX_EVENT_BLOCKS`), one with a block size other than the gateway's, or
+one from a KV-cache group that is not full attention (hybrid and sliding-window models index their full-attention
+group only) is counted and dropped; the first two make the source's picture incomplete. A batch is applied in slices of
+SLICE_BLOCKS blocks, so that the caller can let the event loop run between them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+from prometheus_client import Counter
 
 from kvcore.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEvent
 from router.block_keys import BlockKey, block_keys, root_key
@@ -19,8 +32,22 @@ from router.kv_index import TIERS, KvBlockIndex, tier_of
 from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
 
+log = logging.getLogger(__name__)
+
 # worker URL -> the base model it serves (the root of its blocks' keys), None while unknown
 ModelOf = Callable[[str], str | None]
+
+MAX_EVENT_BLOCKS = 1 << 16  # blocks one BlockStored may name (vLLM: a step's new blocks of one request)
+SLICE_BLOCKS = 2048  # blocks applied between two chances for the event loop to run
+WAIT_S = 30.0  # how long an announcement without token ids waits for the engine to name its block
+WAIT_MAX = 65_536  # announcements waiting at most, over all sources (the oldest give up first)
+# cache kinds whose blocks cover the whole prefix (vLLM's KVCacheSpecKind); None: a model with one group
+FULL_PREFIX_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
+_U32 = 1 << 32
+
+
+class InvalidEvent(ValueError):
+    """An event no engine could have sent."""
 
 
 @dataclass(slots=True)
@@ -29,132 +56,351 @@ class _Holding:
     count: int
 
 
+@dataclass(slots=True)
+class _Waiting:
+    """An announcement without token ids whose engine hash is not known yet."""
+
+    source: EventSource
+    tier: str
+    since: float
+
+
+class ContentIdentity:
+    """Engine block hash → gateway key, per model, the most recent `max_blocks` per model (oldest forgotten
+    first). Engines with the same hash algorithm and seed share their hashes' names; engines with others never
+    produce the same 64-bit hash for other content, in practice."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self._by_model: dict[str, dict[BlockHash, BlockKey]] = {}
+
+    def get(self, model: str, engine_hash: BlockHash) -> BlockKey | None:
+        keys = self._by_model.get(model)
+        return keys.get(engine_hash) if keys else None
+
+    def put(self, model: str, engine_hash: BlockHash, key: BlockKey) -> None:
+        keys = self._by_model.setdefault(model, {})
+        keys.pop(engine_hash, None)  # re-inserted: the newest again
+        keys[engine_hash] = key
+        if len(keys) > self.max_blocks:
+            del keys[next(iter(keys))]
+
+    def __len__(self) -> int:
+        return sum(len(keys) for keys in self._by_model.values())
+
+
+@dataclass(slots=True)
+class Applied:
+    """What became of one batch: events rejected (the source's picture is then incomplete)."""
+
+    rejected: int = 0
+
+
 class KvEventApplier:
     """Turns each source's events into index entries under the gateway's keys."""
 
-    def __init__(self, index: KvBlockIndex, metrics: GatewayMetrics, model_of: ModelOf) -> None:
+    def __init__(self, index: KvBlockIndex, metrics: GatewayMetrics, model_of: ModelOf, *, block_size: int = 0,
+                 identity_blocks: int = 1 << 19) -> None:
         self.index = index
+        self.block_size = block_size  # the gateway's; 0 = take each event's own (tests, tools)
         self._metrics = metrics
         self._model_of = model_of
+        self.identity = ContentIdentity(identity_blocks)
         self._held: dict[EventSource, dict[tuple[BlockHash, str], _Holding]] = {}
         self._sources: dict[str, list[EventSource]] = {}  # worker -> its sources
-        self._hash_keys: dict[str, dict[BlockHash, BlockKey]] = {}  # worker -> engine hash -> gateway key
+        self._group: dict[EventSource, int] = {}  # the KV-cache group indexed, once a source named one
+        self._warned: set[tuple[EventSource, str]] = set()
+        self._counters: dict[str, tuple[Counter, Counter, Counter]] = {}  # worker -> events applied, by type
+        self._waiting: dict[tuple[str, BlockHash], list[_Waiting]] = {}  # (model, engine hash) -> announcements
+        self._waiting_count = 0
+        metrics.kv_index_entries.set_function(index.entries)
+        metrics.kv_waiting_announcements.set_function(self.waiting)
 
-    def apply(self, source: EventSource, events: Sequence[KvEvent]) -> None:
-        """Apply one batch of events from `source`, in order."""
+    # --- batches ------------------------------------------------------------------------------------------------
+
+    def apply(self, source: EventSource, events: Sequence[KvEvent]) -> Applied:
+        """Apply one batch of events from `source`, in order, at once."""
+        result = Applied()
+        for _ in self.steps(source, events, result):
+            pass
+        return result
+
+    def steps(self, source: EventSource, events: Sequence[KvEvent], result: Applied) -> Iterator[None]:
+        """Apply one batch in slices of about SLICE_BLOCKS blocks, yielding between them (the caller may let the
+        event loop run there). Stops early if the source is forgotten meanwhile."""
         held = self._held.get(source)
         if held is None:
             held = self._held[source] = {}
             self._sources.setdefault(source.worker, []).append(source)
         worker = source.worker
-        applied = self._metrics.kv_events_applied
+        model = self._model_of(worker)
+        counters = self._counters.get(worker)
+        if counters is None:
+            applied = self._metrics.kv_events_applied
+            counters = self._counters[worker] = (applied.labels(worker, "BlockStored"),
+                                                 applied.labels(worker, "BlockRemoved"),
+                                                 applied.labels(worker, "AllBlocksCleared"))
+        done = 0
         for event in events:
             if isinstance(event, BlockStored):
-                self._stored(source, held, event)
-                applied.labels(worker, "BlockStored").inc()
+                try:
+                    self._check(event)
+                except InvalidEvent as exc:
+                    self._reject(source, "invalid_event", str(exc), result)
+                    continue
+                if not self._indexed_group(source, event.group_idx, event.kv_cache_spec_kind):
+                    continue
+                size = self.block_size or event.block_size
+                if event.block_size != size:
+                    self._reject(source, "block_size", f"block size {event.block_size}, the gateway's is {size}",
+                                 result, mismatch=True)
+                    continue
+                for start in range(0, len(event.block_hashes), SLICE_BLOCKS):
+                    self._stored(source, held, event, start, size, model)
+                    done += min(SLICE_BLOCKS, len(event.block_hashes) - start)
+                    if done >= SLICE_BLOCKS:
+                        done = 0
+                        yield
+                        if self._held.get(source) is not held:
+                            return  # forgotten (its worker left, or a reset) while we yielded
+                counters[0].inc()
             elif isinstance(event, BlockRemoved):
-                self._removed(source, held, event)
-                applied.labels(worker, "BlockRemoved").inc()
+                if not self._indexed_group(source, event.group_idx, None):
+                    continue
+                for start in range(0, len(event.block_hashes), SLICE_BLOCKS):
+                    self._removed(source, held, event.block_hashes[start:start + SLICE_BLOCKS], tier_of(event.medium),
+                                  model)
+                    done += min(SLICE_BLOCKS, len(event.block_hashes) - start)
+                    if done >= SLICE_BLOCKS:
+                        done = 0
+                        yield
+                        if self._held.get(source) is not held:
+                            return
+                counters[1].inc()
             elif isinstance(event, AllBlocksCleared):
                 self.release(source)
-                applied.labels(worker, "AllBlocksCleared").inc()
-        self._update_gauges()
+                held = self._held[source]
+                counters[2].inc()
 
     def release(self, source: EventSource) -> None:
-        """Forget everything `source` said (its blocks leave the index unless another source holds them)."""
+        """Forget everything `source` said (its blocks leave the index unless another source holds them); what
+        names which content is kept."""
+        if self._waiting:
+            self._waiting_drop(lambda w: w.source == source)
         held = self._held.get(source)
         if not held:
             return
-        gone = list(held.items())
-        held.clear()  # in place: `apply` may be holding it, in the middle of a batch that goes on after a clear
-        for (engine_hash, tier), holding in gone:
+        self._held[source] = {}
+        for (_, tier), holding in held.items():
             self.index.remove(source.worker, (holding.key,), tier)
-            self._drop_hash_if_unheld(source.worker, engine_hash)
-        self._update_gauges()
 
     def forget_worker(self, worker: str) -> None:
         """Forget a worker and all its sources at once (a worker re-added under the same URL starts clean)."""
+        self._counters.pop(worker, None)
         for source in self._sources.pop(worker, []):
-            del self._held[source]
-        self._hash_keys.pop(worker, None)
+            self._held.pop(source, None)
+            self._group.pop(source, None)
+        self._waiting_drop(lambda w: w.source.worker == worker)
         self.index.clear(worker)
-        self._update_gauges()
 
     def engine_hashes(self, worker: str, tier: str) -> set[BlockHash]:
         """The engine block hashes the worker's sources say it holds on `tier` (for checks and debugging)."""
         return {h for source in self._sources.get(worker, ()) for (h, t) in self._held[source] if t == tier}
 
+    # --- checks -----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check(event: BlockStored) -> None:
+        blocks = len(event.block_hashes)
+        if blocks > MAX_EVENT_BLOCKS:
+            raise InvalidEvent(f"{blocks} blocks in one event (at most {MAX_EVENT_BLOCKS})")
+        tokens = event.token_ids
+        if tokens:
+            if event.block_size <= 0:
+                raise InvalidEvent(f"block size {event.block_size}")
+            if len(tokens) < event.block_size * blocks:
+                raise InvalidEvent(f"{len(tokens)} token ids for {blocks} blocks of {event.block_size}")
+            if min(tokens) < 0 or max(tokens) >= _U32:
+                raise InvalidEvent("a token id outside 0..2^32-1")
+        elif event.block_size < 0:
+            raise InvalidEvent(f"block size {event.block_size}")
+
+    def _indexed_group(self, source: EventSource, group: int | None, kind: str | None) -> bool:
+        """Whether an event of KV-cache group `group` (of `kind`, on stores) is indexed: events without a group
+        are; otherwise the first full-attention group a source announces is, and no other."""
+        if group is None:
+            return True
+        chosen = self._group.get(source)
+        if chosen is None and kind is not None:
+            if kind not in FULL_PREFIX_KINDS:
+                self._skip(source, "group", f"KV-cache group {group} ({kind}) is not full attention; not indexed")
+                return False
+            chosen = self._group[source] = group
+            log.info("kv events from %s: indexing KV-cache group %d (%s)", source.endpoint, group, kind)
+        if chosen is None or group == chosen:
+            return True
+        self._skip(source, "group", f"KV-cache group {group} ignored: group {chosen} is the one indexed")
+        return False
+
+    def _skip(self, source: EventSource, reason: str, message: str) -> None:
+        self._metrics.kv_event_mismatches.labels(source.worker, reason).inc()
+        if (source, reason) not in self._warned:
+            self._warned.add((source, reason))
+            log.info("kv events from %s (%s): %s", source.endpoint, source.worker, message)
+
+    def _reject(self, source: EventSource, reason: str, message: str, result: Applied, *,
+                mismatch: bool = False) -> None:
+        result.rejected += 1
+        if mismatch:
+            self._metrics.kv_event_mismatches.labels(source.worker, reason).inc()
+        else:
+            self._metrics.kv_decode_errors.labels(source.worker, reason).inc()
+        if (source, reason) not in self._warned:
+            self._warned.add((source, reason))
+            log.error("kv events from %s (%s): dropped an event: %s; its worker is routed approximately until its "
+                      "picture is whole again (counted in kvgate_kv_event_%s_total)", source.endpoint,
+                      source.worker, message, "mismatches" if mismatch else "decode_errors")
+
     # --- one event --------------------------------------------------------------------------------------------
 
-    def _stored(self, source: EventSource, held: dict[tuple[BlockHash, str], _Holding], event: BlockStored) -> None:
+    def _stored(self, source: EventSource, held: dict[tuple[BlockHash, str], _Holding], event: BlockStored,
+                start: int, size: int, model: str | None) -> None:
+        """Blocks start .. start + SLICE_BLOCKS of a stored event."""
         worker = source.worker
+        if model is None:
+            self._metrics.kv_unmapped_blocks.labels(worker).inc(len(event.block_hashes) - start)
+            return
         tier = tier_of(event.medium)
-        hash_keys = self._hash_keys.setdefault(worker, {})
+        counted = source.name == "agent"
+        hashes = event.block_hashes[start:start + SLICE_BLOCKS]
         new_keys: list[BlockKey] = []
-        tokens = event.token_ids or []
-        size = event.block_size or 0
-        if tokens and size and len(tokens) >= size * len(event.block_hashes):
-            parent = (self._root(worker, event) if event.parent_block_hash is None
-                      else hash_keys.get(event.parent_block_hash))
+        if event.token_ids:
+            parent_hash = event.parent_block_hash if start == 0 else event.block_hashes[start - 1]
+            parent = (root_key(model, event.lora_name, _salt(event)) if parent_hash is None
+                      else self._key_of(model, worker, parent_hash))
             if parent is None:
-                self._metrics.kv_unmapped_blocks.labels(worker).inc(len(event.block_hashes))
+                self._metrics.kv_unmapped_blocks.labels(worker).inc(len(hashes))
                 return
-            keys = block_keys(tokens[: size * len(event.block_hashes)], size, parent)
-            for engine_hash, key in zip(event.block_hashes, keys, strict=True):
-                hash_keys[engine_hash] = key
-                new_keys.append(_hold(held, engine_hash, tier, key))
+            tokens = event.token_ids[start * size:(start + len(hashes)) * size]
+            for engine_hash, key in zip(hashes, block_keys(tokens, size, parent), strict=True):
+                self.identity.put(model, engine_hash, key)
+                if _hold(held, engine_hash, tier, key, counted):
+                    new_keys.append(key)
+                self._place_waiting(model, engine_hash, key)
         else:
-            # an offload tier re-announcing blocks the engine described before
-            for engine_hash in event.block_hashes:
-                known = hash_keys.get(engine_hash)
+            # an agent or offload tier announcing blocks the engine named (or will name) with their tokens
+            for engine_hash in hashes:
+                known = self._key_of(model, worker, engine_hash)
                 if known is None:
-                    self._metrics.kv_unmapped_blocks.labels(worker).inc()
-                    continue
-                new_keys.append(_hold(held, engine_hash, tier, known))
+                    self._wait(model, engine_hash, source, tier)
+                elif _hold(held, engine_hash, tier, known, counted):
+                    new_keys.append(known)
         if new_keys:
             self.index.add(worker, new_keys, tier)
 
     def _removed(self, source: EventSource, held: dict[tuple[BlockHash, str], _Holding],
-                 event: BlockRemoved) -> None:
-        tier = tier_of(event.medium)
+                 hashes: Sequence[BlockHash], tier: str, model: str | None) -> None:
         gone = []
-        for engine_hash in event.block_hashes:
+        for engine_hash in hashes:
             holding = held.get((engine_hash, tier))
             if holding is None:
+                if model is not None:
+                    self._unwait(model, engine_hash, source, tier)
                 continue  # removals of unknown blocks are normal (e.g. after a reset)
             holding.count -= 1
             if holding.count <= 0:
                 del held[(engine_hash, tier)]
                 gone.append(holding.key)
-                self._drop_hash_if_unheld(source.worker, engine_hash)
         if gone:
             self.index.remove(source.worker, gone, tier)
 
-    def _root(self, worker: str, event: BlockStored) -> BlockKey | None:
-        model = self._model_of(worker)
-        if model is None:
-            return None
-        return root_key(model, event.lora_name, _salt(event))
-
-    def _drop_hash_if_unheld(self, worker: str, engine_hash: BlockHash) -> None:
-        """Keep engine hash -> key only while some source of the worker holds the block on some tier."""
+    def _key_of(self, model: str, worker: str, engine_hash: BlockHash) -> BlockKey | None:
+        """The gateway key an engine hash names: content identity, else a block a source of the worker holds."""
+        key = self.identity.get(model, engine_hash)
+        if key is not None:
+            return key
         for source in self._sources.get(worker, ()):
             held = self._held[source]
-            if any((engine_hash, tier) in held for tier in TIERS):
+            for tier in TIERS:
+                holding = held.get((engine_hash, tier))
+                if holding is not None:
+                    return holding.key
+        return None
+
+    # --- announcements waiting for their block's name ---------------------------------------------------------
+
+    def _wait(self, model: str, engine_hash: BlockHash, source: EventSource, tier: str) -> None:
+        now = time.monotonic()
+        self._expire_waiting(now)
+        waiting = self._waiting.setdefault((model, engine_hash), [])
+        if any(w.source == source and w.tier == tier for w in waiting):
+            return
+        waiting.append(_Waiting(source, tier, now))
+        self._waiting_count += 1
+        if self._waiting_count > WAIT_MAX:
+            oldest = next(iter(self._waiting))
+            self._give_up(self._waiting.pop(oldest))
+
+    def _place_waiting(self, model: str, engine_hash: BlockHash, key: BlockKey) -> None:
+        waiting = self._waiting.pop((model, engine_hash), None) if self._waiting else None
+        if not waiting:
+            return
+        self._waiting_count -= len(waiting)
+        for w in waiting:
+            held = self._held.get(w.source)
+            if held is not None and _hold(held, engine_hash, w.tier, key, w.source.name == "agent"):
+                self.index.add(w.source.worker, (key,), w.tier)
+
+    def _unwait(self, model: str, engine_hash: BlockHash, source: EventSource, tier: str) -> None:
+        waiting = self._waiting.get((model, engine_hash))
+        if not waiting:
+            return
+        left = [w for w in waiting if not (w.source == source and w.tier == tier)]
+        self._waiting_count -= len(waiting) - len(left)
+        if left:
+            self._waiting[(model, engine_hash)] = left
+        else:
+            del self._waiting[(model, engine_hash)]
+
+    def _expire_waiting(self, now: float) -> None:
+        while self._waiting:
+            oldest_key = next(iter(self._waiting))
+            oldest = self._waiting[oldest_key]
+            if now - oldest[0].since < WAIT_S:
                 return
-        self._hash_keys.get(worker, {}).pop(engine_hash, None)
+            del self._waiting[oldest_key]
+            self._give_up(oldest)
 
-    def _update_gauges(self) -> None:
-        self._metrics.kv_index_entries.set(self.index.entries())
+    def _give_up(self, waiting: list[_Waiting]) -> None:
+        self._waiting_count -= len(waiting)
+        for w in waiting:
+            self._metrics.kv_unmapped_blocks.labels(w.source.worker).inc()
+
+    def _waiting_drop(self, which: Callable[[_Waiting], bool]) -> None:
+        for key in list(self._waiting):
+            left = [w for w in self._waiting[key] if not which(w)]
+            self._waiting_count -= len(self._waiting[key]) - len(left)
+            if left:
+                self._waiting[key] = left
+            else:
+                del self._waiting[key]
+
+    def waiting(self) -> int:
+        """Announcements waiting for the engine to name their block."""
+        return self._waiting_count
 
 
-def _hold(held: dict[tuple[BlockHash, str], _Holding], engine_hash: BlockHash, tier: str, key: BlockKey) -> BlockKey:
+def _hold(held: dict[tuple[BlockHash, str], _Holding], engine_hash: BlockHash, tier: str, key: BlockKey,
+          counted: bool) -> bool:
+    """Record that the source holds the block on `tier`; whether that is news. A set for an engine; a
+    reference count where the protocol announces copies (`counted`)."""
     holding = held.get((engine_hash, tier))
     if holding is None:
         held[(engine_hash, tier)] = _Holding(key, 1)
-    else:
-        holding.count += 1  # a re-announcement: one removal must not drop it
-    return key
+        return True
+    if counted:
+        holding.count += 1
+    return False
 
 
 def _salt(event: BlockStored) -> str | None:

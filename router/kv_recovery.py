@@ -1,11 +1,18 @@
 """KV events in, recovery: one source's stream kept whole by its sequence numbers.
 
 Each batch a source publishes has a sequence number. A gap is repaired from the source's replay socket; when the
-replay cannot cover it (buffer overrun, no replay endpoint, timeout) what the source had said is forgotten and its
-picture is *partial*: the worker is routed by the approximate trie until `resync_s` has passed (by then the blocks
-it could not hear about have mostly been evicted or re-announced) or the engine clears its cache. A sequence number
-going backwards, or a replay buffer that does not continue what we heard, means the publisher restarted: its cache
-is new and empty. State is never kept silently when it is known to be stale.
+replay cannot cover it (buffer overrun, no replay endpoint, timeout, gaps too frequent to repair) what the source
+had said is forgotten and its picture is *partial*: the worker is routed by the approximate trie until `resync_s`
+has passed (by then the blocks it could not hear about have mostly been evicted or re-announced) or the engine
+clears its cache. A sequence number going backwards to a batch we never applied, or a replay buffer that does not
+continue what we heard, means the publisher restarted: its cache is new and empty. A batch applied already (the
+same sequence number and the same payload, e.g. a live copy of a batch the replay delivered first) is skipped.
+State is never kept silently when it is known to be stale.
+
+Bad input never stops the stream: a message that is not a batch is counted and dropped (a later valid copy of
+the same batch, or the replay's, takes its place); an event no engine could send, or one that does not fit the
+gateway, is counted and dropped and makes the picture partial; a bug while applying a batch is logged, and the
+source's state is forgotten rather than trusted. Applying yields to the event loop every few milliseconds.
 
 `StreamRecovery` decodes each batch and hands its events to `apply`; `release` forgets what the source said. It
 knows nothing of block keys or the index.
@@ -13,20 +20,32 @@ knows nothing of block keys or the index.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import msgspec
 import xxhash
 
 from kvcore.kv_events import AllBlocksCleared, KvEvent, decode_batch_tolerant
+from router.kv_apply import Applied
 from router.kv_transport import Batches, EventSource, ReplayError
 from router.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
 Replay = Callable[[int], Awaitable[Batches]]  # start seq -> the buffered batches from there (ReplayError)
+# one batch's events -> slices of applying them, with what became of them filled in
+ApplySteps = Callable[[Sequence[KvEvent], Applied], Iterator[None]]
+
+# batches whose payload digests are remembered: a re-delivered batch is told apart from a restarted publisher's
+HISTORY = 4096
+MAX_BATCH_BYTES = 4 * 2**20  # a bigger payload is dropped undecoded (decoding it would stall the event loop)
+# gap repairs allowed: a burst of REPLAY_BURST, then one per REPLAY_EVERY_S (a flood must not become a replay storm)
+REPLAY_BURST = 5
+REPLAY_EVERY_S = 1.0
+YIELD_AFTER_S = 0.005  # applying lets the event loop run at least this often
 
 
 class _Gap(Exception):
@@ -40,7 +59,7 @@ class StreamRecovery:
     def __init__(
         self,
         source: EventSource,
-        apply: Callable[[Sequence[KvEvent]], None],
+        apply: ApplySteps,
         release: Callable[[], None],
         metrics: GatewayMetrics,
         replay: Replay | None = None,
@@ -53,8 +72,11 @@ class StreamRecovery:
         self._replay = replay if source.replay else None
         self._resync_s = resync_s
         self.expected: int | None = None  # next sequence number; None until the stream's position is known
-        self._last_digest: int | None = None  # of the last applied payload: tells a restarted history apart
+        self._digests: dict[int, int] = {}  # seq -> payload digest of the last HISTORY applied batches
         self._partial_since: float | None = None  # when the picture became incomplete; None = complete
+        self._repairs = float(REPLAY_BURST)  # gap repairs allowed now (a token bucket)
+        self._repairs_at = time.monotonic()
+        self._yielded_at = time.monotonic()  # when applying last let the event loop run
 
     def complete(self) -> bool:
         """Whether everything this source said is applied (else its worker is routed approximately)."""
@@ -81,14 +103,20 @@ class StreamRecovery:
             self._metrics.kv_decode_errors.labels(worker, "frames").inc()
             return
         seq = int.from_bytes(frames[1], "big")
+        expected = self.expected
+        if expected is not None and seq < expected and self._digests.get(seq) == _digest(frames[2]):
+            # applied already: a live copy of a batch the replay brought (the publisher answers a replay request
+            # between two batches, so the live stream overlaps it), or a duplicate on the wire
+            self._metrics.kv_duplicates.labels(worker).inc()
+            return
         events = self._decode(frames[2], "payload")
         if events is None:
-            return
-        expected = self.expected
+            return  # not a batch: a valid copy (live or replayed) may still come
         if expected is not None and seq != expected:
             if seq < expected:
                 # the publisher restarted: the engine behind it starts with an empty cache
                 self._reset("publisher_restart", partial=seq > 0)
+                self._digests.clear()
             else:
                 self._metrics.kv_gaps.labels(worker).inc()
                 try:
@@ -99,7 +127,7 @@ class StreamRecovery:
                     self._reset("gap", partial=True)
         elif expected is None and seq > 0:
             self._reset("late_start", partial=True)
-        self._take(seq, frames[2], events)
+        await self._take(seq, frames[2], events)
 
     # --- recovery -------------------------------------------------------------------------------------------------
 
@@ -115,6 +143,7 @@ class StreamRecovery:
         expected = self.expected
         if expected is not None and not self._same_history(batches):
             self._reset("publisher_restart", partial=False)
+            self._digests.clear()
             expected = None
         if expected is None:
             if batches and batches[0][0] != 0:
@@ -128,17 +157,24 @@ class StreamRecovery:
             if todo:
                 self._metrics.kv_replays.labels(self.source.worker, "repaired").inc()
         for seq, payload in todo:
-            self._take(seq, payload, self._decode(payload, "replay_payload") or [])
+            await self._take(seq, payload, self._replayed(payload))
 
     async def _fill_gap(self, start: int, stop: int) -> None:
         if self._replay is None:
             raise _Gap(f"missed batches {start}..{stop - 1} and no replay endpoint")
+        now = time.monotonic()
+        self._repairs = min(REPLAY_BURST, self._repairs + (now - self._repairs_at) / REPLAY_EVERY_S)
+        self._repairs_at = now
+        if self._repairs < 1:
+            self._metrics.kv_replays.labels(self.source.worker, "too_frequent").inc()
+            raise _Gap(f"missed batches {start}..{stop - 1}; gaps too frequent to repair each")
+        self._repairs -= 1
         batches = [(s, p) for s, p in await self._fetch(start) if s < stop]
         if not batches or batches[0][0] != start or batches[-1][0] != stop - 1:
             first = batches[0][0] if batches else None
             raise _Gap(f"replay could not cover batches {start}..{stop - 1} (first buffered: {first})")
-        for _, payload in batches:
-            self._apply_all(self._decode(payload, "replay_payload") or [])
+        for seq, payload in batches:
+            await self._take(seq, payload, self._replayed(payload))
         self._metrics.kv_replays.labels(self.source.worker, "repaired").inc()
 
     async def _fetch(self, start: int) -> Batches:
@@ -155,14 +191,18 @@ class StreamRecovery:
         if not expected:
             return True
         for seq, payload in batches:
-            if seq == expected - 1:
-                return xxhash.xxh3_64_intdigest(payload) == self._last_digest
-        # our last batch is not in the buffer: overrun (same history, a gap) unless the publisher is behind us
+            known = self._digests.get(seq)
+            if known is not None and known != _digest(payload):
+                return False
+        # nothing we applied differs; a buffer that ends before our last batch belongs to a publisher behind us
         return bool(batches) and batches[-1][0] >= expected - 1
 
     # --- state ------------------------------------------------------------------------------------------------------
 
     def _decode(self, payload: bytes, what: str) -> list[KvEvent] | None:
+        if len(payload) > MAX_BATCH_BYTES:
+            self._metrics.kv_decode_errors.labels(self.source.worker, "too_large").inc()
+            return None
         try:
             batch, skipped = decode_batch_tolerant(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -172,19 +212,63 @@ class StreamRecovery:
             self._metrics.kv_decode_errors.labels(self.source.worker, "unknown_event").inc(skipped)
         return batch.events
 
-    def _take(self, seq: int, payload: bytes, events: Sequence[KvEvent]) -> None:
-        """Apply batch `seq` and move past it."""
-        self._apply_all(events)
-        self.expected = seq + 1
-        self._last_digest = xxhash.xxh3_64_intdigest(payload)
+    def _replayed(self, payload: bytes) -> list[KvEvent]:
+        """A replayed batch's events; a replayed batch that cannot be decoded is lost for good."""
+        events = self._decode(payload, "replay_payload")
+        if events is None:
+            self._partial("a replayed batch could not be decoded")
+            return []
+        return events
 
-    def _apply_all(self, events: Sequence[KvEvent]) -> None:
-        self._apply(events)
-        if any(isinstance(event, AllBlocksCleared) for event in events):
+    async def _take(self, seq: int, payload: bytes, events: Sequence[KvEvent]) -> None:
+        """Apply batch `seq` and move past it."""
+        await self._pause()
+        await self._apply_all(events)
+        self.expected = seq + 1
+        digests = self._digests
+        digests[seq] = _digest(payload)
+        if len(digests) > HISTORY:
+            del digests[next(iter(digests))]
+
+    async def _apply_all(self, events: Sequence[KvEvent]) -> None:
+        result = Applied()
+        try:
+            for _ in self._apply(events, result):
+                await self._pause()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # a bug: what was applied of this batch is unknown, so nothing this source said is trusted any more
+            log.exception("kv events from %s: applying a batch failed; forgetting what it said",
+                          self.source.endpoint)
+            self._metrics.kv_decode_errors.labels(self.source.worker, "apply_error").inc()
+            self._reset("apply_error", partial=True)
+            return
+        if result.rejected:
+            self._partial(f"{result.rejected} event(s) rejected")
+        elif any(isinstance(event, AllBlocksCleared) for event in events):
             self._partial_since = None  # the engine emptied its cache: nothing is missing any more
+
+    async def _pause(self) -> None:
+        """Let the event loop run if this stream has held it for YIELD_AFTER_S (a replay of thousands of batches,
+        an event of thousands of blocks)."""
+        if time.monotonic() - self._yielded_at > YIELD_AFTER_S:
+            await asyncio.sleep(0)
+            self._yielded_at = time.monotonic()
+
+    def _partial(self, why: str) -> None:
+        """Events were lost: the picture is incomplete from now on (until `resync_s` has passed)."""
+        if self._partial_since is None:
+            log.warning("kv events from %s: %s; routing %s approximately for %g s", self.source.endpoint, why,
+                        self.source.worker, self._resync_s)
+        self._partial_since = time.monotonic()
 
     def _reset(self, reason: str, *, partial: bool) -> None:
         """Forget what this source said; if events were missed, mark the picture incomplete."""
         self._metrics.kv_resets.labels(self.source.worker, reason).inc()
         self._release()
         self._partial_since = time.monotonic() if partial else None
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)

@@ -10,6 +10,7 @@ complete?
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -35,9 +36,11 @@ class KvEventHub:
         *,
         replay_timeout_s: float = 2.0,
         resync_s: float = 300.0,
+        block_size: int = 0,
+        identity_blocks: int = 1 << 19,
     ) -> None:
         self.index = index
-        self.applier = KvEventApplier(index, metrics, model_of)
+        self.applier = KvEventApplier(index, metrics, model_of, block_size=block_size, identity_blocks=identity_blocks)
         self._metrics = metrics
         self._model_of = model_of
         self._replay_timeout_s = replay_timeout_s
@@ -54,6 +57,8 @@ class KvEventHub:
             stream = self.stream(source)
             task = asyncio.get_running_loop().create_task(self._subscribe(stream), name=f"kv events {source}")
             self._tasks.setdefault(source.worker, []).append(task)
+            self._metrics.kv_worker_trusted.labels(source.worker).set_function(
+                functools.partial(self._trusted_value, source.worker))
 
     def stream(self, source: EventSource) -> StreamRecovery:
         """The recovery of `source`'s stream, created on first use: where it stands (`expected`), and the
@@ -64,7 +69,7 @@ class KvEventHub:
             if source.replay:
                 replay = functools.partial(self._transport.replay, source.replay, timeout_s=self._replay_timeout_s)
             stream = self._streams[source] = StreamRecovery(
-                source, functools.partial(self.applier.apply, source), functools.partial(self.applier.release, source),
+                source, functools.partial(self.applier.steps, source), functools.partial(self.applier.release, source),
                 self._metrics, replay, self._resync_s)
             self._sources.setdefault(source.worker, []).append(source)
         return stream
@@ -84,6 +89,8 @@ class KvEventHub:
         for source in self._sources.pop(worker, []):
             del self._streams[source]
         self.applier.forget_worker(worker)
+        with contextlib.suppress(KeyError):
+            self._metrics.kv_worker_trusted.remove(worker)
         return tasks
 
     async def unwatch(self, worker: str) -> None:
@@ -110,6 +117,9 @@ class KvEventHub:
         """Whether the index's picture of this worker is complete (else route it by the approximate trie)."""
         sources = self._sources.get(worker, [])
         return bool(sources) and all(self._streams[source].complete() for source in sources)
+
+    def _trusted_value(self, worker: str) -> float:
+        return 1.0 if self.trusted(worker) else 0.0
 
     def engine_hashes(self, worker: str, tier: str) -> set[BlockHash]:
         """The engine block hashes the worker's sources say it holds on `tier` (for checks and debugging)."""

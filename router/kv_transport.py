@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +21,10 @@ from kvcore.kv_events import END_OF_REPLAY
 log = logging.getLogger(__name__)
 
 Batches = list[tuple[int, bytes]]  # (sequence number, payload), in order
+
+HARD_MAX_MESSAGE_BYTES = 256 * 2**20  # libzmq drops a peer that sends a bigger message (a memory guard)
+REPLAY_MAX_BYTES = 512 * 2**20  # a replay answer bigger than this is abandoned
+YIELD_AFTER_S = 0.005  # draining the socket lets the event loop run at least this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,7 @@ class ZmqEventTransport:
             sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
             sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
             raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
@@ -83,9 +89,14 @@ class ZmqEventTransport:
                         if connections > 1:
                             await receiver.reconnected()
                     if sock in ready:
-                        # drain what has arrived without a round through the event loop per message
+                        # drain what has arrived without a round through the event loop per message, but let
+                        # the loop run every few milliseconds: a flood must not starve everything else
+                        began = time.monotonic()
                         while (frames := _recv_now(raw)) is not None:
                             await receiver.received(frames)
+                            if time.monotonic() - began > YIELD_AFTER_S:
+                                await asyncio.sleep(0)
+                                began = time.monotonic()
                         backoff = 0.1
             except asyncio.CancelledError:
                 raise
@@ -103,7 +114,9 @@ class ZmqEventTransport:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
         batches: Batches = []
+        size = 0
         try:
             sock.connect(endpoint)
             async with asyncio.timeout(timeout_s):
@@ -117,6 +130,9 @@ class ZmqEventTransport:
                         break
                     if len(seq_bytes) == 8:
                         batches.append((int.from_bytes(seq_bytes, "big"), payload))
+                        size += len(payload)
+                        if size > REPLAY_MAX_BYTES:
+                            raise ReplayError(f"replay from {endpoint} exceeded {REPLAY_MAX_BYTES} bytes")
         except TimeoutError:
             raise ReplayError(f"replay from {endpoint} timed out") from None
         finally:

@@ -103,9 +103,14 @@ class GatewayMetrics:
         self.kv_gaps = Counter(
             "kvgate_kv_event_gaps", "Sequence gaps seen in a worker's KV event stream", ["worker"], registry=r,
         )
+        self.kv_duplicates = Counter(
+            "kvgate_kv_event_duplicates", "KV event batches received again after they were applied (skipped)",
+            ["worker"], registry=r,
+        )
         self.kv_replays = Counter(
-            "kvgate_kv_event_replays", "Replay requests by outcome (repaired, timeout)", ["worker", "outcome"],
-            registry=r,
+            "kvgate_kv_event_replays",
+            "Replay requests by outcome (repaired, timeout; too_frequent: a gap left unrepaired)",
+            ["worker", "outcome"], registry=r,
         )
         self.kv_resets = Counter(
             "kvgate_kv_state_resets",
@@ -116,9 +121,24 @@ class GatewayMetrics:
             "kvgate_kv_event_decode_errors", "Malformed KV event messages dropped, by reason", ["worker", "reason"],
             registry=r,
         )
+        self.kv_event_mismatches = Counter(
+            "kvgate_kv_event_mismatches",
+            "KV events not indexed because they do not fit the gateway: by reason (block_size: another block size "
+            "than --block-size; group: a KV-cache group other than the full-attention one indexed)",
+            ["worker", "reason"], registry=r,
+        )
+        self.kv_waiting_announcements = Gauge(
+            "kvgate_kv_waiting_announcements",
+            "Tier announcements without token ids waiting for the engine to name their block", registry=r,
+        )
         self.kv_unmapped_blocks = Counter(
             "kvgate_kv_unmapped_blocks", "Stored blocks whose gateway key could not be derived (unknown parent)",
             ["worker"], registry=r,
+        )
+        self.kv_worker_trusted = Gauge(
+            "kvgate_kv_worker_trusted",
+            "1 while the block index's picture of the worker is complete (routed by it), 0 while it is routed by "
+            "the approximate trie (missed events, bad input, just started)", ["worker"], registry=r,
         )
         self.kv_index_entries = Gauge(
             "kvgate_kv_index_entries", "(block, worker) entries in the KV block index", registry=r,

@@ -12,7 +12,15 @@ import zmq.asyncio
 
 from bench.kv_bench import measure_entry_bytes
 from bench.procs import free_port
-from kvcore.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
+from kvcore.kv_events import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventPublisher,
+    encode_batch,
+)
 from router.block_keys import block_keys, root_key
 from router.kv_apply import KvEventApplier
 from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex
@@ -44,8 +52,10 @@ class Publisher:
         return EventSource(WORKER, f"tcp://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{self.replay_port}")
 
     async def send(self, events: list[KvEvent], *, deliver: bool = True) -> int:
+        return await self.send_encoded(encode_batch(events), deliver=deliver)
+
+    async def send_encoded(self, payload: bytes, *, deliver: bool = True) -> int:
         seq, self.seq = self.seq, self.seq + 1
-        payload = encode_batch(events)
         self.buffer[seq] = payload
         if deliver:
             await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
@@ -121,16 +131,21 @@ async def test_stored_removed_cleared_with_gateway_keys() -> None:
         await eventually(lambda: held(hub) == {(k, GPU) for k in KEYS[:4]})
         assert hub.index.lookup(KEYS, [WORKER, "other"])[WORKER].blocks == 4
         assert hub.index.lookup(KEYS, ["other"])["other"].blocks == 0
-        # an offload tier re-announces a block without token ids; the same block twice counts twice
+        # an offload tier re-announces a block without token ids; the engine re-announces one it reused (vLLM's
+        # kv_cache_report_mode "full"): a set, so one eviction removes it
         await publisher.send([BlockStored(block_hashes=[11], medium="CPU", token_ids=[], block_size=BS),
                               stored([11], TOKENS[:4])])
         await eventually(lambda: (KEYS[0], CPU) in held(hub))
         await publisher.send([BlockRemoved(block_hashes=[11], medium="GPU"), BlockRemoved(block_hashes=[999])])
-        await eventually(lambda: metric(metrics, "kvgate_kv_events_applied_total", worker=WORKER,
-                                        type="BlockRemoved") == 2)  # both removals applied...
-        assert (KEYS[0], GPU) in held(hub)  # ...and the block announced twice, removed once, is still held
-        await publisher.send([BlockRemoved(block_hashes=[11, 14], medium="GPU")])
-        await eventually(lambda: (KEYS[0], GPU) not in held(hub) and (KEYS[3], GPU) not in held(hub))
+        await eventually(lambda: (KEYS[0], GPU) not in held(hub))
+        await publisher.send([BlockRemoved(block_hashes=[14], medium="GPU")])
+        await eventually(lambda: (KEYS[3], GPU) not in held(hub))
+        await publisher.send([stored([11], TOKENS[:4])])
+        await eventually(lambda: (KEYS[0], GPU) in held(hub))
+        run = hub.index.lookup(KEYS, [WORKER])[WORKER]
+        assert run.blocks == 3 and run.by_tier == {GPU: 3}
+        await publisher.send([BlockRemoved(block_hashes=[11], medium="GPU")])
+        await eventually(lambda: (KEYS[0], GPU) not in held(hub))
         run = hub.index.lookup(KEYS, [WORKER])[WORKER]
         assert run.blocks == 3 and run.by_tier == {CPU: 1, GPU: 2}
         await publisher.send([AllBlocksCleared()])
@@ -342,3 +357,117 @@ async def test_engine_and_agent_sources_of_one_worker() -> None:
         engine.close()
         agent.close()
         ctx.destroy(0)
+
+
+async def test_blocks_after_a_reset_still_chain_to_parents_named_before_it() -> None:
+    """Issue 12 item 2: after a reset every later block chained to a parent the gateway had forgotten and was
+    dropped as unmapped. What names which content is kept across resets."""
+    async with hub_and_publisher(resync_s=600) as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        await publisher.send([stored([1, 2], TOKENS[:8])])
+        await eventually(lambda: len(held(hub)) == 2)
+        lost = await publisher.send([stored([3], TOKENS[8:12], parent=2)], deliver=False)
+        del publisher.buffer[lost]  # a gap the replay cannot cover: what the engine said is forgotten
+        await publisher.send([stored([4], TOKENS[12:16], parent=3)])  # its parent was never heard of
+        await eventually(lambda: metric(metrics, "kvgate_kv_state_resets_total", worker=WORKER, reason="gap") == 1)
+        await publisher.send([stored([5], TOKENS[:4], parent=2)])  # its parent was named before the reset
+        other = block_keys(TOKENS[:8] + TOKENS[:4], BS, ROOT)[2]
+        await eventually(lambda: held(hub) == {(other, GPU)})
+        assert metric(metrics, "kvgate_kv_unmapped_blocks_total", worker=WORKER) == 1  # block 4 only
+
+
+async def test_an_agent_announcement_waits_for_the_engine_to_name_its_block() -> None:
+    """Issue 12 item 4: agent events carry no token ids and often arrive before the engine's event for the same
+    block; they were dropped and never retried. They wait (bounded) and are placed when the engine names them."""
+    ctx = zmq.asyncio.Context()
+    engine, agent = Publisher(ctx), Publisher(ctx)
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny")
+    agent_source = EventSource(WORKER, f"tcp://127.0.0.1:{agent.port}", f"tcp://127.0.0.1:{agent.replay_port}",
+                               "agent")
+    try:
+        hub.watch([engine.source, agent_source])
+        await connected(hub, engine)
+        await eventually(lambda: hub.stream(agent_source).expected is not None)
+        for _ in range(100):  # the agent's subscription may still be joining: until its first batch is seen
+            await agent.send([])
+            try:
+                await eventually(lambda: (hub.stream(agent_source).expected or 0) > 1, timeout=0.3)
+                break
+            except AssertionError:
+                continue
+        await agent.send([BlockStored(block_hashes=[1, 2, 3], medium="CPU", token_ids=[], block_size=BS),
+                          BlockStored(block_hashes=[1, 2], medium="SHARED", token_ids=[], block_size=BS)])
+        await eventually(lambda: hub.applier.waiting() == 5)
+        await agent.send([BlockRemoved(block_hashes=[3], medium="CPU")])  # gone before it was ever placed
+        await eventually(lambda: hub.applier.waiting() == 4)
+        await engine.send([stored([1, 2, 3], TOKENS[:12])])
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU), (KEYS[1], GPU), (KEYS[2], GPU), (KEYS[0], CPU),
+                                               (KEYS[1], CPU), (KEYS[0], SHARED), (KEYS[1], SHARED)})
+        assert hub.applier.waiting() == 0
+        assert metric(metrics, "kvgate_kv_unmapped_blocks_total", worker=WORKER) == 0
+    finally:
+        await hub.close()
+        engine.close()
+        agent.close()
+        ctx.destroy(0)
+
+
+async def test_another_block_size_is_counted_and_not_indexed() -> None:
+    """Issue 12 item 6: events whose block size differs from the gateway's silently voided or corrupted the index."""
+    async with hub_and_publisher(block_size=BS, resync_s=600) as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        await publisher.send([BlockStored(block_hashes=[1], token_ids=TOKENS[:2 * BS], block_size=2 * BS)])
+        await eventually(lambda: metric(metrics, "kvgate_kv_event_mismatches_total", worker=WORKER,
+                                        reason="block_size") == 1)
+        assert not held(hub) and not hub.trusted(WORKER)
+
+
+async def test_only_the_full_attention_group_is_indexed() -> None:
+    """Issue 12 item 6: a hybrid model's groups announce the same block hashes; a sliding-window group frees its
+    blocks early, and its removals must not take the full-attention group's blocks out of the index."""
+    async with hub_and_publisher() as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        for group, kind in ((0, "full_attention"), (1, "sliding_window")):
+            await publisher.send([BlockStored(block_hashes=[1, 2], token_ids=TOKENS[:8], block_size=BS,
+                                              group_idx=group, kv_cache_spec_kind=kind)])
+        await publisher.send([BlockRemoved(block_hashes=[1], group_idx=1)])
+        await eventually(lambda: metric(metrics, "kvgate_kv_event_mismatches_total", worker=WORKER,
+                                        reason="group") == 2)
+        assert held(hub) == {(KEYS[0], GPU), (KEYS[1], GPU)}
+        await publisher.send([BlockRemoved(block_hashes=[1], group_idx=0)])
+        await eventually(lambda: held(hub) == {(KEYS[1], GPU)})
+        assert hub.trusted(WORKER)
+
+
+async def test_our_publisher_cuts_what_a_subscriber_would_drop_into_batches_it_takes() -> None:
+    """The tier agent may lose a million shared blocks at once (Valkey restarted empty): its publisher sends them
+    in batches the gateway accepts, and the gateway takes them all, in order, still trusting the source."""
+    port, replay = free_port(), free_port()
+    publisher = KvEventPublisher(f"tcp://*:{port}", f"tcp://*:{replay}")
+    await publisher.start()
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny", block_size=BS)
+    try:
+        hub.watch([EventSource(WORKER, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")])
+        for _ in range(100):  # PUB drops what is sent before the subscription joins: the replay recovers it
+            publisher.publish([])
+            if hub.trusted(WORKER):
+                break
+            await asyncio.sleep(0.05)
+        blocks = 150_000
+        tokens = [70_000 + t % 50_000 for t in range(blocks * BS)]  # ids of 5 bytes each on the wire
+        publisher.publish([BlockStored(block_hashes=list(range(1, blocks + 1)), token_ids=tokens, block_size=BS),
+                           BlockRemoved(block_hashes=list(range(1, blocks // 2 + 1)))])
+        assert publisher.next_seq > 3
+        await eventually(lambda: len(hub.engine_hashes(WORKER, GPU)) == blocks - blocks // 2, timeout=60)
+        assert hub.engine_hashes(WORKER, GPU) == set(range(blocks // 2 + 1, blocks + 1))
+        assert hub.trusted(WORKER)
+        assert not metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="too_large")
+        assert not metric(metrics, "kvgate_kv_unmapped_blocks_total", worker=WORKER)
+    finally:
+        await hub.close()
+        await publisher.close()
