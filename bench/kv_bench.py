@@ -17,10 +17,10 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from kvcore.kv_events import BlockHash, BlockRemoved, BlockStored, KvEvent, encode_batch
+from kvcore.kv_events import GPU, BlockHash, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
-from router.kv_index import GPU, InMemoryKvIndex
+from router.kv_index import InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from router.pool import Worker
@@ -41,10 +41,10 @@ def _batches(n_batches: int, blocks_per_event: int, seed: int = 0) -> tuple[list
         hashes: list[BlockHash] = list(range(next_hash, next_hash + blocks_per_event))
         next_hash += blocks_per_event
         events: list[KvEvent] = [BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens,
-                                             block_size=BLOCK, medium="GPU")]
+                                             block_size=BLOCK, medium=GPU)]
         if next_hash > 4 * blocks_per_event:
             old: list[BlockHash] = list(range(next_hash - 4 * blocks_per_event, next_hash - 3 * blocks_per_event))
-            events.append(BlockRemoved(block_hashes=old, medium="GPU"))
+            events.append(BlockRemoved(block_hashes=old, medium=GPU))
         blocks += 2 * blocks_per_event
         payloads.append(encode_batch(events))
     return payloads, blocks

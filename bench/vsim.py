@@ -46,7 +46,7 @@ from bench.sim.perf_model import PROFILES, Profile
 from bench.sim.scheduler import Scheduler, SimRequest
 from bench.sim.tier_model import UPKEEP_S, FleetBackend, ReplicaAgent
 from bench.workloads import PromptVocabulary, Workload
-from kvcore.kv_events import BlockStored, KvEvent
+from kvcore.kv_events import GPU, BlockStored, KvEvent
 from kvcore.vllm_hash import chain_hashes, make_block_hasher
 from kvgate.serve import assemble
 from router.block_keys import block_keys, root_key
@@ -202,7 +202,7 @@ class FleetSimulation:
             self._pending_events.append((replica.index, events))
             if replica.tiers is not None:
                 for event in events:
-                    if isinstance(event, BlockStored) and event.medium == "GPU":
+                    if isinstance(event, BlockStored) and event.medium == GPU:
                         parent = event.parent_block_hash
                         replica.tiers.save([int(h) for h in event.block_hashes],
                                            None if parent is None else int(parent))

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 BlockHash = int | bytes
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
+# `medium`: where the blocks of an event live. vLLM's own: "GPU" (the engine's cache, also on CPU builds), "CPU"
+# and "DISK" (offloaded); "SHARED" is kvgate's fleet-shared tier, reachable from every replica.
+GPU, CPU, DISK, SHARED = "GPU", "CPU", "DISK", "SHARED"
+
 
 # vLLM declares these fields without defaults, so they are on the wire in every event (None as nil, [] and 0
 # included). Here they may be left out when constructing or decoding (→ None / [] / 0) but are always encoded:

@@ -4,8 +4,8 @@ One small interface — `lookup`, `add`, `remove`, `clear` — with an in-memory
 that a Redis-backed implementation (keys → worker/tier sets, pipelined lookups) can serve many gateways later:
 every call names the worker and the tier, and `lookup` asks about one prompt's keys at once.
 
-Tiers are vLLM's `medium` strings: "GPU" (the engine's own cache), and the tier agent's "CPU", "DISK" and
-"SHARED". A block in the SHARED tier is reachable from every worker.
+Tiers are the KV events' `medium` values (kvcore.kv_events): GPU (the engine's own cache), and the tier agent's
+CPU, DISK and SHARED. A block in the SHARED tier is reachable from every worker.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvcore.kv_events import CPU, DISK, GPU, SHARED
 from router.block_keys import BlockKey
 
-GPU, CPU, DISK, SHARED = "GPU", "CPU", "DISK", "SHARED"
 TIERS = (GPU, CPU, DISK, SHARED)
 _BIT = {tier: 1 << i for i, tier in enumerate(TIERS)}
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from kvcore.config import option
+from kvcore.kv_events import CPU, DISK, GPU, SHARED
 from router.block_keys import longest_run
 from router.config import GatewayConfig
-from router.kv_index import CPU, DISK, GPU, SHARED, KvBlockIndex
+from router.kv_index import KvBlockIndex
 from router.pool import Worker
 from router.routing import Decision, RouteRequest, Strategy
 from strategies.balance import PrefillBalance, PrefixOptions

@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import NamedTuple, Protocol
 
 from agent.block import BlockKey, checksum
+from kvcore.kv_events import CPU, DISK, SHARED
 
 Buffer = bytes | bytearray | memoryview
 
@@ -45,8 +46,7 @@ class TierName(StrEnum):
         return _BY_CODE[code]
 
 
-# vLLM's KV-event medium names ("CPU", "DISK"; "SHARED" is kvgate's own for the fleet-shared tier)
-_MEDIUM = {TierName.DRAM: "CPU", TierName.NVME: "DISK", TierName.SHARED: "SHARED"}
+_MEDIUM = {TierName.DRAM: CPU, TierName.NVME: DISK, TierName.SHARED: SHARED}
 _CODE = {TierName.DRAM: "C", TierName.NVME: "D", TierName.SHARED: "S"}
 _BY_CODE = {code: name for name, code in _CODE.items()}
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from kvcore.vllm_hash import Digest, EventHash
 
 
@@ -164,7 +164,7 @@ class BlockPool:
                 extra[0] = tuple(key[1:] if key[0] == "mm" else key[1] for key in first_block_extra)
             self.events.append(BlockStored(
                 block_hashes=new_hashes, parent_block_hash=parent,
-                token_ids=list(token_ids[num_cached * bs:num_full * bs]), block_size=bs, medium="GPU",
+                token_ids=list(token_ids[num_cached * bs:num_full * bs]), block_size=bs, medium=GPU,
                 extra_keys=extra, group_idx=0, kv_cache_spec_kind="full_attention",
             ))
 
@@ -191,7 +191,7 @@ class BlockPool:
                 del self.cached[digest]
         block.block_hash = None
         if self.enable_events:
-            self.events.append(BlockRemoved(block_hashes=[self._event_hash(digest)], medium="GPU", group_idx=0))
+            self.events.append(BlockRemoved(block_hashes=[self._event_hash(digest)], medium=GPU, group_idx=0))
 
     def touch(self, blocks: Iterable[KvBlock]) -> None:
         """Take prefix-hit blocks into use; a free one leaves the free queue (so it cannot be evicted)."""
