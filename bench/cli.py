@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "what the gateway adds over direct access to the workers"),
+    "abuse": ("bench.abuse", "hostile load: 10k held connections, overload, templates, huge bodies, slowloris"),
     "kv": ("bench.kv_bench", "KV events applied per second, index lookup and decision cost, bytes per entry"),
     "prefix": ("bench.prefix_bench", "prefix routing costs: tokenize + hash, next turn, trie lookup, bytes per node"),
     "sim-throughput": ("bench.sim_throughput", "requests/s one simulated replica process sustains"),

@@ -212,12 +212,17 @@ def _check_declared_size(request: web.Request, limit: int) -> None:
 async def _read_body(request: web.Request, limit: int, admitted: Admitted | None = None) -> bytes:
     """The whole body within `body_timeout_s`; at most `limit` bytes (413), each counted as it arrives."""
     _check_declared_size(request, limit)
+    if not request.body_exists:
+        # aiohttp's empty payload is one object shared by every request, and its iter_chunks() ends only the first
+        # time it is used: iterated again, it yields b"" forever without waiting, freezing the event loop
+        return b""
     seconds = request.app[GATEWAY].config.body_timeout_s
     chunks: list[bytes] = []
     size = 0
     try:
         async with asyncio.timeout(seconds):
-            async for chunk in request.content.iter_any():
+            # the pieces as they arrived (iter_any would join the buffered ones into a new bytes each time)
+            async for chunk, _ in request.content.iter_chunks():
                 size += len(chunk)
                 if size > limit:
                     raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)

@@ -20,6 +20,7 @@ from typing import cast
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from router.config import GatewayConfig
@@ -27,6 +28,10 @@ from router.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
+LISTEN_BACKLOG = 4096
+# after answering a request whose body it did not read (413, 408, 401 ...), aiohttp keeps reading and dropping the
+# rest so the answer is not lost to a reset; bounded, so a client cannot make the gateway read a 1 GiB upload
+LINGER_S = 2.0
 REFUSAL_LINGER_S = 2.0  # a refused client gets this long to read the 503 before its socket is dropped
 MAX_LINGERING = 256  # refused sockets waiting for their client to read; beyond, refusals close at once
 LOG_EVERY_S = 10.0
@@ -170,7 +175,9 @@ class ListeningSite(web.BaseSite):
     """An aiohttp site on a TCP port whose every accepted connection goes through `ClientConnections`."""
 
     def __init__(self, runner: web.AppRunner, connections: ClientConnections, host: str, port: int) -> None:
-        super().__init__(runner, backlog=1024)
+        # a deep accept queue: clients reconnecting in a burst (a slowloris wave cut off at once) must not have their
+        # SYNs dropped, which costs each a 1 s retransmit (the kernel caps it at net.core.somaxconn)
+        super().__init__(runner, backlog=LISTEN_BACKLOG)
         self.connections = connections
         self.host, self.port = host, port
 
@@ -184,12 +191,32 @@ class ListeningSite(web.BaseSite):
             self.connections, self.host, self.port, backlog=self._backlog, reuse_address=True)
 
 
+class _MalformedRequests(logging.Filter):
+    """aiohttp answers a request it cannot parse with 400 and logs it with a traceback at ERROR: a client could fill
+    the logs with them. Such records are counted (`kvgate_rejected_requests_total{code="malformed_http"}`) and
+    logged in one line at debug instead."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        super().__init__()
+        self._metrics = metrics
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        self._metrics.rejected.labels(str(exc.code or 400), "malformed_http").inc()
+        log.debug("malformed request answered %s: %s", exc.code, exc.message)
+        return False
+
+
 @asynccontextmanager
 async def serving(app: web.Application, config: GatewayConfig, metrics: GatewayMetrics) -> AsyncIterator[
         ClientConnections]:
     """Serve `app` on `config.host:config.port` until the context ends."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=config.client_idle_timeout_s)
+    server_log = logging.getLogger(f"{__name__}.http.{config.port}")
+    server_log.addFilter(_MalformedRequests(metrics))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=server_log,
+                           keepalive_timeout=config.client_idle_timeout_s, lingering_time=LINGER_S)
     await runner.setup()
     try:
         assert runner.server is not None

@@ -240,6 +240,13 @@ class ChatRenderer:
     def prompt_text(self, body: Mapping[str, Any], *, max_chars: int | None = None) -> str:
         """The prompt text vLLM renders for an OpenAI `/v1/chat/completions` body (also a chat `/tokenize` body).
         Raises TokenizationError on bad input."""
+        try:
+            return self._prompt_text(body, max_chars)
+        except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as exc:
+            # a field of a shape vLLM's own validation would refuse (`tool_calls: true`, ...): not renderable
+            raise TokenizationError(f"the request cannot be rendered: {type(exc).__name__}: {exc}") from exc
+
+    def _prompt_text(self, body: Mapping[str, Any], max_chars: int | None) -> str:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             raise TokenizationError("`messages` must be a list of objects")

@@ -4,6 +4,7 @@ hand-written bytes (cut bodies, unterminated streams), and a worker whose model 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,19 +24,41 @@ def _reply(status: str, body: bytes, content_type: str = "application/json") -> 
 
 
 @asynccontextmanager
+async def raw_server(reply: Callable[[asyncio.StreamReader, asyncio.StreamWriter], object]) -> AsyncIterator[str]:
+    """A TCP server that answers each connection with hand-written bytes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reply(reader, writer)  # type: ignore[misc]
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request's head (its body, if any, read and dropped)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            await reader.readexactly(int(line.split(b":")[1]))
+    return head
+
+
+@asynccontextmanager
 async def raw_worker(answer: Answer) -> AsyncIterator[str]:
     """A worker written on raw sockets: `/health`, `/v1/models` and `/metrics` answer as vLLM's do (keep-alive);
     any other request is answered by `answer(writer)`, after which the connection is closed."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.split(b"\r\n")
-                path = lines[0].split(b" ")[1]
-                for line in lines[1:]:
-                    if line.lower().startswith(b"content-length:"):
-                        await reader.readexactly(int(line.split(b":")[1]))
+                path = (await read_request(reader)).split(b" ", 2)[1]
                 if path == b"/health":
                     writer.write(_reply("200 OK", b""))
                 elif path == b"/v1/models":
@@ -47,17 +70,9 @@ async def raw_worker(answer: Answer) -> AsyncIterator[str]:
                     await writer.drain()
                     return
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
+    async with raw_server(serve) as url:
+        yield url
 
 
 @dataclass

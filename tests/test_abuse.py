@@ -4,6 +4,7 @@ regression test against real servers on loopback — misbehaving raw-socket work
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import time
@@ -435,10 +436,15 @@ async def test_the_model_template_with_huge_tools_stays_off_the_loop(http: aioht
     async with running_standin() as worker, running_gateway([worker.url], strategy="prefix",
                                                             model_dir=[str(tiny_model_dir)]) as gw:
         await post(http, gw.url + "/v1/chat/completions", chat())  # the tokenizer is loaded
+        started = time.perf_counter()
         (status, _), slowest = await health_while(
             http, gw.url, post(http, gw.url + "/v1/chat/completions", chat(tools=tools)))
+        elapsed = time.perf_counter() - started
         assert status == 200
-        assert slowest < 0.5, f"/health waited {slowest * 1000:.0f} ms while the tools were rendered"
+        # rendered and tokenized on the loop, /health waits about as long as the request takes (1.2-1.8 s on an
+        # idle machine); off it, a small share of that, however loaded the machine is
+        assert slowest < max(0.5, 0.25 * elapsed), (
+            f"/health waited {slowest * 1000:.0f} ms of the request's {elapsed * 1000:.0f} ms")
 
 
 def _rss_bytes() -> int:
@@ -476,3 +482,28 @@ async def test_sandbox_busy_output_limit_and_replacement() -> None:
         assert await sandbox.render(state, body("{{ 2 + 2 }}")) == "4"
     finally:
         await sandbox.close()
+
+
+async def test_odd_message_shapes_route_by_text_instead_of_a_500(http: aiohttp.ClientSession,
+                                                                 tiny_model_dir: Path) -> None:
+    """Found by tests/test_fuzz.py: fields of a shape vLLM would refuse made the tokenizer raise a TypeError."""
+    async with running_standin() as worker, running_gateway([worker.url], strategy="prefix",
+                                                            model_dir=[str(tiny_model_dir)]) as gw:
+        for odd in ({"messages": [{"role": "assistant", "content": "x", "tool_calls": True}]},
+                    {"chat_template": ["not", "a", "string"]},
+                    {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": 5}]}]}):
+            status, body = await post(http, gw.url + "/v1/chat/completions", {**chat(), **odd})
+            assert status == 200, (odd, body)
+        assert worker.stats.requests == 3
+
+
+async def test_malformed_requests_are_counted_not_logged_with_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp logs each request it cannot parse with a traceback at ERROR: a flood of them would flood the logs."""
+    async with running_standin() as worker, running_gateway([worker.url]) as gw:
+        for bad in (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+                    b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n"):
+            assert (await raw_request(port_of(gw.url), bad)).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+        metrics = gw.gateway.metrics.rejected.labels("400", "malformed_http")._value.get()
+        assert metrics == 3
