@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sim-ttft": ("bench.sim_ttft_curve", "TTFT vs prompt length: a sim profile's model and a live replica"),
     "compare": ("bench.compare", "kvgate strategies, sglang-router, vllm-router on one sim fleet"),
     "vsim": ("bench.vsim", "virtual-time fleet simulation of a whole trace, 8-64 replicas, with or without tiers"),
+    "drift": ("bench.drift", "kv: predicted vs the engines' reported cached tokens, per worker and round"),
     "agent": ("bench.agent_bench", "tier agent: DRAM/NVMe/Redis tiers vs memcpy/file/redis-py, lookup latency"),
 }
 

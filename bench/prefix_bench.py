@@ -111,12 +111,12 @@ async def measure_tokenize(model_dir: Path, repeat: int) -> dict[str, Any]:
         cold.append(time.perf_counter() - started)
         prompts.clear_caches()
         started = time.perf_counter()
-        await prompts.keys(prompt, "tiny", {})
+        await prompts.keys(prompt, "tiny")
         cold_service.append(time.perf_counter() - started)
     turn: list[float] = []
     turn_service: list[float] = []
     for messages in conversations:
-        await prompts.keys(_chat(messages), "tiny", {})  # the conversation so far is cached
+        await prompts.keys(_chat(messages), "tiny")  # the conversation so far is cached
         following = [*messages, {"role": "assistant", "content": _words(rng, 40)},
                      {"role": "user", "content": _words(rng, 25)}]
         started = time.perf_counter()
@@ -125,7 +125,7 @@ async def measure_tokenize(model_dir: Path, repeat: int) -> dict[str, Any]:
         following = [*following, {"role": "assistant", "content": _words(rng, 40)},
                      {"role": "user", "content": _words(rng, 25)}]
         started = time.perf_counter()
-        await prompts.keys(_chat(following), "tiny", {})
+        await prompts.keys(_chat(following), "tiny")
         turn_service.append(time.perf_counter() - started)
     prompts.close()
     return {

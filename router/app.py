@@ -25,7 +25,7 @@ from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool
 from router.prompt_tokens import PromptTokens
 from router.proxy import FORWARDED_REQUEST_HEADERS, Proxy
-from router.requests import CHAT_COMPLETIONS, COMPLETIONS, ApiRequest, parse_body, parse_json_object
+from router.requests import CHAT_COMPLETIONS, COMPLETIONS, ApiRequest, parse_body, parse_json_object, with_tenant
 from router.routing import RouteRequest, Strategy
 from router.upstream import UpstreamPool
 
@@ -77,7 +77,8 @@ class Gateway:
                                 on_removed=self._worker_removed)
         for spec in cfg.worker:
             self._pool.add(spec, configured=True)
-        self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream)
+        self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream,
+                            self.kv_events.learn if self.kv_events is not None else None)
         if self.prompts is not None:
             self.prompts.start()
         await self._pool.start()
@@ -117,12 +118,12 @@ class Gateway:
                             raw: bytes | None = None) -> RouteRequest:
         """What the strategy sees of a request, built once: its prompt's keys when the strategy reads them (`raw`:
         the body as received). A LoRA adapter's prompt is tokenized by its base model's tokenizer and keyed under
-        the adapter's name."""
+        the adapter's name; an alias of a base model under the first name its workers serve it as."""
         model = api.model or ""
         if self.prompts is None or api.prompt is None:
             return RouteRequest(model, api.path, headers)
-        base = workers[0].lora_base(model) if workers else None  # every eligible worker lists the model
-        found = await self.prompts.keys(api.prompt, base or model, headers, lora=model if base else None, raw=raw)
+        base, lora = workers[0].key_names(model) if workers else (model, None)  # every eligible worker lists it
+        found = await self.prompts.keys(api.prompt, base, lora=lora, raw=raw)
         return RouteRequest(model, api.path, headers, found.token_ids, found.block_keys, found.prompt_tokens)
 
     @property
@@ -241,6 +242,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     with _admit(request) as admitted:
         body = await _read_body(request, gateway.config.max_body_bytes, admitted)
         api = parse_body(request.path, body, model_required=True)
+        if gateway.config.tenant_header:
+            body, api = with_tenant(body, api, request.headers.get(gateway.config.tenant_header) or None)
         route = await gateway.route_request(api, gateway.eligible(api.model), request.headers, body)
         return await gateway.proxy.forward(request, route, body, stream=api.stream, started=started)
 

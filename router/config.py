@@ -178,7 +178,10 @@ class GatewayConfig:
         "directory or a Hugging Face cache (models--org--name); none = text mode (character blocks)"
     )
     block_size: int = option(16, "tokens per KV block; must equal the engines' --block-size")
-    tenant_header: str = option("", "request header naming the tenant's cache namespace (a body `cache_salt` wins)")
+    tenant_header: str = option(
+        "", "request header naming the tenant, set by a proxy you trust: the engines get a cache_salt in the "
+        "tenant's namespace (TENANT, TENANT:SALT with the client's own salt, :SALT without a tenant)"
+    )
     tokenizer_threads: int = option(2, "threads that tokenize prompts off the event loop")
     trust_request_chat_template: bool = option(
         False, "render a request's own chat_template (Jinja code written by the client) to route it by tokens, in "

@@ -6,7 +6,9 @@ own. A `BlockStored` event carries the blocks' token ids, from which the gateway
 engine hash names which gateway key is *content identity*: it is kept per model, bounded, across resets, so
 blocks announced after a reset still chain to parents announced before it, and announcements without token ids
 (the tier agent's, an offload tier's) are placed by it. Such an announcement that arrives before the engine's
-event for the same block waits for it (bounded in number and time) instead of being lost.
+event for the same block waits for it (bounded in number and time) instead of being lost. While a source's picture
+is incomplete (after a reset, a late start), what its worker's answers report cached (`learn`) fills the index
+with the blocks it holds but will not announce again.
 
 What a source holds is a set per (block, tier) for an engine (vLLM may re-announce a block it reuses: one
 eviction removes it) and a reference count for the tier agent (whose protocol may announce a block once per
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from kvcore.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEvent
+from kvcore.kv_events import GPU, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEvent
 from router.block_keys import BlockKey, block_keys, root_key
 from router.kv_index import TIERS, KvBlockIndex, tier_of
 from router.kv_transport import EventSource
@@ -41,6 +43,7 @@ MAX_EVENT_BLOCKS = 1 << 16  # blocks one BlockStored may name (vLLM: a step's ne
 SLICE_BLOCKS = 2048  # blocks applied between two chances for the event loop to run
 WAIT_S = 30.0  # how long an announcement without token ids waits for the engine to name its block
 WAIT_MAX = 65_536  # announcements waiting at most, over all sources (the oldest give up first)
+LEARNED_MAX = 65_536  # blocks learned from answers per source at most (the oldest are dropped first)
 # cache kinds whose blocks cover the whole prefix (vLLM's KVCacheSpecKind); None: a model with one group
 FULL_PREFIX_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
 _U32 = 1 << 32
@@ -111,6 +114,7 @@ class KvEventApplier:
         self._group: dict[EventSource, int] = {}  # the KV-cache group indexed, once a source named one
         self._warned: set[tuple[EventSource, str]] = set()
         self._counters: dict[str, tuple[Counter, Counter, Counter]] = {}  # worker -> events applied, by type
+        self._learned: dict[EventSource, dict[BlockKey, None]] = {}  # blocks learned from answers, oldest first
         self._waiting: dict[tuple[str, BlockHash], list[_Waiting]] = {}  # (model, engine hash) -> announcements
         self._waiting_count = 0
         metrics.kv_index_entries.set_function(index.entries)
@@ -187,6 +191,9 @@ class KvEventApplier:
         names which content is kept."""
         if self._waiting:
             self._waiting_drop(lambda w: w.source == source)
+        learned = self._learned.pop(source, None)
+        if learned:
+            self.index.remove(source.worker, list(learned), GPU)
         held = self._held.get(source)
         if not held:
             return
@@ -200,12 +207,47 @@ class KvEventApplier:
         for source in self._sources.pop(worker, []):
             self._held.pop(source, None)
             self._group.pop(source, None)
+            self._learned.pop(source, None)
         self._waiting_drop(lambda w: w.source.worker == worker)
         self.index.clear(worker)
 
     def engine_hashes(self, worker: str, tier: str) -> set[BlockHash]:
         """The engine block hashes the worker's sources say it holds on `tier` (for checks and debugging)."""
         return {h for source in self._sources.get(worker, ()) for (h, t) in self._held[source] if t == tier}
+
+    # --- what answers say -------------------------------------------------------------------------------------
+
+    def learn(self, source: EventSource, keys: Sequence[BlockKey], cached: int) -> None:
+        """The worker answered a request with these block keys, its first `cached` blocks found in its cache: the
+        ones the index does not know of are held from now on, learned (the engine announced them while the
+        gateway was not listening, and will not again); learned blocks past `cached` it no longer holds. A
+        learned block leaves with the engine's removal of its hash (content identity names it), a later answer
+        that did not find it, or a reset. For a source whose picture is incomplete: a complete one is told
+        everything by its events."""
+        worker = source.worker
+        learned = self._learned.setdefault(source, {})
+        gone = [key for key in keys[cached:] if key in learned]
+        for key in gone:
+            del learned[key]
+        if gone:
+            self.index.remove(worker, gone, GPU)
+        if not cached:
+            return
+        run = self.index.lookup(keys[:cached], [worker])[worker].blocks
+        fresh = [key for key in keys[run:cached] if key not in learned]
+        if not fresh:
+            return
+        for key in fresh:
+            learned[key] = None
+        self.index.add(worker, fresh, GPU)
+        while len(learned) > LEARNED_MAX:
+            oldest = next(iter(learned))
+            del learned[oldest]
+            self.index.remove(worker, (oldest,), GPU)
+
+    def learned(self, worker: str) -> int:
+        """Blocks of the worker held because its answers said so (for checks and debugging)."""
+        return sum(len(self._learned.get(source, ())) for source in self._sources.get(worker, ()))
 
     # --- checks -----------------------------------------------------------------------------------------------
 
@@ -282,10 +324,13 @@ class KvEventApplier:
                 self._metrics.kv_unmapped_blocks.labels(worker).inc(len(hashes))
                 return
             tokens = event.token_ids[start * size:(start + len(hashes)) * size]
+            learned = self._learned.get(source) if tier == GPU else None
             for engine_hash, key in zip(hashes, block_keys(tokens, size, parent), strict=True):
                 self.identity.put(model, engine_hash, key)
                 if _hold(held, engine_hash, tier, key, counted):
                     new_keys.append(key)
+                if learned:
+                    learned.pop(key, None)  # announced now: its removal will be too
                 self._place_waiting(model, engine_hash, key)
         else:
             # an agent or offload tier announcing blocks the engine named (or will name) with their tokens
@@ -301,11 +346,16 @@ class KvEventApplier:
     def _removed(self, source: EventSource, held: dict[tuple[BlockHash, str], _Holding],
                  hashes: Sequence[BlockHash], tier: str, model: str | None) -> None:
         gone = []
+        learned = self._learned.get(source) if tier == GPU else None
         for engine_hash in hashes:
             holding = held.get((engine_hash, tier))
             if holding is None:
                 if model is not None:
                     self._unwait(model, engine_hash, source, tier)
+                    if learned:
+                        key = self.identity.get(model, engine_hash)
+                        if key is not None and learned.pop(key, 0) is None:
+                            gone.append(key)
                 continue  # removals of unknown blocks are normal (e.g. after a reset)
             holding.count -= 1
             if holding.count <= 0:

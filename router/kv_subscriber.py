@@ -118,6 +118,16 @@ class KvEventHub:
         sources = self._sources.get(worker, [])
         return bool(sources) and all(self._streams[source].complete() for source in sources)
 
+    def learn(self, worker: str, keys: Sequence[int], cached_tokens: int) -> None:
+        """The worker's answer to a request with these block keys (token mode) reported `cached_tokens` cached:
+        while the picture of its engine is incomplete, that fills it in (`KvEventApplier.learn`)."""
+        size = self.applier.block_size
+        if not size or not keys:
+            return
+        for source in self._sources.get(worker, ()):
+            if source.name == "engine" and not self._streams[source].complete():
+                self.applier.learn(source, keys, min(cached_tokens // size, len(keys)))
+
     def _trusted_value(self, worker: str) -> float:
         return 1.0 if self.trusted(worker) else 0.0
 

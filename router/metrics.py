@@ -157,6 +157,16 @@ class GatewayMetrics:
             "Predicted cached tokens of the answers that reported cached tokens (compare with actual)",
             ["strategy"], registry=r,
         )
+        self.worker_predicted_cached_tokens = Counter(
+            "kvgate_worker_predicted_cached_tokens",
+            "Cached tokens the strategy predicted for the answers that reported cached tokens, by worker (against "
+            "kvgate_worker_reported_cached_tokens_total: the routing index's drift)", ["worker"], registry=r,
+        )
+        self.worker_reported_cached_tokens = Counter(
+            "kvgate_worker_reported_cached_tokens",
+            "Cached tokens the worker's answers reported (usage.prompt_tokens_details.cached_tokens), by worker",
+            ["worker"], registry=r,
+        )
         self.worker_prefix_hits = Gauge(
             "kvgate_worker_prefix_cache_hit_tokens", "vllm:prefix_cache_hits_total last scraped from the worker",
             ["worker"], registry=r,
@@ -169,6 +179,7 @@ class GatewayMetrics:
     def forget_worker(self, url: str) -> None:
         """Drop a removed worker's label sets so dashboards stop showing it."""
         for gauge in (self.in_flight, self.healthy, self.worker_waiting, self.worker_running, self.worker_kv_usage,
-                      self.worker_prefix_hits, self.worker_prefix_queries):
+                      self.worker_prefix_hits, self.worker_prefix_queries, self.worker_predicted_cached_tokens,
+                      self.worker_reported_cached_tokens):
             with contextlib.suppress(KeyError):
                 gauge.remove(url)

@@ -78,6 +78,16 @@ class Worker:
         bases = [m for m, card in self.model_cards.items() if card.get("parent") in (None, m)]
         return bases[0] if bases else None
 
+    def key_names(self, model: str) -> tuple[str, str | None]:
+        """What a request for `model` is keyed under on this worker, as its engine names the blocks: (base model,
+        LoRA adapter or None). Every alias of the base model (`--served-model-name a b`) is keyed as the first."""
+        base = self.lora_base(model)
+        if base is not None:
+            return base, model
+        card = self.model_cards.get(model)
+        canonical = self.base_model if card is not None else None
+        return canonical or model, None
+
     def lora_base(self, model: str) -> str | None:
         """The base model of the LoRA adapter this worker serves as `model` (vLLM's model card names it
         `parent`); None for a base model, or a model this worker does not list."""

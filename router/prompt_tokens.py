@@ -275,15 +275,6 @@ def parse_model_dirs(entries: Sequence[str]) -> tuple[dict[str, str], str | None
     return named, default
 
 
-def cache_namespace(prompt: Prompt, headers: Mapping[str, str], tenant_header: str) -> str | None:
-    """The tenant's cache namespace: the body's `cache_salt` (as vLLM takes it), else the tenant header."""
-    if prompt.cache_salt:
-        return prompt.cache_salt
-    if tenant_header:
-        return headers.get(tenant_header) or None
-    return None
-
-
 def _part_text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -326,7 +317,6 @@ class PromptTokens:
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self.block_size = config.block_size
-        self.tenant_header = config.tenant_header
         self._cache_entries = config.chat_cache_entries
         self._metrics = metrics
         self._named, self._default = parse_model_dirs(config.model_dir)
@@ -414,13 +404,14 @@ class PromptTokens:
         log.info("tokenizer loaded from %s", directory)
         return tokenizer
 
-    async def keys(self, prompt: Prompt, model: str, headers: Mapping[str, str], lora: str | None = None,
+    async def keys(self, prompt: Prompt, model: str, lora: str | None = None,
                    raw: bytes | None = None) -> PromptKeys:
         """Token ids and block keys of a request's prompt. `model` names the tokenizer (a LoRA adapter's base
-        model) and `lora` the adapter, if any; `raw` is the request body as received."""
+        model) and `lora` the adapter, if any; `raw` is the request body as received. The prompt's `cache_salt`
+        (as the engines get it: with `--tenant-header`, the tenant's) is the keys' namespace, as it is vLLM's."""
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        root = root_key(model, lora, cache_namespace(prompt, headers, self.tenant_header))
+        root = root_key(model, lora, prompt.cache_salt)
         tokenizer = await self.tokenizer(model)
         # the body's size bounds the work of tokenizing it, tools and documents included
         inline = (len(raw) if raw is not None else _text_size(prompt)) < INLINE_CHARS

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -40,6 +40,10 @@ RETRYABLE_STATUSES = frozenset({502, 503})
 CLIENT_CLOSED = "499"
 
 
+# (worker, a request's block keys, cached tokens its answer reported): what the KV block index learns from answers
+Learn = Callable[[str, Sequence[int], int], None]
+
+
 class _Retry(Exception):
     """This attempt failed before any byte reached the client; another worker may take the request."""
 
@@ -49,6 +53,7 @@ class _OpenStream:
     """A streamed answer whose first chunk has arrived: everything needed to relay the rest."""
 
     upstream: UpstreamResponse
+    route: RouteRequest
     decision: Decision
     chunks: AsyncIterator[bytes]
     first: bytes
@@ -68,12 +73,14 @@ class Proxy:
         strategy: Strategy,
         metrics: GatewayMetrics,
         upstream: UpstreamPool,
+        learn: Learn | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
         self._strategy = strategy
         self._metrics = metrics
         self._upstream = upstream
+        self._learn = learn
 
     async def forward(
         self, request: web.Request, route: RouteRequest, body: bytes | None, *, stream: bool, started: float
@@ -125,16 +132,21 @@ class Proxy:
             headers.append(("Authorization", request.headers["Authorization"]))
         return headers
 
-    def _count_usage(self, decision: Decision, data: bytes) -> None:
-        """Predicted against actual cached tokens, when the engine reports them (`--enable-prompt-tokens-details`)."""
-        usage = usage_cached_tokens(data)
+    def _count_usage(self, route: RouteRequest, decision: Decision, usage: tuple[int, int] | None) -> None:
+        """Predicted against reported cached tokens, when the engine reports them (`--enable-prompt-tokens-details`):
+        per strategy, and per worker (the index's drift); the KV block index learns from it."""
         if usage is None:
             return
         prompt, cached = usage
-        name = self._strategy.name
+        name, worker = self._strategy.name, decision.worker.url
+        predicted = min(decision.predicted_cached_tokens, prompt)
         self._metrics.actual_cached_tokens.labels(name).inc(cached)
         self._metrics.usage_prompt_tokens.labels(name).inc(prompt)
-        self._metrics.usage_predicted_tokens.labels(name).inc(min(decision.predicted_cached_tokens, prompt))
+        self._metrics.usage_predicted_tokens.labels(name).inc(predicted)
+        self._metrics.worker_reported_cached_tokens.labels(worker).inc(cached)
+        self._metrics.worker_predicted_cached_tokens.labels(worker).inc(predicted)
+        if self._learn is not None and route.token_ids is not None:  # text-mode keys are no engine's blocks
+            self._learn(worker, route.block_keys, cached)
 
     def _connection_lost(self, worker: Worker, exc: BaseException) -> _Retry:
         self._pool.report_connection_error(worker, describe_error(exc))
@@ -189,7 +201,7 @@ class Proxy:
                     first = await anext(chunks, b"")
                     handed_over = True
                     done = route.path in (COMPLETIONS, CHAT_COMPLETIONS) and _is_event_stream(upstream.headers)
-                    return _OpenStream(upstream, decision, chunks, first, headers, worker, model_label, done)
+                    return _OpenStream(upstream, route, decision, chunks, first, headers, worker, model_label, done)
                 data = await upstream.read()
             except UpstreamError as exc:
                 raise self._connection_lost(worker, exc) from None
@@ -199,7 +211,7 @@ class Proxy:
             self._metrics.ttfb.labels(model_label).observe(elapsed)
             self._metrics.request_duration.labels(model_label).observe(elapsed)
             self._metrics.requests.labels(model_label, worker.url, str(upstream.status)).inc()
-            self._count_usage(decision, data)
+            self._count_usage(route, decision, usage_cached_tokens(data))
             return web.Response(status=upstream.status, body=data, headers=headers)
         except asyncio.CancelledError:
             self._metrics.requests.labels(model_label, worker.url, CLIENT_CLOSED).inc()
@@ -217,26 +229,28 @@ class Proxy:
         self._metrics.ttfb.labels(label).observe(time.perf_counter() - started)
         response = web.StreamResponse(status=upstream.status, headers=stream.headers)
         status = str(upstream.status)
-        tail = stream.first[-32:]
+        seen = SseWatch()
+        delivered = False  # the client was sent the stream's final `data: [DONE]`: closing after it is no 499
         try:
             async with asyncio.timeout_at(deadline):
                 await response.prepare(request)
                 if stream.first:
+                    seen.feed(stream.first)
                     await response.write(stream.first)
+                    delivered = seen.ended_with_done
                 async for chunk in stream.chunks:
+                    seen.feed(chunk)
                     await response.write(chunk)
-                    tail = (tail + chunk[-32:])[-32:]
-                    if CACHED_TOKENS in chunk:
-                        self._count_usage(stream.decision, chunk)
-                if stream.must_end_with_done and not tail.rstrip().endswith(SSE_DONE):
+                    delivered = seen.ended_with_done
+                if stream.must_end_with_done and not seen.ended_with_done:
                     # the worker ended its answer cleanly at the HTTP level but mid-stream (it crashed, or
                     # something between cut it): relaying the end would pass a short answer off as complete
                     raise UpstreamError("the stream ended without its final `data: [DONE]`")
                 await response.write_eof()
         except ConnectionResetError:
-            status = CLIENT_CLOSED
+            status = status if delivered else CLIENT_CLOSED
         except asyncio.CancelledError:
-            status = CLIENT_CLOSED
+            status = status if delivered else CLIENT_CLOSED
             raise
         except (UpstreamError, TimeoutError) as exc:
             worker.last_error = f"stream broke: {describe_error(exc)}"
@@ -248,11 +262,44 @@ class Proxy:
             upstream.close()
             self._metrics.requests.labels(label, worker.url, status).inc()
             self._metrics.request_duration.labels(label).observe(time.perf_counter() - started)
+            self._count_usage(stream.route, stream.decision, seen.usage)
         return response
 
 
 CACHED_TOKENS = b'"cached_tokens"'
 SSE_DONE = (b"data: [DONE]", b"data:[DONE]")  # the last event of an OpenAI stream
+
+
+class SseWatch:
+    """What a relayed SSE answer said, whatever its chunk boundaries: its `usage` (the last one: vLLM's
+    continuous_usage_stats repeats it in every event) and whether its last event so far is `data: [DONE]`."""
+
+    MAX_LINE = 1 << 20  # a longer unfinished line is not kept: it cannot be the usage event
+
+    __slots__ = ("_last", "_line", "usage")
+
+    def __init__(self) -> None:
+        self._line = b""  # the unfinished last line
+        self._last = b""  # the last finished non-blank line, stripped
+        self.usage: tuple[int, int] | None = None  # (prompt tokens, cached tokens)
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._line + chunk if self._line else chunk
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            self._line = data if len(data) <= self.MAX_LINE else b""
+            return
+        lines, line = data[:cut], data[cut + 1:]
+        self._line = line if len(line) <= self.MAX_LINE else b""
+        if CACHED_TOKENS in lines:
+            self.usage = usage_cached_tokens(lines) or self.usage
+        finished = lines.rstrip()
+        if finished:
+            self._last = finished[finished.rfind(b"\n") + 1:].strip()
+
+    @property
+    def ended_with_done(self) -> bool:
+        return (self._line.strip() or self._last) in SSE_DONE
 
 
 def _is_event_stream(headers: Sequence[tuple[str, str]]) -> bool:
@@ -267,7 +314,7 @@ def usage_cached_tokens(data: bytes) -> tuple[int, int] | None:
         documents = [data]
     else:
         documents = [line[5:] for line in data.split(b"\n") if line.startswith(b"data:") and CACHED_TOKENS in line]
-    for document in documents:
+    for document in reversed(documents):  # the last usage: with continuous usage stats every event has one
         try:
             usage = orjson.loads(document).get("usage")
             prompt = usage["prompt_tokens"]

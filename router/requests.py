@@ -3,10 +3,12 @@ good input a typed `ApiRequest` holding only what the gateway reads (the proxy f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import xxhash
 
 from router.errors import bad_request
 
@@ -148,3 +150,38 @@ def read_payload(path: str, payload: dict[str, Any], *, model_required: bool) ->
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise bad_request(f"'{name}' must be a non-negative integer", f"invalid_{name}")
     return ApiRequest(path, model, stream, prompt)
+
+
+# vLLM takes a cache_salt of at most 128 characters without '@', '/', '\\' or NUL
+_SALT_ESCAPES = {c: f"%{ord(c):02X}" for c in "%:@/\\\x00"}
+_MAX_SALT = 128
+
+
+def tenant_cache_salt(client_salt: str | None, tenant: str | None) -> str | None:
+    """The cache_salt the engines get when the gateway names tenants (`--tenant-header`): the tenant's namespace,
+    with the client's own salt inside it if it sent one: `TENANT`, `TENANT:SALT`, or `:SALT` for a request without
+    a tenant (`%`, `:`, `@`, `/`, `\\` and NUL in a tenant name percent-encoded), so no client can reach another
+    tenant's cached prefixes. One over vLLM's 128 characters becomes `h:` and a 128-bit hash of it."""
+    if tenant:
+        name = "".join(_SALT_ESCAPES.get(c, c) for c in tenant)
+        salt = f"{name}:{client_salt}" if client_salt else name
+    elif client_salt:
+        salt = f":{client_salt}"
+    else:
+        return None
+    return salt if len(salt) <= _MAX_SALT else "h:" + xxhash.xxh3_128_hexdigest(salt.encode())
+
+
+def with_tenant(body: bytes, api: ApiRequest, tenant: str | None) -> tuple[bytes, ApiRequest]:
+    """The body and request as forwarded when the gateway names tenants: `cache_salt` set to `tenant_cache_salt`,
+    appended as the JSON object's last member (a client's own `cache_salt`, however spelled, comes before it, and
+    JSON parsers, vLLM's included, take the last of duplicate members)."""
+    if api.prompt is None:
+        return body, api
+    salt = tenant_cache_salt(api.prompt.cache_salt, tenant)
+    if salt is None or salt == api.prompt.cache_salt:
+        return body, api
+    end = body.rindex(b"}")
+    comma = b"," if body[:end].rstrip()[-1:] != b"{" else b""
+    body = b"".join((body[:end], comma, b'"cache_salt":', orjson.dumps(salt), body[end:]))
+    return body, dataclasses.replace(api, prompt=dataclasses.replace(api.prompt, cache_salt=salt))

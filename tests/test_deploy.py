@@ -192,7 +192,7 @@ def test_grafana_provisioning_matches_dashboard() -> None:
         assert mounts["/etc/grafana/provisioning"] == DOCKER / "grafana" / "provisioning"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("hit rate", "predicted vs actual", "time to first token", "routing decisions", "in flight",
-                  "health", "kv events", "tier occupancy", "hits by tier"):
+                  "health", "kv events", "index drift", "kv index trust", "tier occupancy", "hits by tier"):
         assert topic in titles, topic
 
 

@@ -3,8 +3,8 @@ gaps, reordered and duplicate batches, and events no engine sends (a negative bl
 hashes, floods) thrown at a real subscriber over real ZMQ. The subscriber survives, counts and drops what is bad,
 marks the source untrusted when it lost information, keeps serving, and never holds the event loop for long.
 
-The property test is derandomized: the same examples on every run. `KVGATE_FUZZ_EXAMPLES=N` explores instead: N
-random examples, new ones each run."""
+The property test is derandomized: the same examples on every run (`KVGATE_FUZZ_EXAMPLES`, default 25); as in
+tests/test_fuzz.py, `KVGATE_FUZZ_RANDOM=1` explores instead: new examples each run."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from router.kv_recovery import MAX_BATCH_BYTES, REPLAY_BURST
 from tests.conftest import eventually, kvgate_command, running_standin
 from tests.test_kv_events_in import BS, ROOT, TOKENS, WORKER, connected, held, hub_and_publisher, metric
 
-EXPLORE = "KVGATE_FUZZ_EXAMPLES" in os.environ
+EXPLORE = os.environ.get("KVGATE_FUZZ_RANDOM") == "1"
 EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "25"))
 CHAIN = 24  # the benign scenarios' blocks: one chain, engine hash i+1 for block i
 CHAIN_TOKENS = [7000 + t for t in range(CHAIN * BS)]

@@ -471,3 +471,31 @@ async def test_our_publisher_cuts_what_a_subscriber_would_drop_into_batches_it_t
     finally:
         await hub.close()
         await publisher.close()
+
+
+async def test_after_a_reset_answers_teach_the_index_what_the_engine_holds() -> None:
+    """Issue 12 item 2: vLLM announces a block only when first cached, so after a reset the gateway was blind to
+    every block the engine kept. While the picture is incomplete, each answer's cached tokens say which leading
+    blocks of its request the worker holds; the engine's removals (named through content identity) and later
+    answers take them out again."""
+    async with hub_and_publisher(resync_s=600, block_size=BS) as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        await publisher.send([stored([1, 2, 3, 4], TOKENS[:16])])
+        await eventually(lambda: len(held(hub)) == 4)
+        hub.learn(WORKER, KEYS, 3 * BS)  # the picture is complete: events say everything, answers teach nothing
+        assert hub.applier.learned(WORKER) == 0
+        lost = await publisher.send([BlockRemoved(block_hashes=[4])], deliver=False)
+        del publisher.buffer[lost]
+        await publisher.send([])
+        await eventually(lambda: metric(metrics, "kvgate_kv_state_resets_total", worker=WORKER, reason="gap") == 1)
+        assert not held(hub)  # blind: the engine still holds blocks 1-3 and will not announce them again
+        hub.learn(WORKER, KEYS, 3 * BS + 1)  # an answer: its first three blocks (and a token) were cached
+        assert held(hub) == {(KEYS[0], GPU), (KEYS[1], GPU), (KEYS[2], GPU)}
+        assert hub.index.lookup(KEYS, [WORKER])[WORKER].blocks == 3
+        await publisher.send([BlockRemoved(block_hashes=[3])])  # evicted: identity names the block
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU), (KEYS[1], GPU)})
+        hub.learn(WORKER, KEYS, BS)  # a later answer found only the first block
+        assert held(hub) == {(KEYS[0], GPU)}
+        await publisher.send([AllBlocksCleared()])
+        await eventually(lambda: not held(hub) and hub.applier.learned(WORKER) == 0)

@@ -11,8 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.procs import free_port
 from router.kv_index import GPU
 from tests.conftest import RunningGateway, eventually, running_gateway
+from tests.test_kv_recovery import CuttableProxy
 from tests.test_prefix_fleet import prefix_cache_counters, send, words
 
 SMALL_CACHE = ["--block-size", "16", "--num-gpu-blocks-override", "48", "--max-model-len", "640"]
@@ -171,3 +173,107 @@ async def test_worker_removed_and_added_again_starts_clean(
         await eventually(lambda: hub.trusted(url))
         await wait_until_index_matches(http, gw, [url])  # recovered from the replica's replay buffer
         assert hub.index.entries() > 0
+
+
+@pytest.mark.timeout(300)
+async def test_after_a_forced_gap_the_hot_prefix_is_routed_and_predicted_right_again(
+    sim_fleet: Callable[..., Any], tiny_model_dir: Path, http: aiohttp.ClientSession,
+) -> None:
+    """Issue 12 item 2: after a gap the replay cannot cover, the gateway forgot what the replica holds, and vLLM
+    never announces a cached block again: once trusted again, the index could not see the replica's hottest
+    prefix. The answers routed meanwhile teach it, so within a few requests the prefix is predicted as cached
+    where it is, as the engine reports."""
+    fleet = sim_fleet(2, speedup=100, extra_args=["--block-size", "16", "--num-gpu-blocks-override", "256"])
+    proxies = [CuttableProxy(int(e.rsplit(":", 1)[1])) for e in fleet.events_endpoints]
+    for proxy in proxies:
+        await proxy.start()
+    dead = f"tcp://127.0.0.1:{free_port()}"  # no replay: a gap is never repaired
+    specs = [f"{url};events=tcp://127.0.0.1:{proxy.port};replay={dead}"
+             for url, proxy in zip(fleet.urls, proxies, strict=True)]
+    rng = random.Random(12)
+    hot = words(random.Random(77), 260)  # about 20 blocks
+    try:
+        async with running_gateway(specs, strategy="kv", model_dir=[str(tiny_model_dir)], block_size=16,
+                                   kv_resync_s=1.0, kv_replay_timeout_s=0.2) as gw:
+            hub = gw.gateway.kv_events
+            assert hub is not None
+            pool = gw.gateway.pool
+
+            async def ask() -> str:
+                before = {w.url: w.routed for w in pool.all()}
+                await send(http, gw.url, chat(rng, hot))
+                (chosen,) = [w.url for w in pool.all() if w.routed > before[w.url]]
+                return chosen
+
+            while not all(hub.trusted(u) for u in fleet.urls):  # the first events make each stream known
+                await send(http, gw.url, chat(rng, words(rng, 40)))
+            home = await ask()
+            assert await ask() == home
+            for proxy in proxies:  # the subscriptions go away; what the replicas publish meanwhile is lost
+                await proxy.down()
+            await send(http, fleet.urls[0], chat(rng, words(rng, 40)))
+            await send(http, fleet.urls[1], chat(rng, words(rng, 40)))
+            for proxy in proxies:
+                await proxy.start()
+            await asyncio.sleep(1.0)  # ZMQ reconnects (within its 0.1-2 s backoff)
+            while not gw.gateway.metrics.registry.get_sample_value("kvgate_kv_state_resets_total",
+                                                                   {"worker": home, "reason": "gap"}):
+                assert await ask() == home  # untrusted meanwhile: the trie keeps the prefix where it was
+            assert not hub.trusted(home)
+            assert await ask() == home  # an answer while the picture is incomplete: it teaches the index
+            await eventually(lambda: hub.trusted(home), timeout=10)
+            registry = gw.gateway.metrics.registry
+
+            def tokens(kind: str) -> float:
+                return registry.get_sample_value(f"kvgate_worker_{kind}_cached_tokens_total", {"worker": home}) or 0
+
+            predicted, reported = tokens("predicted"), tokens("reported")
+            for _ in range(3):
+                assert await ask() == home
+            predicted, reported = tokens("predicted") - predicted, tokens("reported") - reported
+            assert reported >= 3 * 16 * 16  # the hot prefix, cached
+            assert abs(predicted - reported) <= 0.05 * reported, (predicted, reported)
+            assert hub.applier.learned(home) > 0
+    finally:
+        for proxy in proxies:
+            await proxy.close()
+
+
+async def test_tenants_and_model_aliases_are_predicted_where_the_engines_cache_them(
+    sim_fleet: Callable[..., Any], tiny_model_dir: Path, http: aiohttp.ClientSession,
+) -> None:
+    """Issue 12 item 6: `--tenant-header` put the tenant into the gateway's keys but nothing sent it to the
+    engines as `cache_salt`, so `kv` missed every such request; and of `--served-model-name a b`, only the first
+    name ever hit. Now the engines get the tenant's salt, every alias is keyed as the engines name the blocks,
+    and what the gateway predicts is what the engines report."""
+    fleet = sim_fleet(2, speedup=100, extra_args=["--block-size", "16", "--served-model-name", "tiny", "tiny-b"])
+    rng = random.Random(3)
+    system = words(random.Random(99), 200)
+    async with running_gateway(fleet.worker_specs, strategy="kv", model_dir=[str(tiny_model_dir)], block_size=16,
+                               tenant_header="X-Tenant") as gw:
+        hub = gw.gateway.kv_events
+        assert hub is not None
+        registry = gw.gateway.metrics.registry
+
+        def tokens(kind: str) -> float:
+            return sum(registry.get_sample_value(f"kvgate_worker_{kind}_cached_tokens_total", {"worker": u}) or 0
+                       for u in fleet.urls)
+
+        async def three(model: str, headers: dict[str, str]) -> tuple[float, float]:
+            await send(http, gw.url, {**chat(rng, system), "model": model}, headers)  # cold: computes the prefix
+            await asyncio.sleep(0.3)  # its events arrive
+            predicted, reported = tokens("predicted"), tokens("reported")
+            for _ in range(2):
+                await send(http, gw.url, {**chat(rng, system), "model": model}, headers)
+            return tokens("predicted") - predicted, tokens("reported") - reported
+
+        while not all(hub.trusted(u) for u in fleet.urls):
+            await send(http, gw.url, chat(rng, words(rng, 30)))
+        for model, headers in (("tiny", {"X-Tenant": "acme"}), ("tiny-b", {}), ("tiny-b", {"X-Tenant": "acme"})):
+            predicted, reported = await three(model, headers)
+            assert reported >= 2 * 10 * 16, (model, headers, reported)  # the engines cached the prefix...
+            assert predicted == reported, (model, headers, predicted, reported)  # ...where the gateway said
+        # another tenant's first request of the same prompt finds nothing: its namespace is its own, at the engine
+        before = tokens("reported")
+        await send(http, gw.url, chat(rng, system), {"X-Tenant": "zeta"})
+        assert tokens("reported") == before

@@ -73,6 +73,13 @@ class CuttableProxy:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._client, "127.0.0.1", self.port)
 
+    async def down(self) -> None:
+        """Cut every connection and accept none until `start()` again: what is published meanwhile is lost."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self.cut()
+
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None

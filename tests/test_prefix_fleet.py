@@ -28,8 +28,9 @@ async def prefix_cache_counters(http: aiohttp.ClientSession, urls: list[str]) ->
     return sum(c["hit_tokens"] for c in counters), sum(c["query_tokens"] for c in counters)
 
 
-async def send(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
-    async with http.post(url + CHAT, json=body) as resp:
+async def send(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> None:
+    async with http.post(url + CHAT, json=body, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
         await resp.read()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from kvcore.config import ConfigError
@@ -28,7 +29,7 @@ from router.prompt_tokens import (
     parse_model_dirs,
     resolve_model_dir,
 )
-from router.requests import Prompt, read_payload
+from router.requests import Prompt, parse_body, read_payload, with_tenant
 from router.tokenizer import ModelTokenizer
 from tests.conftest import eventually, running_gateway, running_standin
 
@@ -62,7 +63,7 @@ async def test_chat_turns_match_the_tokenizer_and_encode_only_new_text(tiny_mode
         messages.append({"role": "user", "content": words(10 + turn, 40 + 30 * turn)})
         body = {"model": "tiny", "messages": list(messages)}
         before = tokenizer.encoded_chars if tokenizer else 0
-        found = await prompts.keys(prompt(CHAT, body), "tiny", {})
+        found = await prompts.keys(prompt(CHAT, body), "tiny")
         tokenizer = await prompts.tokenizer("tiny")
         assert tokenizer is not None
         expected = reference.prompt_ids(body, chat=True)
@@ -81,18 +82,18 @@ async def test_completions_text_and_token_id_prompts(tiny_model_dir: Path) -> No
     prompts = service([f"tiny={tiny_model_dir}"])
     reference = ModelTokenizer(tiny_model_dir)
     text = words(3, 200)
-    found = await prompts.keys(prompt(COMPLETIONS, {"prompt": text}), "tiny", {})
+    found = await prompts.keys(prompt(COMPLETIONS, {"prompt": text}), "tiny")
     assert found.token_ids == reference.encode(text, add_special_tokens=True)
     assert found.token_ids[0] == reference.bos_token_id
-    batch = await prompts.keys(prompt(COMPLETIONS, {"prompt": [text, "other"]}), "tiny", {})
+    batch = await prompts.keys(prompt(COMPLETIONS, {"prompt": [text, "other"]}), "tiny")
     assert batch.block_keys == found.block_keys  # a batch routes by its first prompt
     ids = list(range(5, 105))
-    exact = await prompts.keys(prompt(COMPLETIONS, {"prompt": ids}), "tiny", {})
+    exact = await prompts.keys(prompt(COMPLETIONS, {"prompt": ids}), "tiny")
     assert exact.token_ids == ids and exact.block_keys == block_keys(ids, 16, root_key("tiny"))
     # another model without a tokenizer: token ids stay exact, text falls back to labelled text mode
-    untokenized = await prompts.keys(prompt(COMPLETIONS, {"prompt": ids}), "other", {})
+    untokenized = await prompts.keys(prompt(COMPLETIONS, {"prompt": ids}), "other")
     assert untokenized.mode == TOKENS and untokenized.block_keys == block_keys(ids, 16, root_key("other"))
-    by_text = await prompts.keys(prompt(COMPLETIONS, {"prompt": text}), "other", {})
+    by_text = await prompts.keys(prompt(COMPLETIONS, {"prompt": text}), "other")
     assert by_text.mode == TEXT and by_text.token_ids is None
     prompts.close()
 
@@ -109,7 +110,7 @@ async def test_text_mode_blocks_characters_and_never_collides_with_token_keys() 
     shared = len(system) // 64  # 16 tokens x 4 characters per block
     assert a.block_keys[:shared] == b.block_keys[:shared]
     assert a.block_keys != b.block_keys
-    completion = await prompts.keys(prompt(COMPLETIONS, {"prompt": system}), "m", {})
+    completion = await prompts.keys(prompt(COMPLETIONS, {"prompt": system}), "m")
     assert completion.mode == TEXT and len(completion.block_keys) == len(system) // 64
     assert not set(completion.block_keys) & set(block_keys([ord(c) for c in system], 64, root_key("m")))
     histogram = prompts._metrics.tokenize_duration.labels(TEXT)  # type: ignore[union-attr]
@@ -119,16 +120,32 @@ async def test_text_mode_blocks_characters_and_never_collides_with_token_keys() 
 
 @pytest.mark.parametrize("with_tokenizer", [True, False])
 async def test_tenants_with_different_salts_never_share_keys(tiny_model_dir: Path, with_tokenizer: bool) -> None:
+    """With --tenant-header, the engines get a cache_salt in the tenant's namespace (a client's own salt inside
+    it) and the keys follow it: no tenant, and no client without one, can reach another's cached prefixes."""
     prompts = service([str(tiny_model_dir)] if with_tokenizer else [], tenant_header="X-Tenant")
-    body = {"messages": [{"role": "system", "content": words(5, 300)}, {"role": "user", "content": "hi"}]}
-    plain = await prompts.keys(prompt(CHAT, body), "tiny", {})
-    alice = await prompts.keys(prompt(CHAT, {**body, "cache_salt": "alice"}), "tiny", {})
-    alice2 = await prompts.keys(prompt(CHAT, {**body, "cache_salt": "alice"}), "tiny", {"X-Tenant": "bob"})
-    bob = await prompts.keys(prompt(CHAT, body), "tiny", {"X-Tenant": "bob"})
-    assert len(plain.block_keys) > 10
-    assert alice.block_keys == alice2.block_keys  # the body's cache_salt wins over the header
-    for x, y in ((plain, alice), (plain, bob), (alice, bob)):
-        assert not set(x.block_keys) & set(y.block_keys)
+    body = {"model": "tiny", "messages": [{"role": "system", "content": words(5, 300)},
+                                          {"role": "user", "content": "hi"}]}
+
+    async def forwarded(extra: dict[str, Any], tenant: str | None) -> tuple[str | None, list[int]]:
+        raw = orjson.dumps({**body, **extra})
+        sent, api = with_tenant(raw, parse_body(CHAT, raw, model_required=True), tenant)
+        assert api.prompt is not None
+        found = await prompts.keys(api.prompt, "tiny")
+        return orjson.loads(sent).get("cache_salt"), list(found.block_keys)
+
+    plain = await forwarded({}, None)
+    own = await forwarded({"cache_salt": "alice"}, None)
+    bob = await forwarded({}, "bob")
+    bob_alice = await forwarded({"cache_salt": "alice"}, "bob")
+    forged = await forwarded({"cache_salt": "bob"}, None)  # a client without a tenant naming one
+    odd = await forwarded({}, "org/team@x:y")
+    assert [salt for salt, _ in (plain, own, bob, bob_alice, forged, odd)] == [
+        None, ":alice", "bob", "bob:alice", ":bob", "org%2Fteam%40x%3Ay"]
+    assert len(plain[1]) > 10
+    runs = [keys for _, keys in (plain, own, bob, bob_alice, forged, odd)]
+    for i, x in enumerate(runs):
+        for y in runs[i + 1:]:
+            assert not set(x) & set(y)
     prompts.close()
 
 
@@ -141,8 +158,8 @@ async def test_lora_adapter_uses_its_base_tokenizer_and_its_own_keys(tiny_model_
     assert worker.lora_base("sql-lora") == "tiny" and worker.lora_base("tiny") is None
     assert worker.lora_base("absent") is None
     body = {"messages": [{"role": "user", "content": words(9, 200)}]}
-    lora = await prompts.keys(prompt(CHAT, body), "tiny", {}, lora="sql-lora")
-    base = await prompts.keys(prompt(CHAT, body), "tiny", {})
+    lora = await prompts.keys(prompt(CHAT, body), "tiny", lora="sql-lora")
+    base = await prompts.keys(prompt(CHAT, body), "tiny")
     assert lora.token_ids == base.token_ids and lora.token_ids  # tokenized by the base model's tokenizer
     assert lora.prompt_tokens == len(lora.token_ids)
     assert lora.block_keys and not set(lora.block_keys) & set(base.block_keys)
@@ -197,7 +214,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_dir: Pat
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0.01)
     started = time.perf_counter()
-    found = await prompts.keys(prompt(CHAT, body), "tiny", {})
+    found = await prompts.keys(prompt(CHAT, body), "tiny")
     took = time.perf_counter() - started
     stop.set()
     await task
@@ -265,17 +282,17 @@ async def test_next_turn_reuses_the_block_keys_of_the_previous_turn(tiny_model_d
     prompts = service([str(tiny_model_dir)])
     messages: list[dict[str, Any]] = [{"role": "system", "content": words(1, 500)},
                                       {"role": "user", "content": words(2, 50)}]
-    first = await prompts.keys(prompt(CHAT, {"messages": messages}), "tiny", {})
+    first = await prompts.keys(prompt(CHAT, {"messages": messages}), "tiny")
     assert prompts._chains.reused_blocks == 0
     messages += [{"role": "assistant", "content": words(3, 40)}, {"role": "user", "content": words(4, 30)}]
-    second = await prompts.keys(prompt(CHAT, {"messages": messages}), "tiny", {})
+    second = await prompts.keys(prompt(CHAT, {"messages": messages}), "tiny")
     assert second.token_ids is not None
     assert second.block_keys == block_keys(second.token_ids, 16, root_key("tiny"))  # still exact
     assert second.block_keys[: len(first.block_keys) - 1] == first.block_keys[:-1]
     assert prompts._chains.reused_blocks >= len(first.block_keys) - 1
     # a prompt diverging inside the first turn reuses only what it shares, and is still exact
     changed = [messages[0], {"role": "user", "content": words(2, 25) + " different"}]
-    third = await prompts.keys(prompt(CHAT, {"messages": changed}), "tiny", {})
+    third = await prompts.keys(prompt(CHAT, {"messages": changed}), "tiny")
     assert third.token_ids is not None
     assert third.block_keys == block_keys(third.token_ids, 16, root_key("tiny"))
     prompts.close()
