@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -75,18 +76,23 @@ class ContentIdentity:
 
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks
-        self._by_model: dict[str, dict[BlockHash, BlockKey]] = {}
+        # an OrderedDict, not a dict: taking the oldest out of a dict from its front costs a scan over every
+        # entry deleted before it (up to max_blocks per put once it is full); OrderedDict's popitem is O(1)
+        self._by_model: dict[str, OrderedDict[BlockHash, BlockKey]] = {}
 
     def get(self, model: str, engine_hash: BlockHash) -> BlockKey | None:
         keys = self._by_model.get(model)
         return keys.get(engine_hash) if keys else None
 
     def put(self, model: str, engine_hash: BlockHash, key: BlockKey) -> None:
-        keys = self._by_model.setdefault(model, {})
-        keys.pop(engine_hash, None)  # re-inserted: the newest again
+        keys = self._by_model.get(model)
+        if keys is None:
+            keys = self._by_model[model] = OrderedDict()
+        if engine_hash in keys:
+            keys.move_to_end(engine_hash)  # re-inserted: the newest again
         keys[engine_hash] = key
         if len(keys) > self.max_blocks:
-            del keys[next(iter(keys))]
+            keys.popitem(last=False)
 
     def __len__(self) -> int:
         return sum(len(keys) for keys in self._by_model.values())
