@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import loadgen, workloads
+from bench import loadgen, traces, workloads
 from bench.make_model import write_model
 from bench.report import write_markdown, write_plots
 from bench.sim.launch import ROOT, AgentSettings, SimFleet, start_sim_fleet
@@ -54,8 +54,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--limit", type=int, default=200, help="trace: requests replayed")
     g.add_argument("--offset", type=int, default=0, help="trace: records skipped first")
     g.add_argument("--time-scale", type=float, default=1.0, help="trace: replay this many times faster")
-    g.add_argument("--block-tokens", type=int, default=512,
-                   help="trace: tokens per hash_id (512 = the trace; smaller shrinks every prompt alike)")
+    g.add_argument("--block-tokens", type=int, default=None,
+                   help="trace: tokens per hash_id (default: the trace's own, 512 in Mooncake's; smaller shrinks "
+                        "every prompt alike)")
     g.add_argument("--max-output-tokens", type=int, default=None, help="trace: cap on output_length")
     g.add_argument("--tenants", type=int, default=8)
     g.add_argument("--prefix-tokens", type=int, default=512, help="tenants: system prompt length P")
@@ -77,7 +78,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_workload(args: argparse.Namespace, vocab: PromptVocabulary) -> Workload:
     if args.workload == "mooncake":
-        return workloads.mooncake_workload(args.trace, vocab, limit=args.limit, offset=args.offset,
+        return traces.mooncake_workload(args.trace, vocab, limit=args.limit, offset=args.offset,
                                            time_scale=args.time_scale, block_tokens=args.block_tokens,
                                            max_output_tokens=args.max_output_tokens)
     if args.workload == "tenants":

@@ -28,13 +28,16 @@ import heapq
 import itertools
 import math
 import random
+import sys
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
+from tqdm import tqdm
 
 from agent.config import AgentConfig
 from agent.tiers.base import TierName
@@ -42,14 +45,16 @@ from bench import workloads
 from bench.loadgen import percentile
 from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
 from bench.sim.offload import TierLink, transfer_seconds
-from bench.sim.perf_model import PROFILES, Profile
+from bench.sim.perf_model import PROFILES, Profile, load_profile
 from bench.sim.scheduler import Scheduler, SimRequest
 from bench.sim.tier_model import UPKEEP_S, FleetBackend, ReplicaAgent
-from bench.workloads import PromptVocabulary, Workload
+from bench.sweep import Job, run_sweep
+from bench.traces import Trace, TraceError, TraceSource
+from bench.workloads import PromptVocabulary, RequestSource, Workload, WorkloadSource
 from kvcore.kv_events import GPU, BlockStored, KvEvent
-from kvcore.vllm_hash import chain_hashes, make_block_hasher
+from kvcore.vllm_hash import BlockHasher, Digest, EventHash, event_hash
 from kvgate.serve import assemble
-from router.block_keys import block_keys, root_key
+from router.block_keys import block_keys, chain_key, root_key
 from router.config import WorkerSpec
 from router.kv_apply import KvEventApplier
 from router.kv_index import InMemoryKvIndex
@@ -61,7 +66,14 @@ from strategies.balance import PrefillBalance
 from strategies.kv import KvAware
 
 MODEL = "tiny"
+# The engines hash blocks with a chain of 64-bit xxh3 from a root of their own (digest: its 8 bytes, big-endian, so
+# the event hash is the key) instead of vLLM's sha256 of pickle: events carry 64 bits either way, it costs a tenth,
+# and it is still unlike the gateway's keys, so the KV event applier maps engine hashes to its own keys from the
+# events' token ids exactly as it does for a real engine.
+ENGINE_ROOT = root_key("vsim-engine")
 TIERS = ("gpu", *(tier.value for tier in TierName))
+_TIER_OF_MEDIUM = {tier.medium: tier.value for tier in TierName}
+TRAFFIC_BUCKET_S = 10.0  # the window of a tier's peak traffic
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,8 @@ class TierSettings:
 
 @dataclass
 class VRequest:
+    """A request in flight (what it needs while it runs; its results go to the simulation's totals)."""
+
     index: int
     token_ids: list[int]
     keys: list[int]
@@ -103,7 +117,6 @@ class VRequest:
     arrival: float = 0.0
     replica: int = -1
     ttft: float | None = None
-    e2e: float | None = None
     tier_tokens: dict[str, int] = field(default_factory=dict)
     route: RouteRequest | None = None
     decision: Decision | None = None
@@ -111,7 +124,7 @@ class VRequest:
 
 class VirtualReplica:
     def __init__(self, index: int, profile: Profile, block_size: int, num_blocks: int, max_model_len: int,
-                 hasher: Callable[..., bytes], to_event: Callable[[bytes], Any], events: bool) -> None:
+                 hasher: BlockHasher, to_event: Callable[[Digest], EventHash], events: bool) -> None:
         self.index = index
         self.url = f"http://replica-{index}:8000"
         self.profile = profile
@@ -131,18 +144,23 @@ class VirtualReplica:
 class FleetSimulation:
     """Replays one workload through one strategy over a virtual fleet."""
 
-    def __init__(self, workload: Workload, vocab: PromptVocabulary, *, strategy: str, replicas: int,
-                 profile: str = "llama-3.1-8b-h100", block_size: int = 16, gpu_blocks: int | None = None,
-                 max_model_len: int | None = None, tiers: TierSettings | None = None,
+    def __init__(self, requests: Workload | RequestSource, vocab: PromptVocabulary | None = None, *, strategy: str,
+                 replicas: int, profile: str | Profile = "llama-3.1-8b-h100", block_size: int = 16,
+                 gpu_blocks: int | None = None, max_model_len: int | None = None, tiers: TierSettings | None = None,
                  concurrency: int | None = None, arrivals: Sequence[float] | None = None,
                  event_delay_s: float = 0.002, metrics_interval_s: float = 1.0, seed: int = 0,
-                 config_overrides: dict[str, Any] | None = None) -> None:
-        self.workload = workload
-        self.vocab = vocab
-        self.profile = PROFILES[profile]
+                 config_overrides: dict[str, Any] | None = None,
+                 progress: Callable[[int, float], None] | None = None) -> None:
+        if isinstance(requests, Workload):
+            if vocab is None:
+                raise ValueError("a Workload needs its PromptVocabulary")
+            requests = WorkloadSource(requests, vocab, arrivals)
+        if concurrency is None and not requests.timed:
+            raise ValueError(f"{requests.name}: requests without arrival times need a concurrency or arrivals")
+        self.source = requests
+        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         self.block_size = block_size
-        wire = [vocab.wire_ids(r.token_ids) for r in workload.requests]
-        longest = max(len(w) + r.max_tokens for w, r in zip(wire, workload.requests, strict=True))
+        longest = requests.longest
         self.max_model_len = max_model_len or max(256, int(math.ceil((longest + 1) / block_size) * block_size))
         blocks = gpu_blocks or self.profile.num_gpu_blocks(block_size)
         blocks = max(blocks, self.max_model_len // block_size + 2)
@@ -154,12 +172,9 @@ class FleetSimulation:
         if isinstance(balance, PrefillBalance):
             balance.random.seed(seed)
             balance.clock = lambda: self.now
-        hasher, to_event = make_block_hasher("sha256", seed="vsim", int_hashes=True)
-        self.hasher = hasher
-        self.to_event = to_event
-        self.replicas = [VirtualReplica(i, self.profile, block_size, blocks, self.max_model_len,
-                                        hasher, to_event,
-                                        events=True) for i in range(replicas)]
+        self.to_event = event_hash
+        self.replicas = [VirtualReplica(i, self.profile, block_size, blocks, self.max_model_len, _engine_hash,
+                                        event_hash, events=True) for i in range(replicas)]
         self.workers = [r.worker for r in self.replicas]
         self.now = 0.0
         # KV events go straight to the gateway's applier, in order and complete: no transport, nothing to recover
@@ -178,22 +193,32 @@ class FleetSimulation:
         self.event_delay_s = event_delay_s
         self.metrics_interval_s = metrics_interval_s
         self.concurrency = concurrency
-        self.arrivals = list(arrivals) if arrivals is not None else None
+        self.progress = progress
         self.root = root_key(MODEL)
-        self.requests = [VRequest(i, w, block_keys(w, block_size, self.root), r.max_tokens)
-                         for i, (w, r) in enumerate(zip(wire, workload.requests, strict=True))]
+        self._arrivals = enumerate(requests)
         self._queue: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self._pending_events: list[tuple[int, list[KvEvent]]] = []
         self.decisions: list[int] = []
         self._by_id: dict[str, VRequest] = {}
+        self._arrived = 0
         self._done = 0
-        self._next = 0
+        # what finished requests leave behind
+        self._ttft = array("d")
+        self._e2e = array("d")
+        self._query_tokens = 0
+        self._tier_tokens = dict.fromkeys(TIERS, 0)
+        # bytes each tier carried (loads read from it, blocks written to it), per TRAFFIC_BUCKET_S of virtual time
+        self._traffic: dict[tuple[str, str], dict[int, int]] = {}
 
     # --- events ---------------------------------------------------------------------------------------------
 
     def _push(self, at: float, kind: str, payload: Any = None) -> None:
         heapq.heappush(self._queue, (at, next(self._seq), kind, payload))
+
+    def _push_arrival(self, req: VRequest) -> None:
+        """An arrival at its time, before anything else due at that time (in arrival order)."""
+        heapq.heappush(self._queue, (max(req.arrival, self.now), req.index - self.source.count, "arrive", req))
 
     def _flush_events(self, replica: VirtualReplica) -> None:
         """The step's engine events (and the tier events they cause) go to the applier after `event_delay_s`."""
@@ -210,6 +235,9 @@ class FleetSimulation:
             tier_events = replica.tiers.events()
             if tier_events:
                 self._pending_events.append((replica.index, tier_events))
+                for event in tier_events:
+                    if isinstance(event, BlockStored):
+                        self._carried(_TIER_OF_MEDIUM[event.medium or ""], "write", len(event.block_hashes))
                 if not replica.upkeep_due:
                     replica.upkeep_due = True
                     self._push(self.now + UPKEEP_S, "upkeep", replica)
@@ -225,8 +253,22 @@ class FleetSimulation:
 
     # --- requests -------------------------------------------------------------------------------------------
 
+    def _take(self) -> VRequest | None:
+        """The next request of the source, with its block keys (None when there is none left)."""
+        taken = next(self._arrivals, None)
+        if taken is None:
+            return None
+        i, arrival = taken
+        return VRequest(i, arrival.token_ids, block_keys(arrival.token_ids, self.block_size, self.root),
+                        arrival.max_tokens, arrival.at or 0.0)
+
     def _arrive(self, req: VRequest) -> None:
         req.arrival = self.now
+        self._arrived += 1
+        if self.concurrency is None:
+            following = self._take()
+            if following is not None:
+                self._push_arrival(following)
         route = RouteRequest(MODEL, "/v1/completions", {}, req.token_ids, req.keys, len(req.token_ids))
         decision = self.strategy.choose(route, self.workers)
         worker = decision.worker
@@ -240,7 +282,7 @@ class FleetSimulation:
         replica.requests += 1
         replica.prompt_tokens += len(req.token_ids)
         sim = SimRequest(str(req.index), req.token_ids, req.max_tokens, [5] * 8,
-                         chain_hashes(self.hasher, req.token_ids, self.block_size), self.now)
+                         engine_hashes(req.token_ids, self.block_size), self.now)
         sim.listener = None
         delay = 0.0
         if replica.tiers is not None:
@@ -278,6 +320,7 @@ class FleetSimulation:
         for code in where[:n]:
             tier = TierName.from_code(code).value
             req.tier_tokens[tier] = req.tier_tokens.get(tier, 0) + self.block_size
+            self._carried(tier, "read", 1)
         self._flush_events(replica)
         return seconds if n else 0.0
 
@@ -304,7 +347,7 @@ class FleetSimulation:
         for sim in sampled:
             req = self._by_id[sim.request_id]
             if len(sim.output_token_ids) == 1:
-                req.ttft = self.now - req.arrival
+                req.ttft = self.now - req.arrival + self.profile.request_overhead_s
                 cached = max(sim.num_cached_tokens, 0)
                 loaded = sum(req.tier_tokens.values())
                 req.tier_tokens["gpu"] = max(0, cached - loaded)
@@ -312,8 +355,7 @@ class FleetSimulation:
                     req.tier_tokens = {"gpu": 0, **_scale(req.tier_tokens, cached)}
         for sim in finished:
             req = self._by_id.pop(sim.request_id)
-            req.e2e = self.now - req.arrival
-            self._done += 1
+            self._finished(req)
             worker = replica.worker
             worker.in_flight -= 1
             assert req.route is not None and req.decision is not None
@@ -326,10 +368,40 @@ class FleetSimulation:
         self._flush_events(replica)
         self._step(replica)
 
+    def _finished(self, req: VRequest) -> None:
+        self._done += 1
+        self._e2e.append(self.now - req.arrival)
+        if req.ttft is not None:
+            self._ttft.append(req.ttft)
+        self._query_tokens += len(req.token_ids)
+        for tier, tokens in req.tier_tokens.items():
+            self._tier_tokens[tier] += tokens
+        if self.progress is not None:
+            self.progress(self._done, self.now)
+
+    def _carried(self, tier: str, direction: str, blocks: int) -> None:
+        buckets = self._traffic.setdefault((tier, direction), {})
+        at = int(self.now // TRAFFIC_BUCKET_S)
+        buckets[at] = buckets.get(at, 0) + blocks * self.bytes_per_block
+
+    def traffic(self) -> dict[str, dict[str, float]]:
+        """GB/s each tier carried: read (loads into the GPUs), written, and the busiest TRAFFIC_BUCKET_S of
+        the two together, at the profile's KV bytes per token."""
+        out: dict[str, dict[str, float]] = {}
+        duration = max(self.now, 1e-9)
+        for tier in TIERS[1:]:
+            reads = self._traffic.get((tier, "read"), {})
+            writes = self._traffic.get((tier, "write"), {})
+            both = {b: reads.get(b, 0) + writes.get(b, 0) for b in reads.keys() | writes.keys()}
+            out[tier] = {"read_gbps": sum(reads.values()) / duration / 1e9,
+                         "write_gbps": sum(writes.values()) / duration / 1e9,
+                         "peak_gbps": max(both.values(), default=0) / TRAFFIC_BUCKET_S / 1e9}
+        return out
+
     def _next_closed(self) -> None:
-        if self._next < len(self.requests):
-            self._push(self.now, "arrive", self.requests[self._next])
-            self._next += 1
+        req = self._take()
+        if req is not None:
+            self._push(self.now, "arrive", req)
 
     def _scrape(self) -> None:
         for r in self.replicas:
@@ -340,12 +412,12 @@ class FleetSimulation:
     def run(self) -> dict[str, Any]:
         wall = time.perf_counter()
         if self.concurrency is not None:
-            for _ in range(min(self.concurrency, len(self.requests))):
+            for _ in range(self.concurrency):
                 self._next_closed()
         else:
-            arrivals = self.arrivals or [r.arrival_s or 0.0 for r in self.workload.requests]
-            for req, at in zip(self.requests, arrivals, strict=True):
-                self._push(at, "arrive", req)
+            first = self._take()
+            if first is not None:
+                self._push_arrival(first)
         self._push(0.0, "scrape")
         while self._queue:
             at, _, kind, payload = heapq.heappop(self._queue)
@@ -367,14 +439,14 @@ class FleetSimulation:
                 self.strategy.pending.discard(payload.decision.worker.url, payload.keys)
             elif kind == "scrape":
                 self._scrape()
-                if self._done < len(self.requests):
+                if self._done < self.source.count:
                     self._push(self.now + self.metrics_interval_s, "scrape")
         return self.summary(time.perf_counter() - wall)
 
     def summary(self, wall_s: float) -> dict[str, Any]:
-        queries = sum(len(r.token_ids) for r in self.requests)
-        by_tier = {t: sum(r.tier_tokens.get(t, 0) for r in self.requests) for t in TIERS}
-        ttft = [r.ttft for r in self.requests if r.ttft is not None]
+        queries = self._query_tokens
+        by_tier = self._tier_tokens
+        ttft = self._ttft
         reqs = [float(r.requests) for r in self.replicas]
         toks = [float(r.prompt_tokens) for r in self.replicas]
 
@@ -384,18 +456,29 @@ class FleetSimulation:
 
         out: dict[str, Any] = {
             "strategy": self.config.strategy, "replicas": len(self.replicas), "tiers": self.tier_settings is not None,
-            "requests": len(self.requests), "completed": sum(1 for r in self.requests if r.e2e is not None),
+            "requests": self._arrived, "completed": self._done,
             "query_tokens": queries, "hit_rate": sum(by_tier.values()) / queries if queries else 0.0,
             "hit_rate_by_tier": {t: by_tier[t] / queries if queries else 0.0 for t in TIERS},
             "request_imbalance": imbalance(reqs), "prompt_token_imbalance": imbalance(toks),
             "requests_per_replica": reqs, "virtual_s": self.now, "wall_s": wall_s,
         }
+        if self.tier_settings is not None:
+            out["tier_traffic"] = self.traffic()
         for q in (0.5, 0.9, 0.99):
             p = percentile(ttft, q)
             out[f"ttft_ms_p{int(q * 100)}"] = None if p is None else p * 1e3
-        e2e = [r.e2e for r in self.requests if r.e2e is not None]
-        out["e2e_ms_p50"] = (percentile(e2e, 0.5) or 0.0) * 1e3
+        out["e2e_ms_p50"] = (percentile(self._e2e, 0.5) or 0.0) * 1e3
         return out
+
+
+def engine_hashes(token_ids: Sequence[int], block_size: int) -> list[Digest]:
+    """The simulated engines' digest of every full block of a prompt."""
+    return [key.to_bytes(8, "big") for key in block_keys(token_ids, block_size, ENGINE_ROOT)]
+
+
+def _engine_hash(parent: Digest | None, token_ids: Sequence[int], extra: object = None) -> Digest:
+    """One block's digest on the simulated engines (a block filled by decoding)."""
+    return chain_key(ENGINE_ROOT if parent is None else event_hash(parent), token_ids).to_bytes(8, "big")
 
 
 def _scale(tiers: dict[str, int], cached: int) -> dict[str, int]:
@@ -415,7 +498,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--strategies", default="round_robin,least_load,prefix,kv")
     parser.add_argument("--replicas", default="8,16", help="comma-separated fleet sizes")
-    parser.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PROFILES))
+    parser.add_argument("--profile", default="llama-3.1-8b-h100",
+                        help=f"one of {', '.join(sorted(PROFILES))}, or a calibrated profile's JSON file "
+                             "(kvgate bench calibrate)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-blocks", type=int, default=None, help="per replica (default: the profile's)")
     parser.add_argument("--tiers", choices=["off", "on", "both"], default="both")
@@ -426,47 +511,108 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=None, help="closed loop instead of arrival times")
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals for untimed workloads")
     parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--jobs", type=int, default=1, help="configurations simulated at once, one process each")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (a line per configuration)")
     parser.add_argument("--out", default="out/vsim.json")
     add_workload_arguments(parser)
     parser.set_defaults(workload="mooncake", limit=None, trace=str(DEFAULT_TRACE))
 
 
-def run(args: argparse.Namespace) -> int:
-    from bench.compare import _model_dir, build_workload
+@dataclass(frozen=True)
+class VsimJob:
+    """One configuration of a sweep, everything its process needs (picklable)."""
 
-    vocab = PromptVocabulary.from_model_dir(_model_dir(args))
+    workload: dict[str, Any]  # the workload options, as parsed
+    strategy: str
+    replicas: int
+    profile: str
+    block_size: int
+    gpu_blocks: int | None
+    tiers: TierSettings | None
+    concurrency: int | None
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.replicas} replicas {'tiers' if self.tiers else 'gpu'} {self.strategy}"
+
+
+def request_source(args: argparse.Namespace, vocab: PromptVocabulary, report: TextIO | None = None) -> RequestSource:
+    """The workload the options name, as a stream: a trace is read as it is replayed; a generated workload is
+    built in memory (open loop without times: Poisson arrivals at --rate)."""
+    from bench.compare import build_workload
+
+    if args.workload == "mooncake":
+        return TraceSource(Trace(args.trace, offset=args.offset, limit=args.limit, report=report), vocab,
+                           time_scale=args.time_scale, block_tokens=args.block_tokens,
+                           max_output_tokens=args.max_output_tokens)
     workload = build_workload(args, vocab)
     arrivals = None
     if not workload.timed and args.concurrency is None:
         arrivals = workloads.poisson_arrivals(len(workload.requests), args.rate or 10.0, args.seed)
-    wire = [vocab.wire_ids(r.token_ids) for r in workload.requests]
-    bound = workloads.ideal_hit_rate(wire, args.block_size)
+    return WorkloadSource(workload, vocab, arrivals)
+
+
+def simulate(job: VsimJob, progress: Callable[[int, float], None] | None = None) -> dict[str, Any]:
+    """Run one configuration (in a sweep's process): its workload read afresh, its result row."""
+    from bench.compare import _model_dir
+
+    args = argparse.Namespace(**job.workload)
+    source = request_source(args, PromptVocabulary.from_model_dir(_model_dir(args)))
+    sim = FleetSimulation(source, strategy=job.strategy, replicas=job.replicas, profile=job.profile,
+                          block_size=job.block_size, gpu_blocks=job.gpu_blocks, tiers=job.tiers,
+                          concurrency=job.concurrency, seed=args.seed, config_overrides=job.config_overrides,
+                          progress=progress)
+    return sim.run()
+
+
+def describe_row(row: dict[str, Any]) -> str:
+    t = row["hit_rate_by_tier"]
+    return (f"{row['replicas']:3d} replicas {'tiers' if row['tiers'] else 'gpu  '} {row['strategy']:12s} "
+            f"hit {row['hit_rate']:.3f} (gpu {t['gpu']:.3f} dram {t['dram']:.3f} nvme {t['nvme']:.3f} "
+            f"shared {t['shared']:.3f})  TTFT p50 {row['ttft_ms_p50']:.0f} p90 {row['ttft_ms_p90']:.0f} "
+            f"p99 {row['ttft_ms_p99']:.0f} ms  imbalance {row['request_imbalance']:.2f}  [{row['wall_s']:.0f} s wall, "
+            f"{row.get('peak_rss_mb', 0):.0f} MB]")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.compare import _model_dir
+
+    try:
+        load_profile(args.profile)
+        source = request_source(args, PromptVocabulary.from_model_dir(_model_dir(args)), report=sys.stderr)
+    except (TraceError, ValueError) as exc:
+        print(f"kvgate bench vsim: {exc}", file=sys.stderr)
+        return 2
+    bound = source.ideal(args.block_size)
     tier_modes = {"off": [False], "on": [True], "both": [False, True]}[args.tiers]
     settings = TierSettings(dram_blocks=args.dram_blocks, nvme_blocks=args.nvme_blocks,
                             shared_blocks=args.shared_blocks, write_policy=args.write_policy)
-    results = []
-    print(f"{workload.name}: {len(workload.requests)} requests, {sum(len(w) for w in wire)} prompt tokens; "
-          f"ideal single-cache hit rate {bound.hit_rate:.3f}", flush=True)
-    for n in [int(x) for x in args.replicas.split(",")]:
-        for tiered in tier_modes:
-            for strategy in args.strategies.split(","):
-                sim = FleetSimulation(workload, vocab, strategy=strategy, replicas=n, profile=args.profile,
-                                      block_size=args.block_size, gpu_blocks=args.gpu_blocks,
-                                      tiers=settings if tiered else None, concurrency=args.concurrency,
-                                      arrivals=arrivals, seed=args.seed)
-                row = sim.run()
-                results.append(row)
-                t = row["hit_rate_by_tier"]
-                print(f"{n:3d} replicas {'tiers' if tiered else 'gpu  '} {strategy:12s} hit {row['hit_rate']:.3f} "
-                      f"(gpu {t['gpu']:.3f} dram {t['dram']:.3f} nvme {t['nvme']:.3f} shared {t['shared']:.3f})  "
-                      f"TTFT p50 {row['ttft_ms_p50']:.0f} p90 {row['ttft_ms_p90']:.0f} p99 {row['ttft_ms_p99']:.0f} ms"
-                      f"  imbalance {row['request_imbalance']:.2f}  [{row['wall_s']:.0f} s wall]", flush=True)
+    jobs = [VsimJob(vars(args), strategy, n, args.profile, args.block_size, args.gpu_blocks,
+                    settings if tiered else None, args.concurrency)
+            for n in [int(x) for x in args.replicas.split(",")] for tiered in tier_modes
+            for strategy in args.strategies.split(",")]
+    print(f"{source.name}: {source.count} requests, {bound.query_tokens} prompt tokens; ideal single-cache hit rate "
+          f"{bound.hit_rate:.3f}; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
+    started = time.perf_counter()
+    outcome = run_sweep([Job(job.label, source.count, job) for job in jobs], simulate, processes=args.jobs,
+                        show_progress=not args.no_progress,
+                        on_result=lambda i, row: tqdm.write(describe_row(row)))
+    wall_s = time.perf_counter() - started
+    results = [outcome.results[i] for i in sorted(outcome.results)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps({"benchmark": "vsim", "workload": {"name": workload.name,
-                                                                      "params": workload.params},
+    out.write_bytes(orjson.dumps({"benchmark": "vsim", "workload": {"name": source.name, "params": source.params},
                                   "profile": args.profile, "block_size": args.block_size,
                                   "tier_settings": settings.__dict__, "upper_bound": bound.hit_rate,
+                                  "jobs": args.jobs, "wall_s": wall_s, "peak_total_rss_mb": outcome.peak_rss_mb,
+                                  "interrupted": outcome.interrupted,
+                                  "unfinished": [jobs[i].label for i in range(len(jobs)) if i not in outcome.results],
+                                  "errors": {jobs[i].label: e for i, e in outcome.errors.items()},
                                   "results": results}, option=orjson.OPT_INDENT_2))
-    print(f"wrote {out}")
-    return 0
+    for i, error in outcome.errors.items():
+        print(f"{jobs[i].label}: failed: {error}", file=sys.stderr)
+    state = "interrupted; " if outcome.interrupted else ""
+    print(f"{state}{len(results)} of {len(jobs)} configurations in {wall_s:.0f} s wall, at most "
+          f"{outcome.peak_rss_mb:.0f} MB resident at once; wrote {out}")
+    return 130 if outcome.interrupted else 1 if outcome.errors else 0

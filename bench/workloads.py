@@ -1,7 +1,8 @@
-"""Benchmark workloads: the Mooncake trace replayed as token prompts, and generators of shared-prefix traffic.
+"""Benchmark workloads: generators of shared-prefix traffic, and what a replay reads (`RequestSource`); traces
+are read by bench/traces.py.
 
-Every workload is a list of `WorkloadRequest`s — prompt token ids, answer length, arrival time (or none, for
-the load generator to pace) and a group label. Prompt tokens are drawn from the model's `PromptVocabulary`:
+Every generated workload is a list of `WorkloadRequest`s — prompt token ids, answer length, arrival time (or
+none, for the load generator to pace) and a group label. Prompt tokens are drawn from the model's `PromptVocabulary`:
 word tokens whose text, concatenated, the tokenizer turns back into exactly the same ids, so a prompt can be sent
 as text (what real clients and text-routing peers see) or as token ids, and the engine caches the same blocks.
 The tiny model's tokenizer adds BOS to a text prompt; `wire_ids` is the prompt as the engine sees it, and
@@ -21,19 +22,24 @@ Generators (all deterministic for a seed):
 
 from __future__ import annotations
 
-import json
-import math
+import operator
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import xxhash
 
 from router.block_keys import block_keys, root_key
 from router.tokenizer import ModelTokenizer
 
-MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash_id in the Mooncake trace
 _WORD = re.compile(r" [A-Za-z]+")
+# splitmix64's constants (Steele, Lea, Flood 2014)
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 @dataclass(slots=True)
@@ -57,6 +63,57 @@ class Workload:
         return all(r.arrival_s is not None for r in self.requests)
 
 
+@dataclass(slots=True)
+class Arrival:
+    """One request of a replay: when it arrives (None: the replay paces it), its prompt as the engine sees it,
+    and how many tokens it generates."""
+
+    at: float | None
+    token_ids: list[int]
+    max_tokens: int
+
+
+class RequestSource(Protocol):
+    """What a replay reads: `count` requests, taken one at a time in arrival order (`iter`), none longer than
+    `longest` tokens with its answer; `timed` when every arrival has a time."""
+
+    name: str
+    params: dict[str, object]
+    count: int
+    longest: int
+    timed: bool
+
+    def __iter__(self) -> Iterator[Arrival]: ...
+
+    def ideal(self, block_size: int) -> IdealCache:
+        """What one unbounded cache would hit on these requests (`ideal_hit_rate`)."""
+        ...
+
+
+class WorkloadSource:
+    """A generated workload as a `RequestSource` (its prompts are in memory already); `arrivals` gives the
+    requests times when the workload has none (Poisson, for an open loop)."""
+
+    def __init__(self, workload: Workload, vocab: PromptVocabulary, arrivals: Sequence[float] | None = None) -> None:
+        self.workload = workload
+        self.vocab = vocab
+        self.name = workload.name
+        self.params = workload.params
+        self.count = len(workload.requests)
+        self.arrivals = list(arrivals) if arrivals is not None else None
+        self.timed = workload.timed or self.arrivals is not None
+        self.longest = max((len(vocab.wire_ids(r.token_ids)) + r.max_tokens for r in workload.requests), default=0)
+
+    def __iter__(self) -> Iterator[Arrival]:
+        times: Sequence[float | None] = (self.arrivals if self.arrivals is not None
+                                         else [r.arrival_s for r in self.workload.requests])
+        for request, at in zip(self.workload.requests, times, strict=True):
+            yield Arrival(at, self.vocab.wire_ids(request.token_ids), request.max_tokens)
+
+    def ideal(self, block_size: int) -> IdealCache:
+        return ideal_hit_rate((self.vocab.wire_ids(r.token_ids) for r in self.workload.requests), block_size)
+
+
 class PromptVocabulary:
     """Word tokens of a model's tokenizer that round-trip: decode(ids) encodes back to ids, for any sequence."""
 
@@ -71,23 +128,27 @@ class PromptVocabulary:
             raise ValueError(f"the tokenizer has only {len(words)} single-token words; cannot build prompts")
         self.words = words
         self.bos: list[int] = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        self._blocks: dict[tuple[str, int, int], list[int]] = {}
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> PromptVocabulary:
         return cls(ModelTokenizer(model_dir))
 
     def tokens(self, seed: str, n: int) -> list[int]:
-        """n tokens that depend only on `seed` (and the vocabulary)."""
-        return random.Random(seed).choices(self.words, k=n)
+        """n tokens that depend only on `seed` (and the vocabulary): token i is word number splitmix64(hash(seed)
+        + i) mod the vocabulary size -- a counter-based generator, so no generator state is set up per call
+        (a whole trace expands hundreds of thousands of blocks)."""
+        x = np.arange(n, dtype=np.uint64) * _GOLDEN + np.uint64(xxhash.xxh3_64_intdigest(seed.encode()))
+        x = (x ^ (x >> _S30)) * _MIX1
+        x = (x ^ (x >> _S27)) * _MIX2
+        x ^= x >> _S31
+        picks: list[int] = (x % np.uint64(len(self.words))).tolist()
+        if n < 2:
+            return [self.words[i] for i in picks]
+        return list(operator.itemgetter(*picks)(self.words))  # the vocabulary's own int objects, not copies
 
     def block(self, namespace: str, ident: int, n: int) -> list[int]:
-        """The tokens of a numbered block (a trace hash_id), memoized: the same ident gives the same tokens."""
-        key = (namespace, ident, n)
-        cached = self._blocks.get(key)
-        if cached is None:
-            cached = self._blocks[key] = self.tokens(f"{namespace}:{ident}", n)
-        return cached
+        """The tokens of a numbered block (a trace hash_id): the same ident gives the same tokens."""
+        return self.tokens(f"{namespace}:{ident}", n)
 
     def text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
@@ -99,66 +160,6 @@ class PromptVocabulary:
     def round_trips(self, token_ids: Sequence[int]) -> bool:
         """Whether the text of these tokens encodes (as a completions prompt) to exactly `wire_ids`."""
         return self.tokenizer.encode(self.text(token_ids), add_special_tokens=True) == self.wire_ids(token_ids)
-
-
-# --- the Mooncake trace -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRecord:
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def read_mooncake(path: str | Path) -> list[TraceRecord]:
-    records = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                records.append(TraceRecord(float(row["timestamp"]), int(row["input_length"]),
-                                           int(row["output_length"]), tuple(int(h) for h in row["hash_ids"])))
-    return records
-
-
-def expand_record(record: TraceRecord, vocab: PromptVocabulary, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
-    """The prompt of one trace record: each hash_id becomes its `block_tokens` tokens, the last block cut so the
-    prompt is input_length long (scaled by block_tokens / 512 when the blocks are shrunk)."""
-    length = record.input_length
-    if block_tokens != MOONCAKE_BLOCK_TOKENS:
-        length = max(1, math.ceil(length * block_tokens / MOONCAKE_BLOCK_TOKENS))
-    tokens: list[int] = []
-    for ident in record.hash_ids:
-        if len(tokens) >= length:
-            break
-        tokens.extend(vocab.block("mooncake", ident, block_tokens))
-    if len(tokens) < length:  # a record with fewer ids than its length needs: pad with its own tokens
-        tokens.extend(vocab.tokens(f"mooncake-tail:{record.hash_ids}:{record.input_length}", length - len(tokens)))
-    return tokens[:length]
-
-
-def mooncake_workload(path: str | Path, vocab: PromptVocabulary, *, limit: int | None = None, offset: int = 0,
-                      time_scale: float = 1.0, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                      max_output_tokens: int | None = None) -> Workload:
-    """Replay by timestamps: records [offset, offset + limit), arrival = (timestamp - first) / 1000 / time_scale
-    (time_scale 2 replays twice as fast)."""
-    records = read_mooncake(path)[offset:]
-    if limit is not None:
-        records = records[:limit]
-    if not records:
-        raise ValueError("the trace selection is empty")
-    t0 = records[0].timestamp_ms
-    requests = []
-    for rec in records:
-        out = rec.output_length if max_output_tokens is None else min(rec.output_length, max_output_tokens)
-        group = f"h{rec.hash_ids[0]}" if rec.hash_ids else ""
-        requests.append(WorkloadRequest(expand_record(rec, vocab, block_tokens), max(1, out),
-                                        (rec.timestamp_ms - t0) / 1000.0 / time_scale, group))
-    return Workload("mooncake", requests, {"trace": str(path), "limit": limit, "offset": offset,
-                                           "time_scale": time_scale, "block_tokens": block_tokens,
-                                           "max_output_tokens": max_output_tokens})
 
 
 # --- generators ---------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench import workloads
-from bench.workloads import PromptVocabulary, TraceRecord, expand_record, ideal_hit_rate
+from bench.traces import TraceRecord, expand_record, mooncake_workload
+from bench.workloads import PromptVocabulary, ideal_hit_rate
 from router.block_keys import block_keys, root_key
 
 
@@ -57,7 +58,7 @@ def test_mooncake_replay_selection_and_time_scale(vocab: PromptVocabulary, tmp_p
     rows = [{"timestamp": 1000 * i, "input_length": 600, "output_length": 5 + i, "hash_ids": [i, 100 + i]}
             for i in range(6)]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    w = workloads.mooncake_workload(trace, vocab, offset=2, limit=3, time_scale=2.0, max_output_tokens=6)
+    w = mooncake_workload(trace, vocab, offset=2, limit=3, time_scale=2.0, max_output_tokens=6)
     assert [r.arrival_s for r in w.requests] == [0.0, 0.5, 1.0]
     assert [r.max_tokens for r in w.requests] == [6, 6, 6]
     assert w.requests[0].token_ids[:512] == vocab.block("mooncake", 2, 512)

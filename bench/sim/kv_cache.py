@@ -19,12 +19,13 @@ from kvcore.vllm_hash import Digest, EventHash
 class KvBlock:
     """One physical block: its id, how many requests use it, and its block hash while it is cached."""
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "event_hash", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: Digest | None = None
+        self.event_hash: EventHash = 0  # block_hash as events carry it, while block_hash is set
         self.prev_free: KvBlock | None = None
         self.next_free: KvBlock | None = None
 
@@ -150,12 +151,13 @@ class BlockPool:
                 continue
             digest = block_hashes[i]
             block.block_hash = digest
+            block.event_hash = self._event_hash(digest)
             holders = self.cached.get(digest)
             if holders is None:
                 self.cached[digest] = {block.block_id: block}
             else:
                 holders[block.block_id] = block
-            new_hashes.append(self._event_hash(digest))
+            new_hashes.append(block.event_hash)
         if self.enable_events and new_hashes:
             bs = self.block_size
             parent = self._event_hash(block_hashes[num_cached - 1]) if num_cached > 0 else None
@@ -191,7 +193,7 @@ class BlockPool:
                 del self.cached[digest]
         block.block_hash = None
         if self.enable_events:
-            self.events.append(BlockRemoved(block_hashes=[self._event_hash(digest)], medium=GPU, group_idx=0))
+            self.events.append(BlockRemoved(block_hashes=[block.event_hash], medium=GPU, group_idx=0))
 
     def touch(self, blocks: Iterable[KvBlock]) -> None:
         """Take prefix-hit blocks into use; a free one leaves the free queue (so it cannot be evicted)."""

@@ -10,8 +10,11 @@ comes from the scheduler. `speedup` divides every duration alike. Parameters and
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 GIB = 1024**3
 
@@ -57,6 +60,9 @@ class Profile:
     block_size: int = 16         # vLLM's default --block-size on this platform (16 on GPUs, 128 on CPU)
     device_memory_bytes: float = 0.0  # all GPUs' memory; 0 = the KV budget does not follow the utilization
     attention_efficiency: float = 1.0  # attention FLOPs run at this fraction of the matmul rate (mfu)
+    # time around each request that engine steps do not cover (HTTP, tokenization): the virtual-time fleet adds it
+    # to every TTFT; 0 for the datasheet profiles, measured by `kvgate bench calibrate`
+    request_overhead_s: float = 0.0
 
     def kv_budget(self, gpu_memory_utilization: float = 0.9) -> float:
         """KV-cache bytes at vLLM's `--gpu-memory-utilization` (default 0.9)."""
@@ -223,3 +229,26 @@ PROFILES: dict[str, Profile] = {
 }
 
 DEFAULT_PROFILE = "llama-3.1-8b-h100"
+
+# the parameters a calibration (`kvgate bench calibrate`) may set on top of a named profile
+CALIBRATED_FIELDS = ("mfu", "bandwidth_efficiency", "step_overhead_s", "request_overhead_s")
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A profile by name, or a calibrated one: a JSON file naming its `base` profile and the fields it sets
+    (CALIBRATED_FIELDS), as `kvgate bench calibrate` writes it."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"unknown profile {name_or_path!r}: one of {', '.join(sorted(PROFILES))}, or a calibrated "
+                         f"profile's JSON file")
+    data = json.loads(path.read_text())
+    base = PROFILES.get(data.get("base", ""))
+    if base is None:
+        raise ValueError(f"{path}: 'base' must name a profile ({', '.join(sorted(PROFILES))})")
+    values = {k: float(data.get(k, getattr(base, k))) for k in CALIBRATED_FIELDS}
+    return dataclasses.replace(base, name=f"{base.name}@{path.name}", mfu=values["mfu"],
+                               bandwidth_efficiency=values["bandwidth_efficiency"],
+                               step_overhead_s=values["step_overhead_s"],
+                               request_overhead_s=values["request_overhead_s"])

@@ -129,8 +129,8 @@ class ReplicaAgent:
                 if dram_blocks > 0 else None)
         nvme = (NvmeModel(nvme_blocks, config.nvme_high_watermark, config.nvme_low_watermark)
                 if nvme_blocks > 0 else None)
-        self.store = TierStore(config, dram=dram, nvme=nvme, shared=FleetSharedTier(fleet, config.shared_ttl_s),
-                               executor=InlineExecutor())
+        shared = FleetSharedTier(fleet, config.shared_ttl_s) if fleet.capacity > 0 else None
+        self.store = TierStore(config, dram=dram, nvme=nvme, shared=shared, executor=InlineExecutor())
         self._buffer = memoryview(bytearray(1))
 
     def save(self, hashes: Sequence[int], parent: int | None) -> None:
