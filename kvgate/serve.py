@@ -55,5 +55,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.getLogger().setLevel(config.log_level.upper())
     log.info("configuration: %s; %s options: %s", describe(config), strategy.name, describe(strategy.options))
-    run_until_signalled(run_gateway(config, strategy))
+    try:
+        run_until_signalled(run_gateway(config, strategy))
+    except ConfigError as exc:  # found while starting (a trace file that cannot be written)
+        print(f"kvgate serve: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import orjson
@@ -27,6 +29,7 @@ from router.prompt_tokens import PromptTokens
 from router.proxy import FORWARDED_REQUEST_HEADERS, Proxy
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS, ApiRequest, parse_body, parse_json_object, with_tenant
 from router.routing import RouteRequest, Strategy
+from router.trace_recorder import TraceEntry, TraceRecorder
 from router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -44,8 +47,10 @@ class Gateway:
         self.admission = Admission(config.max_in_flight_requests, config.max_in_flight_bytes, self.metrics)
         self.strategy = strategy
         self.strategy.register_metrics(self.metrics.registry)
-        # tokenizing costs CPU: only for strategies that read the prompt's tokens
-        self.prompts = PromptTokens(config, self.metrics) if self.strategy.needs_prompt_tokens else None
+        # tokenizing costs CPU: only for strategies that read the prompt's tokens, or to record the traffic
+        self.prompts = (PromptTokens(config, self.metrics) if self.strategy.needs_prompt_tokens or config.record_trace
+                        else None)
+        self.recorder: TraceRecorder | None = None
         self._upstream: UpstreamPool | None = None
         self._pool: WorkerPool | None = None
         self._proxy: Proxy | None = None
@@ -64,6 +69,9 @@ class Gateway:
 
     async def start(self) -> None:
         cfg = self.config
+        if cfg.record_trace:
+            self.recorder = self._recorder()
+            self.recorder.start()
         self._upstream = UpstreamPool(
             limit_per_host=cfg.max_connections_per_worker, connect_timeout=cfg.connect_timeout_s
         )
@@ -130,7 +138,31 @@ class Gateway:
     def discovery(self) -> WorkerDiscovery | None:
         return self._discovery
 
+    def _recorder(self) -> TraceRecorder:
+        cfg = self.config
+        secret = cfg.record_trace_secret.encode()
+        if not secret:
+            secret = os.urandom(32)
+            log.info("record_trace: no record_trace_secret, block ids are hashed under a random key of this process "
+                     "(ids are renumbered per file either way; set KVGATE_RECORD_TRACE_SECRET for one key per "
+                     "deployment)")
+        try:
+            return TraceRecorder(cfg.record_trace, block_size=cfg.block_size,
+                                 block_tokens=cfg.record_trace_block_tokens, secret=secret,
+                                 max_bytes=cfg.record_trace_max_bytes, max_age_s=cfg.record_trace_max_age_s,
+                                 registry=self.metrics.registry)
+        except OSError as exc:
+            raise ConfigError(f"record_trace: cannot write {cfg.record_trace}: {exc.strerror or exc}") from None
+
+    def trace_entry(self, arrived: float) -> AbstractContextManager[TraceEntry | None]:
+        """The request's entry in the trace from its arrival to its end (None when the traffic is not recorded)."""
+        if self.recorder is None:
+            return nullcontext()
+        return self.recorder.request(arrived, self.strategy.name)
+
     async def stop(self) -> None:
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
         if self._discovery is not None:
             await self._discovery.stop()
         if self.prompts is not None:
@@ -239,13 +271,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
     """`/v1/completions` and `/v1/chat/completions`: admit, validate, route, proxy."""
     started = time.perf_counter()
     gateway = request.app[GATEWAY]
-    with _admit(request) as admitted:
+    with gateway.trace_entry(started) as entry, _admit(request) as admitted:
         body = await _read_body(request, gateway.config.max_body_bytes, admitted)
         api = parse_body(request.path, body, model_required=True)
         if gateway.config.tenant_header:
             body, api = with_tenant(body, api, request.headers.get(gateway.config.tenant_header) or None)
         route = await gateway.route_request(api, gateway.eligible(api.model), request.headers, body)
-        return await gateway.proxy.forward(request, route, body, stream=api.stream, started=started)
+        if entry is not None:
+            entry.routed(route, api.prompt.cache_salt if api.prompt is not None else None)
+        return await gateway.proxy.forward(request, route, body, stream=api.stream, started=started,
+                                           outcome=entry.outcome if entry is not None else None)
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:

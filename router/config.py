@@ -204,6 +204,21 @@ class GatewayConfig:
     kv_resync_s: float = option(
         300.0, "kv: after missed events, seconds a worker is routed approximately before its map is trusted again"
     )
+    # the traffic as a trace, for kvgate bench vsim / plan / calibrate (router/trace_recorder.py)
+    record_trace: str = option(
+        "", "write a trace of the traffic to this file: a JSON line per finished request (Mooncake's format plus "
+        "model, tenant, strategy, worker, predicted and reported cached tokens, time to first byte, status; no "
+        "text, no token ids); empty = off"
+    )
+    record_trace_block_tokens: int = option(
+        512, "tokens per hash id in the trace: a multiple of block_size, down to block_size for an exact replay"
+    )
+    record_trace_secret: str = option(
+        "", "key of the trace's block hashes (set it through KVGATE_RECORD_TRACE_SECRET); empty = a random key per "
+        "process"
+    )
+    record_trace_max_bytes: int = option(256 * 1024 * 1024, "a trace file is rotated when it reaches this size")
+    record_trace_max_age_s: float = option(3600.0, "a trace file is rotated when it is this old")
 
     def __post_init__(self) -> None:
         if self.api_key and not self.admin_key and not self.allow_api_key_admin:
@@ -212,3 +227,6 @@ class GatewayConfig:
                               "allow_api_key_admin to accept that")
         if self.admin_key and self.admin_key in self.api_key:
             raise ConfigError("admin_key must differ from every api_key")
+        if self.record_trace_block_tokens < self.block_size or self.record_trace_block_tokens % self.block_size:
+            raise ConfigError(f"record_trace_block_tokens ({self.record_trace_block_tokens}) must be a multiple of "
+                              f"block_size ({self.block_size})")

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import orjson
 from aiohttp import web
@@ -42,6 +43,23 @@ CLIENT_CLOSED = "499"
 
 # (worker, a request's block keys, cached tokens its answer reported): what the KV block index learns from answers
 Learn = Callable[[str, Sequence[int], int], None]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What became of a forwarded request, for whoever records it (the trace): the last decision, the status
+    relayed, first and last byte (seconds from arrival), and what the answer reported."""
+
+    decision: Decision | None = None
+    status: int | None = None
+    ttfb_s: float | None = None
+    duration_s: float | None = None
+    usage: Usage | None = None
+    output_tokens: int = 0  # the answer's completion_tokens, else (a stream) its data events but [DONE]
+
+    def answered(self, status: int, ttfb_s: float, duration_s: float, usage: Usage | None, events: int = 0) -> None:
+        self.status, self.ttfb_s, self.duration_s, self.usage = status, ttfb_s, duration_s, usage
+        self.output_tokens = usage.completion if usage is not None and usage.completion is not None else events
 
 
 class _Retry(Exception):
@@ -83,9 +101,11 @@ class Proxy:
         self._learn = learn
 
     async def forward(
-        self, request: web.Request, route: RouteRequest, body: bytes | None, *, stream: bool, started: float
+        self, request: web.Request, route: RouteRequest, body: bytes | None, *, stream: bool, started: float,
+        outcome: Outcome | None = None,
     ) -> web.StreamResponse:
-        """Route and proxy one request; raises GatewayError for answers the gateway gives itself."""
+        """Route and proxy one request; raises GatewayError for answers the gateway gives itself. `outcome`, if
+        given, is filled in with what became of it."""
         tried: set[str] = set()
         last_error = ""
         deadline = asyncio.get_running_loop().time() + self._config.total_timeout_s
@@ -96,12 +116,14 @@ class Proxy:
             decision = self._strategy.choose(route, candidates)
             worker = decision.worker
             tried.add(worker.url)
+            if outcome is not None:
+                outcome.decision = decision
             self._metrics.decisions.labels(self._strategy.name, decision.reason).inc()
             self._pool.acquire(worker)
             try:
                 try:
                     async with asyncio.timeout_at(deadline):
-                        answer = await self._attempt(request, route, decision, body, stream, started)
+                        answer = await self._attempt(request, route, decision, body, stream, started, outcome)
                 except TimeoutError:
                     self._metrics.requests.labels(route.model or "", worker.url, "504").inc()
                     raise GatewayError(
@@ -109,7 +131,7 @@ class Proxy:
                         type="timeout", code="upstream_timeout",
                     ) from None
                 if isinstance(answer, _OpenStream):
-                    return await self._relay(request, answer, started, deadline)
+                    return await self._relay(request, answer, started, deadline, outcome)
                 return answer
             except _Retry as exc:
                 last_error = str(exc)
@@ -132,12 +154,12 @@ class Proxy:
             headers.append(("Authorization", request.headers["Authorization"]))
         return headers
 
-    def _count_usage(self, route: RouteRequest, decision: Decision, usage: tuple[int, int] | None) -> None:
+    def _count_usage(self, route: RouteRequest, decision: Decision, usage: Usage | None) -> None:
         """Predicted against reported cached tokens, when the engine reports them (`--enable-prompt-tokens-details`):
         per strategy, and per worker (the index's drift); the KV block index learns from it."""
         if usage is None:
             return
-        prompt, cached = usage
+        prompt, cached = usage.prompt, usage.cached
         name, worker = self._strategy.name, decision.worker.url
         predicted = min(decision.predicted_cached_tokens, prompt)
         self._metrics.actual_cached_tokens.labels(name).inc(cached)
@@ -169,6 +191,7 @@ class Proxy:
         body: bytes | None,
         stream: bool,
         started: float,
+        outcome: Outcome | None,
     ) -> web.Response | _OpenStream:
         """One try on one worker: a whole answer, or a stream whose first chunk has arrived."""
         cfg = self._config
@@ -211,7 +234,10 @@ class Proxy:
             self._metrics.ttfb.labels(model_label).observe(elapsed)
             self._metrics.request_duration.labels(model_label).observe(elapsed)
             self._metrics.requests.labels(model_label, worker.url, str(upstream.status)).inc()
-            self._count_usage(route, decision, usage_cached_tokens(data))
+            usage = answer_usage(data)
+            self._count_usage(route, decision, usage)
+            if outcome is not None:
+                outcome.answered(upstream.status, elapsed, elapsed, usage)
             return web.Response(status=upstream.status, body=data, headers=headers)
         except asyncio.CancelledError:
             self._metrics.requests.labels(model_label, worker.url, CLIENT_CLOSED).inc()
@@ -221,12 +247,13 @@ class Proxy:
                 upstream.close()
 
     async def _relay(
-        self, request: web.Request, stream: _OpenStream, started: float, deadline: float
+        self, request: web.Request, stream: _OpenStream, started: float, deadline: float, outcome: Outcome | None
     ) -> web.StreamResponse:
         """Relay a streamed answer byte for byte. Once bytes reached the client, a failure can only be told by
         closing the connection without the final chunk, so the client sees a broken stream, not a short one."""
         upstream, worker, label = stream.upstream, stream.worker, stream.model_label
-        self._metrics.ttfb.labels(label).observe(time.perf_counter() - started)
+        ttfb = time.perf_counter() - started
+        self._metrics.ttfb.labels(label).observe(ttfb)
         response = web.StreamResponse(status=upstream.status, headers=stream.headers)
         status = str(upstream.status)
         seen = SseWatch()
@@ -260,9 +287,12 @@ class Proxy:
                 request.transport.close()
         finally:
             upstream.close()
+            duration = time.perf_counter() - started
             self._metrics.requests.labels(label, worker.url, status).inc()
-            self._metrics.request_duration.labels(label).observe(time.perf_counter() - started)
+            self._metrics.request_duration.labels(label).observe(duration)
             self._count_usage(stream.route, stream.decision, seen.usage)
+            if outcome is not None:
+                outcome.answered(int(status), ttfb, duration, seen.usage, max(0, seen.events - 1))
         return response
 
 
@@ -276,12 +306,13 @@ class SseWatch:
 
     MAX_LINE = 1 << 20  # a longer unfinished line is not kept: it cannot be the usage event
 
-    __slots__ = ("_last", "_line", "usage")
+    __slots__ = ("_last", "_line", "events", "usage")
 
     def __init__(self) -> None:
         self._line = b""  # the unfinished last line
         self._last = b""  # the last finished non-blank line, stripped
-        self.usage: tuple[int, int] | None = None  # (prompt tokens, cached tokens)
+        self.usage: Usage | None = None
+        self.events = 0  # `data:` events relayed, `[DONE]` included
 
     def feed(self, chunk: bytes) -> None:
         data = self._line + chunk if self._line else chunk
@@ -291,8 +322,9 @@ class SseWatch:
             return
         lines, line = data[:cut], data[cut + 1:]
         self._line = line if len(line) <= self.MAX_LINE else b""
+        self.events += lines.count(b"data:")
         if CACHED_TOKENS in lines:
-            self.usage = usage_cached_tokens(lines) or self.usage
+            self.usage = answer_usage(lines) or self.usage
         finished = lines.rstrip()
         if finished:
             self._last = finished[finished.rfind(b"\n") + 1:].strip()
@@ -306,8 +338,17 @@ def _is_event_stream(headers: Sequence[tuple[str, str]]) -> bool:
     return any(k.lower() == "content-type" and v.lower().startswith("text/event-stream") for k, v in headers)
 
 
-def usage_cached_tokens(data: bytes) -> tuple[int, int] | None:
-    """(prompt_tokens, cached_tokens) from an answer's `usage` — a JSON body or SSE events — if it has them."""
+class Usage(NamedTuple):
+    """What an answer's `usage` reports: prompt tokens, of them cached (with `--enable-prompt-tokens-details`),
+    and generated tokens."""
+
+    prompt: int
+    cached: int
+    completion: int | None
+
+
+def answer_usage(data: bytes) -> Usage | None:
+    """An answer's `usage` — a JSON body or SSE events — if it reports cached tokens."""
     if CACHED_TOKENS not in data:
         return None
     if data.lstrip()[:1] == b"{":
@@ -319,8 +360,9 @@ def usage_cached_tokens(data: bytes) -> tuple[int, int] | None:
             usage = orjson.loads(document).get("usage")
             prompt = usage["prompt_tokens"]
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            completion = usage.get("completion_tokens")
         except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
             continue
         if isinstance(prompt, int) and isinstance(cached, int):
-            return prompt, cached
+            return Usage(prompt, cached, completion if isinstance(completion, int) else None)
     return None

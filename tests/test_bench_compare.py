@@ -130,19 +130,21 @@ def test_a_target_that_cannot_start_is_reported_with_its_error(tiny_model_dir: P
 
 
 def test_the_readme_benchmark_commands_parse() -> None:
-    """Every `kvgate bench compare|vsim ...` command the README shows is accepted by the benchmark's parser."""
+    """Every `kvgate bench compare|vsim|calibrate|plan ...` command the README shows is accepted by the
+    benchmark's parser."""
     import re
     import shlex
 
-    from bench import vsim
+    from bench import calibrate, plan, vsim
 
+    modules = {"compare": compare, "vsim": vsim, "calibrate": calibrate, "plan": plan}
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text().replace("\\\n", " ")
-    commands = re.findall(r"^kvgate bench (compare|vsim) (.*)$", readme, re.M)
-    commands += re.findall(r"`kvgate bench (compare|vsim) ([^`]*)`", readme)
-    assert {name for name, _ in commands} == {"compare", "vsim"}
+    commands = re.findall(r"^kvgate bench (compare|vsim|calibrate|plan) (.*)$", readme, re.M)
+    commands += re.findall(r"`kvgate bench (compare|vsim|calibrate|plan) ([^`]*)`", readme)
+    assert {name for name, _ in commands} == set(modules)
     for name, rest in commands:
         parser = argparse.ArgumentParser(exit_on_error=False)
-        (compare if name == "compare" else vsim).add_arguments(parser)
+        modules[name].add_arguments(parser)
         args = parser.parse_args(shlex.split(rest))
         for target in getattr(args, "targets", "").split(","):
             if target:

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
+from router.trace_recorder import TraceMetrics
 from strategies import STRATEGIES, create_strategy, option_classes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +28,7 @@ def test_every_gateway_option_is_documented() -> None:
 def test_every_gateway_metric_is_documented() -> None:
     """The gateway's own metrics and those every strategy registers."""
     names = {m.name for m in GatewayMetrics().registry.collect()}
+    names |= {m.name for m in TraceMetrics(CollectorRegistry()).registry.collect()}  # with record_trace
     for strategy in STRATEGIES:  # one gateway, one strategy: each on its own registry
         registry = CollectorRegistry()
         create_strategy(GatewayConfig(strategy=strategy)).register_metrics(registry)
