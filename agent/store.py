@@ -135,11 +135,16 @@ class TierStore:
     def lookup(self, layout: int, hashes: Sequence[BlockHash]) -> tuple[int, str]:
         """How many leading blocks are held, and where each would come from (one `TierName.code` per block);
         local state only, no I/O."""
-        tiers = [(t.contains, t.name.code) for t in self.tiers]
+        if not self.tiers:
+            return 0, ""
+        (first, first_code), *rest = [(t.contains, t.name.code) for t in self.tiers]
         where: list[str] = []
         for block_hash in hashes:
             key = (layout, block_hash)
-            for contains, code in tiers:
+            if first(key):  # the closest tier, asked first without a loop: lookups are on the request path
+                where.append(first_code)
+                continue
+            for contains, code in rest:
                 if contains(key):
                     where.append(code)
                     break
