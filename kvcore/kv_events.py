@@ -178,6 +178,17 @@ def _piece(event: KvEvent, start: int, stop: int) -> KvEvent:
         extra_keys=event.extra_keys[start:stop] if event.extra_keys else event.extra_keys)
 
 
+def dp_endpoint(endpoint: str, rank: int | None) -> str:
+    """Where data-parallel rank `rank` of an engine publishes, given the engine's configured endpoint (vLLM's
+    `ZmqEventPublisher.offset_endpoint_port`): a TCP port moves up by the rank, an ipc/inproc name gets `_dpN`."""
+    if not rank:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    return endpoint if port == "0" else f"{base}:{int(port) + rank}"
+
+
 def should_bind(endpoint: str) -> bool:
     """vLLM binds an endpoint only if it has a wildcard host or is ipc/inproc; otherwise it connects."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

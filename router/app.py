@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcore.config import ConfigError
+from kvcore.kv_events import dp_endpoint
 from router.admission import Admission, Admitted
 from router.config import GatewayConfig, WorkerSpec
 from router.discovery import WorkerDiscovery
@@ -97,9 +98,13 @@ class Gateway:
     def _worker_added(self, worker: Worker) -> None:
         spec = worker.spec
         if self.kv_events is not None:
-            sources = [EventSource(worker.url, events, replay, name)
-                       for name, events, replay in (("engine", spec.events, spec.replay),
-                                                    ("agent", spec.agent_events, spec.agent_replay)) if events]
+            # a data-parallel engine publishes per rank (port + rank); its node's tier agent serves every rank
+            sources = [source for rank, _ in spec.caches() for source in (
+                EventSource(worker.url, dp_endpoint(spec.events, rank),
+                            dp_endpoint(spec.replay, rank) if spec.replay else None, "engine", rank)
+                if spec.events else None,
+                EventSource(worker.url, spec.agent_events, spec.agent_replay, "agent", rank)
+                if spec.agent_events else None) if source is not None]
             try:
                 self.kv_events.watch(sources)
             except BaseException:

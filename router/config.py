@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from kvcore.config import ConfigError, option
 from router.discovery_sources import parse_nameserver, parse_source
+from router.kv_transport import cache_name
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,10 @@ class WorkerSpec:
     replay: str | None = None
     agent_events: str | None = None
     agent_replay: str | None = None
+    dp_ranks: int = 1  # a data-parallel engine: a cache and a publisher per rank (vLLM: port + rank)
 
-    ATTRIBUTES = ("events", "replay", "agent_events", "agent_replay")
+    ATTRIBUTES = ("events", "replay", "agent_events", "agent_replay")  # the endpoints
+    KEYS = (*ATTRIBUTES, "dp_ranks")
 
     def __post_init__(self) -> None:
         _check_worker_url(self.url)
@@ -32,18 +35,29 @@ class WorkerSpec:
             endpoint = getattr(self, attr)
             if endpoint is not None:
                 _check_endpoint(attr, endpoint)
+        if isinstance(self.dp_ranks, str) and self.dp_ranks.isdigit():
+            object.__setattr__(self, "dp_ranks", int(self.dp_ranks))
+        if not isinstance(self.dp_ranks, int) or isinstance(self.dp_ranks, bool) or not 1 <= self.dp_ranks <= 1024:
+            raise ConfigError(f"worker dp_ranks must be a whole number from 1 to 1024: {self.dp_ranks!r}")
+
+    def caches(self) -> list[tuple[int | None, str]]:
+        """(data-parallel rank, the KV index's name for its cache) of each cache the worker has: one, unranked,
+        unless it is a data-parallel engine."""
+        if self.dp_ranks == 1:
+            return [(None, self.url)]
+        return [(rank, cache_name(self.url, rank)) for rank in range(self.dp_ranks)]
 
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
         """Parse `http://host:port;events=tcp://host:5557;replay=tcp://host:5558` (+ `agent_events=`,
-        `agent_replay=`)."""
+        `agent_replay=`, `dp_ranks=`)."""
         url, *attrs = (part.strip() for part in text.split(";"))
-        values: dict[str, str] = {}
+        values: dict[str, Any] = {}
         for attr in attrs:
             key, sep, value = attr.partition("=")
-            if not sep or key not in cls.ATTRIBUTES:
+            if not sep or key not in cls.KEYS:
                 raise ConfigError(f"unknown worker attribute {attr!r} in {text!r} "
-                                  f"(expected {', '.join(a + '=' for a in cls.ATTRIBUTES)})")
+                                  f"(expected {', '.join(a + '=' for a in cls.KEYS)})")
             values[key] = value
         return cls(url=url.rstrip("/"), **values)
 
@@ -52,11 +66,11 @@ class WorkerSpec:
         if isinstance(value, str):
             return cls.parse(value)
         if isinstance(value, Mapping) and isinstance(value.get("url"), str):
-            unknown = set(value) - {"url", *cls.ATTRIBUTES}
+            unknown = set(value) - {"url", *cls.KEYS}
             if unknown:
                 raise ConfigError(f"unknown worker keys {sorted(unknown)}")
-            endpoints: dict[str, Any] = {a: value.get(a) for a in cls.ATTRIBUTES}
-            return cls(url=cls.parse(value["url"]).url, **endpoints)
+            given: dict[str, Any] = {a: value[a] for a in cls.KEYS if a in value}
+            return cls(url=cls.parse(value["url"]).url, **given)
         raise ConfigError(f"a worker is a URL string or a mapping with 'url': {value!r}")
 
 
@@ -110,7 +124,7 @@ class GatewayConfig:
     host: str = option("0.0.0.0", "address the gateway listens on")
     port: int = option(8000, "port the gateway listens on")
     worker: list[WorkerSpec] = option(
-        [], "upstream vLLM replica, repeatable: URL[;events=EP;replay=EP;agent_events=EP;agent_replay=EP]",
+        [], "upstream vLLM replica, repeatable: URL[;events=EP;replay=EP;agent_events=EP;agent_replay=EP;dp_ranks=N]",
         parse=_parse_worker, aliases=("workers",),
     )
     strategy: str = option("round_robin", "routing strategy: round_robin, least_load, prefix or kv")

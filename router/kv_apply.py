@@ -37,7 +37,8 @@ from router.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-# worker URL -> the base model it serves (the root of its blocks' keys), None while unknown
+# worker URL -> the base model it serves (the root of its blocks' keys), None while unknown. Everything else here
+# names a worker's cache as the index does (`EventSource.cache`: the URL, or URL#dpN for a data-parallel rank)
 ModelOf = Callable[[str], str | None]
 
 MAX_EVENT_BLOCKS = 1 << 16  # blocks one BlockStored may name (vLLM: a step's new blocks of one request)
@@ -141,9 +142,9 @@ class KvEventApplier:
         held = self._held.get(source)
         if held is None:
             held = self._held[source] = {}
-            self._sources.setdefault(source.worker, []).append(source)
-        worker = source.worker
-        model = self._model_of(worker)
+            self._sources.setdefault(source.cache, []).append(source)
+        worker = source.cache  # the index's name for the cache this source describes (a DP rank has its own)
+        model = self._model_of(source.worker)
         counters = self._counters.get(worker)
         if counters is None:
             applied = self._metrics.kv_events_applied
@@ -199,13 +200,13 @@ class KvEventApplier:
             self._waiting_drop(lambda w: w.source == source)
         learned = self._learned.pop(source, None)
         if learned:
-            self.index.remove(source.worker, list(learned), GPU)
+            self.index.remove(source.cache, list(learned), GPU)
         held = self._held.get(source)
         if not held:
             return
         self._held[source] = {}
         for (_, tier), holding in held.items():
-            self.index.remove(source.worker, (holding.key,), tier)
+            self.index.remove(source.cache, (holding.key,), tier)
 
     def forget_worker(self, worker: str) -> None:
         """Forget a worker and all its sources at once (a worker re-added under the same URL starts clean)."""
@@ -214,7 +215,7 @@ class KvEventApplier:
             self._held.pop(source, None)
             self._group.pop(source, None)
             self._learned.pop(source, None)
-        self._waiting_drop(lambda w: w.source.worker == worker)
+        self._waiting_drop(lambda w: w.source.cache == worker)
         self.index.clear(worker)
 
     def engine_hashes(self, worker: str, tier: str) -> set[BlockHash]:
@@ -230,7 +231,7 @@ class KvEventApplier:
         learned block leaves with the engine's removal of its hash (content identity names it), a later answer
         that did not find it, or a reset. For a source whose picture is incomplete: a complete one is told
         everything by its events."""
-        worker = source.worker
+        worker = source.cache
         learned = self._learned.setdefault(source, {})
         gone = [key for key in keys[cached:] if key in learned]
         for key in gone:
@@ -291,30 +292,30 @@ class KvEventApplier:
         return False
 
     def _skip(self, source: EventSource, reason: str, message: str) -> None:
-        self._metrics.kv_event_mismatches.labels(source.worker, reason).inc()
+        self._metrics.kv_event_mismatches.labels(source.cache, reason).inc()
         if (source, reason) not in self._warned:
             self._warned.add((source, reason))
-            log.info("kv events from %s (%s): %s", source.endpoint, source.worker, message)
+            log.info("kv events from %s (%s): %s", source.endpoint, source.cache, message)
 
     def _reject(self, source: EventSource, reason: str, message: str, result: Applied, *,
                 mismatch: bool = False) -> None:
         result.rejected += 1
         if mismatch:
-            self._metrics.kv_event_mismatches.labels(source.worker, reason).inc()
+            self._metrics.kv_event_mismatches.labels(source.cache, reason).inc()
         else:
-            self._metrics.kv_decode_errors.labels(source.worker, reason).inc()
+            self._metrics.kv_decode_errors.labels(source.cache, reason).inc()
         if (source, reason) not in self._warned:
             self._warned.add((source, reason))
             log.error("kv events from %s (%s): dropped an event: %s; its worker is routed approximately until its "
                       "picture is whole again (counted in kvgate_kv_event_%s_total)", source.endpoint,
-                      source.worker, message, "mismatches" if mismatch else "decode_errors")
+                      source.cache, message, "mismatches" if mismatch else "decode_errors")
 
     # --- one event --------------------------------------------------------------------------------------------
 
     def _stored(self, source: EventSource, held: dict[tuple[BlockHash, str], _Holding], event: BlockStored,
                 start: int, size: int, model: str | None) -> None:
         """Blocks start .. start + SLICE_BLOCKS of a stored event."""
-        worker = source.worker
+        worker = source.cache
         if model is None:
             self._metrics.kv_unmapped_blocks.labels(worker).inc(len(event.block_hashes) - start)
             return
@@ -368,7 +369,7 @@ class KvEventApplier:
                 del held[(engine_hash, tier)]
                 gone.append(holding.key)
         if gone:
-            self.index.remove(source.worker, gone, tier)
+            self.index.remove(source.cache, gone, tier)
 
     def _key_of(self, model: str, worker: str, engine_hash: BlockHash) -> BlockKey | None:
         """The gateway key an engine hash names: content identity, else a block a source of the worker holds."""
@@ -405,7 +406,7 @@ class KvEventApplier:
         for w in waiting:
             held = self._held.get(w.source)
             if held is not None and _hold(held, engine_hash, w.tier, key, w.source.name == "agent"):
-                self.index.add(w.source.worker, (key,), w.tier)
+                self.index.add(w.source.cache, (key,), w.tier)
 
     def _unwait(self, model: str, engine_hash: BlockHash, source: EventSource, tier: str) -> None:
         waiting = self._waiting.get((model, engine_hash))
@@ -430,7 +431,7 @@ class KvEventApplier:
     def _give_up(self, waiting: list[_Waiting]) -> None:
         self._waiting_count -= len(waiting)
         for w in waiting:
-            self._metrics.kv_unmapped_blocks.labels(w.source.worker).inc()
+            self._metrics.kv_unmapped_blocks.labels(w.source.cache).inc()
 
     def _waiting_drop(self, which: Callable[[_Waiting], bool]) -> None:
         for key in list(self._waiting):

@@ -98,7 +98,7 @@ class StreamRecovery:
         await self.reconcile()
 
     async def received(self, frames: list[bytes]) -> None:
-        worker = self.source.worker
+        worker = self.source.cache
         if len(frames) != 3 or len(frames[1]) != 8:
             self._metrics.kv_decode_errors.labels(worker, "frames").inc()
             return
@@ -155,7 +155,7 @@ class StreamRecovery:
             if todo and todo[0][0] != expected:
                 self._reset("gap", partial=True)
             if todo:
-                self._metrics.kv_replays.labels(self.source.worker, "repaired").inc()
+                self._metrics.kv_replays.labels(self.source.cache, "repaired").inc()
         for seq, payload in todo:
             await self._take(seq, payload, self._replayed(payload))
 
@@ -166,7 +166,7 @@ class StreamRecovery:
         self._repairs = min(REPLAY_BURST, self._repairs + (now - self._repairs_at) / REPLAY_EVERY_S)
         self._repairs_at = now
         if self._repairs < 1:
-            self._metrics.kv_replays.labels(self.source.worker, "too_frequent").inc()
+            self._metrics.kv_replays.labels(self.source.cache, "too_frequent").inc()
             raise _Gap(f"missed batches {start}..{stop - 1}; gaps too frequent to repair each")
         self._repairs -= 1
         batches = [(s, p) for s, p in await self._fetch(start) if s < stop]
@@ -175,14 +175,14 @@ class StreamRecovery:
             raise _Gap(f"replay could not cover batches {start}..{stop - 1} (first buffered: {first})")
         for seq, payload in batches:
             await self._take(seq, payload, self._replayed(payload))
-        self._metrics.kv_replays.labels(self.source.worker, "repaired").inc()
+        self._metrics.kv_replays.labels(self.source.cache, "repaired").inc()
 
     async def _fetch(self, start: int) -> Batches:
         assert self._replay is not None
         try:
             return await self._replay(start)
         except ReplayError as exc:
-            self._metrics.kv_replays.labels(self.source.worker, "timeout").inc()
+            self._metrics.kv_replays.labels(self.source.cache, "timeout").inc()
             raise _Gap(str(exc)) from None
 
     def _same_history(self, batches: Batches) -> bool:
@@ -201,15 +201,21 @@ class StreamRecovery:
 
     def _decode(self, payload: bytes, what: str) -> list[KvEvent] | None:
         if len(payload) > MAX_BATCH_BYTES:
-            self._metrics.kv_decode_errors.labels(self.source.worker, "too_large").inc()
+            self._metrics.kv_decode_errors.labels(self.source.cache, "too_large").inc()
             return None
         try:
             batch, skipped = decode_batch_tolerant(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            self._metrics.kv_decode_errors.labels(self.source.worker, what).inc()
+            self._metrics.kv_decode_errors.labels(self.source.cache, what).inc()
             return None
         if skipped:
-            self._metrics.kv_decode_errors.labels(self.source.worker, "unknown_event").inc(skipped)
+            self._metrics.kv_decode_errors.labels(self.source.cache, "unknown_event").inc(skipped)
+        rank = self.source.dp_rank
+        if rank is not None and batch.data_parallel_rank not in (None, rank):
+            # another rank's cache: its events would put that rank's blocks on this one
+            self._metrics.kv_event_mismatches.labels(self.source.cache, "dp_rank").inc()
+            self._partial(f"a batch of data-parallel rank {batch.data_parallel_rank} on rank {rank}'s endpoint")
+            return []
         return batch.events
 
     def _replayed(self, payload: bytes) -> list[KvEvent]:
@@ -241,7 +247,7 @@ class StreamRecovery:
             # a bug: what was applied of this batch is unknown, so nothing this source said is trusted any more
             log.exception("kv events from %s: applying a batch failed; forgetting what it said",
                           self.source.endpoint)
-            self._metrics.kv_decode_errors.labels(self.source.worker, "apply_error").inc()
+            self._metrics.kv_decode_errors.labels(self.source.cache, "apply_error").inc()
             self._reset("apply_error", partial=True)
             return
         if result.rejected:
@@ -260,12 +266,12 @@ class StreamRecovery:
         """Events were lost: the picture is incomplete from now on (until `resync_s` has passed)."""
         if self._partial_since is None:
             log.warning("kv events from %s: %s; routing %s approximately for %g s", self.source.endpoint, why,
-                        self.source.worker, self._resync_s)
+                        self.source.cache, self._resync_s)
         self._partial_since = time.monotonic()
 
     def _reset(self, reason: str, *, partial: bool) -> None:
         """Forget what this source said; if events were missed, mark the picture incomplete."""
-        self._metrics.kv_resets.labels(self.source.worker, reason).inc()
+        self._metrics.kv_resets.labels(self.source.cache, reason).inc()
         self._release()
         self._partial_since = time.monotonic() if partial else None
 

@@ -47,7 +47,8 @@ class KvEventHub:
         self._resync_s = resync_s
         self._transport = ZmqEventTransport()
         self._streams: dict[EventSource, StreamRecovery] = {}
-        self._sources: dict[str, list[EventSource]] = {}
+        self._sources: dict[str, list[EventSource]] = {}  # worker URL -> its sources
+        self._caches: dict[str, list[EventSource]] = {}  # cache (`EventSource.cache`) -> the sources describing it
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._unwatching: set[asyncio.Task[Any]] = set()
 
@@ -57,8 +58,8 @@ class KvEventHub:
             stream = self.stream(source)
             task = asyncio.get_running_loop().create_task(self._subscribe(stream), name=f"kv events {source}")
             self._tasks.setdefault(source.worker, []).append(task)
-            self._metrics.kv_worker_trusted.labels(source.worker).set_function(
-                functools.partial(self._trusted_value, source.worker))
+            self._metrics.kv_worker_trusted.labels(source.cache).set_function(
+                functools.partial(self._trusted_value, source.cache))
 
     def stream(self, source: EventSource) -> StreamRecovery:
         """The recovery of `source`'s stream, created on first use: where it stands (`expected`), and the
@@ -72,6 +73,7 @@ class KvEventHub:
                 source, functools.partial(self.applier.steps, source), functools.partial(self.applier.release, source),
                 self._metrics, replay, self._resync_s)
             self._sources.setdefault(source.worker, []).append(source)
+            self._caches.setdefault(source.cache, []).append(source)
         return stream
 
     async def _subscribe(self, stream: StreamRecovery) -> None:
@@ -88,9 +90,10 @@ class KvEventHub:
             task.cancel()
         for source in self._sources.pop(worker, []):
             del self._streams[source]
-        self.applier.forget_worker(worker)
-        with contextlib.suppress(KeyError):
-            self._metrics.kv_worker_trusted.remove(worker)
+            if self._caches.pop(source.cache, None) is not None:
+                self.applier.forget_worker(source.cache)
+                with contextlib.suppress(KeyError):
+                    self._metrics.kv_worker_trusted.remove(source.cache)
         return tasks
 
     async def unwatch(self, worker: str) -> None:
@@ -113,24 +116,26 @@ class KvEventHub:
     def watched(self, worker: str) -> bool:
         return worker in self._tasks
 
-    def trusted(self, worker: str) -> bool:
-        """Whether the index's picture of this worker is complete (else route it by the approximate trie)."""
-        sources = self._sources.get(worker, [])
+    def trusted(self, cache: str) -> bool:
+        """Whether the index's picture of this cache (a worker's URL, or `URL#dpN` for a data-parallel rank) is
+        complete (else its worker is routed by the approximate trie)."""
+        sources = self._caches.get(cache, [])
         return bool(sources) and all(self._streams[source].complete() for source in sources)
 
-    def learn(self, worker: str, keys: Sequence[int], cached_tokens: int) -> None:
-        """The worker's answer to a request with these block keys (token mode) reported `cached_tokens` cached:
-        while the picture of its engine is incomplete, that fills it in (`KvEventApplier.learn`)."""
+    def learn(self, cache: str, keys: Sequence[int], cached_tokens: int) -> None:
+        """The answer from this cache (`trusted`'s) to a request with these block keys (token mode) reported
+        `cached_tokens` cached: while the picture of its engine is incomplete, that fills it in
+        (`KvEventApplier.learn`)."""
         size = self.applier.block_size
         if not size or not keys:
             return
-        for source in self._sources.get(worker, ()):
+        for source in self._caches.get(cache, ()):
             if source.name == "engine" and not self._streams[source].complete():
                 self.applier.learn(source, keys, min(cached_tokens // size, len(keys)))
 
     def _trusted_value(self, worker: str) -> float:
         return 1.0 if self.trusted(worker) else 0.0
 
-    def engine_hashes(self, worker: str, tier: str) -> set[BlockHash]:
-        """The engine block hashes the worker's sources say it holds on `tier` (for checks and debugging)."""
-        return self.applier.engine_hashes(worker, tier)
+    def engine_hashes(self, cache: str, tier: str) -> set[BlockHash]:
+        """The engine block hashes the sources of a cache say it holds on `tier` (for checks and debugging)."""
+        return self.applier.engine_hashes(cache, tier)

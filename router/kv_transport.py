@@ -29,12 +29,23 @@ YIELD_AFTER_S = 0.005  # draining the socket lets the event loop run at least th
 
 @dataclass(frozen=True, slots=True)
 class EventSource:
-    """One publisher of KV events about one worker: its engine ("engine") or its tier agent ("agent")."""
+    """One publisher of KV events about one worker: its engine ("engine") or its tier agent ("agent"). A
+    data-parallel engine has a cache, and a publisher, per rank (`dp_rank`)."""
 
     worker: str
     endpoint: str
     replay: str | None = None
     name: str = "engine"
+    dp_rank: int | None = None
+
+    @property
+    def cache(self) -> str:
+        """The index's name for the cache these events describe: the worker's URL, `URL#dpN` for a DP rank."""
+        return cache_name(self.worker, self.dp_rank)
+
+
+def cache_name(worker: str, dp_rank: int | None) -> str:
+    return worker if dp_rank is None else f"{worker}#dp{dp_rank}"
 
 
 class ReplayError(Exception):

@@ -102,6 +102,7 @@ class Worker:
             "replay": self.spec.replay,
             "agent_events": self.spec.agent_events,
             "agent_replay": self.spec.agent_replay,
+            "dp_ranks": self.spec.dp_ranks,
             "models": sorted(self.models),
             "configured": self.configured,
             "healthy": self.healthy,

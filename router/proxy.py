@@ -20,6 +20,7 @@ from aiohttp import web
 
 from router.config import GatewayConfig
 from router.errors import GatewayError
+from router.kv_transport import cache_name
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool, describe_error
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS
@@ -41,7 +42,9 @@ RETRYABLE_STATUSES = frozenset({502, 503})
 CLIENT_CLOSED = "499"
 
 
-# (worker, a request's block keys, cached tokens its answer reported): what the KV block index learns from answers
+# which rank of a data-parallel engine serves a request (vLLM 0.32 reads it in OpenAIServing._get_data_parallel_rank)
+DP_RANK_HEADER = "X-data-parallel-rank"
+# (a worker's cache, a request's block keys, cached tokens its answer reported): what the KV index learns from answers
 Learn = Callable[[str, Sequence[int], int], None]
 
 
@@ -145,8 +148,11 @@ class Proxy:
             type="upstream_error", code="upstream_failed",
         )
 
-    def _upstream_headers(self, request: web.Request, worker: Worker) -> list[tuple[str, str]]:
+    def _upstream_headers(self, request: web.Request, decision: Decision) -> list[tuple[str, str]]:
+        worker = decision.worker
         headers = [(name, value) for name in FORWARDED_REQUEST_HEADERS if (value := request.headers.get(name))]
+        if decision.dp_rank is not None:
+            headers.append((DP_RANK_HEADER, str(decision.dp_rank)))
         if self._config.upstream_api_key:
             headers.append(("Authorization", f"Bearer {self._config.upstream_api_key}"))
         elif worker.configured and "Authorization" in request.headers:
@@ -168,7 +174,7 @@ class Proxy:
         self._metrics.worker_reported_cached_tokens.labels(worker).inc(cached)
         self._metrics.worker_predicted_cached_tokens.labels(worker).inc(predicted)
         if self._learn is not None and route.token_ids is not None:  # text-mode keys are no engine's blocks
-            self._learn(worker, route.block_keys, cached)
+            self._learn(cache_name(worker, decision.dp_rank), route.block_keys, cached)
 
     def _connection_lost(self, worker: Worker, exc: BaseException) -> _Retry:
         self._pool.report_connection_error(worker, describe_error(exc))
@@ -203,7 +209,7 @@ class Proxy:
             async with asyncio.timeout(headers_timeout):
                 upstream = await self._upstream.request(
                     request.method, worker.url + request.rel_url.raw_path_qs,
-                    self._upstream_headers(request, worker), body, read_timeout=cfg.read_timeout_s,
+                    self._upstream_headers(request, decision), body, read_timeout=cfg.read_timeout_s,
                 )
         except TimeoutError:
             raise self._timeout(worker, model_label, "did not answer", headers_timeout) from None

@@ -31,11 +31,13 @@ class RouteRequest:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The chosen worker, a short reason (a metric label) and the prefix tokens expected to be cached there."""
+    """The chosen worker, a short reason (a metric label) and the prefix tokens expected to be cached there; for a
+    data-parallel engine, the rank to serve it (sent as vLLM's `X-data-parallel-rank`), if the strategy chose one."""
 
     worker: Worker
     reason: str
     predicted_cached_tokens: int = 0
+    dp_rank: int | None = None
 
 
 @dataclass(frozen=True)

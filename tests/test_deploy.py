@@ -436,7 +436,7 @@ print(json.dumps(results))
 @pytest.mark.vllm
 def test_vllm_command_lines_parse_with_vllm() -> None:
     """compose.gpu.yaml's and the StatefulSet's `vllm serve` arguments, through vLLM 0.32's own parser."""
-    from tests.vllm_server import ensure_vllm_venv
+    from bench.vllm_engine import ensure_vllm_venv
 
     python = ensure_vllm_venv()
     services = compose_config(DOCKER / "compose.gpu.yaml")["services"]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import aiohttp
 import msgspec
 import zmq
 import zmq.asyncio
@@ -27,7 +30,7 @@ from router.kv_apply import ContentIdentity, KvEventApplier
 from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
-from tests.conftest import eventually
+from tests.conftest import eventually, running_gateway, running_standin
 
 WORKER = "http://127.0.0.1:9"
 BS = 4
@@ -524,3 +527,54 @@ def test_naming_a_block_costs_the_same_however_many_names_are_kept() -> None:
 
     small, large = seconds_per_put(1_000), seconds_per_put(200_000)
     assert large < 4 * small, (small, large)
+
+
+def _two_free_ports() -> int:
+    """A free port whose successor is free too (a data-parallel engine publishes rank r on port + r)."""
+    for _ in range(100):
+        port = free_port()
+        with contextlib.suppress(OSError), socket.socket() as s:
+            s.bind(("127.0.0.1", port + 1))
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+async def test_a_data_parallel_engine_is_indexed_per_rank_and_routed_with_the_rank_header(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Issue 12 item 6: a data-parallel engine has a cache per rank, each with its own publisher (vLLM: the
+    configured port + rank, batches labelled with the rank). The gateway indexes each rank and sends a request to
+    the rank holding its prefix with vLLM's `X-data-parallel-rank` header."""
+    events, replay = _two_free_ports(), _two_free_ports()
+    publishers = [KvEventPublisher(f"tcp://*:{events + r}", f"tcp://*:{replay + r}", data_parallel_rank=r)
+                  for r in range(2)]
+    for publisher in publishers:
+        await publisher.start()
+    ids = [[10 + r * 100 + t for t in range(32)] for r in range(2)]  # a prefix of 8 blocks per rank
+    try:
+        async with running_standin() as worker:
+            spec = f"{worker.url};events=tcp://127.0.0.1:{events};replay=tcp://127.0.0.1:{replay};dp_ranks=2"
+            async with running_gateway([spec], strategy="kv", block_size=BS) as gw:
+                hub = gw.gateway.kv_events
+                assert hub is not None
+                caches = [f"{worker.url}#dp{r}" for r in range(2)]
+                while not all(hub.trusted(c) for c in caches):
+                    for r, publisher in enumerate(publishers):
+                        publisher.publish([BlockStored(block_hashes=list(range(r * 100, r * 100 + 8)),
+                                                       token_ids=ids[r], block_size=BS)])
+                    await asyncio.sleep(0.05)
+                await eventually(lambda: all(len(hub.engine_hashes(c, GPU)) == 8 for c in caches))
+                for rank in (1, 0, 1):
+                    body = {"model": "tiny", "prompt": [*ids[rank], 7, 7, 7, 7, 7], "max_tokens": 1}
+                    async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                        assert resp.status == 200
+                    assert worker.stats.last_headers.get("X-data-parallel-rank") == str(rank)
+                # a batch of one rank on another's endpoint is not taken for it
+                publishers[1]._rank = 0
+                publishers[1].publish([BlockStored(block_hashes=[999], token_ids=[1, 2, 3, 4], block_size=BS)])
+                await eventually(lambda: metric(gw.gateway.metrics, "kvgate_kv_event_mismatches_total",
+                                                worker=caches[1], reason="dp_rank") == 1)
+                assert 999 not in hub.engine_hashes(caches[1], GPU) and not hub.trusted(caches[1])
+    finally:
+        for publisher in publishers:
+            await publisher.close()

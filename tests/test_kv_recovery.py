@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from bench.procs import free_port
+from bench.vllm_engine import ensure_vllm_venv
 from router.kv_index import GPU, InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from tests.conftest import eventually
-from tests.vllm_server import ensure_vllm_venv
 
 WORKER = "http://127.0.0.1:9"
 PUBLISHER = Path(__file__).with_name("vllm_publisher.py")

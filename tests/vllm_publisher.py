@@ -1,5 +1,5 @@
 """vLLM's own KV-event publisher (`vllm.distributed.kv_events.ZmqEventPublisher`), kept busy: run with the vLLM
-venv's Python (tests/vllm_server.py finds it), it publishes one batch every `--interval-s` until its stdin closes.
+venv's Python (bench/vllm_engine.py finds it), it publishes one batch every `--interval-s` until its stdin closes.
 
 Batch i stores block `FIRST_HASH + i` (token ids `i * block_size ...`, parent: the block before) and removes the
 block `window` places back, so after batch i the engine holds exactly blocks i-window+1 .. i. Prints one JSON

@@ -236,7 +236,8 @@ def start_sim_fleet(
                     "--events-port", str(events), "--replay-port", str(replay), *common]
             agent = None
             if agents is not None:
-                agent = _agent_process(i, fleet, agents, _block_size(common), run_env)
+                assert fleet.workdir is not None
+                agent = agent_process(i, fleet.workdir, fleet.valkey_url, agents, _block_size(common), run_env)
                 argv += ["--agent-socket", agent.socket_path, *agents.sim_args]
             fleet.replicas.append(SimReplicaProcess(i, port, events, replay, agent=agent, name=f"sim replica {i}",
                                                     argv=argv, env=run_env))
@@ -262,10 +263,11 @@ def _block_size(args: Sequence[str]) -> int:
     return 0
 
 
-def _agent_process(index: int, fleet: SimFleet, settings: AgentSettings, block_size: int,
-                   env: dict[str, str]) -> SimAgentProcess:
-    assert fleet.workdir is not None
-    socket_path = str(fleet.workdir / f"agent-{index}.sock")
+def agent_process(index: int, workdir: Path, valkey_url: str | None, settings: AgentSettings, block_size: int,
+                  env: dict[str, str]) -> SimAgentProcess:
+    """Replica `index`'s `kvgate agent` (not started), its socket and NVMe directory in `workdir`, its shared tier
+    on `valkey_url` (if any), events on free ports."""
+    socket_path = str(workdir / f"agent-{index}.sock")
     metrics, events, replay = free_port(), free_port(), free_port()
     argv = [sys.executable, "-m", "kvgate.cli", "agent", "--socket-path", socket_path,
             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics),
@@ -275,11 +277,11 @@ def _agent_process(index: int, fleet: SimFleet, settings: AgentSettings, block_s
         argv += ["--dram-capacity", settings.dram_capacity]
     nvme_dir = None
     if settings.nvme:
-        nvme_dir = fleet.workdir / f"nvme-{index}"
+        nvme_dir = workdir / f"nvme-{index}"
         nvme_dir.mkdir()
         argv += ["--nvme-dir", str(nvme_dir)]
-    if fleet.valkey_url is not None:
-        argv += ["--shared-backend", "redis", "--shared-url", fleet.valkey_url,
+    if valkey_url is not None:
+        argv += ["--shared-backend", "redis", "--shared-url", valkey_url,
                  "--shared-index-refresh-s", str(settings.shared_index_refresh_s)]
     argv += list(settings.extra_args)
     return SimAgentProcess(index, socket_path, metrics, events, replay, nvme_dir, name=f"agent {index}", argv=argv,

