@@ -190,9 +190,8 @@ class TierStore:
         held = len(items) - len(refused)
         if refused:  # bigger than the whole DRAM tier
             held += self._store_below(self._below(dram), [it for it, _n in refused], [n for _it, n in refused])
-        if self.policy.eager:
-            fresh = [(key, n) for key, n, was in zip(keys, uses, known, strict=True) if not was]
-            self._write_through(dram, fresh)
+        if self.policy.eager:  # every block, not just new ones: a block stored again may now be admitted below
+            self._write_through(dram, list(zip(keys, uses, strict=True)))
         return held
 
     def _store_below(self, tiers: list[Tier], items: list[StoreItem], uses: list[int]) -> int:
@@ -206,16 +205,16 @@ class TierStore:
                 held |= self._store_in(tier, todo)
         return len(held)
 
-    def _write_through(self, source: Tier, fresh: list[tuple[BlockKey, int]]) -> None:
-        """Eager: copy newly stored blocks from `source`'s memory to the lower tiers that admit them, in the
-        background (one write / one pipeline per chain)."""
+    def _write_through(self, source: Tier, used: list[tuple[BlockKey, int]]) -> None:
+        """Eager: copy blocks just used (stored or hit) from `source`'s memory to the lower tiers that admit them
+        now and do not hold them yet, in the background (one write / one pipeline per chain)."""
         below = [t.name for t in self._below(source)]
         descent: Descent = {}
         size = 0
-        for key, n in fresh:
-            block = source.held(key)
-            targets = self.policy.write_through(below, n)
-            if block is None or not targets:
+        for key, n in used:
+            targets = [t for t in self.policy.write_through(below, n) if not self._tier(t).contains(key)]
+            block = source.held(key) if targets else None
+            if block is None:
                 continue
             for target in targets:
                 descent.setdefault(target, []).append((key, block))
@@ -277,6 +276,7 @@ class TierStore:
         keys = [(layout, h) for h in hashes]
         lengths: list[int] = []
         failed: set[tuple[TierName, int]] = set()
+        dram_hits: list[tuple[BlockKey, int]] = []
         i = 0
         while i < len(keys):
             if self.dram is not None:
@@ -284,7 +284,7 @@ class TierStore:
                 n = self.dram.read_into(keys[i], outs[i])
                 if n is not None:
                     self._observe("load", self.dram.name, started)
-                    self.uses.bump(keys[i])
+                    dram_hits.append((keys[i], self.uses.bump(keys[i])))
                     lengths.append(n)
                     i += 1
                     continue
@@ -306,6 +306,8 @@ class TierStore:
             i = run
         if self.dram is not None and lengths:
             self.dram.touch(keys[: len(lengths)])
+            if self.policy.eager and dram_hits:  # a hit is a use: it may be what admits the block below
+                self._write_through(self.dram, dram_hits)
         return lengths
 
     def _lower_run(self, keys: list[BlockKey], i: int, failed: set[tuple[TierName, int]]) -> tuple[Tier | None, int]:

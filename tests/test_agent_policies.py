@@ -232,3 +232,21 @@ def test_policy_decisions() -> None:
     assert eager.demote_to(below, 9) is None  # written through already
     assert TierPolicy.from_config(AgentConfig(write_policy="eager", promote_on_hit=False)) == TierPolicy(
         eager=True, promote_on_hit=False)
+
+
+def test_eager_with_admission_writes_a_block_through_once_it_is_used_enough(tmp_path: Path) -> None:
+    """Issue 14: under eager with --nvme-admit-reuse 2 a block stored again (or hit) in DRAM never went below."""
+    store = make_store(tmp_path, write_policy="eager", nvme_admit_reuse=2, shared_admit_reuse=3)
+    assert store.nvme is not None and store.shared is not None
+    store.store_chain(LAYOUT, [1, 2], [payload(1), payload(2)])
+    store.drain()
+    assert not store.nvme.contains((LAYOUT, 1))
+    store.store_chain(LAYOUT, [1, 2], [payload(1), payload(2)])  # the same chain again, still in DRAM
+    store.drain()
+    assert store.nvme.contains((LAYOUT, 1)) and store.nvme.contains((LAYOUT, 2))
+    assert not store.shared.contains((LAYOUT, 1))
+    assert store.load_chain(LAYOUT, [1], outs(1)) == [SIZE]  # a DRAM hit is the third use
+    store.drain()
+    assert store.shared.contains((LAYOUT, 1)) and not store.shared.contains((LAYOUT, 2))
+    assert store.flow.write_through == {"nvme": 2, "shared": 1}
+    store.close()

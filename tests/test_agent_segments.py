@@ -108,6 +108,27 @@ def test_byte_bound_drops_oldest_segments(tmp_path: Path) -> None:
     assert not tier.store((LAYOUT, 1000), payload(1, capacity))  # bigger than the tier
 
 
+def test_upkeep_eviction_keeps_a_hot_block_of_the_oldest_segment(tmp_path: Path) -> None:
+    """Issue 14: eviction dropped the oldest segment whole, hot blocks too (docs said a hot block lives on)."""
+    tier = SegmentNvmeTier(tmp_path, capacity=40 * RECORD, high_watermark=0.9, low_watermark=0.5, fsync=False,
+                           segment_bytes=4 * RECORD)
+    for i in range(38):
+        assert tier.store((LAYOUT, i), payload(i))
+    assert read(tier, 1) == payload(1)  # block 1 (first segment) is used; 0, 2, 3 are not
+    assert tier.above_high_watermark()
+    tier.evict_to_low_watermark()
+    assert tier.usage().used_bytes <= 20 * RECORD and on_disk(tmp_path) == tier.usage().used_bytes
+    assert read(tier, 1) == payload(1)
+    assert all(read(tier, i) is None for i in (0, 2, 3))
+    for i in range(38, 60):  # once appended again, it must be used again to survive the next round
+        tier.store((LAYOUT, i), payload(i))
+    tier.evict_to_low_watermark()
+    tier.store_many([])
+    assert tier.usage().used_bytes <= 40 * RECORD
+    reopened = SegmentNvmeTier(tmp_path, capacity=40 * RECORD, fsync=False, segment_bytes=4 * RECORD)
+    assert reopened.usage().blocks == tier.usage().blocks  # the rewritten record is what a restart finds
+
+
 DISK_FULL_SCRIPT = """
 import resource, signal, sys
 from agent.tiers.base import StoreItem

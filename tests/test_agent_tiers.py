@@ -14,7 +14,7 @@ import redis
 import redis.cluster
 
 from agent.block import HEADER_SIZE, BlockError, ChecksumError, key_name, pack, parse_key_name, verify
-from agent.tiers.base import DiskSpace, Removed, StoreItem
+from agent.tiers.base import DiskSpace, Removed, StoreItem, TierUsage
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.segments import SegmentNvmeTier
@@ -131,6 +131,41 @@ def test_dram_eviction_does_not_walk_past_old_parents() -> None:
     behind_leaves = min(pressure_stores(heads=False) for _ in range(3))
     behind_heads = min(pressure_stores(heads=True) for _ in range(3))
     assert behind_heads < 4 * behind_leaves, (behind_heads, behind_leaves)
+
+
+def test_dram_bound_holds_for_a_chain_longer_than_the_tier() -> None:
+    """Issue 14: a chain's blocks protect their parents, so a 3,000-byte tier took a 10-block chain whole (10,000
+    bytes). The chain's head stays (what a lookup can use), its tail is refused (the store moves it below)."""
+    tier = DramTier(capacity=3000)
+    evicted = removals(tier)
+    tier.store(key(100), payload(100))  # an unrelated block goes first
+    held = tier.store_many([StoreItem(key(i), payload(i), None, key(i - 1) if i else None) for i in range(10)])
+    assert held == 3 and tier.usage().used_bytes == 3000
+    assert [r.key for r in evicted] == [key(100)]
+    assert all(tier.contains(key(i)) for i in range(3)) and not tier.contains(key(3))
+    assert tier.stats.refused == 7
+
+
+def test_dram_delete_is_constant_time() -> None:
+    """Deleting a block looked through every resident block for its children (O(n) each, O(n^2) for n)."""
+
+    def delete_all(n: int) -> float:
+        tier = DramTier(capacity=10 * n)
+        tier.store_many([StoreItem(key(i), b"x", None, key(i - 1) if i % 4 else None) for i in range(n)])
+        started = time.perf_counter()
+        for i in range(0, n, 2):  # parents and children, every other block
+            tier.delete(key(i))
+        elapsed = time.perf_counter() - started
+        assert tier.usage().blocks == n // 2
+        tier.store_many([StoreItem(key(i), b"x") for i in range(0, n, 2)])  # stored again: counts nothing
+        for i in range(n):
+            tier.delete(key(i))
+        assert tier.usage() == TierUsage(0, 0, 10 * n)
+        return elapsed
+
+    small = min(delete_all(2_000) for _ in range(3))
+    large = min(delete_all(20_000) for _ in range(3))
+    assert large < 30 * small, (large, small)  # linear: ~10x; quadratic: ~100x
 
 
 def test_dram_watermarks() -> None:

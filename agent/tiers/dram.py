@@ -22,10 +22,11 @@ from agent.block import BlockKey
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class DramBlock(HeldBlock):
     children: int = 0  # resident blocks whose parent this is: while any, this block is not evicted
     used: int = 0  # when it was last stored or read (a tick of the tier's clock)
+    counted_by: DramBlock | None = None  # the parent block whose `children` counts this one
 
 
 class DramTier:
@@ -61,8 +62,16 @@ class DramTier:
         """Copy blocks in; what is evicted for them is reported once, so it can move down together."""
         evicted: list[Removed] = []
         held = 0
+        refused: BlockKey | None = None
         for key, payload, digest, parent in items:
-            held += self._store(key, payload, digest, parent, evicted)
+            if parent is not None and parent == refused:  # the rest of a chain the tier cannot hold whole
+                self.stats.add("refused")
+                refused = key
+                continue
+            if self._store(key, payload, digest, parent, evicted):
+                held += 1
+            else:
+                refused = key
         self._report(evicted)
         return held
 
@@ -84,12 +93,18 @@ class DramTier:
                 return True
             if self._used + size > self.capacity:
                 evicted += self._evict_locked(self.capacity - size, protect=parent)
+                if self._used + size > self.capacity:
+                    # what is left is this block's own ancestors (a chain longer than the tier): keep the chain's
+                    # head, which is what a lookup can use, and refuse its tail
+                    self.stats.refused += 1
+                    return False
             block = DramBlock(bytearray(payload), None, digest)
             if parent is not None:
                 parent_block = blocks.get(parent)
                 if parent_block is not None:
                     parent_block.children += 1
                     block.parent = parent
+                    block.counted_by = parent_block
             blocks[key] = block
             self._use_locked(key, block)
             self._used += size
@@ -124,11 +139,9 @@ class DramTier:
             block = self._blocks.get(key)
             if block is None:
                 return False
+            # its children stay (leaves or not, they are evictable by their own count); a block stored later
+            # under this key does not count them (they are counted by the object, `counted_by`)
             self._remove_locked(key, block)
-            # orphan the children: they stay, and become evictable in their own right
-            for other in self._blocks.values():
-                if other.parent == key:
-                    other.parent = None
         self._report([Removed(key)])
         return True
 
@@ -197,12 +210,11 @@ class DramTier:
     def _remove_locked(self, key: BlockKey, block: DramBlock) -> None:
         del self._blocks[key]
         self._used -= len(block.data)
-        if block.parent is not None:
-            parent_block = self._blocks.get(block.parent)
-            if parent_block is not None:
-                parent_block.children -= 1
-                if parent_block.children == 0:  # a leaf again, as old as its last use
-                    heapq.heappush(self._leaves, (parent_block.used, block.parent))
+        parent_block = block.counted_by
+        if parent_block is not None and block.parent is not None and self._blocks.get(block.parent) is parent_block:
+            parent_block.children -= 1
+            if parent_block.children == 0:  # a leaf again, as old as its last use
+                heapq.heappush(self._leaves, (parent_block.used, block.parent))
 
     def _report(self, removed: list[Removed]) -> None:
         if removed and self.on_removed is not None:

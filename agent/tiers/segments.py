@@ -3,7 +3,9 @@
 Why not one file per block: creating a file costs ~0.5 ms on the disks measured here, 15x the time to write a
 64 KiB block sequentially, so file-per-block (the `files` layout, agent/tiers/nvme.py) cannot come near raw disk
 speed for KV-sized blocks. Appending records to a segment is a sequential write; space is reclaimed a segment
-at a time (the oldest segment is dropped whole -- FIFO eviction, the shape of CacheLib's block cache regions).
+at a time (the oldest segment is dropped whole -- FIFO eviction, the shape of CacheLib's block cache regions);
+the upkeep's eviction first appends again the blocks read since they were written (CacheLib's reinsertion), so a
+hot block does not go with its old segment.
 
 A record is `header (32 B) + key + meta digest (8 B) + payload`. The header's payload checksum covers the payload;
 the meta digest covers header and key, so neither a corrupt payload nor a corrupt key can ever be served.
@@ -90,6 +92,7 @@ class _Segment:
     read_fd: int | None = None
     readers: int = 0  # reads in progress: the read fd is closed by the last one once the segment is dropped
     dropped: bool = False
+    hot: set[BlockKey] = field(default_factory=set)  # blocks read since they were written here
 
 
 @dataclass(slots=True)
@@ -259,7 +262,7 @@ class SegmentNvmeTier:
             held += self._append(group)
         return held
 
-    def _append(self, records: list[_Record], retry: bool = True) -> int:
+    def _append(self, records: list[_Record], retry: bool = True, again: bool = False) -> int:
         """Append records back to back at the end of the active segment, one pwritev; how many of them are held
         afterwards. A failed write gives its bytes back and seals the segment (never append after a hole). A
         group that cannot be written is tried again a record at a time, so what fits is kept; a record that
@@ -267,8 +270,8 @@ class SegmentNvmeTier:
         write: in a new segment)."""
         error: OSError | None = None
         segment: _Segment | None = None
-        with self._lock:
-            fresh = [r for r in records if r.key not in self._index and r.key not in self._pending]
+        with self._lock:  # `again`: blocks already held, appended anew so they outlive their old segment
+            fresh = [r for r in records if (again or r.key not in self._index) and r.key not in self._pending]
             held = len(records) - len(fresh)
             if not fresh:
                 return held
@@ -307,6 +310,8 @@ class SegmentNvmeTier:
                 if kept:
                     position = offset
                     for r in fresh:
+                        if again and r.key not in self._index:
+                            continue  # forgotten while we wrote: stays forgotten
                         self._index[r.key] = _Location(segment.seg_id, position, r.meta_end, r.length)
                         segment.keys.add(r.key)
                         position += r.size
@@ -320,19 +325,19 @@ class SegmentNvmeTier:
                 self.stats.add("stores", len(fresh))
                 return held + len(fresh)
         if error is not None and len(fresh) > 1:
-            return held + sum(self._append([r]) for r in fresh)
+            return held + sum(self._append([r], again=again) for r in fresh)
         if error is not None and retry and error.errno in _FULL:
             if error.errno != errno.EFBIG:  # the disk is full: free the oldest segment
                 with self._lock:
                     self._evict_oldest_locked()
-            return held + self._append(fresh, retry=False)
+            return held + self._append(fresh, retry=False, again=again)
         if error is not None and not isinstance(error, _ReserveReached):
             log.warning("nvme segments: cannot write a block: %s", error)
         self.stats.add("refused", len(fresh))
         return held
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
-        return self.read_many([key], [out])[0]
+        return self.read_many([key], [out], touch)[0]
 
     def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
         """Read blocks into `outs`; records lying back to back in one segment (a chain stored together) are
@@ -372,13 +377,17 @@ class SegmentNvmeTier:
             finally:
                 self._release_reader(segment)
             position = 0
-            hits = 0
+            hits: list[BlockKey] = []
             for k, loc in enumerate(run):
                 position += loc.payload_offset + loc.length
                 length = self._checked(keys[i + k], loc, metas[k], views[k], whole=got >= position)
-                hits += length is not None
+                if length is not None:
+                    hits.append(keys[i + k])
                 results.append(length)
-            self.stats.add("hits", hits)
+            if touch and hits:
+                with self._lock:
+                    segment.hot.update(hits)
+            self.stats.add("hits", len(hits))
             i += len(run)
         return results
 
@@ -411,7 +420,7 @@ class SegmentNvmeTier:
         return None
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        pass  # first in, first out: a hot block lives on in DRAM, and is written again once its segment is gone
+        pass  # reads mark blocks hot; the upkeep's eviction appends hot blocks again before their segment goes
 
     def delete(self, key: BlockKey) -> bool:
         """Forget a block; its bytes stay until its segment is dropped."""
@@ -431,6 +440,33 @@ class SegmentNvmeTier:
         return self._used > self.high_bytes
 
     def evict_to_low_watermark(self) -> None:
+        """Drop the oldest segments down to the low watermark; blocks read since they were written there are
+        appended again first (once: they must be read again to survive the next time), up to half the bytes
+        freed, so a hot block does not go with its old segment."""
+        with self._lock:
+            freed = 0
+            excess = self._used - self.low_bytes
+            hot: list[tuple[BlockKey, int]] = []
+            for segment in self._segments.values():
+                if freed >= excess or segment is self._active or segment.inflight:
+                    break
+                freed += segment.size
+                hot.extend((key, loc.length) for key in segment.hot
+                           if (loc := self._index.get(key)) is not None and loc.seg_id == segment.seg_id)
+        budget = max(0, excess) // 2
+        keep: list[tuple[BlockKey, int]] = []
+        for key, length in hot:
+            if length + HEADER_SIZE + 16 > budget:
+                continue
+            budget -= length + HEADER_SIZE + 16
+            keep.append((key, length))
+        if keep:
+            outs = [memoryview(bytearray(length)) for _key, length in keep]
+            got = self.read_many([key for key, _n in keep], outs, touch=False)
+            records = [self._record(key, out[:n], None) for (key, _l), out, n in zip(keep, outs, got, strict=True)
+                       if n is not None]
+            for start in range(0, len(records), _MAX_GROUP):
+                self._append(records[start: start + _MAX_GROUP], again=True)
         with self._lock:
             self._evict_locked(self.low_bytes)
 
