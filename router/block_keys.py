@@ -32,7 +32,12 @@ def chain_key(parent: BlockKey, block_tokens: Sequence[int]) -> BlockKey:
 
 def block_keys(token_ids: Sequence[int], block_size: int, root: BlockKey) -> list[BlockKey]:
     """Keys of every full block of `token_ids`, each chained to the one before."""
-    data = memoryview(_token_bytes(token_ids))
+    return chain_keys(array("I", token_ids), block_size, root)
+
+
+def chain_keys(token_ids: array[int], block_size: int, root: BlockKey) -> list[BlockKey]:
+    """`block_keys` of ids already held as uint32: one hash call per block, nothing per token."""
+    data = memoryview(token_ids).cast("B")
     step = block_size * 4
     keys: list[BlockKey] = []
     parent = root

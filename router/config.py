@@ -207,7 +207,10 @@ class GatewayConfig:
         1.0, "longest a client's chat template may take to render (waiting for a sandbox included); the process is "
         "killed and replaced after, the request routed in text mode"
     )
-    chat_cache_entries: int = option(8192, "rendered chat segments kept tokenized, so a new turn costs its new text")
+    prompt_cache_bytes: int = option(
+        256 * 1024 * 1024, "bytes of recent prompts kept tokenized (text, token ids, block keys), so a prompt that "
+        "starts like a recent one is encoded only from where they part"
+    )
     # KV events in and the block index, for strategies that read them (`kv`)
     kv_index_max_entries: int = option(20_000_000, "kv: most (block, worker) entries in the block index")
     kv_identity_blocks: int = option(

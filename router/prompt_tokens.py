@@ -5,10 +5,9 @@ a directory may be a model directory or a Hugging Face cache) and is `router.tok
 gives exactly vLLM's prompt token ids. Long prompts are tokenized in a thread pool (`tokenizers` releases the
 GIL), so the event loop never waits on them.
 
-Multi-turn conversations resend their whole history. A rendered chat prompt is cut before each special token
-(`<|im_start|>` …); the tokenizer splits its input at special tokens before anything else, so the pieces encode
-independently, and each piece's ids are kept in an LRU cache: a new turn encodes only its new text. The cut is
-checked against whole-text encoding when a tokenizer loads and disabled if they ever differ.
+Prompts repeat their beginnings (a system prompt, a conversation's earlier turns, a document): router/token_cache.py
+keeps recent prompts' token ids and block keys, bounded in bytes (`prompt_cache_bytes`), so a prompt that starts
+like a recent one is encoded only from a verified seam near where they part.
 
 Without a tokenizer for a model the service runs in text mode, labelled as such in metrics and logs: the
 prompt's text (a canonical rendering of the messages) is cut into fixed-size character blocks (`CHARS_PER_TOKEN`
@@ -19,12 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import threading
 import time
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,24 +29,19 @@ from typing import Any
 import orjson
 
 from kvcore.config import ConfigError
-from router.block_keys import BlockKey, block_keys, longest_run, root_key
+from router.block_keys import BlockKey, block_keys, root_key
 from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
 from router.requests import ChatPrompt, CompletionPrompt, Prompt
 from router.template_sandbox import RenderFailed, TemplateSandbox, sandbox_memory_bytes
+from router.token_cache import TokenCache
 from router.tokenizer import ModelTokenizer, TokenizationError, chat_adds_special_tokens
 
 log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # text mode: one "token" is this many characters, one block is block_size of them
 INLINE_CHARS = 2048  # prompts shorter than this are tokenized on the event loop (the thread hop costs more)
-PARALLEL_CHARS = 8192  # new chat text longer than this is encoded on the tokenizer's own threads
 TOKENS, TEXT = "tokens", "text"
-_SELF_CHECK = [
-    [{"role": "system", "content": "You are a careful assistant.\n"}, {"role": "user", "content": "Hi there!"}],
-    [{"role": "user", "content": "def f(x):\n    return x  # <|im_end|> in text\n"},
-     {"role": "assistant", "content": " spaced  out \n\n"}, {"role": "user", "content": "Ünïcödé — ok?"}],
-]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,178 +50,8 @@ class PromptKeys:
 
     block_keys: list[BlockKey]
     prompt_tokens: int  # exact with a tokenizer or token-id prompt, estimated in text mode
-    token_ids: list[int] | None  # None in text mode
+    token_ids: Sequence[int] | None  # None in text mode
     mode: str  # TOKENS or TEXT
-
-
-class SegmentCachingTokenizer(ModelTokenizer):
-    """`ModelTokenizer` whose special-token-free encoding (the chat path) reuses the ids of text pieces it saw
-    before, so a conversation's next turn encodes only its new text."""
-
-    def __init__(self, model_dir: str | Path, cache_entries: int) -> None:
-        super().__init__(model_dir)
-        self._pieces: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()  # piece -> ids, ids as uint32
-        self._limit = cache_entries
-        self._lock = threading.Lock()
-        self._local = threading.local()  # the token bytes of the last prompt this thread encoded
-        self.encoded_chars = 0  # characters that went through the tokenizer on the cached path (cache misses)
-        self._cut = self._cut_pattern()
-        if self._cut is not None and not self._cuts_are_exact():
-            log.warning("tokenizer in %s: encoding pieces cut at special tokens differs from whole-text encoding;"
-                        " multi-turn caching disabled", model_dir)
-            self._cut = None
-
-    def _cut_pattern(self) -> re.Pattern[str] | None:
-        """Special tokens the tokenizer always splits at: not normalized, not single-word, not eating the
-        whitespace to their left."""
-        decoder = self._tok.get_added_tokens_decoder()
-        texts = sorted(
-            {t.content for t in decoder.values()
-             if t.special and not t.normalized and not t.single_word and not t.lstrip and t.content},
-            key=len, reverse=True,
-        )
-        return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
-
-    def _cuts_are_exact(self) -> bool:
-        try:
-            samples = [self.render_chat(m) for m in _SELF_CHECK]
-        except TokenizationError:
-            samples = []
-        samples.append("".join(t for t in self.special_tokens.values()) + " plain text after specials ")
-        return all(self._encode_pieces(s) == super(SegmentCachingTokenizer, self).encode(
-            s, add_special_tokens=False) for s in samples)
-
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        if add_special_tokens or self._cut is None or len(text) < 256:
-            return super().encode(text, add_special_tokens=add_special_tokens)
-        return self._encode_pieces(text)
-
-    def _encode_pieces(self, text: str) -> list[int]:
-        assert self._cut is not None
-        starts = [m.start() for m in self._cut.finditer(text)]
-        if not starts or starts[0] != 0:
-            starts.insert(0, 0)
-        starts.append(len(text))
-        pieces = [text[starts[i]:starts[i + 1]] for i in range(len(starts) - 1)]
-        cache = self._pieces
-        found: list[tuple[list[int], bytes] | None] = []
-        with self._lock:
-            for piece in pieces:
-                hit = cache.get(piece)
-                if hit is not None:
-                    cache.move_to_end(piece)
-                found.append(hit)
-        missing = [piece for piece, hit in zip(pieces, found, strict=True) if hit is None]
-        if missing:
-            size = sum(map(len, missing))
-            if size > PARALLEL_CHARS:
-                # one call for every new piece: the tokenizer spreads a batch over its threads, and the fast
-                # variant skips the offsets nobody reads here
-                encoded = iter(e.ids for e in self._tok.encode_batch_fast(missing, add_special_tokens=False))
-            else:  # a new turn: waking the tokenizer's thread pool would cost more than encoding it here
-                encoded = iter(self._tok.encode(piece, add_special_tokens=False).ids for piece in missing)
-            self.encoded_chars += size
-            with self._lock:
-                for i, piece in enumerate(pieces):
-                    if found[i] is None:
-                        ids = next(encoded)
-                        found[i] = cache[piece] = (ids, array("I", ids).tobytes())
-                while len(cache) > self._limit:
-                    cache.popitem(last=False)
-        out: list[int] = []
-        chunks: list[bytes] = []
-        for hit in found:
-            assert hit is not None
-            out += hit[0]
-            chunks.append(hit[1])
-        # converting a long id list to bytes for hashing costs more than joining the pieces' bytes
-        self._local.last = (out, b"".join(chunks))
-        return out
-
-    def prompt_ids_and_bytes(self, body: Mapping[str, Any], *, chat: bool) -> tuple[list[int], bytes]:
-        """`prompt_ids`, and the ids as native uint32 bytes (what block hashing reads)."""
-        return self._with_bytes(lambda: self.prompt_ids(body, chat=chat))
-
-    def text_ids_and_bytes(self, text: str, *, add_special_tokens: bool) -> tuple[list[int], bytes]:
-        """`encode`, and the ids as native uint32 bytes."""
-        return self._with_bytes(lambda: self.encode(text, add_special_tokens=add_special_tokens))
-
-    def _with_bytes(self, ids_of: Callable[[], list[int]]) -> tuple[list[int], bytes]:
-        self._local.last = None
-        ids = ids_of()
-        last = self._local.last
-        self._local.last = None
-        if last is not None and last[0] is ids:
-            return ids, last[1]
-        return ids, array("I", ids).tobytes()
-
-    def clear_cache(self) -> None:
-        with self._lock:
-            self._pieces.clear()
-
-    @property
-    def cached_pieces(self) -> int:
-        return len(self._pieces)
-
-
-class ChainMemo:
-    """Block keys of recent prompts, so a prompt extending one hashed before (a conversation's next turn, a
-    shared system prompt) hashes only its new blocks. Recent prompts are grouped by their first block; each
-    group keeps the last few, and a new prompt reuses the keys of the longest common full-block prefix."""
-
-    def __init__(self, block_size: int, max_bytes: int = 32 << 20, per_group: int = 4) -> None:
-        self.block_size = block_size
-        self._step = block_size * 4  # bytes per block of uint32 token ids
-        self._groups: OrderedDict[tuple[BlockKey, bytes], list[tuple[bytes, list[BlockKey]]]] = OrderedDict()
-        self._max_bytes = max_bytes  # token-id bytes kept (the keys add 1/(2 x block size) of that again)
-        self._bytes = 0
-        self._per_group = per_group
-        self._lock = threading.Lock()
-        self.reused_blocks = 0
-
-    def _common_blocks(self, old: bytes, new: bytes, limit: int) -> int:
-        step = self._step
-        if new.startswith(old[: limit * step]):  # the usual case: the old prompt is a prefix of the new one
-            return limit
-        # the most equal leading blocks: probe one block at a time, confirm the whole prefix once
-        same = longest_run(limit - 1, lambda i: old[i * step: (i + 1) * step] == new[i * step: (i + 1) * step])
-        return same if new.startswith(old[: same * step]) else 0
-
-    def keys(self, data: bytes, root: BlockKey) -> list[BlockKey]:
-        """Chained keys of every full block of `data` (token ids as native uint32), as `block_keys` gives."""
-        step = self._step
-        blocks = len(data) // step
-        if blocks == 0:
-            return []
-        head = (root, data[:step])
-        with self._lock:
-            candidates = list(self._groups.get(head, ()))
-        reuse, reused = 0, []
-        for old, old_keys in candidates:
-            n = self._common_blocks(old, data, min(len(old_keys), blocks))
-            if n > reuse:
-                reuse, reused = n, old_keys
-        keys = reused[:reuse]
-        if reuse < blocks:
-            tail = array("I")
-            tail.frombytes(data[reuse * step: blocks * step])
-            keys += block_keys(tail, self.block_size, keys[-1] if keys else root)
-        self.reused_blocks += reuse
-        with self._lock:
-            group = self._groups.get(head)
-            if group is None:
-                group = self._groups[head] = []
-            else:
-                self._groups.move_to_end(head)
-            group.insert(0, (data, keys))
-            self._bytes += len(data)
-            for dropped, _ in group[self._per_group:]:
-                self._bytes -= len(dropped)
-            del group[self._per_group:]
-            while self._bytes > self._max_bytes and len(self._groups) > 1:
-                for dropped, _ in self._groups.popitem(last=False)[1]:
-                    self._bytes -= len(dropped)
-        return keys
 
 
 def resolve_model_dir(path: str | Path, model: str | None = None) -> Path:
@@ -317,14 +138,13 @@ class PromptTokens:
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self.block_size = config.block_size
-        self._cache_entries = config.chat_cache_entries
         self._metrics = metrics
         self._named, self._default = parse_model_dirs(config.model_dir)
-        self._tokenizers: dict[str, SegmentCachingTokenizer] = {}  # by resolved directory
-        self._loading: dict[str, asyncio.Future[SegmentCachingTokenizer | None]] = {}
+        self._tokenizers: dict[str, ModelTokenizer] = {}  # by resolved directory
+        self._loading: dict[str, asyncio.Future[ModelTokenizer | None]] = {}
         self._failed: set[str] = set()
         self._directories: dict[str, str | None] = {}  # model -> resolved directory, or None for text mode
-        self._chains = ChainMemo(config.block_size)
+        self.cache = TokenCache(config.prompt_cache_bytes, config.block_size)
         self._executor = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="kvgate-tokenize")
         # a client's own chat template runs only in the sandbox, and only when the engines would run it too
         self._sandbox = TemplateSandbox(
@@ -341,10 +161,8 @@ class PromptTokens:
                     raise
 
     def clear_caches(self) -> None:
-        """Forget every cached piece and chain (benchmarks measure cold costs with it)."""
-        for tokenizer in self._tokenizers.values():
-            tokenizer.clear_cache()
-        self._chains = ChainMemo(self.block_size)
+        """Forget every cached prompt (benchmarks measure cold costs with it)."""
+        self.cache.clear()
 
     def start(self) -> None:
         """Start what runs beside the event loop (the template sandbox's processes)."""
@@ -377,7 +195,7 @@ class PromptTokens:
         self._directories[model] = directory
         return directory
 
-    async def tokenizer(self, model: str) -> SegmentCachingTokenizer | None:
+    async def tokenizer(self, model: str) -> ModelTokenizer | None:
         """The model's tokenizer, loaded once in the thread pool; None when there is none (text mode)."""
         directory = self._directory(model)
         if directory is None or directory in self._failed:
@@ -393,9 +211,9 @@ class PromptTokens:
         self._loading.pop(directory, None)
         return result
 
-    def _load(self, directory: str) -> SegmentCachingTokenizer | None:
+    def _load(self, directory: str) -> ModelTokenizer | None:
         try:
-            tokenizer = SegmentCachingTokenizer(directory, self._cache_entries)
+            tokenizer = ModelTokenizer(directory)
         except Exception as exc:  # tokenizers raises plain Exception for a malformed file
             log.error("cannot load the tokenizer in %s (text mode for its models): %s", directory, exc)
             self._failed.add(directory)
@@ -435,7 +253,7 @@ class PromptTokens:
             self._metrics.tokenize_duration.labels(result.mode).observe(time.perf_counter() - started)
         return result
 
-    async def _with_client_template(self, tokenizer: SegmentCachingTokenizer, prompt: ChatPrompt,
+    async def _with_client_template(self, tokenizer: ModelTokenizer, prompt: ChatPrompt,
                                     raw: bytes | None, root: BlockKey) -> PromptKeys | None:
         """A chat whose template the client wrote: rendered in the sandbox, or None (text mode) when it may not
         run (`trust_request_chat_template` off, as vLLM refuses such requests by default) or did not finish."""
@@ -463,16 +281,20 @@ class PromptTokens:
     def _from_ids(self, ids: list[int], root: BlockKey) -> PromptKeys:
         return PromptKeys(block_keys(ids, self.block_size, root), len(ids), ids, TOKENS)
 
-    def tokenize_now(self, tokenizer: SegmentCachingTokenizer, prompt: Prompt, root: BlockKey) -> PromptKeys:
+    def tokenize_now(self, tokenizer: ModelTokenizer, prompt: Prompt, root: BlockKey) -> PromptKeys:
         """Tokenize and hash on the calling thread (`keys` decides which thread that is)."""
-        ids, data = tokenizer.prompt_ids_and_bytes(prompt.vllm_body(), chat=isinstance(prompt, ChatPrompt))
-        return PromptKeys(self._chains.keys(data, root), len(ids), ids, TOKENS)
+        if isinstance(prompt, ChatPrompt):
+            body = prompt.vllm_body()
+            return self.encode_now(tokenizer, tokenizer.chat.prompt_text(body), chat_adds_special_tokens(body), root)
+        if not isinstance(prompt.prompt, str):
+            raise TokenizationError("`prompt` must be a string or a list of token ids")
+        return self.encode_now(tokenizer, prompt.prompt, prompt.add_special_tokens, root)
 
-    def encode_now(self, tokenizer: SegmentCachingTokenizer, text: str, add_special_tokens: bool,
+    def encode_now(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool,
                    root: BlockKey) -> PromptKeys:
         """Encode an already rendered prompt and hash it, on the calling thread."""
-        ids, data = tokenizer.text_ids_and_bytes(text, add_special_tokens=add_special_tokens)
-        return PromptKeys(self._chains.keys(data, root), len(ids), ids, TOKENS)
+        encoded = self.cache.encode(tokenizer, text, add_special_tokens=add_special_tokens, root=root)
+        return PromptKeys(encoded.keys, len(encoded.ids), encoded.ids, TOKENS)
 
     def text_keys(self, prompt: Prompt, root: BlockKey) -> PromptKeys:
         """Text mode, on the calling thread."""

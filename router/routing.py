@@ -24,7 +24,7 @@ class RouteRequest:
     model: str
     path: str
     headers: Mapping[str, str] = field(default_factory=dict)
-    token_ids: list[int] | None = None  # None when not tokenized, or in text mode
+    token_ids: Sequence[int] | None = None  # None when not tokenized, or in text mode
     block_keys: Sequence[int] = ()
     prompt_tokens: int = 0  # the prompt's length in tokens (estimated in text mode); 0 when not tokenized
 

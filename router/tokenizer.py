@@ -29,9 +29,11 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
+import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
+PARALLEL_CHARS = 8192  # texts longer than this are encoded on the tokenizer's own threads
 # transformers' named special tokens, offered to every chat template (v5: `special_tokens_map`)
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                             "mask_token")
@@ -326,6 +328,7 @@ class ModelTokenizer:
         self.model_max_length: int | None = config.get("model_max_length")
         self.chat = ChatRenderer(self.special_tokens, self._load_templates(config), server_template=chat_template,
                                  default_kwargs=default_chat_template_kwargs, source=str(self.model_dir))
+        self._seeds = self._cache_seeds()
 
     def _load_templates(self, config: Mapping[str, Any]) -> dict[str, str]:
         templates: dict[str, str] = {}
@@ -369,6 +372,29 @@ class ModelTokenizer:
         tokenizers 0.23) and skips the character offsets; the ids are the same."""
         ids: list[int] = self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return ids
+
+    def encode_with_offsets(self, text: str, *, add_special_tokens: bool) -> Encoding:
+        """`encode`, with each token's character offsets (what router/token_cache.py splices at). A short text is
+        encoded on the calling thread: waking the tokenizer's threads would cost more than the encoding."""
+        if len(text) < PARALLEL_CHARS:
+            short: Encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+            return short
+        encoding: Encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return encoding
+
+    def cache_seed(self, add_special_tokens: bool) -> int | None:
+        """What cached ids of this tokenizer depend on, as a hash seed; None when they cannot be spliced (special
+        tokens added after the text, not only in front of it)."""
+        return self._seeds[add_special_tokens]
+
+    def _cache_seeds(self) -> dict[bool, int | None]:
+        sample = "probe text, 12 words"
+        plain = self.encode(sample, add_special_tokens=False)
+        full = self.encode(sample, add_special_tokens=True)
+        name = str(self.model_dir.resolve())
+        return {False: xxhash.xxh3_64_intdigest(f"{name}\x00plain".encode()),
+                True: xxhash.xxh3_64_intdigest(f"{name}\x00special".encode())
+                if full[len(full) - len(plain):] == plain else None}
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Token ids → text, as vLLM's `/detokenize` (transformers `decode`) gives it."""

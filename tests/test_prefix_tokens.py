@@ -58,22 +58,22 @@ async def test_chat_turns_match_the_tokenizer_and_encode_only_new_text(tiny_mode
     prompts = service([str(tiny_model_dir)])
     reference = ModelTokenizer(tiny_model_dir)
     messages: list[dict[str, Any]] = [{"role": "system", "content": words(1, 600)}]
-    tokenizer = None
     for turn in range(4):
         messages.append({"role": "user", "content": words(10 + turn, 40 + 30 * turn)})
         body = {"model": "tiny", "messages": list(messages)}
-        before = tokenizer.encoded_chars if tokenizer else 0
+        before = prompts.cache.encoded_chars
         found = await prompts.keys(prompt(CHAT, body), "tiny")
         tokenizer = await prompts.tokenizer("tiny")
         assert tokenizer is not None
         expected = reference.prompt_ids(body, chat=True)
-        assert found.mode == TOKENS and found.token_ids == expected
+        assert found.mode == TOKENS and found.token_ids is not None and list(found.token_ids) == expected
         assert found.prompt_tokens == len(expected)
         assert found.block_keys == block_keys(expected, 16, root_key("tiny"))
         if turn:
-            # only the new user turn, the previous assistant turn and the generation prompt were encoded
-            new_text = len(messages[-1]["content"]) + len(messages[-2]["content"]) + 64
-            assert tokenizer.encoded_chars - before < new_text
+            # only the new user turn, the previous assistant turn and the generation prompt were encoded, from a
+            # seam a few tokens before them
+            new_text = len(messages[-1]["content"]) + len(messages[-2]["content"]) + 200
+            assert prompts.cache.encoded_chars - before < new_text
         messages.append({"role": "assistant", "content": words(20 + turn, 30)})
     prompts.close()
 
@@ -83,7 +83,7 @@ async def test_completions_text_and_token_id_prompts(tiny_model_dir: Path) -> No
     reference = ModelTokenizer(tiny_model_dir)
     text = words(3, 200)
     found = await prompts.keys(prompt(COMPLETIONS, {"prompt": text}), "tiny")
-    assert found.token_ids == reference.encode(text, add_special_tokens=True)
+    assert found.token_ids is not None and list(found.token_ids) == reference.encode(text, add_special_tokens=True)
     assert found.token_ids[0] == reference.bos_token_id
     batch = await prompts.keys(prompt(COMPLETIONS, {"prompt": [text, "other"]}), "tiny")
     assert batch.block_keys == found.block_keys  # a batch routes by its first prompt
@@ -255,63 +255,21 @@ async def test_gateway_fills_route_keys_only_for_strategies_that_read_them(
             await eventually(lambda: len(strategy.balance.trie) == 0)  # type: ignore[attr-defined]
 
 
-def test_piece_cache_gives_whole_text_ids_on_awkward_conversations(tiny_model_dir: Path) -> None:
-    from router.prompt_tokens import SegmentCachingTokenizer
-
-    cached = SegmentCachingTokenizer(tiny_model_dir, cache_entries=64)  # small: evictions happen too
-    reference = ModelTokenizer(tiny_model_dir)
-    rng = random.Random(5)
-    fragments = ["<|im_start|>", "<|im_end|>", "<s>", "<|endoftext|>", " ", "  ", "\n", "\n\n", "\t", "é", "日本語",
-                 "🙂", "<|im", "start|>", "def f(x):\n    return x\n", "'s", " don't", "1234567", "..."]
-    conversation: list[dict[str, Any]] = []
-    for turn in range(40):
-        content = "".join(rng.choice(fragments) if rng.random() < 0.4 else words(rng.randrange(10**6), 5)
-                          for _ in range(rng.randrange(1, 30)))
-        conversation.append({"role": ("user", "assistant", "system")[turn % 3], "content": content})
-        body: dict[str, Any] = {"messages": list(conversation)}
-        if turn % 7 == 3:
-            body["tools"] = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
-        assert cached.prompt_ids(body, chat=True) == reference.prompt_ids(body, chat=True), turn
-        text = reference.render_chat(conversation)
-        assert cached.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
-        assert cached.encode(text, add_special_tokens=True) == reference.encode(text, add_special_tokens=True)
-    assert cached.cached_pieces == 64
-
-
 async def test_next_turn_reuses_the_block_keys_of_the_previous_turn(tiny_model_dir: Path) -> None:
     prompts = service([str(tiny_model_dir)])
     messages: list[dict[str, Any]] = [{"role": "system", "content": words(1, 500)},
                                       {"role": "user", "content": words(2, 50)}]
     first = await prompts.keys(prompt(CHAT, {"messages": messages}), "tiny")
-    assert prompts._chains.reused_blocks == 0
+    assert prompts.cache.hits == 0
     messages += [{"role": "assistant", "content": words(3, 40)}, {"role": "user", "content": words(4, 30)}]
     second = await prompts.keys(prompt(CHAT, {"messages": messages}), "tiny")
     assert second.token_ids is not None
     assert second.block_keys == block_keys(second.token_ids, 16, root_key("tiny"))  # still exact
     assert second.block_keys[: len(first.block_keys) - 1] == first.block_keys[:-1]
-    assert prompts._chains.reused_blocks >= len(first.block_keys) - 1
+    assert prompts.cache.hits == 1
     # a prompt diverging inside the first turn reuses only what it shares, and is still exact
     changed = [messages[0], {"role": "user", "content": words(2, 25) + " different"}]
     third = await prompts.keys(prompt(CHAT, {"messages": changed}), "tiny")
     assert third.token_ids is not None
     assert third.block_keys == block_keys(third.token_ids, 16, root_key("tiny"))
     prompts.close()
-
-
-def test_chain_memo_matches_block_keys_whatever_it_reuses() -> None:
-    from array import array
-
-    from router.prompt_tokens import ChainMemo
-
-    memo = ChainMemo(block_size=4, max_bytes=600, per_group=2)
-    rng = random.Random(3)
-    root = root_key("m")
-    base = [rng.randrange(50) for _ in range(64)]
-    variants = [base, [*base, 1, 2, 3, 4, 5], base[:30] + [7] * 40,
-                [*base[:8], 9, *base[9:]],  # differs in block 2 only: later blocks equal again
-                [rng.randrange(3) for _ in range(40)], base[:3]]
-    for _ in range(3):
-        for ids in variants:
-            assert memo.keys(array("I", ids).tobytes(), root) == block_keys(ids, 4, root)
-            assert memo.keys(array("I", ids).tobytes(), root_key("other")) == block_keys(ids, 4, root_key("other"))
-    assert memo.reused_blocks > 0

@@ -1,0 +1,224 @@
+"""Incremental tokenization: a prompt whose leading text was tokenized recently reuses those token ids and block
+keys, and only the text after a verified seam goes through the tokenizer.
+
+A recent prompt is found by its text: every prompt's text is cut into `CHUNK`-character links of a hash chain, and
+each link names the most recently used cached prompt that has it, so the longest cached prefix is a binary search
+over the new prompt's links (a link known means every link before it is known too: evicting the least recently used
+prompt removes only the links no later prompt has).
+
+The seam: a tokenizer's ids for a shared prefix are the prefix's ids only up to where the shared text ends, minus
+what the next characters could change (a pre-tokenizer looks ahead, merges cross words). So the ids are reused up to
+`OVERLAP_TOKENS` tokens before a point `SEAM_MARGIN` characters inside the shared text, the rest of the prompt is
+encoded from there, and the encoding of that window must reproduce the cached ids of the overlap; when it does not
+(or there is too little shared text to leave a window) the whole prompt is encoded. The result is identical to
+encoding the whole prompt (tests/test_token_cache.py checks it as a property, against `ModelTokenizer.encode`).
+
+The cache is bounded in bytes (`prompt_cache_bytes`): text, ids, token offsets, links and block keys, counted per
+prompt, least recently used first out.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from array import array
+from bisect import bisect_right
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import accumulate
+from operator import itemgetter
+
+import xxhash
+
+from router.block_keys import BlockKey, chain_keys
+from router.tokenizer import ModelTokenizer
+
+CHUNK = 256  # characters per link of a text's hash chain: the granularity at which shared prefixes are found
+SEAM_MARGIN = 32  # characters of shared text left after the seam: what a pre-tokenizer's lookahead may still change
+OVERLAP_TOKENS = 8  # cached tokens before the seam that the window's encoding must reproduce
+_ENTRY_OVERHEAD = 400  # bytes of an entry besides its arrays and text (objects, dict and LRU slots)
+_LINK_BYTES = 100  # bytes of one link in the index (a dict slot and an int)
+_KEY_BYTES = 40  # bytes of one block key in a list (a pointer and an int)
+_end = itemgetter(1)
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A prompt's token ids (uint32) and the chained keys of its full blocks under one root."""
+
+    ids: array[int]
+    keys: list[BlockKey]
+    reused_tokens: int  # ids taken from the cache rather than the tokenizer
+
+
+class _Entry:
+    """One recently encoded prompt."""
+
+    __slots__ = ("ends", "ids", "keys", "links", "root", "seed", "size", "text")
+
+    def __init__(self, text: str, seed: int, ids: array[int], ends: array[int], links: list[int], root: BlockKey,
+                 keys: list[BlockKey]) -> None:
+        self.text = text
+        self.seed = seed  # the tokenizer and whether special tokens were added: what the ids depend on
+        self.ids = ids
+        self.ends = ends  # end offset (in characters) of each token; 0 for special tokens added in front
+        self.links = links
+        self.root = root  # the block keys' root (model, adapter, namespace)
+        self.keys = keys
+        self.size = (sys.getsizeof(text) + 8 * len(ids) + _LINK_BYTES * len(links) + _KEY_BYTES * len(keys)
+                     + _ENTRY_OVERHEAD)
+
+
+def _links(text: str, seed: int) -> list[int]:
+    """The hash chain of `text`'s full `CHUNK`-character chunks."""
+    data = memoryview(text.encode("utf-32-le", "surrogatepass"))
+    step = CHUNK * 4
+    links: list[int] = []
+    parent = seed
+    for end in range(step, len(data) + 1, step):
+        parent = xxhash.xxh3_64_intdigest(data[end - step:end], seed=parent)
+        links.append(parent)
+    return links
+
+
+def _common_prefix(a: str, b: str, start: int, end: int) -> int:
+    """The length of the common prefix of a and b, known to be at least `start` and at most `end`."""
+    lo, hi = start, end
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class TokenCache:
+    """Recently encoded prompts of every tokenizer, bounded to `max_bytes`; `encode` gives a prompt's ids and block
+    keys, exactly as encoding it whole would. Safe to call from several threads."""
+
+    def __init__(self, max_bytes: int, block_size: int) -> None:
+        self.max_bytes = max_bytes
+        self.block_size = block_size
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id(entry), least recently used first
+        self._links: dict[int, _Entry] = {}  # link -> the most recently used entry that has it
+        self._lock = threading.Lock()
+        self.bytes = 0
+        # what the cache did: whole prompts encoded, prompts served from a cached prefix, seams that did not verify
+        self.misses = 0
+        self.hits = 0
+        self.seam_mismatches = 0
+        self.encoded_chars = 0  # characters that went through the tokenizer
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._links.clear()
+            self.bytes = 0
+
+    def encode(self, tokenizer: ModelTokenizer, text: str, *, add_special_tokens: bool, root: BlockKey) -> Encoded:
+        """`tokenizer.encode(text)` as uint32 ids, and the chained keys of its full blocks under `root`."""
+        seed = tokenizer.cache_seed(add_special_tokens)
+        if seed is None:  # a tokenizer that adds special tokens at the end: ids cannot be spliced
+            ids, _ = self._encode(tokenizer, text, add_special_tokens)
+            self.misses += 1
+            return Encoded(ids, chain_keys(ids, self.block_size, root), 0)
+        links = _links(text, seed)
+        found = self._longest_prefix(text, seed, links)
+        if found is not None:
+            entry, shared = found
+            if shared == len(text) == len(entry.text):  # the same prompt again
+                keys = entry.keys if entry.root == root else chain_keys(entry.ids, self.block_size, root)
+                self.hits += 1
+                self._store(entry, text, seed, entry.ids, entry.ends, links, root, keys)
+                return Encoded(entry.ids, keys, len(entry.ids))
+            spliced = self._splice(tokenizer, entry, text, shared)
+            if spliced is not None:
+                ids, ends, kept, same = spliced
+                reused = min(same // self.block_size, len(entry.keys)) if entry.root == root else 0
+                parent = entry.keys[reused - 1] if reused else root
+                keys = entry.keys[:reused] + chain_keys(ids[reused * self.block_size:], self.block_size, parent)
+                self.hits += 1
+                self._store(entry, text, seed, ids, ends, links, root, keys)
+                return Encoded(ids, keys, kept)
+            self.seam_mismatches += 1
+        ids, ends = self._encode(tokenizer, text, add_special_tokens)
+        keys = chain_keys(ids, self.block_size, root)
+        self.misses += 1
+        self._store(None, text, seed, ids, ends, links, root, keys)
+        return Encoded(ids, keys, 0)
+
+    def _longest_prefix(self, text: str, seed: int, links: list[int]) -> tuple[_Entry, int] | None:
+        """The cached prompt sharing the longest prefix with `text` (at least one chunk), and that prefix's
+        length in characters."""
+        index = self._links
+        if not links or links[0] not in index:
+            return None
+        lo, hi = 1, len(links)
+        while lo < hi:  # the links known are a prefix of `links`: binary search for its end
+            mid = (lo + hi + 1) // 2
+            if links[mid - 1] in index:
+                lo = mid
+            else:
+                hi = mid - 1
+        entry = index.get(links[lo - 1])
+        start = lo * CHUNK
+        if entry is None or entry.seed != seed or entry.text[:start] != text[:start]:  # evicted meanwhile, or a
+            return None  # hash collision
+        return entry, _common_prefix(entry.text, text, start, min(len(text), len(entry.text), start + CHUNK))
+
+    def _splice(self, tokenizer: ModelTokenizer, entry: _Entry, text: str,
+                shared: int) -> tuple[array[int], array[int], int, int] | None:
+        """The ids of `text` as the cached ids up to a seam inside the `shared` prefix plus the encoding of the
+        rest, with the token ends, how many ids were kept and how many leading ids are the cached ones (kept and
+        verified); None when the seam does not verify."""
+        ends = entry.ends
+        seam = bisect_right(ends, shared - SEAM_MARGIN)  # tokens ending inside the safe part of the shared text
+        start = seam - OVERLAP_TOKENS  # the window starts here: its first tokens must come out as cached
+        if start < 1:
+            return None
+        at = ends[start - 1]
+        if at == 0 or (start < len(ends) and ends[start] <= at):  # in the specials added in front, or inside a
+            return None  # character that spans tokens
+        window, window_ends = self._encode(tokenizer, text[at:], False)
+        if window[:OVERLAP_TOKENS] != entry.ids[start:seam]:
+            return None
+        ids = entry.ids[:start] + window
+        for i, end in enumerate(window_ends):
+            window_ends[i] = end + at
+        return ids, ends[:start] + window_ends, start, seam
+
+    def _encode(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool) -> tuple[array[int], array[int]]:
+        encoding = tokenizer.encode_with_offsets(text, add_special_tokens=add_special_tokens)
+        self.encoded_chars += len(text)
+        # offsets never go back (a trimmed whitespace token could): the seam search bisects them
+        return array("I", encoding.ids), array("I", accumulate(map(_end, encoding.offsets), max))
+
+    def _store(self, hit: _Entry | None, text: str, seed: int, ids: array[int], ends: array[int], links: list[int],
+               root: BlockKey, keys: list[BlockKey]) -> None:
+        """Keep the prompt just encoded as the most recent; a cached prompt it extends (a conversation's previous
+        turn) is dropped, its links now name the new one."""
+        new = _Entry(text, seed, ids, ends, links, root, keys)
+        if new.size > self.max_bytes:
+            return
+        with self._lock:
+            if hit is not None and id(hit) in self._entries and text.startswith(hit.text):
+                self._drop(hit)
+            self._entries[id(new)] = new
+            self.bytes += new.size
+            index = self._links
+            for link in links:
+                index[link] = new
+            while self.bytes > self.max_bytes:
+                self._drop(next(iter(self._entries.values())))
+
+    def _drop(self, entry: _Entry) -> None:
+        del self._entries[id(entry)]
+        self.bytes -= entry.size
+        index = self._links
+        for link in entry.links:
+            if index.get(link) is entry:
+                del index[link]

@@ -1,0 +1,135 @@
+"""Incremental tokenization (router/token_cache.py): whatever it reuses, the ids and block keys are those of
+encoding the whole prompt; it encodes only what is new; it stays within its byte budget."""
+
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.block_keys import block_keys, root_key
+from router.token_cache import TokenCache
+from router.tokenizer import ModelTokenizer
+
+ROOT = root_key("tiny")
+FRAGMENTS = ["<|im_start|>", "<|im_end|>", "<s>", "</s>", "<|endoftext|>", " ", "  ", "   ", "\n", "\n\n", "\r\n",
+             "\t", " \n ", "é", "日本語", "🙂", "<|im", "start|>", "def f(x):\n    return x\n", "'s", " don't",
+             "1234567", "...", "ab", "cd", "the", " the", "The", "x" * 40, " " * 40, "\n" * 9]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path) -> ModelTokenizer:
+    return ModelTokenizer(tiny_model_dir)
+
+
+def words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "router", "cache", "token", "é"]) + str(i % 7)
+                    for i in range(n))
+
+
+def check(cache: TokenCache, tok: ModelTokenizer, text: str, special: bool = False, root: int = ROOT) -> Any:
+    found = cache.encode(tok, text, add_special_tokens=special, root=root)
+    expected = tok.encode(text, add_special_tokens=special)
+    assert list(found.ids) == expected
+    assert found.keys == block_keys(expected, cache.block_size, root)
+    return found
+
+
+text_piece = st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=12), st.text("ab \n\t.é1", max_size=30))
+texts = st.lists(text_piece, max_size=40).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shared=st.lists(text_piece, min_size=20, max_size=200).map("".join), first=texts, second=texts,
+       special=st.booleans(), same_root=st.booleans())
+def test_spliced_ids_equal_whole_encoding(tok: ModelTokenizer, shared: str, first: str, second: str, special: bool,
+                                          same_root: bool) -> None:
+    cache = TokenCache(1 << 20, block_size=4)
+    check(cache, tok, shared + first, special)
+    check(cache, tok, shared + second, special, ROOT if same_root else root_key("tiny", None, "tenant"))
+    check(cache, tok, shared[: len(shared) // 2] + second, special)  # a prompt that parts inside the shared text
+    check(cache, tok, shared + first, special)  # the first again, exactly
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(st.tuples(st.integers(0, 3), texts), min_size=5, max_size=30))
+def test_a_small_cache_under_churn_stays_exact_and_bounded(tok: ModelTokenizer,
+                                                           prompts: list[tuple[int, str]]) -> None:
+    """Prompts sharing one of four long beginnings, through a cache that holds only a few: evictions happen."""
+    cache = TokenCache(60_000, block_size=16)
+    heads = [words(seed, 150) for seed in range(4)]
+    for head, tail in prompts:
+        check(cache, tok, heads[head] + tail)
+        assert cache.bytes <= cache.max_bytes
+
+
+def test_awkward_conversations_give_whole_text_ids(tok: ModelTokenizer) -> None:
+    cache = TokenCache(200_000, block_size=16)  # small: evictions happen too
+    rng = random.Random(5)
+    conversation: list[dict[str, Any]] = []
+    for turn in range(40):
+        content = "".join(rng.choice(FRAGMENTS) if rng.random() < 0.4 else words(rng.randrange(10**6), 5)
+                          for _ in range(rng.randrange(1, 30)))
+        conversation.append({"role": ("user", "assistant", "system")[turn % 3], "content": content})
+        text = tok.render_chat(conversation)
+        check(cache, tok, text)
+        check(cache, tok, text, special=True)
+    assert cache.hits > 40
+
+
+def test_only_the_new_text_is_encoded(tok: ModelTokenizer) -> None:
+    cache = TokenCache(1 << 24, block_size=16)
+    system = words(1, 800)
+    check(cache, tok, system + " first question " + words(2, 30))
+    encoded = cache.encoded_chars
+    question = " second question " + words(3, 30)
+    found = check(cache, tok, system + question)
+    # the question, plus the margin and overlap tokens before the seam (a few dozen characters)
+    assert cache.encoded_chars - encoded < len(question) + 200
+    assert found.reused_tokens > len(found.ids) * 0.8
+    encoded = cache.encoded_chars
+    check(cache, tok, system + question)  # the same prompt again: nothing is encoded
+    assert cache.encoded_chars == encoded
+    assert cache.seam_mismatches == 0
+
+
+def test_different_tokenizer_settings_never_share_ids(tok: ModelTokenizer) -> None:
+    cache = TokenCache(1 << 24, block_size=16)
+    text = words(4, 400)
+    plain = check(cache, tok, text)
+    with_bos = check(cache, tok, text, special=True)
+    assert list(with_bos.ids[1:]) == list(plain.ids)
+
+
+def test_memory_is_bounded_in_bytes(tok: ModelTokenizer) -> None:
+    """Issue 13.3: the cache was bounded in entries, so a few huge prompts held gigabytes. Now its budget is bytes:
+    the prompts it keeps fit in it, one bigger than the whole budget is not kept, and what it holds in memory is
+    what it counts."""
+    budget = 2 << 20
+    cache = TokenCache(budget, block_size=16)
+    big = [words(100 + i, 60_000) for i in range(3)]  # about 450,000 characters each
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for text in big:
+            found = cache.encode(tok, text, add_special_tokens=False, root=ROOT)
+            del found
+            assert cache.bytes <= budget
+        assert len(cache) == 0  # each one alone is over the budget
+        held, _ = tracemalloc.get_traced_memory()
+        for seed in range(200):  # many smaller prompts: the oldest go
+            cache.encode(tok, words(seed, 2_000), add_special_tokens=False, root=ROOT)
+            assert cache.bytes <= budget
+        gc.collect()
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert 0 < len(cache) < 200
+    assert after - held < budget * 1.5, (after - held, cache.bytes)
