@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -172,10 +173,22 @@ def load_config(
     return cls(**values)
 
 
+_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^/@\s]*?:)[^/@\s]+(?=@)", re.I)
+
+
+def redact_url(text: str) -> str:
+    """`redis://user:secret@host` -> `redis://user:***@host` (also inside longer text)."""
+    return _URL_PASSWORD.sub(lambda m: m.group("head") + "***", text)
+
+
 def describe(config: Any, hide: Sequence[str] = ("api_key", "admin_key", "upstream_api_key")) -> dict[str, Any]:
-    """The config as plain data for logs, with secrets masked."""
+    """The config as plain data for logs, with secrets masked: the `hide` fields, and the password of every URL."""
     out = dataclasses.asdict(config)
-    for key in hide:
-        if out.get(key):
+    for key, value in out.items():
+        if key in hide and value:
             out[key] = "***"
+        elif isinstance(value, str):
+            out[key] = redact_url(value)
+        elif isinstance(value, list):
+            out[key] = [redact_url(v) if isinstance(v, str) else v for v in value]
     return out

@@ -20,6 +20,8 @@ import zmq
 from agent.block import HEADER_SIZE, key_name
 from agent.client import AgentClient
 from agent.protocol import AgentError, Hello
+from bench.procs import free_port, spawn_valkey
+from bench.procs import stop as stop_process
 from kvcore.kv_events import BlockStored, decode_batch
 from tests.agent_process import AgentProcess
 from tests.conftest import ValkeyServer
@@ -267,3 +269,29 @@ def test_offload_handle_for_a_simulated_replica(tmp_path: Path, agents: list[Age
     agent.stop(signal.SIGKILL)
     assert replica.load([1, 2]) == (0, 0.0) and replica.errors >= 1  # agent gone: nothing there, no error
     replica.close()
+
+
+def test_a_password_protected_valkey_is_used_and_the_password_never_logged(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """Issue 14: `kvgate agent` logged its configuration with the Redis URL's password in clear."""
+    port = free_port()
+    server = spawn_valkey(port, str(tmp_path), 15.0, "--requirepass", "hunter2-secret")
+    try:
+        url = f"redis://:hunter2-secret@127.0.0.1:{port}/0"
+        agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB", "--write-policy", "eager",
+                             "--shared-backend", "redis", "--shared-url", url, "--log-level", "debug")
+        agents.append(agent)
+        with AgentClient(agent.socket, shm_bytes=2**20) as client:
+            assert client.store(LAYOUT, [1], [content(1)]) == 1
+        raw = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 5
+        while not raw.exists(f"kvgate:{key_name((LAYOUT, 1))}"):
+            assert time.monotonic() < deadline, "the agent did not write to the password-protected Valkey"
+            time.sleep(0.05)
+        agent.stop()
+        assert agent.proc is not None and agent.proc.stderr is not None
+        log = agent.proc.stderr.read().decode()
+        assert "tier agent config" in log and f"127.0.0.1:{port}" in log
+        assert "hunter2" not in log
+    finally:
+        stop_process(server)

@@ -163,9 +163,9 @@ def test_dram_delete_is_constant_time() -> None:
         assert tier.usage() == TierUsage(0, 0, 10 * n)
         return elapsed
 
-    small = min(delete_all(2_000) for _ in range(3))
+    small = min(delete_all(1_000) for _ in range(5))
     large = min(delete_all(20_000) for _ in range(3))
-    assert large < 30 * small, (large, small)  # linear: ~10x; quadratic: ~100x
+    assert large < 80 * small, (large, small)  # linear: ~20x; quadratic: ~400x
 
 
 def test_dram_watermarks() -> None:
@@ -367,6 +367,49 @@ def test_fs_shared_round_trip_ttl_sweep(tmp_path: Path) -> None:
     data[-1] ^= 1
     corrupt.write_bytes(data)
     assert read(b, key(1)) is None and b.stats.checksum_failures == 1 and not corrupt.exists()
+
+
+def test_a_fifo_planted_in_the_shared_directory_is_a_miss_not_a_hang(tmp_path: Path) -> None:
+    """Issue 14: opening a FIFO named like a block waited for a writer forever, in every request thread."""
+    import threading
+
+    tier = FsSharedTier(tmp_path, ttl_s=60)
+    fifo = tmp_path / "kvgate" / key_name(key(5))[-2:] / key_name(key(5))
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    (tmp_path / "elsewhere").write_bytes(pack(LAYOUT, payload(6)))
+    link = tmp_path / "kvgate" / key_name(key(6))[-2:] / key_name(key(6))
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(tmp_path / "elsewhere")
+    assert tier.refresh_index() == 2
+    results: list[int | None] = []
+    reader = threading.Thread(target=lambda: results.extend(tier.read_many([key(5), key(6)], [
+        memoryview(bytearray(1000)), memoryview(bytearray(1000))])), daemon=True)
+    reader.start()
+    reader.join(5)
+    if reader.is_alive():  # release the hung reader before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        raise AssertionError("reading a FIFO in the shared directory hung")
+    assert results == [None, None] and tier.stats.read_errors == 2
+    assert not fifo.exists() and not link.exists()
+
+
+def test_tier_files_are_not_world_readable(tmp_path: Path) -> None:
+    """Issue 14: segment, block and shared files were created 0644 (everyone could read the prompts' KV)."""
+    old = os.umask(0o022)
+    try:
+        segments = SegmentNvmeTier(tmp_path / "seg", capacity=2**20, fsync=False)
+        files = NvmeTier(tmp_path / "files", capacity=2**20, fsync=False)
+        shared = FsSharedTier(tmp_path / "shared", ttl_s=60)
+        for tier in (segments, files, shared):
+            assert tier.store(key(1), payload(1))
+    finally:
+        os.umask(old)
+    for root, forbidden in ((tmp_path / "seg", 0o077), (tmp_path / "files", 0o077), (tmp_path / "shared", 0o007)):
+        paths = [p for p in root.rglob("*") if p.is_file() or p.is_dir()]
+        assert any(p.is_file() for p in paths)
+        for path in paths:
+            assert path.stat().st_mode & forbidden == 0, (path, oct(path.stat().st_mode))
 
 
 @pytest.fixture

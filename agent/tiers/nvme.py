@@ -13,6 +13,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import threading
 import uuid
 from collections import OrderedDict
@@ -47,10 +48,16 @@ log = logging.getLogger(__name__)
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def write_file_atomically(tmp_dir: Path, final: Path, parts: list[Buffer], fsync: bool) -> None:
+# KV blocks are the prompts of every user of the replica: files only the agent's uid reads (the shared directory
+# adds its group: the fleet's agents)
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def write_file_atomically(tmp_dir: Path, final: Path, parts: list[Buffer], fsync: bool, mode: int = FILE_MODE) -> None:
     """temp file + (fsync) + rename: readers see the whole file or none of it."""
     tmp = tmp_dir / f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         try:
             total = sum(len(p) for p in parts)
@@ -72,11 +79,19 @@ def write_file_atomically(tmp_dir: Path, final: Path, parts: list[Buffer], fsync
 
 def read_block_file(path: Path, key: BlockKey, out: memoryview) -> int:
     """Read and verify a block file into `out` (header, payload and an EOF probe in one preadv); raises
-    OSError, BlockError or ChecksumError."""
+    OSError, BlockError or ChecksumError. Only a regular file is read, never through a symlink, and opening never
+    waits (a FIFO planted in a shared directory would hang the reading thread)."""
     header = bytearray(HEADER_SIZE)
     probe = bytearray(1)
-    fd = os.open(path, os.O_RDONLY)
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BlockError(f"{path.name} is a symlink") from exc
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BlockError(f"{path.name} is not a regular file")
         got = os.preadv(fd, [header, out, probe], 0)
         if got < HEADER_SIZE:
             raise BlockError(f"torn block: {got}-byte file")
@@ -125,8 +140,8 @@ class NvmeTier:
         self._used = 0
         self._lock = threading.Lock()
         self._shards: set[str] = set()  # shard directories known to exist
-        self.blocks_dir.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.blocks_dir.mkdir(DIR_MODE, parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(DIR_MODE, parents=True, exist_ok=True)
         self._rebuild()
 
     def _path(self, key: BlockKey) -> Path:
@@ -198,7 +213,7 @@ class NvmeTier:
         for attempt in range(2):
             try:
                 if final.parent.name not in self._shards:
-                    final.parent.mkdir(exist_ok=True)
+                    final.parent.mkdir(DIR_MODE, exist_ok=True)
                     self._shards.add(final.parent.name)
                 write_file_atomically(self.tmp_dir, final, [header, payload], self.fsync)
                 return True

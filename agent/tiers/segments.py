@@ -42,6 +42,7 @@ from agent.tiers.base import (
     TierStats,
     TierUsage,
 )
+from agent.tiers.nvme import DIR_MODE, FILE_MODE
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class SegmentNvmeTier:
         self._pending: set[BlockKey] = set()
         self._used = 0
         self._lock = threading.Lock()
-        self.seg_dir.mkdir(parents=True, exist_ok=True)
+        self.seg_dir.mkdir(DIR_MODE, parents=True, exist_ok=True)
         self._rebuild()
         self._next_id = max(self._segments, default=0) + 1
 
@@ -512,7 +513,7 @@ class SegmentNvmeTier:
             seg_id = self._next_id
             self._next_id += 1
             path = str(self.seg_dir / f"{seg_id:016x}.seg")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
             active = _Segment(seg_id, path, write_fd=fd)
             self._segments[seg_id] = active
             self._active = active

@@ -44,6 +44,9 @@ from agent.tiers.base import (
 )
 from agent.tiers.nvme import read_block_file, write_file_atomically
 
+SHARED_FILE_MODE = 0o640  # the fleet's agents share a group, nobody else reads prompts' KV
+SHARED_DIR_MODE = 0o750
+
 log = logging.getLogger(__name__)
 
 
@@ -363,8 +366,8 @@ class FsSharedTier(SharedTier):
         self.root = Path(directory) / prefix
         self.tmp_dir = self.root / "tmp"
         self.fsync = fsync
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir.mkdir(exist_ok=True)
+        self.root.mkdir(SHARED_DIR_MODE, parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(SHARED_DIR_MODE, exist_ok=True)
 
     def _path(self, key: BlockKey) -> Path:
         name = key_name(key)
@@ -376,8 +379,8 @@ class FsSharedTier(SharedTier):
     def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
         for key, parts in items:
             final = self._path(key)
-            final.parent.mkdir(exist_ok=True)
-            write_file_atomically(self.tmp_dir, final, parts, self.fsync)
+            final.parent.mkdir(SHARED_DIR_MODE, exist_ok=True)
+            write_file_atomically(self.tmp_dir, final, parts, self.fsync, SHARED_FILE_MODE)
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
         results: list[int | Exception | None] = []
