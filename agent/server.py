@@ -117,6 +117,9 @@ class TierAgent:
         self.metrics = AgentMetrics(self.store)
         self.publisher: KvEventPublisher | None = None
         self._pool = ThreadPoolExecutor(max(2, config.io_threads), thread_name_prefix="kvgate-agent-req")
+        # demotion, eviction, index refresh and sweeps: never in the request pool, where a long demotion over a
+        # slow backend would leave Store and Load requests waiting
+        self._upkeep = ThreadPoolExecutor(1, thread_name_prefix="kvgate-agent-upkeep")
         self._server: asyncio.AbstractServer | None = None
         self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -176,6 +179,7 @@ class TierAgent:
             await self._http.cleanup()
         self._flush_events_now()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._upkeep.shutdown(wait=True, cancel_futures=True)
         await asyncio.to_thread(self.store.drain, 5.0)
         self.store.close(wait=False)
         if self.publisher is not None:
@@ -192,7 +196,7 @@ class TierAgent:
 
     def _in_thread(self, fn: Callable[[], object]) -> Callable[[], Any]:
         async def run() -> None:
-            await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+            await asyncio.get_running_loop().run_in_executor(self._upkeep, fn)
         return run
 
     async def _every(self, interval: float, fn: Callable[[], Any], first_delay: float | None = None) -> None:

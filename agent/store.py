@@ -294,11 +294,12 @@ class TierStore:
             started = time.perf_counter()
             got = tier.read_many(keys[i:run], outs[i:run])
             self._observe("load", tier.name, started)
-            for j, n_got in enumerate(got, start=i):
+            first = len(lengths)
+            for n_got in got:
                 if n_got is None:
                     break
                 lengths.append(n_got)
-                self._hit(keys[j], outs[j][:n_got], tier.name, keys[j - 1] if j else None)
+            self._hits(keys, outs, lengths, first, tier.name)
             if len(lengths) < run:  # a miss or a bad block: another tier may still hold it (e.g. NVMe -> shared)
                 i = len(lengths)
                 failed.add((tier.name, i))
@@ -324,15 +325,23 @@ class TierStore:
             return tier, run
         return None, i
 
-    def _hit(self, key: BlockKey, payload: memoryview, tier: TierName, parent: BlockKey | None) -> None:
-        self.uses.bump(key)
+    def _hits(self, keys: list[BlockKey], outs: Sequence[memoryview], lengths: list[int], first: int,
+              tier: TierName) -> None:
+        """Blocks `first:` of `lengths` were read from a lower tier: count the uses, and promote them as one chain
+        (so DRAM keeps the chain's head, not its tail, when the run does not fit)."""
+        for key in keys[first: len(lengths)]:
+            self.uses.bump(key)
         dram = self.dram
-        if self.policy.promote_on_hit and dram is not None and not dram.contains(key):
-            item = StoreItem(key, payload, None, parent)
-            dram.store_many([item])
-            if dram.contains(key):
-                self.flow.add("promotions", tier)
-                self._announce(dram, [item])
+        if not self.policy.promote_on_hit or dram is None:
+            return
+        items = [StoreItem(keys[j], outs[j][: lengths[j]], None, keys[j - 1] if j else None)
+                 for j in range(first, len(lengths)) if not dram.contains(keys[j])]
+        if items:
+            dram.store_many(items)
+            promoted = [item for item in items if dram.contains(item.key)]
+            if promoted:
+                self.flow.add("promotions", tier, len(promoted))
+                self._announce(dram, promoted)
 
     # -- pressure, TTL, index refresh ------------------------------------------------------------------------
 
@@ -347,20 +356,34 @@ class TierStore:
                 self._demote_before_eviction(tier)
                 tier.evict_to_low_watermark()
 
-    def _demote_before_eviction(self, tier: Tier) -> None:
+    def _demote_before_eviction(self, tier: Tier, group_bytes: int = 8 * 2**20) -> None:
         """Lazy: copy what `tier` is about to evict to the first lower tier that admits it, where the eviction
-        itself cannot hand the bytes over (they are on a medium, not in memory)."""
+        itself cannot hand the bytes over (they are on a medium, not in memory): read in runs (one preadv per
+        run of a segment) and written in groups (one pipeline / one append per group of up to `group_bytes`)."""
         below = [t.name for t in self._below(tier)]
         if self.policy.eager or not below:
             return
+        groups: dict[TierName, list[tuple[BlockKey, int]]] = {}
         for key, size in tier.demotion_candidates():
             target = self.policy.demote_to(below, self.uses.get(key))
-            if target is None or self._tier(target).contains(key):
-                continue
-            buf = memoryview(bytearray(size))
-            n = tier.read_into(key, buf, touch=False)
-            if n is not None and self._store_in(self._tier(target), [StoreItem(key, buf[:n])]):
-                self.flow.add("demotions", target)
+            if target is not None and not self._tier(target).contains(key):
+                groups.setdefault(target, []).append((key, size))
+        for target, candidates in groups.items():
+            start = 0
+            while start < len(candidates):
+                end, total = start, 0
+                while end < len(candidates) and (end == start or total + candidates[end][1] <= group_bytes):
+                    total += candidates[end][1]
+                    end += 1
+                batch = candidates[start:end]
+                start = end
+                bufs = [memoryview(bytearray(size)) for _key, size in batch]
+                got = tier.read_many([key for key, _size in batch], bufs, touch=False)
+                items = [StoreItem(key, buf[:n]) for (key, _size), buf, n in zip(batch, bufs, got, strict=True)
+                         if n is not None]
+                if items:
+                    stored = self._store_in(self._tier(target), items)
+                    self.flow.add("demotions", target, sum(item.key in stored for item in items))
 
     def sweep_shared(self) -> None:
         if self.shared is not None:

@@ -250,3 +250,23 @@ def test_eager_with_admission_writes_a_block_through_once_it_is_used_enough(tmp_
     assert store.shared.contains((LAYOUT, 1)) and not store.shared.contains((LAYOUT, 2))
     assert store.flow.write_through == {"nvme": 2, "shared": 1}
     store.close()
+
+
+def test_demotion_before_eviction_moves_blocks_in_groups(tmp_path: Path) -> None:
+    """Issue 14: lazy demotion read and wrote one block at a time (a round trip / a write per block)."""
+    store = make_store(tmp_path, dram_capacity=0, nvme_capacity=40 * (SIZE + HEADER_SIZE),
+                       nvme_high_watermark=0.5, nvme_low_watermark=0.1, nvme_layout="files")
+    writes: list[TierName] = []
+    store.observe = lambda op, tier, _s: writes.append(tier) if op == "store" else None
+    for i in range(24):  # one block per store: 24 NVMe writes
+        store.store_chain(LAYOUT, [i], [payload(i)])
+    writes.clear()
+    store.maintain()
+    assert store.flow.demotions["shared"] >= 15
+    assert writes.count(TierName.SHARED) == 1, writes
+    count, where = store.lookup(LAYOUT, list(range(24)))
+    assert count == 24 and where.count("S") >= 15
+    buffers = outs(24)
+    assert store.load_chain(LAYOUT, list(range(24)), buffers) == [SIZE] * 24
+    assert [bytes(b) for b in buffers] == [payload(i) for i in range(24)]
+    store.close()

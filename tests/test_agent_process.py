@@ -19,7 +19,10 @@ import zmq
 
 from agent.block import HEADER_SIZE, key_name
 from agent.client import AgentClient
+from agent.config import AgentConfig
 from agent.protocol import AgentError, Hello
+from agent.server import TierAgent
+from agent.store import TierStore
 from bench.procs import free_port, spawn_valkey
 from bench.procs import stop as stop_process
 from kvcore.kv_events import BlockStored, decode_batch
@@ -295,3 +298,37 @@ def test_a_password_protected_valkey_is_used_and_the_password_never_logged(
         assert "hunter2" not in log
     finally:
         stop_process(server)
+
+
+class SlowUpkeepStore(TierStore):
+    """A tier stack whose upkeep takes seconds, as a long demotion over a slow backend does."""
+
+    def maintain(self) -> None:
+        time.sleep(3)
+
+    def refresh_shared_index(self) -> int:
+        time.sleep(3)
+        return 0
+
+
+async def test_upkeep_never_holds_up_requests(tmp_path: Path) -> None:
+    """Issue 14: demotion and index refresh ran in the request pool; two long ones and every Store/Load waited."""
+    import asyncio
+
+    config = AgentConfig(socket_path=str(tmp_path / "agent.sock"), metrics_port=0, dram_capacity=2**20,
+                         shared_backend="fs", shared_dir=str(tmp_path / "shared"), io_threads=1).validate()
+    agent = TierAgent(config, SlowUpkeepStore.from_config(config))
+    await agent.start()
+    try:
+        await asyncio.sleep(0.5)  # the first maintenance round and the first index refresh are under way
+
+        def store_and_load() -> float:
+            started = time.monotonic()
+            with AgentClient(config.socket_path, shm_bytes=2**20, timeout_s=10) as client:
+                assert client.store(LAYOUT, [1], [content(1)]) == 1
+                assert client.load(LAYOUT, [1], BLOCK) == [content(1)]
+            return time.monotonic() - started
+
+        assert await asyncio.to_thread(store_and_load) < 1.0
+    finally:
+        await agent.close()
