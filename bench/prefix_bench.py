@@ -26,7 +26,7 @@ from router.config import GatewayConfig, WorkerSpec
 from router.pool import Worker
 from router.prefix_trie import PrefixTrie
 from router.prompt_tokens import PromptTokens
-from router.requests import Prompt, read_payload
+from router.requests import LargePrompt, Prompt, read_payload
 from router.routing import RouteRequest
 from strategies import create_strategy
 
@@ -87,7 +87,7 @@ def _conversation(rng: random.Random, target_tokens: int) -> list[dict[str, str]
 
 def _chat(messages: list[dict[str, str]]) -> Prompt:
     prompt = read_payload(CHAT, {"model": "tiny", "messages": messages}, model_required=True).prompt
-    assert prompt is not None
+    assert prompt is not None and not isinstance(prompt, LargePrompt)
     return prompt
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -26,15 +27,24 @@ from router.kv_subscriber import EventSource, KvEventHub
 from router.listener import raise_open_file_limit, serving
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool
-from router.prompt_tokens import PromptTokens
+from router.prompt_tokens import CHARS_PER_TOKEN, PromptTokens
 from router.proxy import FORWARDED_REQUEST_HEADERS, Proxy
-from router.requests import CHAT_COMPLETIONS, COMPLETIONS, ApiRequest, parse_body, parse_json_object, with_tenant
+from router.requests import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    ApiRequest,
+    LargePrompt,
+    parse_body,
+    parse_json_object,
+    with_tenant,
+)
 from router.routing import RouteRequest, Strategy
 from router.trace_recorder import TraceEntry, TraceRecorder
 from router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -133,6 +143,9 @@ class Gateway:
         the body as received). A LoRA adapter's prompt is tokenized by its base model's tokenizer and keyed under
         the adapter's name; an alias of a base model under the first name its workers serve it as."""
         model = api.model or ""
+        if isinstance(api.prompt, LargePrompt):  # routed by load alone; its prefill counted by its size
+            self.metrics.oversized_prompts.inc()
+            return RouteRequest(model, api.path, headers, prompt_tokens=api.prompt.size // CHARS_PER_TOKEN)
         if self.prompts is None or api.prompt is None:
             return RouteRequest(model, api.path, headers)
         base, lora = workers[0].key_names(model) if workers else (model, None)  # every eligible worker lists it
@@ -276,16 +289,36 @@ async def generate(request: web.Request) -> web.StreamResponse:
     """`/v1/completions` and `/v1/chat/completions`: admit, validate, route, proxy."""
     started = time.perf_counter()
     gateway = request.app[GATEWAY]
+    cfg = gateway.config
     with gateway.trace_entry(started) as entry, _admit(request) as admitted:
-        body = await _read_body(request, gateway.config.max_body_bytes, admitted)
-        api = parse_body(request.path, body, model_required=True)
-        if gateway.config.tenant_header:
-            body, api = with_tenant(body, api, request.headers.get(gateway.config.tenant_header) or None)
+        body = await _read_body(request, cfg.max_body_bytes, admitted)
+        tenant = request.headers.get(cfg.tenant_header) or None if cfg.tenant_header else None
+        body, api = await _off_the_loop_if_large(body, _read_generation, request.path, body, cfg, tenant)
         route = await gateway.route_request(api, gateway.eligible(api.model), request.headers, body)
         if entry is not None:
             entry.routed(route, api.prompt.cache_salt if api.prompt is not None else None)
         return await gateway.proxy.forward(request, route, body, stream=api.stream, started=started,
                                            outcome=entry.outcome if entry is not None else None)
+
+
+PARSE_INLINE_BYTES = 64 * 1024  # bodies larger than this are parsed in a thread
+
+
+async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` on the event loop for a small body, else in a thread: parsing a large one (and checking its
+    prompt's tokens) would stall every other request meanwhile."""
+    if len(body) <= PARSE_INLINE_BYTES:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
+
+
+def _read_generation(path: str, body: bytes, cfg: GatewayConfig, tenant: str | None) -> tuple[bytes, ApiRequest]:
+    """A generation request's body read (its prompt not decoded when over `route_max_prompt_bytes`), with the
+    tenant's cache_salt set when the gateway names tenants."""
+    api = parse_body(path, body, model_required=True, large=cfg.route_max_prompt_bytes)
+    if cfg.tenant_header:
+        return with_tenant(body, api, tenant)
+    return body, api
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
@@ -300,7 +333,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         api = ApiRequest(request.path, None, False)
         if request.method in ("POST", "PUT", "PATCH"):
             body = await _read_body(request, gateway.config.max_body_bytes, admitted)
-            api = parse_body(request.path, body, model_required=False)
+            api = await _off_the_loop_if_large(body, functools.partial(
+                parse_body, model_required=False, large=gateway.config.route_max_prompt_bytes), request.path, body)
             if api.model is not None:
                 gateway.eligible(api.model)
         route = RouteRequest(api.model or "", api.path, request.headers)

@@ -207,6 +207,10 @@ class GatewayConfig:
         1.0, "longest a client's chat template may take to render (waiting for a sandbox included); the process is "
         "killed and replaced after, the request routed in text mode"
     )
+    route_max_prompt_bytes: int = option(
+        1024 * 1024, "a generation request whose body is larger than this is routed by load alone: its prompt is not "
+        "parsed, tokenized, hashed or remembered (kvgate_oversized_prompts_total counts them)"
+    )
     prompt_cache_bytes: int = option(
         256 * 1024 * 1024, "bytes of recent prompts kept tokenized (text, token ids, block keys), so a prompt that "
         "starts like a recent one is encoded only from where they part"

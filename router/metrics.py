@@ -90,6 +90,10 @@ class GatewayMetrics:
             "kvgate_tokenize_duration_seconds", "Time to tokenize and hash one prompt, by mode (tokens or text)",
             ["mode"], buckets=TOKENIZE_BUCKETS, registry=r,
         )
+        self.oversized_prompts = Counter(
+            "kvgate_oversized_prompts", "Generation requests over route_max_prompt_bytes, routed by load alone",
+            registry=r,
+        )
         self.client_template_renders = Counter(
             "kvgate_client_template_renders", "Chat requests with a template of their own, by outcome (ok; else "
             "routed in text mode: untrusted, busy, timeout, crashed, memory, output, error)", ["outcome"],

@@ -61,6 +61,7 @@ class PrefixTrie:
         if max_nodes < 1:
             raise ValueError("max_nodes must be at least 1")
         self.max_nodes = max_nodes
+        self.max_path = max(64, max_nodes // 8)  # blocks of one prompt remembered
         self.ttl_s = ttl_s
         self._clock = clock
         self._trie: pygtrie.Trie[tuple[BlockKey, ...], _Node, BlockKey] = pygtrie.Trie()
@@ -107,9 +108,12 @@ class PrefixTrie:
     # --- update -----------------------------------------------------------------------------------------------
 
     def insert(self, keys: Sequence[BlockKey], worker: str) -> None:
-        """Record that `worker` was just sent the prompt whose block keys are `keys`."""
+        """Record that `worker` was just sent the prompt whose block keys are `keys` (at most its first
+        `max_nodes // 8` blocks, or 64: one huge prompt must not evict every other prefix)."""
         if not keys:
             return
+        if len(keys) > self.max_path:
+            keys = keys[: self.max_path]
         now = self._clock()
         index = self._index
         node: _Node | None = None

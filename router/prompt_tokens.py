@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # text mode: one "token" is this many characters, one block is block_size of them
 INLINE_CHARS = 2048  # prompts shorter than this are tokenized on the event loop (the thread hop costs more)
+INLINE_IDS = 16384  # token-id prompts shorter than this are hashed on the event loop
 TOKENS, TEXT = "tokens", "text"
 
 
@@ -234,8 +235,10 @@ class PromptTokens:
         # the body's size bounds the work of tokenizing it, tools and documents included
         inline = (len(raw) if raw is not None else _text_size(prompt)) < INLINE_CHARS
         result: PromptKeys | None = None
-        if isinstance(prompt, CompletionPrompt) and isinstance(prompt.prompt, list):
-            result = self._from_ids(prompt.prompt, root)  # token ids: exact with or without a tokenizer
+        if isinstance(prompt, CompletionPrompt) and isinstance(prompt.prompt, list):  # exact with or without a
+            ids = prompt.prompt  # tokenizer
+            result = (self._from_ids(ids, root) if len(ids) < INLINE_IDS
+                      else await loop.run_in_executor(self._executor, self._from_ids, ids, root))
         if result is None and tokenizer is not None:
             try:
                 if isinstance(prompt, ChatPrompt) and not tokenizer.chat.owns(prompt.template.get("chat_template")):

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 import xxhash
 
@@ -51,6 +52,14 @@ Prompt = CompletionPrompt | ChatPrompt
 
 
 @dataclass(frozen=True, slots=True)
+class LargePrompt:
+    """The prompt of a body over `route_max_prompt_bytes`: not read, so routed by load alone (the engine judges it)."""
+
+    size: int  # the body's bytes
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class ApiRequest:
     """A request body as the gateway reads it: its model, whether it streams, and its prompt (on the two
     generation endpoints)."""
@@ -58,7 +67,7 @@ class ApiRequest:
     path: str
     model: str | None
     stream: bool
-    prompt: Prompt | None = None
+    prompt: Prompt | LargePrompt | None = None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -111,9 +120,60 @@ def _check_messages(messages: Any) -> None:
             raise bad_request(f"messages[{i}].content must be a string or a list of parts", "invalid_messages")
 
 
-def parse_body(path: str, body: bytes, *, model_required: bool) -> ApiRequest:
-    """Decode a JSON request body once and check the fields the gateway relies on (`read_payload`)."""
+def parse_body(path: str, body: bytes, *, model_required: bool, large: int | None = None) -> ApiRequest:
+    """Decode a JSON request body once and check the fields the gateway relies on (`read_payload`). A body over
+    `large` bytes is read without its prompt (`parse_large_body`)."""
+    if large is not None and len(body) > large:
+        return parse_large_body(path, body, model_required=model_required)
     return read_payload(path, parse_json_object(body), model_required=model_required)
+
+
+class _Envelope(msgspec.Struct):
+    """What the gateway reads of a large body: everything but the prompt, which stays undecoded JSON."""
+
+    model: Any = None
+    stream: Any = None
+    cache_salt: Any = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    n: Any = None
+    prompt: msgspec.Raw = msgspec.Raw()
+    messages: msgspec.Raw = msgspec.Raw()
+
+
+_ENVELOPE = msgspec.json.Decoder(_Envelope)
+
+
+def parse_large_body(path: str, body: bytes, *, model_required: bool) -> ApiRequest:
+    """A large body's fields, as `parse_body` checks them, with its prompt left as it came: a `LargePrompt`. The
+    JSON is checked whole, but no Python object is made for the prompt's millions of tokens (msgspec's `Raw`), so
+    it costs a few milliseconds per 10 MiB where parsing it costs seconds."""
+    if not body:
+        raise bad_request("request body is empty; expected a JSON object", "invalid_json")
+    try:
+        envelope = _ENVELOPE.decode(body)
+    except msgspec.ValidationError:
+        raise bad_request("request body must be a JSON object", "invalid_json") from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    fields = {name: getattr(envelope, name) for name in ("model", "stream", "cache_salt", "max_tokens",
+                                                         "max_completion_tokens", "n")}
+    api = read_payload("", {k: v for k, v in fields.items() if v is not None}, model_required=model_required)
+    prompt: LargePrompt | None = None
+    if path == COMPLETIONS:
+        if not envelope.prompt:
+            raise bad_request("'prompt' is required", "missing_prompt")
+        if memoryview(envelope.prompt)[:1].tobytes() not in (b'"', b"["):
+            _check_prompt(orjson.loads(bytes(envelope.prompt)))  # not a list or string: small, and a 400
+    elif path == CHAT_COMPLETIONS:
+        if not envelope.messages:
+            raise bad_request("'messages' is required", "missing_messages")
+        if memoryview(envelope.messages)[:1].tobytes() != b"[":
+            _check_messages(orjson.loads(bytes(envelope.messages)))
+    if path in (COMPLETIONS, CHAT_COMPLETIONS):
+        salt = envelope.cache_salt
+        prompt = LargePrompt(len(body), salt if isinstance(salt, str) and salt else None)
+    return dataclasses.replace(api, path=path, prompt=prompt)
 
 
 def read_payload(path: str, payload: dict[str, Any], *, model_required: bool) -> ApiRequest:

@@ -135,3 +135,17 @@ def test_longest_run_finds_the_end_of_a_monotone_run() -> None:
 
             assert longest_run(n, holds) == end
             assert all(0 <= i < n for i in probes) and len(probes) <= max(1, n.bit_length())
+
+
+def test_one_huge_prompt_does_not_evict_every_other_prefix() -> None:
+    """Issue 13.3: one huge prompt evicted 2.7 M nodes, every tenant's routing memory. A prompt is remembered up to
+    an eighth of the trie."""
+    trie = PrefixTrie(max_nodes=1000, ttl_s=600)
+    tenants = [[t * 1000 + i for i in range(20)] for t in range(40)]  # 800 nodes
+    for keys in tenants:
+        trie.insert(keys, "a")
+    trie.insert(list(range(10**6, 10**6 + 5000)), "b")
+    trie.check()
+    assert len(trie) == 925 and trie.evictions == 0
+    assert trie.match(list(range(10**6, 10**6 + 5000))) == {"b": 125}
+    assert all(trie.match(keys) == {"a": 20} for keys in tenants)
