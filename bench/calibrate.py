@@ -15,7 +15,8 @@ trace on that worker while they ran), so their time is their own work and no que
 Each is a grid search for the smallest mean relative error, coarse then fine. The result is the base profile with
 those numbers replaced and the constant as its `request_overhead_s` (which vsim adds to every TTFT), as JSON
 (`--profile FILE` of vsim and plan), with the fit's errors, and the prefill rate and decode time per token it
-implies.
+implies; and the `ttft` strategy's settings for that fleet (`ttft_options`: the prefill rate and overhead it
+starts from before it learns them, KV bytes per token, decode cost).
 
     kvgate bench calibrate --trace trace.jsonl --profile llama-3.1-8b-h100 --out out/profile.json
 """
@@ -144,6 +145,24 @@ def fit(base: Profile, samples: Sequence[Sample]) -> tuple[Profile, dict[str, An
     return profile, report
 
 
+TTFT_CONTEXT_TOKENS = 2048  # a typical decoding request's context, for the decode cost the `ttft` strategy sees
+
+
+def ttft_options(profile: Profile) -> dict[str, float]:
+    """The `ttft` strategy's settings for a fleet of this profile: the prefill time it starts from (then
+    learns: per request, per token, per token per 1,000 tokens of context), the KV bytes per token its tier
+    transfer times use, and the first-token delay per request decoding beside it (reading that request's
+    context once per step)."""
+    m = profile.model
+    rate = profile.peak_flops * profile.mfu
+    kv = m.kv_bytes_per_token
+    return {"ttft_overhead_s": profile.prefill_time(1) + profile.request_overhead_s,
+            "ttft_prefill_tokens_per_s": rate / (2.0 * m.params),
+            "ttft_attention_s": 4.0 * m.layers * m.heads * m.head_dim * 1000 / (rate * profile.attention_efficiency),
+            "ttft_kv_bytes_per_token": float(kv),
+            "ttft_decode_cost_s": TTFT_CONTEXT_TOKENS * kv / (profile.hbm_bytes_per_s * profile.bandwidth_efficiency)}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="a trace recorded by kvgate serve --record-trace")
     parser.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PROFILES),
@@ -162,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fitted = {k: getattr(profile, k) for k in CALIBRATED_FIELDS}
+    strategy = ttft_options(profile)
     out.write_bytes(orjson.dumps({"base": base.name, **fitted, "trace": str(args.trace), "timed_requests": timed,
-                                  "fit": report}, option=orjson.OPT_INDENT_2))
+                                  "fit": report, "ttft_strategy": strategy}, option=orjson.OPT_INDENT_2))
     print(f"{timed} answered requests with timings, {report['prefill_samples']} alone on their worker "
           f"({report['decode_samples']} to their last token)")
     for key in CALIBRATED_FIELDS:
@@ -176,4 +196,6 @@ def run(args: argparse.Namespace) -> int:
           + ("" if decode is None else f", {decode:.1%} on decode") + f"; wrote {out}")
     if decode is None:
         print("  (too few requests ran alone to their end: bandwidth_efficiency kept from the base profile)")
+    print("the `ttft` strategy's starting point (kvgate serve flags): "
+          + " ".join(f"--{k.replace('_', '-')} {v:.4g}" for k, v in strategy.items()))
     return 0 if math.isfinite(report["ttft_mean_relative_error"]) else 1

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from agent.config import AgentConfig
 from agent.tiers.base import TierName
 from bench import workloads
+from bench.calibrate import ttft_options
 from bench.loadgen import percentile
 from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
 from bench.sim.offload import TierLink, transfer_seconds
@@ -74,6 +75,7 @@ ENGINE_ROOT = root_key("vsim-engine")
 TIERS = ("gpu", *(tier.value for tier in TierName))
 _TIER_OF_MEDIUM = {tier.medium: tier.value for tier in TierName}
 TRAFFIC_BUCKET_S = 10.0  # the window of a tier's peak traffic
+PREDICTION_PAIRS = 4000  # predicted / observed TTFT pairs kept per configuration, for the plot
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,12 @@ class TierSettings:
         return AgentConfig(write_policy=self.write_policy, promote_on_hit=self.promote_on_hit,
                            nvme_admit_reuse=self.nvme_admit_reuse,
                            shared_admit_reuse=self.shared_admit_reuse).validate()
+
+    def ttft_options(self) -> dict[str, float]:
+        """The `ttft` strategy's tier links: the same transfer rates and latencies."""
+        return {"ttft_cpu_gbps": self.dram_gbps, "ttft_disk_gbps": self.nvme_gbps,
+                "ttft_shared_gbps": self.shared_gbps, "ttft_cpu_latency_s": self.dram_latency_s,
+                "ttft_disk_latency_s": self.nvme_latency_s, "ttft_shared_latency_s": self.shared_latency_s}
 
     def links(self) -> dict[str, TierLink]:
         return {TierName.DRAM.code: TierLink(self.dram_gbps * 1e9, self.dram_latency_s),
@@ -165,8 +173,12 @@ class FleetSimulation:
         blocks = gpu_blocks or self.profile.num_gpu_blocks(block_size)
         blocks = max(blocks, self.max_model_len // block_size + 2)
         self.gpu_blocks = blocks
-        self.config, self.strategy = assemble({"strategy": strategy, "block_size": block_size,
-                                               **(config_overrides or {})})
+        settings: dict[str, Any] = {"strategy": strategy, "block_size": block_size}
+        if strategy == "ttft":  # what `kvgate bench calibrate` would find for this fleet, and its tiers' links
+            settings.update(ttft_options(self.profile))
+            if tiers is not None:
+                settings.update(tiers.ttft_options())
+        self.config, self.strategy = assemble({**settings, **(config_overrides or {})})
         random.seed(seed)  # least_load breaks ties with the module's random
         balance = getattr(self.strategy, "balance", None)  # prefix and kv: seeded, and on virtual time
         if isinstance(balance, PrefillBalance):
@@ -205,6 +217,7 @@ class FleetSimulation:
         self._done = 0
         # what finished requests leave behind
         self._ttft = array("d")
+        self._predicted: list[tuple[float, float]] = []  # (predicted, observed) TTFT, where the strategy predicts
         self._e2e = array("d")
         self._query_tokens = 0
         self._tier_tokens = dict.fromkeys(TIERS, 0)
@@ -348,6 +361,10 @@ class FleetSimulation:
             req = self._by_id[sim.request_id]
             if len(sim.output_token_ids) == 1:
                 req.ttft = self.now - req.arrival + self.profile.request_overhead_s
+                assert req.route is not None and req.decision is not None
+                self.strategy.on_first_token(req.route, req.decision, req.ttft)
+                if req.decision.predicted_ttft_s is not None:
+                    self._predicted.append((req.decision.predicted_ttft_s, req.ttft))
                 cached = max(sim.num_cached_tokens, 0)
                 loaded = sum(req.tier_tokens.values())
                 req.tier_tokens["gpu"] = max(0, cached - loaded)
@@ -468,6 +485,10 @@ class FleetSimulation:
             p = percentile(ttft, q)
             out[f"ttft_ms_p{int(q * 100)}"] = None if p is None else p * 1e3
         out["e2e_ms_p50"] = (percentile(self._e2e, 0.5) or 0.0) * 1e3
+        if self._predicted:
+            errors = sorted(abs(p - o) / o for p, o in self._predicted if o > 0)
+            out["ttft_prediction"] = {"median_abs_relative_error": errors[len(errors) // 2] if errors else None,
+                                      "pairs": _thin(self._predicted, PREDICTION_PAIRS)}
         return out
 
 
@@ -479,6 +500,12 @@ def engine_hashes(token_ids: Sequence[int], block_size: int) -> list[Digest]:
 def _engine_hash(parent: Digest | None, token_ids: Sequence[int], extra: object = None) -> Digest:
     """One block's digest on the simulated engines (a block filled by decoding)."""
     return chain_key(ENGINE_ROOT if parent is None else event_hash(parent), token_ids).to_bytes(8, "big")
+
+
+def _thin(pairs: list[tuple[float, float]], most: int) -> list[tuple[float, float]]:
+    """At most `most` of the pairs, evenly spaced (for a plot)."""
+    step = max(1, math.ceil(len(pairs) / most))
+    return pairs[::step]
 
 
 def _scale(tiers: dict[str, int], cached: int) -> dict[str, int]:
@@ -496,7 +523,7 @@ def _scale(tiers: dict[str, int], cached: int) -> dict[str, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bench.compare import DEFAULT_TRACE, add_workload_arguments
 
-    parser.add_argument("--strategies", default="round_robin,least_load,prefix,kv")
+    parser.add_argument("--strategies", default="round_robin,least_load,prefix,kv,ttft")
     parser.add_argument("--replicas", default="8,16", help="comma-separated fleet sizes")
     parser.add_argument("--profile", default="llama-3.1-8b-h100",
                         help=f"one of {', '.join(sorted(PROFILES))}, or a calibrated profile's JSON file "

@@ -260,6 +260,7 @@ class Proxy:
         upstream, worker, label = stream.upstream, stream.worker, stream.model_label
         ttfb = time.perf_counter() - started
         self._metrics.ttfb.labels(label).observe(ttfb)
+        self._strategy.on_first_token(stream.route, stream.decision, ttfb)
         response = web.StreamResponse(status=upstream.status, headers=stream.headers)
         status = str(upstream.status)
         seen = SseWatch()

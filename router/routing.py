@@ -32,12 +32,14 @@ class RouteRequest:
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The chosen worker, a short reason (a metric label) and the prefix tokens expected to be cached there; for a
-    data-parallel engine, the rank to serve it (sent as vLLM's `X-data-parallel-rank`), if the strategy chose one."""
+    data-parallel engine, the rank to serve it (sent as vLLM's `X-data-parallel-rank`), if the strategy chose one;
+    the time to first token the strategy predicted there, if it predicts one."""
 
     worker: Worker
     reason: str
     predicted_cached_tokens: int = 0
     dp_rank: int | None = None
+    predicted_ttft_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,10 @@ class Strategy(abc.ABC):
 
     def on_routed(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once the request was sent to the chosen worker."""
+
+    def on_first_token(self, request: RouteRequest, decision: Decision, ttft_s: float) -> None:  # noqa: B027
+        """Called when a streamed answer's first chunk came from the chosen worker, `ttft_s` seconds after the
+        request arrived (a whole answer's first byte comes only once it is generated: no call for those)."""
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once the attempt on the chosen worker ended (answered, failed or cancelled)."""

@@ -18,6 +18,7 @@ STRATEGIES: dict[str, str] = {
     "least_load": "strategies.least_load:LeastLoad",
     "kv": "strategies.kv:KvAware",
     "prefix": "strategies.prefix:PrefixAffinity",
+    "ttft": "strategies.ttft:TtftAware",
 }
 
 

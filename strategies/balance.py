@@ -155,7 +155,7 @@ class PrefillBalance:
         self._queue(worker.url).add(prompt - predicted, now)
         if keys:
             self.trie.insert(keys, worker.url)
-        self._record(prompt, predicted)
+        self.record(prompt, predicted)
         return Decision(worker, reason, predicted)
 
     def trie_prediction(self, keys: Sequence[int], workers: Sequence[Worker],
@@ -165,7 +165,8 @@ class PrefillBalance:
         cached = [min(matched.get(w.url, 0) * self.block_size, cacheable) for w in workers]
         return cached, [float(c) for c in cached]
 
-    def _record(self, prompt: int, predicted: int) -> None:
+    def record(self, prompt: int, predicted: int) -> None:
+        """Count one decision in the metrics (prompt and predicted cached tokens) and the trie's size."""
         metrics = self._metrics
         if metrics is None:
             return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
@@ -95,20 +95,32 @@ class KvAware(Strategy):
         """Per worker: the prompt tokens the index (or, untrusted, the trie) says are cached there, and the
         prefill tokens that saves given the tier each block is on. A data-parallel engine is judged by its best
         rank (which `choose` then names in the decision)."""
+        cached: list[int] = []
+        saved: list[float] = []
+        for held in self.holdings(keys, workers, cacheable):
+            cached.append(held.tokens)
+            if not held.trusted:
+                saved.append(float(held.tokens))
+                continue
+            saved.append(max(held.saved, held.affinity))
+        return cached, saved
+
+    def holdings(self, keys: Sequence[int], workers: Sequence[Worker], cacheable: int) -> list[Holding]:
+        """Per worker: the leading prompt tokens it holds, by tier, as the index (or, untrusted, the trie) says;
+        a data-parallel engine's best rank, remembered for `choose`."""
         if not keys:
-            return [0] * len(workers), [0.0] * len(workers)
+            return [Holding() for _ in workers]
         bs = self.balance.block_size
         caches = {w.url: w.spec.caches() for w in workers}
         known = [cache for w in workers for _, cache in caches[w.url] if self._trusted(cache)]
         runs = self.index.lookup(keys, known) if self.index is not None and known else {}
         guessed = self.balance.trie.match(keys)
-        cached: list[int] = []
-        saved: list[float] = []
+        out: list[Holding] = []
         for worker in workers:
             # where the prefix was sent before keeps a weaker pull: it keeps a group on one worker when the
             # engines have evicted it everywhere, instead of scattering copies of it over the fleet
             affinity = self.affinity * min(guessed.get(worker.url, 0) * bs, cacheable)
-            best: tuple[float, int, int | None] | None = None  # (saved, cached tokens, rank) of its best cache
+            best: tuple[float, Holding] | None = None  # (tokens saved, holding) of its best cache
             for rank, cache in caches[worker.url]:
                 run = runs.get(cache)
                 if run is None:
@@ -121,17 +133,16 @@ class KvAware(Strategy):
                 tokens = min(blocks * bs, cacheable)
                 weight = sum(self.saving[tier] * n for tier, n in by_tier.items()) / blocks if blocks else 0.0
                 if best is None or tokens * weight > best[0]:
-                    best = (tokens * weight, tokens, rank)
+                    best = (tokens * weight, Holding(tokens, _tokens_by_tier(by_tier, bs, cacheable), rank,
+                                                     tokens * weight, affinity))
             if best is None:  # no trustworthy events: the approximate trie, as `prefix` does
                 blocks = max(guessed.get(worker.url, 0), self.pending.match(keys, worker.url))
                 tokens = min(blocks * bs, cacheable)
-                cached.append(tokens)
-                saved.append(float(tokens))
+                out.append(Holding(tokens, {GPU: tokens} if tokens else {}, saved=float(tokens), trusted=False))
                 continue
-            self._ranks[worker.url] = best[2]
-            cached.append(best[1])
-            saved.append(max(best[0], affinity))
-        return cached, saved
+            self._ranks[worker.url] = best[1].rank
+            out.append(best[1])
+        return out
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
         if request.block_keys:
@@ -142,6 +153,40 @@ class KvAware(Strategy):
     def forget_worker(self, url: str) -> None:
         self.balance.forget_worker(url)
         self.pending.forget_worker(url)
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """The leading prompt tokens one worker holds for a request: in all, and by tier (GPU / CPU / DISK / SHARED,
+    the lowest tiers trimmed first where the run is longer than the cacheable prompt); the data-parallel rank
+    that holds them; the prefill tokens that saves at `kv`'s tier costs; the affinity pull of past routing;
+    whether the KV events said so (else: the trie)."""
+
+    tokens: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)
+    rank: int | None = None
+    saved: float = 0.0
+    affinity: float = 0.0
+    trusted: bool = True
+
+
+_TRIM_ORDER = (SHARED, DISK, CPU, GPU)  # a run is GPU first, then the tiers it is loaded from
+
+
+def _tokens_by_tier(by_tier: dict[str, int], block_size: int, cacheable: int) -> dict[str, int]:
+    """A run's blocks per tier as tokens, trimmed to the cacheable prompt (its last blocks, the lowest tiers)."""
+    tokens = {tier: n * block_size for tier, n in by_tier.items() if n}
+    excess = sum(tokens.values()) - cacheable
+    for tier in _TRIM_ORDER:
+        if excess <= 0:
+            break
+        cut = min(excess, tokens.get(tier, 0))
+        if cut:
+            tokens[tier] -= cut
+            excess -= cut
+            if not tokens[tier]:
+                del tokens[tier]
+    return tokens
 
 
 class PendingBlocks:

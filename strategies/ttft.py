@@ -1,0 +1,465 @@
+"""`ttft`: send each request where its first token is predicted to come soonest.
+
+`kv`'s picture of the fleet (the KV block index, by tier; pending blocks; the trie where events cannot be
+trusted) with a scorer in seconds instead of tokens. For each eligible worker:
+
+    predicted TTFT = overhead                        the fit's intercept: HTTP, tokenizing, scheduling
+                   + queue wait                      prefill tokens ahead of it there, at the worker's rate
+                   + load or recompute, per tier     GPU free; DRAM / NVMe / shared: the cheaper of reading the
+                                                     run at the tier's transfer rate and recomputing it
+                   + prefill of the uncached tokens  at the worker's rate
+                   + decode pressure                 per request decoding there (each step carries them)
+                   + KV-cache pressure               a worker near full makes new requests wait for blocks
+    score          = predicted TTFT
+                   + spread cost                     placing a prefix held elsewhere on one more worker
+
+and the lowest score wins. Each part is a class of its own below. The worker's prefill rate is learned online
+(`PrefillRate`, a `LinearFit` of each streamed answer's time to first token against the prefill tokens it
+waited for and needed), starting from `ttft_prefill_tokens_per_s` / `ttft_overhead_s`; `kvgate bench calibrate`
+fits those two, and the decode cost, from a recorded trace. Tier transfer rates are options (the agent's links).
+
+The spread cost is what the choice does to the future: a copy of a prefix that lives elsewhere costs cache
+space here that something else will miss for, so it counts `ttft_spread_weight` times its prefill. A hot prefix
+therefore stays on its worker until the queue there outweighs the prefill it saves plus that cost, then spills.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from kvcore.config import option
+from kvcore.kv_events import CPU, DISK, GPU, SHARED
+from router.config import GatewayConfig
+from router.kv_transport import cache_name
+from router.pool import Worker
+from router.routing import Decision, RouteRequest
+from strategies.balance import HIT, MISS, SPILL
+from strategies.kv import Holding, KvAware, KvOptions
+
+LOWER_TIERS = (CPU, DISK, SHARED)
+ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass(frozen=True)
+class TtftOptions(KvOptions):
+    """`kv`'s settings (its tier costs are not used: tiers are timed) and the TTFT model's."""
+
+    # defaults: Llama-3.1-8B on one H100 (`kvgate bench calibrate` prints a fleet's own)
+    ttft_prefill_tokens_per_s: float = option(
+        34000.0, "ttft: a worker's prefill rate (without attention) before it has answered; then learned")
+    ttft_overhead_s: float = option(
+        0.008, "ttft: time to first token besides prefill (a step reading the weights, HTTP, tokenizing) before "
+        "it is learned")
+    ttft_attention_s: float = option(
+        1e-6, "ttft: prefill seconds per prompt token per 1,000 tokens of context before it (attention) before "
+        "it is learned")
+    ttft_prior_samples: float = option(
+        4.0, "ttft: weight of the three settings above against the answers they are learned from, in answers")
+    ttft_half_life: float = option(
+        200.0, "ttft: answers after which an old answer counts half in the learned rate")
+    ttft_kv_bytes_per_token: float = option(
+        131072.0, "ttft: KV-cache bytes per token, for tier transfer times (Llama-3.1-8B bf16: 128 KiB)")
+    ttft_cpu_gbps: float = option(25.0, "ttft: DRAM tier to GPU, GB/s")
+    ttft_disk_gbps: float = option(5.0, "ttft: NVMe tier to GPU, GB/s")
+    ttft_shared_gbps: float = option(10.0, "ttft: shared tier to GPU, GB/s")
+    ttft_cpu_latency_s: float = option(50e-6, "ttft: DRAM tier, time per load besides the bytes")
+    ttft_disk_latency_s: float = option(200e-6, "ttft: NVMe tier, time per load besides the bytes")
+    ttft_shared_latency_s: float = option(2e-3, "ttft: shared tier, time per load besides the bytes")
+    ttft_decode_cost_s: float = option(
+        1e-4, "ttft: first-token delay per request decoding on the worker (its share of every step)")
+    ttft_kv_high: float = option(0.9, "ttft: KV-cache usage above which a worker is near full")
+    ttft_kv_full_penalty_s: float = option(
+        0.5, "ttft: delay predicted on a full KV cache (waiting for blocks, preemption), scaled from 0 at kv_high")
+    ttft_spread_weight: float = option(
+        1.0, "ttft: cost of copying a prefix held elsewhere onto one more worker, as a share of its prefill time")
+
+
+class LinearFit:
+    """y ≈ w · x by least squares over recent samples (each `half_life` samples old counts half), each weight held
+    towards its prior as much as `prior_weight` samples would hold it: as if that many samples, shared among the
+    weights, had shown weight j alone (x_j = scales[j], every other x 0) at its prior value. (A prior on each weight
+    rather than prior points on the line: samples that cluster fix the line where they are without a prior point
+    far away tilting it.) Weights stay non-negative (a negative one is set to 0 and the rest fitted again)."""
+
+    def __init__(self, prior: Sequence[float], scales: Sequence[float], prior_weight: float,
+                 half_life: float) -> None:
+        k = len(prior)
+        self.k = k
+        self.weights = list(prior)
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._xx = [[0.0] * k for _ in range(k)]
+        self._xy = [0.0] * k
+        share = prior_weight / k
+        self._prior_xx = [share * scale * scale for scale in scales]
+        self._prior_xy = [share * scale * scale * p for p, scale in zip(prior, scales, strict=True)]
+        self.samples = 0
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        d = self._decay
+        for i in range(self.k):
+            self._xy[i] = self._xy[i] * d + x[i] * y
+            row = self._xx[i]
+            for j in range(self.k):
+                row[j] = row[j] * d + x[i] * x[j]
+        self.samples += 1
+        self.weights = self._solve()
+
+    def _solve(self) -> list[float]:
+        free = list(range(self.k))
+        while free:
+            a = [[self._xx[i][j] + (self._prior_xx[i] if i == j else 0.0) for j in free] for i in free]
+            b = [self._xy[i] + self._prior_xy[i] for i in free]
+            solved = _gauss(a, b)
+            if solved is None:
+                return self.weights
+            negative = [f for f, v in zip(free, solved, strict=True) if v < 0]
+            if not negative:
+                out = [0.0] * self.k
+                for f, v in zip(free, solved, strict=True):
+                    out[f] = v
+                return out
+            free = [f for f in free if f not in negative]
+        return [0.0] * self.k
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(w * v for w, v in zip(self.weights, x, strict=True))
+
+
+def _gauss(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """The solution of a x = b (a small dense system), None when singular."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                if f:
+                    m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """Prefill work: tokens computed, and their attention work (tokens x the context each attends to,
+    in thousands of tokens: new tokens attend to the cached ones and, causally, to half of each other)."""
+
+    tokens: float = 0.0
+    attention: float = 0.0
+
+    @classmethod
+    def of(cls, tokens: int, context: int) -> Work:
+        return cls(float(tokens), tokens * (context + tokens / 2) / 1000.0)
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.tokens + other.tokens, self.attention + other.attention)
+
+    def scaled(self, share: float) -> Work:
+        return Work(self.tokens * share, self.attention * share)
+
+
+class PrefillRate:
+    """One worker's prefill time: seconds per request (overhead), per prefill token, and per token per thousand
+    tokens of context (attention), learned from its answers: each streamed answer's time to first token against
+    the prefill work it waited behind and needed (`Work`)."""
+
+    def __init__(self, options: TtftOptions) -> None:
+        prior = (options.ttft_overhead_s, 1.0 / options.ttft_prefill_tokens_per_s, options.ttft_attention_s)
+        typical = Work.of(2048, 8192)  # each weight's prior speaks as for a typical request
+        self.fit = LinearFit(prior, (1.0, typical.tokens, typical.attention), options.ttft_prior_samples,
+                             options.ttft_half_life)
+
+    @property
+    def overhead_s(self) -> float:
+        return self.fit.weights[0]
+
+    @property
+    def tokens_per_s(self) -> float:
+        per_token = self.fit.weights[1] + self.fit.weights[2] * 1.0  # at 1,000 tokens of context
+        return 1.0 / per_token if per_token > 0 else math.inf
+
+    def seconds(self, work: Work) -> float:
+        w = self.fit.weights
+        return w[1] * work.tokens + w[2] * work.attention
+
+    def learn(self, work: Work, seconds: float) -> None:
+        if seconds > 0 and math.isfinite(seconds):
+            self.fit.add((1.0, work.tokens, work.attention), seconds)
+
+
+@dataclass(frozen=True)
+class TierLink:
+    """One tier's path into the GPU: a fixed time per load and a transfer rate."""
+
+    latency_s: float
+    bytes_per_s: float
+
+
+class LoadCost:
+    """Getting a held prefix into the GPU: GPU blocks are free; a run on a lower tier is loaded at the tier's
+    transfer rate or recomputed, whichever is cheaper (a long NVMe run is worth loading, a short one may not be)."""
+
+    def __init__(self, options: TtftOptions) -> None:
+        gb = 1e9
+        self.links = {CPU: TierLink(options.ttft_cpu_latency_s, options.ttft_cpu_gbps * gb),
+                      DISK: TierLink(options.ttft_disk_latency_s, options.ttft_disk_gbps * gb),
+                      SHARED: TierLink(options.ttft_shared_latency_s, options.ttft_shared_gbps * gb)}
+        self.bytes_per_token = options.ttft_kv_bytes_per_token
+
+    def load_seconds(self, tier: str, tokens: int) -> float:
+        link = self.links[tier]
+        return link.latency_s + tokens * self.bytes_per_token / link.bytes_per_s
+
+    def plan(self, by_tier: dict[str, int], rate: PrefillRate) -> tuple[float, int]:
+        """(seconds loading, tokens recomputed instead) for a holding's lower-tier runs, which follow its GPU run
+        in the prompt in this order. Recomputing a run means recomputing what follows it too."""
+        seconds, recompute = 0.0, 0
+        context = by_tier.get(GPU, 0)
+        for tier in LOWER_TIERS:
+            tokens = by_tier.get(tier, 0)
+            if not tokens:
+                continue
+            load = self.load_seconds(tier, tokens)
+            if recompute or load >= rate.seconds(Work.of(tokens, context)):
+                recompute += tokens
+            else:
+                seconds += load
+            context += tokens
+        return seconds, recompute
+
+
+@dataclass(slots=True)
+class _Queued:
+    work: Work         # the prefill it needs
+    routed_at: float
+    expected_s: float  # its predicted time to first token
+
+
+class PrefillQueue:
+    """Prefill the gateway has sent one worker that has not produced a first token yet: each request from its
+    routing until its first token (or its end), by the request's identity (the gateway holds the request until
+    its end, so the identity is not reused meanwhile). The oldest is in progress, drained at the worker's rate.
+    A request never reported (a whole, non-streamed answer) stops counting once twice its predicted time to first
+    token (and a second) has passed."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[int, _Queued] = OrderedDict()
+        self.progress_since = 0.0  # when the head of the queue started on its prefill, at the latest
+
+    def add(self, key: int, work: Work, now: float, expected_s: float) -> None:
+        if not self._entries:
+            self.progress_since = now
+        self._entries[key] = _Queued(work, now, expected_s)
+
+    def done(self, key: int, now: float) -> None:
+        if self._entries.pop(key, None) is not None:
+            self.progress_since = max(self.progress_since, now)
+
+    def _expire(self, now: float) -> None:
+        stale = [k for k, e in self._entries.items() if now - e.routed_at > 2 * e.expected_s + 1.0]
+        for key in stale:
+            self.done(key, now)
+
+    def count(self, now: float) -> int:
+        self._expire(now)
+        return len(self._entries)
+
+    def ahead(self, now: float, rate: PrefillRate) -> Work:
+        """The prefill work ahead of a request routed here now."""
+        self._expire(now)
+        if not self._entries:
+            return Work()
+        total = Work()
+        for entry in self._entries.values():
+            total = total + entry.work
+        head = next(iter(self._entries.values())).work
+        need = rate.seconds(head)
+        if need > 0:
+            elapsed = now - max(self.progress_since, next(iter(self._entries.values())).routed_at)
+            total = total + head.scaled(-min(1.0, max(0.0, elapsed) / need))
+        return total
+
+
+class EnginePressure:
+    """What the engine's own metrics add: requests waiting there that the gateway did not send (another
+    gateway's, preempted ones) at the fleet's mean prefill per request; requests decoding there, each a share
+    of every step; a KV cache near full, where a new request waits for blocks or preempts."""
+
+    def __init__(self, options: TtftOptions) -> None:
+        self.decode_cost_s = options.ttft_decode_cost_s
+        self.kv_high = options.ttft_kv_high
+        self.kv_full_penalty_s = options.ttft_kv_full_penalty_s
+
+    @staticmethod
+    def foreign(worker: Worker, ours_waiting: int, mean: Work) -> Work:
+        return mean.scaled(max(0.0, worker.waiting - ours_waiting))
+
+    def seconds(self, worker: Worker, ours_waiting: int) -> float:
+        decoding = max(0.0, worker.in_flight - ours_waiting, worker.running - ours_waiting)
+        seconds = self.decode_cost_s * decoding
+        if worker.kv_usage > self.kv_high and self.kv_high < 1.0:
+            seconds += self.kv_full_penalty_s * min(1.0, (worker.kv_usage - self.kv_high) / (1.0 - self.kv_high))
+        return seconds
+
+
+class SpreadCost:
+    """Placing a prefix held elsewhere on one more worker: the cache space the copy takes there, priced as
+    `ttft_spread_weight` times the prefill of the tokens copied."""
+
+    def __init__(self, options: TtftOptions) -> None:
+        self.weight = options.ttft_spread_weight
+
+    def seconds(self, held_here: int, held_most: int, rate: PrefillRate) -> float:
+        copied = max(0, held_most - held_here)
+        return self.weight * rate.seconds(Work.of(copied, held_here)) if copied else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """One worker's predicted time to first token for a request, by part, and the work it is made of."""
+
+    overhead_s: float
+    queue_s: float
+    load_s: float
+    prefill_s: float
+    pressure_s: float
+    queued: Work
+    prefill: Work
+
+    @property
+    def ttft_s(self) -> float:
+        return self.overhead_s + self.queue_s + self.load_s + self.prefill_s + self.pressure_s
+
+
+class TtftMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.error = Histogram(
+            "kvgate_ttft_prediction_error_ratio",
+            "ttft: (predicted - observed) / observed time to first token on the chosen worker",
+            buckets=ERROR_BUCKETS, registry=registry)
+        self.rate = Gauge("kvgate_ttft_prefill_tokens_per_second",
+                          "ttft: each worker's learned prefill rate (at 1,000 tokens of context)", ["worker"],
+                          registry=registry)
+        self.overhead = Gauge("kvgate_ttft_overhead_seconds",
+                              "ttft: each worker's learned time to first token besides prefill", ["worker"],
+                              registry=registry)
+
+
+@dataclass(slots=True)
+class _Routed:
+    worker: str
+    estimate: Estimate
+
+
+class TtftAware(KvAware):
+    name = "ttft"
+    Options = TtftOptions
+
+    def __init__(self, config: GatewayConfig, options: TtftOptions) -> None:
+        super().__init__(config, options)
+        self.ttft_options = options
+        self.load = LoadCost(options)
+        self.pressure = EnginePressure(options)
+        self.spread = SpreadCost(options)
+        self.rates: dict[str, PrefillRate] = {}
+        self.queues: dict[str, PrefillQueue] = {}
+        self._routed: dict[int, _Routed] = {}
+        self._mean = Work()  # the prefill a request brings, on average (recent requests)
+        self._ttft_metrics: TtftMetrics | None = None
+
+    @property
+    def now(self) -> float:
+        return self.balance.clock()  # the balance's clock: injectable (tests, the virtual-time fleet)
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        super().register_metrics(registry)
+        self._ttft_metrics = TtftMetrics(registry)
+
+    def rate(self, url: str) -> PrefillRate:
+        rate = self.rates.get(url)
+        if rate is None:
+            rate = self.rates[url] = PrefillRate(self.ttft_options)
+        return rate
+
+    def queue(self, url: str) -> PrefillQueue:
+        queue = self.queues.get(url)
+        if queue is None:
+            queue = self.queues[url] = PrefillQueue()
+        return queue
+
+    def estimate(self, worker: Worker, prompt: int, held: Holding, now: float) -> Estimate:
+        """The predicted time to first token of a `prompt`-token request on `worker`, which holds `held`."""
+        rate, queue = self.rate(worker.url), self.queue(worker.url)
+        load_s, recompute = self.load.plan(held.by_tier, rate)
+        context = held.tokens - recompute
+        prefill = Work.of(max(1, prompt - context), context)
+        ours = queue.count(now)
+        queued = queue.ahead(now, rate) + self.pressure.foreign(worker, ours, self._mean)
+        return Estimate(rate.overhead_s, rate.seconds(queued), load_s, rate.seconds(prefill),
+                        self.pressure.seconds(worker, ours), queued, prefill)
+
+    def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
+        self._ranks.clear()
+        now = self.now
+        keys = request.block_keys
+        bs = self.balance.block_size
+        prompt = max(request.prompt_tokens, len(keys) * bs)
+        cacheable = ((prompt - 1) // bs) * bs if prompt > 0 else 0
+        held = self.holdings(keys, workers, cacheable)
+        most = max(h.tokens for h in held)
+        estimates = [self.estimate(w, prompt, h, now) for w, h in zip(workers, held, strict=True)]
+        scores = [e.ttft_s + self.spread.seconds(h.tokens, most, self.rate(w.url))
+                  for w, h, e in zip(workers, held, estimates, strict=True)]
+        best = min(scores)
+        tied = [i for i, s in enumerate(scores) if s <= best + 1e-9]
+        if len(tied) > 1:  # an idle fleet: spread distinct prefixes
+            least_state = min(self.balance.trie.worker_nodes(workers[i].url) for i in tied)
+            tied = [i for i in tied if self.balance.trie.worker_nodes(workers[i].url) == least_state]
+        pick = tied[0] if len(tied) == 1 else self.balance.random.choice(tied)
+        worker, estimate, cached = workers[pick], estimates[pick], held[pick].tokens
+        reason = MISS if most == 0 else HIT if cached >= most else SPILL
+        self.queue(worker.url).add(id(request), estimate.prefill, now, estimate.ttft_s)
+        self._routed[id(request)] = _Routed(worker.url, estimate)
+        self._mean = self._mean + (estimate.prefill + self._mean.scaled(-1.0)).scaled(1 / 64)
+        rank = self._ranks.get(worker.url)
+        if keys:
+            self.balance.trie.insert(keys, worker.url)
+            self.pending.add(cache_name(worker.url, rank), keys)
+        self.balance.record(prompt, cached)
+        return Decision(worker, reason, cached, rank, estimate.ttft_s)
+
+    def on_first_token(self, request: RouteRequest, decision: Decision, ttft_s: float) -> None:
+        routed = self._routed.pop(id(request), None)
+        if routed is None:
+            return
+        self.queue(routed.worker).done(id(request), self.now)
+        e = routed.estimate
+        rate = self.rate(routed.worker)
+        # the observed time less the parts that are not the worker's prefill: what its prefill model must explain
+        rate.learn(e.queued + e.prefill, ttft_s - e.load_s - e.pressure_s)
+        metrics = self._ttft_metrics
+        if metrics is not None:
+            if ttft_s > 0:
+                metrics.error.observe((e.ttft_s - ttft_s) / ttft_s)
+            metrics.rate.labels(routed.worker).set(rate.tokens_per_s)
+            metrics.overhead.labels(routed.worker).set(rate.overhead_s)
+
+    def on_finished(self, request: RouteRequest, decision: Decision) -> None:
+        routed = self._routed.pop(id(request), None)
+        if routed is not None:
+            self.queue(routed.worker).done(id(request), self.now)
+        super().on_finished(request, decision)
+
+    def forget_worker(self, url: str) -> None:
+        super().forget_worker(url)
+        self.rates.pop(url, None)
+        self.queues.pop(url, None)
+        self._routed = {k: r for k, r in self._routed.items() if r.worker != url}
