@@ -49,10 +49,16 @@ async def test_ttft_and_decode_follow_the_profile(sim_fleet: Callable[..., SimFl
 async def test_speedup_divides_every_duration(sim_fleet: Callable[..., SimFleet],
                                               http: aiohttp.ClientSession) -> None:
     fleet = sim_fleet(1, speedup=10.0, extra_args=["--max-model-len", "16384", "--no-kv-events"])
-    prompt = [(i * 104729) % 4000 + 5 for i in range(16000)]
-    ttft, _ = await timed(http, fleet.urls[0], prompt, 1)
     predicted = PROFILE.prefill_time(16000) / 10
-    assert predicted * 0.97 <= ttft <= predicted + SLACK_S, (ttft, predicted)
+    # Three cold prompts (nothing shared): none may beat the model; the best, the one least delayed by whatever
+    # else the machine runs, lands within the slack (a 16,000-token body costs more to send than the others).
+    ttfts = []
+    for seed in (104729, 7919, 6151):
+        prompt = [(i * seed + seed) % 4000 + 5 for i in range(16000)]
+        ttft, _ = await timed(http, fleet.urls[0], prompt, 1)
+        ttfts.append(ttft)
+    assert all(predicted * 0.97 <= ttft for ttft in ttfts), (ttfts, predicted)
+    assert min(ttfts) <= predicted + SLACK_S, (ttfts, predicted)
 
 
 def offline_makespan(prompts: list[list[int]], max_tokens: int, max_num_seqs: int) -> float:
