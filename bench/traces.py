@@ -207,6 +207,7 @@ class TraceSource:
         bos = len(self.vocab.bos)
         longest_seen: dict[int, int] = {}  # a chain of ids -> the most tokens of its last block seen
         hits = queries = 0
+        each: list[tuple[int, int]] = []
         for rec in self.trace:
             size, length = _length(rec, self.block_tokens)
             ids = rec.hash_ids[: -(-length // size)]
@@ -226,5 +227,7 @@ class TraceSource:
             total = bos + length
             queries += total
             cacheable = (total - 1) // block_size
-            hits += min(shared // block_size, cacheable) * block_size
-        return IdealCache(hits, queries)
+            hit = min(shared // block_size, cacheable) * block_size
+            hits += hit
+            each.append((total, hit))
+        return IdealCache(hits, queries, each)

@@ -28,6 +28,7 @@ import heapq
 import itertools
 import math
 import random
+import shlex
 import sys
 import time
 from array import array
@@ -41,7 +42,7 @@ from tqdm import tqdm
 
 from agent.config import AgentConfig
 from agent.tiers.base import TierName
-from bench import workloads
+from bench import vsim_report, workloads
 from bench.calibrate import ttft_options
 from bench.loadgen import percentile
 from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
@@ -612,6 +613,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate bench vsim: {exc}", file=sys.stderr)
         return 2
     bound = source.ideal(args.block_size)
+    limit = vsim_report.ttft_limit(bound, load_profile(args.profile))
     tier_modes = {"off": [False], "on": [True], "both": [False, True]}[args.tiers]
     settings = TierSettings(dram_blocks=args.dram_blocks, nvme_blocks=args.nvme_blocks,
                             shared_blocks=args.shared_blocks, write_policy=args.write_policy)
@@ -620,23 +622,30 @@ def run(args: argparse.Namespace) -> int:
             for n in [int(x) for x in args.replicas.split(",")] for tiered in tier_modes
             for strategy in args.strategies.split(",")]
     print(f"{source.name}: {source.count} requests, {bound.query_tokens} prompt tokens; ideal single-cache hit rate "
-          f"{bound.hit_rate:.3f}; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
+          f"{bound.hit_rate:.3f}, TTFT limit p50 {limit['ttft_ms_p50'] or 0:.0f} p90 {limit['ttft_ms_p90'] or 0:.0f} "
+          f"ms; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
     started = time.perf_counter()
     outcome = run_sweep([Job(job.label, source.count, job) for job in jobs], simulate, processes=args.jobs,
                         show_progress=not args.no_progress,
                         on_result=lambda i, row: tqdm.write(describe_row(row)))
     wall_s = time.perf_counter() - started
     results = [outcome.results[i] for i in sorted(outcome.results)]
+    vsim_report.add_gaps(results, limit)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps({"benchmark": "vsim", "workload": {"name": source.name, "params": source.params},
-                                  "profile": args.profile, "block_size": args.block_size,
-                                  "tier_settings": settings.__dict__, "upper_bound": bound.hit_rate,
-                                  "jobs": args.jobs, "wall_s": wall_s, "peak_total_rss_mb": outcome.peak_rss_mb,
-                                  "interrupted": outcome.interrupted,
-                                  "unfinished": [jobs[i].label for i in range(len(jobs)) if i not in outcome.results],
-                                  "errors": {jobs[i].label: e for i, e in outcome.errors.items()},
-                                  "results": results}, option=orjson.OPT_INDENT_2))
+    report: dict[str, Any] = {
+        "benchmark": "vsim", "command": shlex.join(["kvgate", *sys.argv[1:]]),
+        "workload": {"name": source.name, "params": source.params}, "profile": args.profile,
+        "block_size": args.block_size, "tier_settings": settings.__dict__, "upper_bound": bound.hit_rate,
+        "ttft_limit": limit, "jobs": args.jobs, "wall_s": wall_s, "peak_total_rss_mb": outcome.peak_rss_mb,
+        "interrupted": outcome.interrupted,
+        "unfinished": [jobs[i].label for i in range(len(jobs)) if i not in outcome.results],
+        "errors": {jobs[i].label: e for i, e in outcome.errors.items()}, "results": results}
+    plot = out.with_name(out.stem + "-ttft-predicted.png")
+    if vsim_report.write_prediction_plot(report, plot):
+        report["prediction_plot"] = plot.name
+    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    vsim_report.write_markdown(report, out.with_suffix(".md"))
     for i, error in outcome.errors.items():
         print(f"{jobs[i].label}: failed: {error}", file=sys.stderr)
     state = "interrupted; " if outcome.interrupted else ""

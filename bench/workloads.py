@@ -248,10 +248,12 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 @dataclass(frozen=True)
 class IdealCache:
     """What one unbounded cache would have hit on this request sequence (tokens), counted as vLLM counts:
-    leading full blocks already seen, never the prompt's last token; queries = all prompt tokens."""
+    leading full blocks already seen, never the prompt's last token; queries = all prompt tokens. `requests`:
+    each request's (prompt tokens, tokens hit), in order (the time-to-first-token limit is made of them)."""
 
     hit_tokens: int
     query_tokens: int
+    requests: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -261,6 +263,7 @@ class IdealCache:
 def ideal_hit_rate(prompts: Iterable[Sequence[int]], block_size: int, root: int | None = None) -> IdealCache:
     seen: set[int] = set()
     hits = queries = 0
+    each: list[tuple[int, int]] = []
     parent = root_key("bench") if root is None else root
     for ids in prompts:
         n = len(ids)
@@ -273,6 +276,7 @@ def ideal_hit_rate(prompts: Iterable[Sequence[int]], block_size: int, root: int 
                 break
             run += 1
         hits += run * block_size
+        each.append((n, run * block_size))
         seen.update(keys)
-    return IdealCache(hits, queries)
+    return IdealCache(hits, queries, each)
 

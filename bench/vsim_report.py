@@ -1,0 +1,123 @@
+"""`kvgate bench vsim`'s report: the time-to-first-token limit of a workload, each row against round_robin and
+the limit, a Markdown table and the plot of predicted against simulated TTFT.
+
+The limit is each request's prefill alone on an idle replica (the profile's `prefill_time`, plus its
+`request_overhead_s`) with what one unbounded cache would have hit of its prompt (`IdealCache.requests`): no
+queue, no eviction, every reusable block on the GPU. No router reaches it; how much of the way from round_robin
+to it a strategy goes (`gap_closed`, per percentile) is the figure that can be compared across workloads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import percentile
+from bench.sim.perf_model import Profile
+from bench.workloads import IdealCache
+
+PERCENTILES = (50, 90, 99)
+
+
+def ttft_limit(ideal: IdealCache, profile: Profile) -> dict[str, float | None]:
+    """TTFT p50 / p90 / p99 (ms) of every request's prefill alone with the ideal single-cache hit."""
+    times = [profile.prefill_time(max(1, prompt - hit), hit) + profile.request_overhead_s
+             for prompt, hit in ideal.requests]
+    out: dict[str, float | None] = {}
+    for p in PERCENTILES:
+        value = percentile(times, p / 100)
+        out[f"ttft_ms_p{p}"] = None if value is None else value * 1e3
+    return out
+
+
+def add_gaps(results: list[dict[str, Any]], limit: dict[str, float | None]) -> None:
+    """Each row's speedup over round_robin of the same fleet (replicas, tiers) and the share of the gap from
+    round_robin to the limit it closes, per percentile (in place)."""
+    baseline = {(r["replicas"], r["tiers"]): r for r in results if r["strategy"] == "round_robin"}
+    for row in results:
+        rr = baseline.get((row["replicas"], row["tiers"]))
+        if rr is None:
+            continue
+        speedup: dict[str, float | None] = {}
+        closed: dict[str, float | None] = {}
+        for p in PERCENTILES:
+            key = f"ttft_ms_p{p}"
+            mine, base, best = row.get(key), rr.get(key), limit.get(key)
+            speedup[f"p{p}"] = base / mine if mine and base else None
+            closed[f"p{p}"] = (base - mine) / (base - best) if (
+                mine is not None and base is not None and best is not None and base > best) else None
+        row["ttft_speedup_over_round_robin"] = speedup
+        row["ttft_gap_closed"] = closed
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table(report: dict[str, Any]) -> list[str]:
+    """The Markdown table: a row per configuration, then the limit."""
+    limit = report["ttft_limit"]
+    lines = ["| replicas | tiers | strategy | hit rate (of bound) | TTFT p50 / p90 ms | "
+             "speedup over round_robin p50 / p90 | gap closed p50 / p90 | req imbalance | prediction error (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    bound = report["upper_bound"]
+    for r in report["results"]:
+        s, g = r.get("ttft_speedup_over_round_robin", {}), r.get("ttft_gap_closed", {})
+        pred = r.get("ttft_prediction", {}).get("median_abs_relative_error")
+        lines.append(
+            f"| {r['replicas']} | {'on' if r['tiers'] else 'off'} | {r['strategy']} | {r['hit_rate']:.3f} "
+            f"({_f(r['hit_rate'] / bound if bound else None, '{:.0%}')}) | {_f(r['ttft_ms_p50'], '{:.0f}')} / "
+            f"{_f(r['ttft_ms_p90'], '{:.0f}')} | {_f(s.get('p50'), '{:.2f}')} / {_f(s.get('p90'), '{:.2f}')} | "
+            f"{_f(g.get('p50'), '{:.0%}')} / {_f(g.get('p90'), '{:.0%}')} | {_f(r['request_imbalance'], '{:.2f}')} | "
+            f"{_f(pred, '{:.1%}')} |")
+    lines.append(f"| | | **limit** | {bound:.3f} (100%) | {_f(limit['ttft_ms_p50'], '{:.0f}')} / "
+                 f"{_f(limit['ttft_ms_p90'], '{:.0f}')} | | 100% / 100% | | |")
+    return lines
+
+
+def write_markdown(report: dict[str, Any], path: Path) -> None:
+    w = report["workload"]
+    lines = [f"# kvgate bench vsim — {w['name']}", "", f"Command: `{report.get('command', '')}`  ",
+             f"Workload parameters: `{w['params']}`; profile `{report['profile']}`. TTFT in model time. *limit*: "
+             "each request's prefill alone with the ideal single-cache hit (bench/vsim_report.py). *gap closed*: "
+             "(round_robin - strategy) / (round_robin - limit).", "", *table(report), "",
+             f"![predicted vs simulated TTFT]({report['prediction_plot']})" if report.get("prediction_plot")
+             else "", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_prediction_plot(report: dict[str, Any], path: Path) -> bool:
+    """Predicted TTFT on the chosen worker against the simulated one, a panel per configuration that predicts;
+    False when none does."""
+    rows = [r for r in report["results"] if r.get("ttft_prediction", {}).get("pairs")]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(4, len(rows))
+    nrows = -(-len(rows) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 4 * nrows), squeeze=False)
+    for ax, row in zip(axes.flat, rows, strict=False):
+        pairs = row["ttft_prediction"]["pairs"]
+        predicted = [max(p * 1e3, 0.1) for p, _ in pairs]
+        observed = [max(o * 1e3, 0.1) for _, o in pairs]
+        ax.scatter(observed, predicted, s=3, alpha=0.4)
+        low, high = min(observed + predicted), max(observed + predicted)
+        ax.plot([low, high], [low, high], color="tab:red", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("simulated TTFT (ms)")
+        ax.set_ylabel("predicted TTFT (ms)")
+        error = row["ttft_prediction"]["median_abs_relative_error"]
+        ax.set_title(f"{row['replicas']} replicas, tiers {'on' if row['tiers'] else 'off'}, {row['strategy']}\n"
+                     f"median error {_f(error, '{:.1%}')}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(rows):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

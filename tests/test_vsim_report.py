@@ -1,0 +1,58 @@
+"""vsim's TTFT report: the limit (each request's prefill alone with the ideal hit), each row against round_robin and
+the limit, and the `ttft` strategy's predictions recorded beside the simulated TTFTs and plotted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench import compare, vsim_report
+from bench.sim.perf_model import PROFILES
+from bench.vsim import FleetSimulation, TierSettings
+from bench.workloads import IdealCache, PromptVocabulary, ideal_hit_rate
+from tests.test_bench_compare import compare_args
+
+
+def test_the_limit_is_each_prefill_alone_with_the_ideal_hit() -> None:
+    profile = PROFILES["llama-3.1-8b-h100"]
+    ideal = ideal_hit_rate([[1] * 4096, [1] * 4096 + [2] * 100], 16)
+    assert ideal.requests == [(4096, 0), (4196, 4096)]
+    limit = vsim_report.ttft_limit(ideal, profile)
+    times = sorted([profile.prefill_time(4096, 0), profile.prefill_time(100, 4096)])
+    assert abs(limit["ttft_ms_p50"] - (times[0] + times[1]) / 2 * 1e3) < 1e-9  # interpolated, as vsim does
+    assert vsim_report.ttft_limit(IdealCache(0, 0), profile)["ttft_ms_p90"] is None
+
+
+def test_rows_are_measured_against_round_robin_of_their_own_fleet_and_the_limit() -> None:
+    rows = [{"strategy": "round_robin", "replicas": 8, "tiers": False, "ttft_ms_p50": 300.0, "ttft_ms_p90": 1000.0,
+             "ttft_ms_p99": 2000.0},
+            {"strategy": "ttft", "replicas": 8, "tiers": False, "ttft_ms_p50": 100.0, "ttft_ms_p90": 1000.0,
+             "ttft_ms_p99": 3000.0},
+            {"strategy": "ttft", "replicas": 16, "tiers": False, "ttft_ms_p50": 100.0, "ttft_ms_p90": 1.0,
+             "ttft_ms_p99": 1.0}]
+    vsim_report.add_gaps(rows, {"ttft_ms_p50": 50.0, "ttft_ms_p90": 1000.0, "ttft_ms_p99": 1000.0})
+    assert rows[1]["ttft_speedup_over_round_robin"]["p50"] == 3.0
+    assert rows[1]["ttft_gap_closed"]["p50"] == 0.8
+    assert rows[1]["ttft_gap_closed"]["p90"] is None  # no gap to close: round_robin is at the limit
+    assert rows[1]["ttft_gap_closed"]["p99"] == -1.0  # worse than round_robin
+    assert "ttft_gap_closed" not in rows[2]  # no round_robin with 16 replicas
+
+
+def test_vsim_records_ttft_predictions_and_plots_them(tiny_model_dir: Path, tmp_path: Path) -> None:
+    vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
+    workload = compare.build_workload(compare_args(Path("."), tiny_model_dir), vocab)
+    rows = [FleetSimulation(workload, vocab, strategy=strategy, replicas=2, gpu_blocks=40, concurrency=2,
+                            tiers=TierSettings(dram_blocks=64, nvme_blocks=64)).run()
+            for strategy in ("round_robin", "ttft")]
+    assert "ttft_prediction" not in rows[0]
+    prediction = rows[1]["ttft_prediction"]
+    assert len(prediction["pairs"]) == rows[1]["completed"]
+    assert prediction["median_abs_relative_error"] < 0.5
+    report = {"workload": {"name": "tenants", "params": {}}, "profile": "llama-3.1-8b-h100", "upper_bound": 0.5,
+              "ttft_limit": {"ttft_ms_p50": 1.0, "ttft_ms_p90": 2.0, "ttft_ms_p99": 3.0}, "results": rows}
+    vsim_report.add_gaps(rows, report["ttft_limit"])
+    assert vsim_report.write_prediction_plot(report, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    report["prediction_plot"] = "p.png"
+    vsim_report.write_markdown(report, tmp_path / "r.md")
+    text = (tmp_path / "r.md").read_text()
+    assert "| 2 | on | ttft |" in text and "**limit**" in text and "p.png" in text
