@@ -1,8 +1,10 @@
 """A blocking client of the tier agent's local API, for the vLLM connector (scheduler and worker processes) and
 the simulator.
 
-The client creates a shared-memory file (in /dev/shm), lets the agent map it, then unlinks it: both processes keep
-the mapping, nothing is left behind if either dies. Block bytes are written to / read from that region in place;
+The client creates its shared memory as a memfd (no name, nothing left behind if either side dies), seals it
+against shrinking and growing, and passes its descriptor to the agent with `Hello` (SCM_RIGHTS): no file
+permissions or shared /dev/shm between the two processes are involved, and the region cannot shrink under the
+agent's mapping. Block bytes are written to / read from that region in place;
 only offsets and hashes cross the socket. Every call has a timeout; a failed call closes the connection and the
 next call reconnects.
 """
@@ -10,10 +12,10 @@ next call reconnects.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import socket
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,8 +24,6 @@ import msgspec
 from agent.protocol import (
     FRAME,
     MAX_FRAME,
-    SHM_DIR,
-    SHM_PREFIX,
     AgentError,
     BlockHash,
     ErrorReply,
@@ -71,27 +71,24 @@ class AgentClient:
             raise AgentError(f"cannot reach the tier agent at {self.socket_path}: {exc}") from exc
         self._sock = sock
         self.generation += 1
-        path = None
+        fd = None
         try:
             if self.shm_bytes > 0:
-                path = f"{SHM_DIR}/{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.ftruncate(fd, self.shm_bytes)
-                    self._shm = mmap.mmap(fd, self.shm_bytes)
-                finally:
-                    os.close(fd)
+                fd = os.memfd_create(f"kvgate-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.ftruncate(fd, self.shm_bytes)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+                self._shm = mmap.mmap(fd, self.shm_bytes)
                 self.shm = memoryview(self._shm)
-            reply = self._call(Hello(shm_path=path, client=self.name))
+            reply = self._call(Hello(shm_bytes=self.shm_bytes if fd is not None else 0, client=self.name),
+                               fds=[fd] if fd is not None else [])
             if not isinstance(reply, HelloReply):
                 raise AgentError(f"unexpected hello reply {reply!r}")
         except BaseException:
             self.close()
             raise
         finally:
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)  # both sides hold the mapping now
+            if fd is not None:
+                os.close(fd)  # the mapping (and the agent's) keep the memory
 
     def close(self) -> None:
         if self._sock is not None:
@@ -112,9 +109,9 @@ class AgentClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, request: msgspec.Struct, retry: bool = False) -> Reply:
+    def _call(self, request: msgspec.Struct, retry: bool = False, fds: Sequence[int] = ()) -> Reply:
         """One request; `retry` re-sends once on a fresh connection (for calls that do not use the shared
-        memory, which a reconnect replaces) -- e.g. after the agent restarted."""
+        memory, which a reconnect replaces) -- e.g. after the agent restarted. `fds` go along with it (Hello)."""
         if retry and self._sock is not None:
             try:
                 return self._call(request)
@@ -126,7 +123,12 @@ class AgentClient:
         sock = self._sock
         assert sock is not None
         try:
-            sock.sendall(frame(request))
+            data = frame(request)
+            if fds:
+                if socket.send_fds(sock, [data], list(fds)) != len(data):
+                    raise AgentError("hello frame sent in part")
+            else:
+                sock.sendall(data)
             (size,) = FRAME.unpack(self._recv_exact(sock, FRAME.size))
             if size > MAX_FRAME:
                 raise AgentError(f"reply frame of {size} bytes")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -74,6 +74,12 @@ class AgentMetrics:
         self.requests = Counter("kvgate_agent_requests", "API requests", ["op"], registry=self.registry)
         self.request_errors = Counter("kvgate_agent_request_errors", "API requests answered with an error",
                                       ["op"], registry=self.registry)
+        self.shm_clients = Gauge("kvgate_agent_shm_clients", "connected clients whose shared memory the agent "
+                                 "mapped (the vLLM workers: 0 means no KV bytes can move)", registry=self.registry)
+        self.bytes_stored = Counter("kvgate_agent_bytes_stored", "payload bytes clients handed over to store",
+                                    registry=self.registry)
+        self.bytes_loaded = Counter("kvgate_agent_bytes_loaded", "payload bytes loaded into clients' memory",
+                                    registry=self.registry)
         self.lookup_seconds = Histogram("kvgate_agent_lookup_seconds", "time to answer one lookup",
                                         buckets=LATENCY_BUCKETS, registry=self.registry)
         store.observe = self.observe

@@ -1,8 +1,9 @@
 """Wire types of the agent's local API (Unix socket): small msgpack control messages, block bytes in shared memory.
 
 A frame is a 4-byte little-endian length followed by one msgpack message, tagged by `op`. A client first sends
-`Hello` naming a shared-memory file it created; afterwards `Store` / `Load` refer to block bytes by offset and
-length inside that region, so KV bytes never travel through the socket. A client without shared memory (e.g. a
+`Hello`, with the file descriptor of a shared-memory region it created (a memfd sealed against shrinking) passed
+along (SCM_RIGHTS); afterwards `Store` / `Load` refer to block bytes by offset and length inside that region, so
+KV bytes never travel through the socket. A client without shared memory (e.g. a
 remote simulator) sends and receives the bytes inline (`data`) instead.
 """
 
@@ -16,14 +17,17 @@ import msgspec
 BlockHash = int | bytes
 
 FRAME = struct.Struct("<I")
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "kvgate-"  # the agent maps only client shared memory named like this
 MAX_FRAME = 256 * 2**20
-PROTOCOL_VERSION = 1
+MAX_HELLO = 4096  # the first frame, read with the descriptor it carries
+PROTOCOL_VERSION = 2
 
 
 class Hello(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
-    shm_path: str | None = None  # a file in /dev/shm the client created and sized; the agent maps it
+    """The first frame of a connection. `shm_bytes` > 0: its one passed descriptor is the client's shared memory,
+    a memfd of that size sealed against shrinking (the agent maps it; a region that could shrink under the mapping
+    would kill the agent with SIGBUS)."""
+
+    shm_bytes: int = 0
     client: str = ""
 
 

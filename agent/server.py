@@ -2,19 +2,21 @@
 
 Lookups are answered on the event loop from local state (sub-millisecond, no I/O). Stores and loads run on a
 thread pool because NVMe and shared-tier I/O blocks; block bytes move through the client's shared memory, which
-this process maps once per connection.
+this process maps once per connection: the descriptor of a memfd sealed against shrinking, passed with the
+connection's first frame (so no file permission stands between a client and the agent, and no client can make
+the mapping fault).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import socket
 import stat
-import struct
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +32,8 @@ from agent.metrics import AgentMetrics
 from agent.protocol import (
     FRAME,
     MAX_FRAME,
+    MAX_HELLO,
     PROTOCOL_VERSION,
-    SHM_DIR,
-    SHM_PREFIX,
     ErrorReply,
     Hello,
     HelloReply,
@@ -55,14 +56,34 @@ from kvcore.kv_events import KvEventPublisher
 log = logging.getLogger(__name__)
 
 
-def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
-    sock = writer.get_extra_info("socket")
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (AttributeError, OSError):
-        return None
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+_SEALED = fcntl.F_SEAL_SHRINK  # what a client's shared memory must be sealed with before it is mapped
+
+
+def _first_frame(sock: socket.socket, timeout: float) -> tuple[bytes, list[int]]:
+    """The connection's first frame (Hello) and the descriptors passed with it (blocking, with a timeout: run in a
+    thread)."""
+    sock.settimeout(timeout)
+    fds: list[int] = []
+    head = b""
+    while len(head) < FRAME.size:
+        data, more, _flags, _addr = socket.recv_fds(sock, FRAME.size - len(head), 4)
+        fds += more
+        if not data:
+            raise ConnectionError("closed before the first frame")
+        head += data
+    (size,) = FRAME.unpack(head)
+    if size > MAX_HELLO:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"first frame of {size} bytes is too large")
+    body = b""
+    while len(body) < size:
+        data = sock.recv(size - len(body))
+        if not data:
+            raise ConnectionError("closed in the first frame")
+        body += data
+    sock.setblocking(False)
+    return body, fds
 
 
 def _remove_socket(path: Path, make_parent: bool = False) -> None:
@@ -72,25 +93,25 @@ def _remove_socket(path: Path, make_parent: bool = False) -> None:
 
 
 class Connection:
-    """One client: its shared-memory mapping, if it sent one, and its uid (SO_PEERCRED)."""
+    """One client: its shared-memory mapping, if it passed one."""
 
-    def __init__(self, peer_uid: int | None = None) -> None:
+    def __init__(self) -> None:
         self.shm: mmap.mmap | None = None
         self.view: memoryview | None = None
-        self.peer_uid = peer_uid
 
-    def attach(self, path: str, peer_uid: int | None) -> None:
-        """Map a client's shared memory: only a regular file of ours in /dev/shm, owned by the peer."""
-        if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(SHM_PREFIX):
-            raise ValueError(f"shared memory must be {SHM_DIR}/{SHM_PREFIX}*: {path!r}")
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    def attach(self, fd: int, size: int) -> None:
+        """Map a client's shared memory: a regular memfd of `size` bytes, sealed so it cannot shrink (a region
+        truncated under the mapping turns the agent's next copy into a SIGBUS)."""
+        st = os.fstat(fd)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or (peer_uid is not None and st.st_uid != peer_uid):
-                raise ValueError(f"{path} is not a shared-memory file of the connecting process")
-            self.shm = mmap.mmap(fd, st.st_size)
-        finally:
-            os.close(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # not a memfd
+        if not stat.S_ISREG(st.st_mode) or not seals & _SEALED:
+            raise ValueError("shared memory must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
+        if size <= 0 or st.st_size != size:
+            raise ValueError(f"shared memory of {st.st_size} bytes where Hello says {size}")
+        self.shm = mmap.mmap(fd, size)
         self.view = memoryview(self.shm)
 
     def region(self, offset: int, length: int) -> memoryview:
@@ -120,7 +141,10 @@ class TierAgent:
         # demotion, eviction, index refresh and sweeps: never in the request pool, where a long demotion over a
         # slow backend would leave Store and Load requests waiting
         self._upkeep = ThreadPoolExecutor(1, thread_name_prefix="kvgate-agent-upkeep")
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._greeting: set[socket.socket] = set()  # connections whose first frame is still being read
+        self._clients: set[asyncio.Task[None]] = set()
         self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
@@ -136,8 +160,13 @@ class TierAgent:
             await self.publisher.start()
         path = Path(self.config.socket_path)
         _remove_socket(path, make_parent=True)
-        self._server = await asyncio.start_unix_server(self._serve_client, path=str(path), limit=2**20)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
         os.chmod(path, int(self.config.socket_mode, 8))
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._accepting = loop.create_task(self._accept(listener))
         if self.config.metrics_port:
             app = web.Application()
             app.router.add_get("/metrics", self._metrics)
@@ -160,20 +189,24 @@ class TierAgent:
             f"{t.name} {t.usage().capacity_bytes or 'unbounded'}" for t in self.store.tiers))
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._accepting
+        for sock in list(self._greeting):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         for task in self._tasks:
             task.cancel()
         # end client connections by closing them (cancelling a stream handler task trips asyncio on 3.11)
         for writer in self._connections.values():
             writer.close()
-        for task in [*self._tasks, *self._connections]:
+        for task in [*self._tasks, *self._clients]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(asyncio.shield(task), 5)
         self._tasks.clear()
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
+        if self._listener is not None:
+            self._listener.close()
             _remove_socket(Path(self.config.socket_path))
         if self._http is not None:
             await self._http.cleanup()
@@ -227,16 +260,57 @@ class TierAgent:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "uptime_s": round(time.time() - self.started_at, 1)})
+        """Alive, and whether bytes actually move: clients that mapped shared memory, bytes stored and loaded,
+        clients refused at Hello (a lookup answers without any of these working)."""
+        sample = self.metrics.registry.get_sample_value
+        return web.json_response({
+            "status": "ok", "uptime_s": round(time.time() - self.started_at, 1),
+            "shm_clients": int(sample("kvgate_agent_shm_clients") or 0),
+            "bytes_stored": int(sample("kvgate_agent_bytes_stored_total") or 0),
+            "bytes_loaded": int(sample("kvgate_agent_bytes_loaded_total") or 0),
+            "hello_errors": int(sample("kvgate_agent_request_errors_total", {"op": "hello"}) or 0),
+        })
 
     # -- the block API ---------------------------------------------------------------------------------------
 
-    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _addr = await loop.sock_accept(listener)
+            task = loop.create_task(self._serve_client(sock))
+            self._clients.add(task)  # a strong reference while it runs
+            task.add_done_callback(self._clients.discard)
+
+    async def _serve_client(self, sock: socket.socket) -> None:
+        """The first frame is read with the descriptors it carries (stream transports drop them), then the
+        connection becomes a stream."""
+        conn = Connection()
+        self._greeting.add(sock)
+        try:
+            body, fds = await asyncio.to_thread(_first_frame, sock, 10.0)
+        except (OSError, ValueError) as exc:
+            log.debug("client dropped before its first frame: %s", exc)
+            sock.close()
+            return
+        finally:
+            self._greeting.discard(sock)
+        try:
+            first = await self._answer(conn, body, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)  # mapped (or refused): the mapping keeps the memory
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=2**20)
+        except BaseException:
+            self._detach(conn)
+            sock.close()
+            raise
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
-        conn = Connection(_peer_uid(writer))
         try:
+            writer.write(frame(first))
+            await writer.drain()
             while True:
                 try:
                     header = await reader.readexactly(FRAME.size)
@@ -254,12 +328,17 @@ class TierAgent:
             pass
         finally:
             self._connections.pop(task, None)
-            conn.close()
+            self._detach(conn)
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1)
 
-    async def _answer(self, conn: Connection, body: bytes) -> Reply:
+    def _detach(self, conn: Connection) -> None:
+        if conn.view is not None:
+            self.metrics.shm_clients.dec()
+        conn.close()
+
+    async def _answer(self, conn: Connection, body: bytes, fds: list[int] | None = None) -> Reply:
         op = "invalid"
         try:
             request = request_decoder.decode(body)
@@ -273,15 +352,21 @@ class TierAgent:
             if isinstance(request, Load):
                 return await loop.run_in_executor(self._pool, self._load, conn, request)
             if isinstance(request, Hello):
-                if request.shm_path:
-                    conn.close()
-                    conn.attach(request.shm_path, conn.peer_uid)
+                if fds is None:
+                    raise ValueError("Hello is the first frame of a connection only")
+                if request.shm_bytes or fds:
+                    if len(fds) != 1:
+                        raise ValueError(f"Hello with {len(fds)} descriptors: pass exactly the shared memory's")
+                    conn.attach(fds[0], request.shm_bytes)
+                    self.metrics.shm_clients.inc()
                 return HelloReply(version=PROTOCOL_VERSION, pid=os.getpid())
             if isinstance(request, Stats):
                 return self._stats()
             raise ValueError(f"unknown request {request!r}")
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, OSError) as exc:
             self.metrics.request_errors.labels(op).inc()
+            if op == "hello":
+                log.warning("client refused at hello: %s", exc)
             return ErrorReply(message=f"{type(exc).__name__}: {exc}")
 
     async def _lookup(self, request: Lookup) -> LookupReply:
@@ -306,6 +391,7 @@ class TierAgent:
             payloads = [conn.region(o, n) for o, n in zip(request.offsets, request.lengths, strict=True)]
         if len(payloads) != len(request.hashes):
             raise ValueError(f"{len(request.hashes)} hashes but {len(payloads)} blocks")
+        self.metrics.bytes_stored.inc(sum(len(p) for p in payloads))
         try:
             stored = self.store.store_chain(request.layout, request.hashes, payloads, request.parent)
         finally:
@@ -324,6 +410,7 @@ class TierAgent:
             buffers = [conn.region(o, request.block_bytes) for o in request.offsets]
         try:
             lengths = self.store.load_chain(request.layout, request.hashes, buffers)
+            self.metrics.bytes_loaded.inc(sum(lengths))
             data = [bytes(b[:n]) for b, n in zip(buffers, lengths, strict=False)] if inline else []
         finally:
             for b in buffers:

@@ -4,14 +4,19 @@ writes, and Valkey going away and coming back mid-run."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import signal
+import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis
 import xxhash
@@ -20,7 +25,7 @@ import zmq
 from agent.block import HEADER_SIZE, key_name
 from agent.client import AgentClient
 from agent.config import AgentConfig
-from agent.protocol import AgentError, Hello
+from agent.protocol import FRAME, AgentError
 from agent.server import TierAgent
 from agent.store import TierStore
 from bench.procs import free_port, spawn_valkey
@@ -228,25 +233,94 @@ def test_client_without_an_agent_fails_fast_and_recovers(tmp_path: Path, agents:
     client.close()
 
 
-def test_the_agent_maps_only_client_shared_memory(tmp_path: Path, agents: list[AgentProcess],
+def raw_call(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
+    """One frame on a raw connection (the client as an attacker would write it); the decoded reply."""
+    body = msgspec.msgpack.encode(message)
+    data = FRAME.pack(len(body)) + body
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+    head = sock.recv(FRAME.size, socket.MSG_WAITALL)
+    if len(head) < FRAME.size:
+        raise ConnectionError("the agent closed the connection")
+    (size,) = FRAME.unpack(head)
+    reply: dict[str, Any] = msgspec.msgpack.decode(sock.recv(size, socket.MSG_WAITALL))
+    return reply
+
+
+def connect(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(path)
+    return sock
+
+
+def test_the_agent_maps_only_sealed_client_memory(tmp_path: Path, agents: list[AgentProcess],
                                                   subprocess_env: dict[str, str]) -> None:
-    """A client cannot make the agent map (and write into) an arbitrary file."""
+    """A client cannot make the agent map (and write into) an arbitrary file, nor memory it could shrink."""
     agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
     agents.append(agent)
     victim = tmp_path / "victim.bin"
     victim.write_bytes(b"precious" * 512)
-    link = Path(f"/dev/shm/kvgate-test-{os.getpid()}-link")
-    link.symlink_to(victim)
+    unsealed = os.memfd_create("kvgate-unsealed", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, 4096)
+    victim_fd = os.open(victim, os.O_RDWR)
     try:
-        for path in (str(victim), str(link)):
-            client = AgentClient(agent.socket, shm_bytes=0)
-            with pytest.raises(AgentError):
-                client._call(Hello(shm_path=path))
-            client.close()
+        for fd in (victim_fd, unsealed):
+            with connect(agent.socket) as sock:
+                reply = raw_call(sock, {"op": "hello", "shm_bytes": 4096}, [fd])
+                assert reply["op"] == "error" and "sealed" in reply["message"], reply
+                reply = raw_call(sock, {"op": "load", "layout": LAYOUT, "hashes": [1], "block_bytes": 8,
+                                        "offsets": [0]})
+                assert reply["op"] == "error"
     finally:
-        link.unlink()
+        os.close(victim_fd)
+        os.close(unsealed)
     assert victim.read_bytes() == b"precious" * 512
     assert oct(os.stat(agent.socket).st_mode & 0o777) == "0o660"
+    assert agent.metric("kvgate_agent_request_errors_total", op="hello") == 2
+
+
+def test_a_client_shrinking_its_shared_memory_cannot_kill_the_agent(tmp_path: Path, agents: list[AgentProcess],
+                                                                    subprocess_env: dict[str, str]) -> None:
+    """Issue 14: a client truncating its /dev/shm file after Hello made the agent's next copy into the mapping
+    a SIGBUS (the agent died). Named shared memory is no longer mapped at all, and what is mapped cannot shrink."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    path = f"/dev/shm/kvgate-{os.getpid()}-shrink"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 16 * BLOCK)
+    try:
+        with connect(agent.socket) as sock:  # the protocol's first version: a path to map
+            raw_call(sock, {"op": "hello", "shm_path": path})
+            stored = raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [1], "data": [content(1)]})
+            assert stored == {"op": "store", "stored": 1}
+            os.ftruncate(fd, 0)
+            with contextlib.suppress(ConnectionError, OSError):
+                raw_call(sock, {"op": "load", "layout": LAYOUT, "hashes": [1], "block_bytes": BLOCK,
+                                "offsets": [8 * BLOCK]})
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    time.sleep(0.2)
+    assert agent.proc is not None and agent.proc.poll() is None, f"the agent died: {agent.proc.returncode}"
+    sealed = os.memfd_create("kvgate-sealed", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(sealed, 16 * BLOCK)
+        fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        with connect(agent.socket) as sock:
+            assert raw_call(sock, {"op": "hello", "shm_bytes": 16 * BLOCK}, [sealed])["op"] == "hello"
+            with pytest.raises(PermissionError):
+                os.ftruncate(sealed, 0)
+            reply = raw_call(sock, {"op": "load", "layout": LAYOUT, "hashes": [1], "block_bytes": BLOCK,
+                                    "offsets": [8 * BLOCK]})
+            assert reply == {"op": "load", "lengths": [BLOCK], "data": []}
+            assert os.pread(sealed, BLOCK, 8 * BLOCK) == content(1)
+    finally:
+        os.close(sealed)
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/health", timeout=5).read())
+    assert health["bytes_loaded"] == BLOCK and health["bytes_stored"] == BLOCK
 
 
 def test_offload_handle_for_a_simulated_replica(tmp_path: Path, agents: list[AgentProcess],
