@@ -7,10 +7,11 @@ its sandbox) in front of two stand-in workers, and three phases:
    errors, the gateway's RSS with all of them open, and its own count of them.
 2. **overload** — the in-flight cap filled with requests the workers hold, then M more sent by 8 clients on
    keep-alive connections: the status and latency of each (they must be 503s with `Retry-After`, at once).
-3. **hostile** — for D seconds, clients send chat templates that loop or allocate without end, bodies far over
-   the body limit (declared, chunked) and JSON nesting bombs, while slowloris clients keep idle and half-sent
-   connections open (re-opening each one the gateway closes); meanwhile `GET /health` is probed every 10 ms,
-   each probe on a new connection, as a load balancer would.
+3. **hostile** — first `/health` alone for a few seconds (the baseline: what the machine itself does to its tail
+   latency, which on a shared machine is not nothing); then for D seconds, clients send chat templates that loop
+   or allocate without end, bodies far over the body limit (declared, chunked) and JSON nesting bombs, while
+   slowloris clients keep idle and half-sent connections open (re-opening each one the gateway closes);
+   meanwhile `GET /health` is probed every 10 ms, each probe on a new connection, as a load balancer would.
 
 The gateway's RSS, and that of its sandbox processes, is sampled every 100 ms throughout.
 """
@@ -82,6 +83,17 @@ def _rss(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def _schedstat(pid: int) -> tuple[float, float]:
+    """Seconds the process's main thread (the gateway's event loop) has run on a CPU, and has waited, runnable, for
+    one (the kernel's run queue: what a busy machine adds to every answer)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as stat:
+            ran, waited, _ = stat.read().split()
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
 
 
 def _children(pid: int) -> list[int]:
@@ -405,8 +417,56 @@ def _probe_process(port: int, stop: Any, ready: Any, send: Any) -> None:
 
 
 @dataclass
+class HealthLatency:
+    probes: int
+    failures: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    loop_busy: float = 0.0  # share of the time the gateway's event loop ran on a CPU
+    loop_waiting: float = 0.0  # share of the time it was runnable but waited for a CPU (other processes had them)
+
+    @classmethod
+    def of(cls, prober: HealthProber, sched: tuple[float, float], seconds: float) -> HealthLatency:
+        probes = prober.latencies
+        return cls(len(probes), prober.failures, round(percentile(probes, 0.5) * 1e3, 2),
+                   round(percentile(probes, 0.99) * 1e3, 2), round(max(probes, default=0) * 1e3, 2),
+                   round(sched[0] / seconds, 3), round(sched[1] / seconds, 3))
+
+
+class LoopTime:
+    """The gateway loop's CPU and run-queue time over a phase (`_schedstat`)."""
+
+    def __init__(self, fleet: AbuseFleet) -> None:
+        self._pid = fleet.gateway.pid
+
+    def __enter__(self) -> LoopTime:
+        self._began = time.monotonic()
+        self._start = _schedstat(self._pid)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = _schedstat(self._pid)
+        self.seconds = time.monotonic() - self._began
+        self.ran, self.waited = end[0] - self._start[0], end[1] - self._start[1]
+
+    @property
+    def sched(self) -> tuple[float, float]:
+        return self.ran, self.waited
+
+
+async def health_alone(fleet: AbuseFleet, seconds: float) -> HealthLatency:
+    """`/health` probed for `seconds` with nothing else sent to the gateway."""
+    with HealthProber(fleet.port) as prober, LoopTime(fleet) as loop:
+        await asyncio.sleep(seconds)
+    return HealthLatency.of(prober, loop.sched, loop.seconds)
+
+
+@dataclass
 class HostileResult:
     seconds: float
+    health_baseline: HealthLatency  # the same probes with no hostile traffic, just before
+    health: HealthLatency  # during the hostile traffic (the figures below, kept for readers of older files)
     health_probes: int
     health_failures: int
     health_p50_ms: float
@@ -420,8 +480,10 @@ class HostileResult:
 
 
 async def hostile(fleet: AbuseFleet, seconds: float, slowloris: int, template_clients: int = 2,
-                  body_clients: int = 2, body_mb: int = 40) -> HostileResult:
-    """Run templates, oversized bodies and slowloris connections for `seconds`, probing /health meanwhile."""
+                  body_clients: int = 2, body_mb: int = 40, baseline_s: float = 5.0) -> HostileResult:
+    """Probe /health alone for `baseline_s`, then run templates, oversized bodies and slowloris connections for
+    `seconds`, probing /health meanwhile."""
+    baseline = await health_alone(fleet, baseline_s)
     stop_at = time.monotonic() + seconds
     outcomes: dict[str, dict[str, int]] = {}
     reopened = 0
@@ -497,14 +559,14 @@ async def hostile(fleet: AbuseFleet, seconds: float, slowloris: int, template_cl
             if time.monotonic() < stop_at:
                 reopened += 1
 
-    with RssSampler(fleet) as rss, HealthProber(fleet.port) as prober:
+    with RssSampler(fleet) as rss, HealthProber(fleet.port) as prober, LoopTime(fleet) as loop:
         await asyncio.gather(*(loris(i) for i in range(slowloris)), *(templates(i) for i in range(template_clients)),
                              *(bodies(i) for i in range(body_clients)))
-    probes, failures = prober.latencies, prober.failures
+    during = HealthLatency.of(prober, loop.sched, loop.seconds)
     return HostileResult(
-        seconds=seconds, health_probes=len(probes), health_failures=failures,
-        health_p50_ms=round(percentile(probes, 0.5) * 1e3, 2), health_p99_ms=round(percentile(probes, 0.99) * 1e3, 2),
-        health_max_ms=round(max(probes, default=0) * 1e3, 2), hostile_requests=outcomes,
+        seconds=seconds, health_baseline=baseline, health=during, health_probes=during.probes,
+        health_failures=during.failures, health_p50_ms=during.p50_ms, health_p99_ms=during.p99_ms,
+        health_max_ms=during.max_ms, hostile_requests=outcomes,
         slowloris_connections=slowloris, slowloris_reopened=reopened,
         gateway_rss_peak_mb=round(rss.peak_gateway / 2**20, 1), sandbox_rss_peak_mb=round(rss.peak_sandbox / 2**20, 1),
     )
@@ -528,13 +590,13 @@ class AbuseReport:
 
 
 async def run_phases(fleet: AbuseFleet, report: AbuseReport, connections: int, overload_requests: int,
-                     in_flight_cap: int, hostile_s: float, slowloris: int) -> None:
+                     in_flight_cap: int, hostile_s: float, slowloris: int, baseline_s: float) -> None:
     if connections:
         report.connections = await hold_connections(fleet, connections)
     if overload_requests:
         report.overload = await overload(fleet, in_flight_cap, overload_requests)
     if hostile_s:
-        report.hostile = await hostile(fleet, hostile_s, slowloris)
+        report.hostile = await hostile(fleet, hostile_s, slowloris, baseline_s=baseline_s)
 
 
 def raise_own_file_limit() -> tuple[int, int]:
@@ -545,13 +607,15 @@ def raise_own_file_limit() -> tuple[int, int]:
 
 
 def run_abuse(model_dir: Path, log_dir: Path, *, connections: int, overload_requests: int, in_flight_cap: int,
-              hostile_s: float, slowloris: int, extra_args: Sequence[str] = ()) -> AbuseReport:
+              hostile_s: float, slowloris: int, baseline_s: float = 5.0, extra_args: Sequence[str] = ()
+              ) -> AbuseReport:
     limits = raise_own_file_limit()
     gateway_args = ["--max-in-flight-requests", str(in_flight_cap), *extra_args]
     report = AbuseReport(open_file_limit=limits, gateway_args=gateway_args, load_average_before=os.getloadavg())
     with abuse_fleet(model_dir, log_dir, gateway_args) as fleet:
         with RssSampler(fleet) as rss:
-            _run_loop(run_phases(fleet, report, connections, overload_requests, in_flight_cap, hostile_s, slowloris))
+            _run_loop(run_phases(fleet, report, connections, overload_requests, in_flight_cap, hostile_s, slowloris,
+                                 baseline_s))
         report.gateway_rss_peak_mb = round(rss.peak_gateway / 2**20, 1)
         report.sandbox_rss_peak_mb = round(rss.peak_sandbox / 2**20, 1)
         report.gateway_log_errors = [line for line in fleet.log_text().splitlines()
@@ -574,9 +638,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overload-requests", type=int, default=1000, help="requests sent over the in-flight cap")
     parser.add_argument("--in-flight-cap", type=int, default=256, help="the gateway's --max-in-flight-requests")
     parser.add_argument("--hostile-s", type=float, default=20.0, help="seconds of hostile traffic")
+    parser.add_argument("--baseline-s", type=float, default=5.0,
+                        help="seconds of /health probes alone before the hostile traffic (the machine's own tail)")
     parser.add_argument("--slowloris", type=int, default=2000, help="slowloris connections (half idle, half "
                         "dripping a request head), re-opened when the gateway closes them")
     parser.add_argument("--out", default="out/abuse.json", help="JSON results file")
+
+
+def print_summary(report: AbuseReport) -> None:
+    """The figures, one line each (the JSON file has everything)."""
+    load = "/".join(f"{x:.1f}" for x in report.load_average_before)
+    print(f"machine: {os.cpu_count()} CPUs, load average {load} before the run")
+    if (held := report.connections) is not None:
+        print(f"connections: {held.opened:,} of {held.connections:,} held at once, {held.errors} errors, "
+              f"{held.gateway_counted:,} counted by the gateway; RSS {held.gateway_rss_idle_mb} MB idle, "
+              f"{held.gateway_rss_held_mb} MB with them ({held.kib_per_connection} KiB each)")
+    if (over := report.overload) is not None:
+        print(f"overload: {over.requests} requests over a full cap of {over.in_flight_cap}: {over.statuses}, "
+              f"{over.with_retry_after} with Retry-After; p50 {over.p50_ms} ms, p99 {over.p99_ms} ms, "
+              f"max {over.max_ms} ms")
+    if (h := report.hostile) is not None:
+        b = h.health_baseline
+        for what, x in (("alone", b), (f"during {h.seconds:g} s of hostile traffic", h.health)):
+            print(f"/health {what}: {x.probes} probes, p50 {x.p50_ms} ms, p99 {x.p99_ms} ms, max {x.max_ms} ms, "
+                  f"{x.failures} failed; the gateway's loop ran {x.loop_busy:.0%} of the time and waited for a "
+                  f"CPU {x.loop_waiting:.0%}")
+        print(f"hostile requests: {h.hostile_requests}; {h.slowloris_connections} slowloris connections, "
+              f"{h.slowloris_reopened} re-opened after the gateway cut them")
+    print(f"RSS peak: gateway {report.gateway_rss_peak_mb} MB, its template sandbox {report.sandbox_rss_peak_mb} MB; "
+          f"errors in the gateway's log: {len(report.gateway_log_errors)}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -587,9 +677,9 @@ def run(args: argparse.Namespace) -> int:
         write_model(model_dir)
         report = run_abuse(model_dir, Path(tmp), connections=args.connections,
                            overload_requests=args.overload_requests, in_flight_cap=args.in_flight_cap,
-                           hostile_s=args.hostile_s, slowloris=args.slowloris)
+                           hostile_s=args.hostile_s, slowloris=args.slowloris, baseline_s=args.baseline_s)
     data = asdict(report)
-    print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+    print_summary(report)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps({"benchmark": "abuse", "python": sys.version.split()[0], "cpus": os.cpu_count(),

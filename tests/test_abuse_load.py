@@ -14,7 +14,7 @@ from bench.abuse import run_abuse
 @pytest.mark.timeout(180)
 def test_hostile_load_gets_fast_answers_and_leaves_health_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
     report = run_abuse(tiny_model_dir, tmp_path, connections=1000, overload_requests=200, in_flight_cap=20,
-                       hostile_s=6.0, slowloris=100, extra_args=["--client-idle-timeout-s", "5"])
+                       hostile_s=6.0, slowloris=100, baseline_s=2.0, extra_args=["--client-idle-timeout-s", "5"])
     held = report.connections
     assert held is not None and held.errors == 0 and held.opened == 1000, held
     assert held.gateway_counted >= 1000  # the gateway's own count (plus any probe still open)
@@ -26,7 +26,8 @@ def test_hostile_load_gets_fast_answers_and_leaves_health_alone(tiny_model_dir: 
 
     hostile = report.hostile
     assert hostile is not None and hostile.health_failures == 0, hostile
-    assert hostile.health_probes > 20, hostile
+    assert hostile.health_probes > 20 and hostile.health_baseline.probes > 10, hostile
+    assert hostile.health_baseline.failures == 0, hostile
     # generous: CI shares two cores between the gateway, its sandbox, two workers, the attackers and the prober;
     # what this catches is a stalled event loop (a template or a body on the loop held /health for seconds)
     assert hostile.health_p50_ms < 200 and hostile.health_p99_ms < 1000, hostile
