@@ -1,8 +1,14 @@
-"""What the gateway adds: the same requests sent straight to stand-in workers and through `kvgate serve`.
+"""What a router adds: the same requests sent straight to stand-in workers and through the router.
 
-Direct and proxied rounds alternate, so both see the same machine noise. Reports added latency p50/p99,
-requests/s and the gateway process's CPU time per request (from /proc), for JSON and streaming requests at
-each concurrency.
+The workload is the one people send: `--system-prompts` shared system prompts of `--prompt-chars` characters each
+(several sizes: 200, 4,000, 32,000), each request one of them plus a new 200-character question, over the chat or
+the completions API (`--api`). Routers (`--target`): kvgate's strategies (`kvgate:prefix`, ...; `--processes N`
+for that many gateway processes) and, side by side, the Rust routers `bench compare` installs (`sglang:cache_aware`,
+`vllm-router:cache_aware`), each a process of its own in front of the same stand-in workers.
+
+Direct and routed rounds alternate, so both see the same machine noise. Per scenario: added latency p50/p99,
+requests/s, and the router's CPU time per request (its whole process tree, user + system, from /proc). The
+summary table is issue 18's: CPU µs per request and requests/s at the highest concurrency, added p50 at the lowest.
 """
 
 from __future__ import annotations
@@ -11,8 +17,12 @@ import argparse
 import asyncio
 import itertools
 import os
+import random
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +30,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.procs import cpu_seconds, free_port, spawn_kvgate, stop, wait_http
+from bench.procs import CLOCK_TICKS, free_port, spawn_kvgate, stop, wait_http
+
+QUESTION_CHARS = 200
+WORDS = ("the", "router", "cache", "prefix", "token", "block", "engine", "worker", "gateway", "request", "prompt",
+         "system", "answer", "question", "model", "latency", "memory", "index", "event", "queue", "batch", "tenant",
+         "you", "are", "a", "helpful", "assistant", "always", "reply", "briefly", "and", "cite", "sources", "when",
+         "asked", "about", "policy", "documents", "orders", "invoices", "refunds", "shipping", "2024", "v1.3")
 
 
 @dataclass
@@ -28,11 +44,14 @@ class Sample:
     latencies_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     errors: int = 0
-    gateway_cpu_s: float = 0.0
+    router_cpu_s: float = 0.0
 
 
 @dataclass
 class ScenarioResult:
+    target: str
+    api: str
+    prompt_chars: int
     mode: str
     concurrency: int
     requests: int
@@ -53,19 +72,54 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _drive(
-    session: aiohttp.ClientSession, urls: list[str], body: bytes, stream: bool, n: int, concurrency: int
-) -> Sample:
+def _text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(WORDS)
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)[:chars]
+
+
+class Workload:
+    """Request bodies: system prompt `i % system_prompts` plus question number `i` (never repeated)."""
+
+    def __init__(self, api: str, prompt_chars: int, system_prompts: int, stream: bool, seed: int = 0) -> None:
+        self.api, self.stream = api, stream
+        rng = random.Random(seed)
+        self.systems = [f"System prompt {n}. " + _text(rng, max(0, prompt_chars - 20)) for n in range(system_prompts)]
+        self.path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+        self._next = itertools.count()
+
+    def bodies(self, n: int) -> list[bytes]:
+        out = []
+        for _ in range(n):
+            i = next(self._next)
+            system = self.systems[i % len(self.systems)]
+            question = f"Question {i}: " + _text(random.Random(i), QUESTION_CHARS - 16)
+            payload: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "stream": self.stream}
+            if self.api == "chat":
+                payload["messages"] = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            else:
+                payload["prompt"] = system + "\n\n" + question
+            out.append(orjson.dumps(payload))
+        return out
+
+
+async def _drive(session: aiohttp.ClientSession, urls: list[str], bodies: list[bytes], stream: bool,
+                 concurrency: int) -> Sample:
     sample = Sample()
-    counter = itertools.count()
+    work = iter(bodies)
     cycle = itertools.cycle(urls)
+    headers = {"Content-Type": "application/json"}
 
     async def one_client() -> None:
-        while next(counter) < n:
+        for body in work:
             url = next(cycle)
             started = time.perf_counter()
             try:
-                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                async with session.post(url, data=body, headers=headers) as resp:
                     if stream:
                         async for _ in resp.content.iter_any():
                             pass
@@ -83,103 +137,249 @@ async def _drive(
     return sample
 
 
-async def measure(
-    worker_urls: list[str], gateway_url: str, gateway_pid: int, requests: int, rounds: int,
-    concurrencies: list[int], modes: list[str], progress: bool = True,
-) -> list[ScenarioResult]:
-    from tqdm import tqdm
+def _descendants(pid: int) -> list[int]:
+    found = [pid]
+    for parent in found:
+        try:
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    found += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return found
 
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time used so far by a process and every process below it (`--processes N`)."""
+    total = 0
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / CLOCK_TICKS
+
+
+@dataclass
+class Router:
+    """One router process in front of the stand-ins."""
+
+    target: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def start_router(target: str, workers: list[str], model_dir: Path, processes: int, log_dir: Path) -> Router:
+    """`kvgate:STRATEGY`, `sglang:POLICY` or `vllm-router:POLICY`, listening on a free port."""
+    kind, _, policy = target.partition(":")
+    port = free_port()
+    log = log_dir / f"{target.replace(':', '_')}.log"
+    env = dict(os.environ)
+    with open(log, "wb") as out:
+        if kind == "kvgate":
+            argv = ["serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                    "--strategy", policy, "--model-dir", str(model_dir),
+                    *itertools.chain.from_iterable(("--worker", w) for w in workers)]
+            if processes > 1:
+                argv += ["--processes", str(processes)]
+            proc = spawn_kvgate(argv, env, stdout=out, stderr=subprocess.STDOUT)
+        else:
+            from bench.targets import ensure_peer
+
+            venv = ensure_peer(kind)
+            common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy]
+            command = ([str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common,
+                        "--log-level", "warn"] if kind == "sglang"
+                       else [str(venv / "bin" / "vllm-router"), *common, "--log-level", "warning"])
+            proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    router = Router(target, proc, f"http://127.0.0.1:{port}", log)
+    try:
+        _wait_serving(router)
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+def _wait_serving(router: Router, timeout: float = 90.0) -> None:
+    """Until a completion through the router answers 200 (peers have no common readiness endpoint)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    body = orjson.dumps({"model": "tiny", "prompt": "ready?", "max_tokens": 1})
+    while time.monotonic() < deadline:
+        if router.proc.poll() is not None:
+            raise RuntimeError(f"{router.target} exited: {router.log.read_text(errors='replace')[-1500:]}")
+        request = urllib.request.Request(router.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{router.target} did not serve within {timeout} s: "
+                       f"{router.log.read_text(errors='replace')[-1500:]}")
+
+
+async def measure(router: Router, worker_urls: list[str], apis: list[str], sizes: list[int], modes: list[str],
+                  concurrencies: list[int], requests: int, rounds: int, system_prompts: int,
+                  progress: Any = None) -> list[ScenarioResult]:
+    """Every scenario through one router, direct and routed rounds alternating."""
     results = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        scenarios = [(mode, c) for mode in modes for c in concurrencies]
-        bar = tqdm(total=len(scenarios) * rounds * 2, desc="overhead", disable=not progress)
-        for mode, concurrency in scenarios:
+        for api, chars, mode in itertools.product(apis, sizes, modes):
             stream = mode == "stream"
-            body = orjson.dumps({"model": "tiny", "prompt": "hello world", "max_tokens": 8, "stream": stream})
-            direct_targets = [u + "/v1/completions" for u in worker_urls]
-            gateway_targets = [gateway_url + "/v1/completions"]
-            warm = max(50, concurrency * 2)
-            await _drive(session, direct_targets, body, stream, warm, concurrency)
-            await _drive(session, gateway_targets, body, stream, warm, concurrency)
-            direct, proxied = Sample(), Sample()
-            for _ in range(rounds):
-                d = await _drive(session, direct_targets, body, stream, requests, concurrency)
-                bar.update()
-                cpu0 = cpu_seconds(gateway_pid)
-                g = await _drive(session, gateway_targets, body, stream, requests, concurrency)
-                g.gateway_cpu_s = cpu_seconds(gateway_pid) - cpu0
-                bar.update()
-                for total, part in ((direct, d), (proxied, g)):
-                    total.latencies_s += part.latencies_s
-                    total.wall_s += part.wall_s
-                    total.errors += part.errors
-                    total.gateway_cpu_s += part.gateway_cpu_s
-            n = requests * rounds
-            dp50, dp99 = _percentile(direct.latencies_s, 0.5), _percentile(direct.latencies_s, 0.99)
-            gp50, gp99 = _percentile(proxied.latencies_s, 0.5), _percentile(proxied.latencies_s, 0.99)
-            results.append(ScenarioResult(
-                mode=mode, concurrency=concurrency, requests=n,
-                direct_p50_ms=dp50 * 1e3, direct_p99_ms=dp99 * 1e3,
-                gateway_p50_ms=gp50 * 1e3, gateway_p99_ms=gp99 * 1e3,
-                added_p50_ms=(gp50 - dp50) * 1e3, added_p99_ms=(gp99 - dp99) * 1e3,
-                direct_rps=n / direct.wall_s, gateway_rps=n / proxied.wall_s,
-                gateway_cpu_us_per_request=proxied.gateway_cpu_s / n * 1e6,
-                errors=direct.errors + proxied.errors,
-            ))
-        bar.close()
+            workload = Workload(api, chars, system_prompts, stream)
+            direct_targets = [u + workload.path for u in worker_urls]
+            routed_targets = [router.url + workload.path]
+            for concurrency in concurrencies:
+                n = requests if concurrency > 1 else max(100, requests // 4)
+                warm = max(system_prompts * 2, concurrency * 2)
+                await _drive(session, direct_targets, workload.bodies(warm), stream, concurrency)
+                await _drive(session, routed_targets, workload.bodies(warm), stream, concurrency)
+                direct, routed = Sample(), Sample()
+                for _ in range(rounds):
+                    d = await _drive(session, direct_targets, workload.bodies(n), stream, concurrency)
+                    bodies = workload.bodies(n)
+                    cpu0 = tree_cpu_seconds(router.proc.pid)
+                    g = await _drive(session, routed_targets, bodies, stream, concurrency)
+                    g.router_cpu_s = tree_cpu_seconds(router.proc.pid) - cpu0
+                    for total, part in ((direct, d), (routed, g)):
+                        total.latencies_s += part.latencies_s
+                        total.wall_s += part.wall_s
+                        total.errors += part.errors
+                        total.router_cpu_s += part.router_cpu_s
+                    if progress is not None:
+                        progress.update()
+                total_n = n * rounds
+                dp50, dp99 = _percentile(direct.latencies_s, 0.5), _percentile(direct.latencies_s, 0.99)
+                gp50, gp99 = _percentile(routed.latencies_s, 0.5), _percentile(routed.latencies_s, 0.99)
+                results.append(ScenarioResult(
+                    target=router.target, api=api, prompt_chars=chars, mode=mode, concurrency=concurrency,
+                    requests=total_n, direct_p50_ms=dp50 * 1e3, direct_p99_ms=dp99 * 1e3,
+                    gateway_p50_ms=gp50 * 1e3, gateway_p99_ms=gp99 * 1e3,
+                    added_p50_ms=(gp50 - dp50) * 1e3, added_p99_ms=(gp99 - dp99) * 1e3,
+                    direct_rps=total_n / direct.wall_s, gateway_rps=total_n / routed.wall_s,
+                    gateway_cpu_us_per_request=routed.router_cpu_s / total_n * 1e6,
+                    errors=direct.errors + routed.errors,
+                ))
     return results
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", action="append",
+                        help="router, repeatable: kvgate:STRATEGY, sglang:cache_aware, vllm-router:cache_aware "
+                        "(default kvgate:round_robin, kvgate:prefix, kvgate:kv)")
+    parser.add_argument("--peers", action="store_true",
+                        help="add sglang:cache_aware and vllm-router:cache_aware (installed from PyPI on first use; "
+                        "one that cannot be installed or started is reported and skipped)")
+    parser.add_argument("--api", action="append", choices=["chat", "completions"], help="default both")
+    parser.add_argument("--prompt-chars", type=int, action="append",
+                        help="characters of each system prompt, repeatable (default 200 and 4000)")
+    parser.add_argument("--system-prompts", type=int, default=64, help="distinct shared system prompts")
     parser.add_argument("--requests", type=int, default=1000, help="requests per round and target")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating direct/gateway rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating direct/routed rounds")
     parser.add_argument("--concurrency", type=int, action="append", help="client concurrency (default 1 and 64)")
-    parser.add_argument("--mode", action="append", choices=["json", "stream"], help="default both")
-    parser.add_argument("--workers", type=int, default=2, help="stand-in workers")
+    parser.add_argument("--mode", action="append", choices=["json", "stream"], help="default json")
+    parser.add_argument("--workers", type=int, default=4, help="stand-in workers")
+    parser.add_argument("--processes", type=int, default=1, help="kvgate serve --processes")
     parser.add_argument("--out", default="out/overhead.json", help="JSON results file")
-    parser.add_argument("--no-uvloop", action="store_true", help="run the gateway on the default asyncio loop")
+
+
+def _targets(args: argparse.Namespace) -> list[str]:
+    targets = list(args.target or ["kvgate:round_robin", "kvgate:prefix", "kvgate:kv"])
+    if args.peers:
+        targets += [t for t in ("sglang:cache_aware", "vllm-router:cache_aware") if t not in targets]
+    return targets
+
+
+def summary(results: list[ScenarioResult]) -> Iterator[str]:
+    """Issue 18's table per API and prompt size: CPU µs/request and requests/s at the highest concurrency, added
+    p50 at the lowest."""
+    high = max(r.concurrency for r in results)
+    low = min(r.concurrency for r in results)
+    for api, chars in sorted({(r.api, r.prompt_chars) for r in results}):
+        yield f"\n{api}, {chars}-character system prompts + {QUESTION_CHARS}-character question"
+        yield (f"{'router':<26}{f'CPU µs/req (c{high})':>20}{f'req/s (c{high})':>16}{f'added p50 (c{low})':>20}"
+               f"{'errors':>8}")
+        for target in dict.fromkeys(r.target for r in results):
+            rows = {r.concurrency: r for r in results if (r.target, r.api, r.prompt_chars) == (target, api, chars)}
+            if not rows:
+                continue
+            hi, lo = rows.get(high), rows.get(low)
+            yield (f"{target:<26}{hi.gateway_cpu_us_per_request if hi else float('nan'):>20,.0f}"
+                   f"{hi.gateway_rps if hi else float('nan'):>16,.0f}"
+                   f"{lo.added_p50_ms if lo else float('nan'):>18.2f}ms"
+                   f"{sum(r.errors for r in rows.values()):>8}")
 
 
 def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from bench.make_model import write_model
+
     ports = [free_port() for _ in range(args.workers)]
-    gw_port = free_port()
-    env = dict(os.environ)
-    standins = spawn_kvgate(["standin", *itertools.chain.from_iterable(("--port", str(p)) for p in ports)], env)
-    gateway = spawn_kvgate(
-        ["serve", "--host", "127.0.0.1", "--port", str(gw_port), "--log-level", "warning",
-         *itertools.chain.from_iterable(("--worker", f"http://127.0.0.1:{p}") for p in ports)],
-        env,
-    )
-    try:
+    standins = spawn_kvgate(["standin", *itertools.chain.from_iterable(("--port", str(p)) for p in ports)])
+    targets = _targets(args)
+    apis, sizes = args.api or ["chat", "completions"], args.prompt_chars or [200, 4000]
+    modes, concurrencies = args.mode or ["json"], args.concurrency or [1, 64]
+    results: list[ScenarioResult] = []
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="kvgate-overhead-") as tmp:
+        model_dir = Path(tmp) / "tiny"
+        model_dir.mkdir()
+        write_model(model_dir)
         worker_urls = [f"http://127.0.0.1:{p}" for p in ports]
-        for url in worker_urls:
-            wait_http(url + "/health")
-        wait_http(f"http://127.0.0.1:{gw_port}/ready")
-        results = asyncio.run(measure(
-            worker_urls, f"http://127.0.0.1:{gw_port}", gateway.pid, args.requests, args.rounds,
-            args.concurrency or [1, 64], args.mode or ["json", "stream"],
-        ))
-    finally:
-        stop(gateway)
-        stop(standins)
-    header = (f"{'mode':<7}{'conc':>5}{'direct p50':>12}{'gw p50':>10}{'added p50':>11}{'added p99':>11}"
-              f"{'direct rps':>12}{'gw rps':>9}{'gw CPU/req':>12}{'errors':>8}")
+        bar = tqdm(total=len(targets) * len(apis) * len(sizes) * len(modes) * len(concurrencies) * args.rounds,
+                   desc="overhead")
+        try:
+            for url in worker_urls:
+                wait_http(url + "/health")
+            for target in targets:
+                try:
+                    router = start_router(target, worker_urls, model_dir, args.processes, Path(tmp))
+                except Exception as exc:  # a peer that cannot be installed or started is reported, not fatal
+                    skipped[target] = f"{type(exc).__name__}: {str(exc)[-600:]}"
+                    print(f"{target}: skipped ({skipped[target][:200]})", file=sys.stderr)
+                    continue
+                try:
+                    results += asyncio.run(measure(router, worker_urls, apis, sizes, modes, concurrencies,
+                                                   args.requests, args.rounds, args.system_prompts, bar))
+                finally:
+                    router.stop()
+        finally:
+            bar.close()
+            stop(standins)
+    header = (f"{'target':<24}{'api':<12}{'chars':>6}{'mode':>7}{'conc':>5}{'direct p50':>12}{'routed p50':>12}"
+              f"{'added p50':>11}{'added p99':>11}{'direct rps':>12}{'rps':>8}{'CPU/req':>10}{'errors':>8}")
     print(header)
     for r in results:
-        print(f"{r.mode:<7}{r.concurrency:>5}{r.direct_p50_ms:>10.3f}ms{r.gateway_p50_ms:>8.3f}ms"
-              f"{r.added_p50_ms:>9.3f}ms{r.added_p99_ms:>9.3f}ms{r.direct_rps:>12.0f}{r.gateway_rps:>9.0f}"
-              f"{r.gateway_cpu_us_per_request:>10.0f}µs{r.errors:>8}")
+        print(f"{r.target:<24}{r.api:<12}{r.prompt_chars:>6}{r.mode:>7}{r.concurrency:>5}{r.direct_p50_ms:>10.3f}ms"
+              f"{r.gateway_p50_ms:>10.3f}ms{r.added_p50_ms:>9.3f}ms{r.added_p99_ms:>9.3f}ms{r.direct_rps:>12.0f}"
+              f"{r.gateway_rps:>8.0f}{r.gateway_cpu_us_per_request:>8.0f}µs{r.errors:>8}")
+    if results:
+        for line in summary(results):
+            print(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "benchmark": "overhead", "python": sys.version.split()[0], "cpus": os.cpu_count(),
         "requests_per_round": args.requests, "rounds": args.rounds, "workers": args.workers,
-        "results": [asdict(r) for r in results],
+        "system_prompts": args.system_prompts, "question_chars": QUESTION_CHARS, "processes": args.processes,
+        "targets": targets, "skipped": skipped, "results": [asdict(r) for r in results],
     }
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"wrote {out}")
-    return 1 if any(r.errors for r in results) else 0
+    return 1 if any(r.errors for r in results) or not results else 0
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """The approximate prefix index: which workers were recently sent which block-key prefixes.
 
 Without engine KV events the gateway can only remember its own routing decisions. `PrefixTrie` keeps them as a
-trie (pygtrie) whose path is a prompt's chained block keys and whose nodes hold the workers sent that prefix, with
-the time each was last sent it. It is bounded twice — a node budget and a TTL — and evicts least-recently-used
-leaves first, so a flood of unique prompts cannot grow it past its budget.
+trie whose path is a prompt's chained block keys and whose nodes hold the workers sent that prefix, with the time
+each was last sent it. It is bounded twice — a node budget and a TTL — and evicts least-recently-used leaves first,
+so a flood of unique prompts cannot grow it past its budget.
 
-Because block keys are chained, one key names its whole prefix; a dict from key to node (the index) therefore
-answers "is this prefix known" in O(1), and a lookup is a binary search over the prompt's keys rather than a walk
-of every block. The trie holds the structure (children, whole-subtree removal); the index makes lookups cheap.
-Both hold the same nodes.
+Because block keys are chained, one key names its whole prefix: the trie is a dict from key to node, each node
+pointing to its parent and counting its children. "Is this prefix known" is one probe, a lookup a binary search
+over the prompt's keys. Times are kept in steps of `TOUCH_S` (or a hundredth of the TTL, if shorter), so sending a
+prompt again touches only the nodes not yet touched in the current step: a node is never staler than its
+descendants, so the walk up from the deepest known node stops at the first one already touched. The work per
+request follows what is new in it, not its length.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import pygtrie
-
 from router.block_keys import BlockKey, longest_run
+
+TOUCH_S = 1.0  # step of the times kept (a node touched in the current step is not touched again)
 
 
 class _Node:
@@ -62,9 +64,9 @@ class PrefixTrie:
             raise ValueError("max_nodes must be at least 1")
         self.max_nodes = max_nodes
         self.max_path = max(64, max_nodes // 8)  # blocks of one prompt remembered
+        self._step = min(TOUCH_S, ttl_s / 100) if ttl_s > 0 else 0.0
         self.ttl_s = ttl_s
         self._clock = clock
-        self._trie: pygtrie.Trie[tuple[BlockKey, ...], _Node, BlockKey] = pygtrie.Trie()
         self._index: dict[BlockKey, _Node] = {}
         # leaves by last use; entries go stale when a leaf is used again, gains a child or is removed
         self._leaves: list[tuple[float, BlockKey]] = []
@@ -115,53 +117,49 @@ class PrefixTrie:
         if len(keys) > self.max_path:
             keys = keys[: self.max_path]
         now = self._clock()
+        if self._step:
+            now -= now % self._step
         index = self._index
-        node: _Node | None = None
-        depth = 0
-        for key in keys:  # touch the known part of the path
-            found = index.get(key)
-            if found is None:
-                break
-            node = found
-            node.last_used = now
-            if worker not in node.workers:
-                self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + 1
-            node.workers[worker] = now
-            depth += 1
+        depth = longest_run(len(keys), lambda i: keys[i] in index) if keys[0] in index else 0
+        node = index[keys[depth - 1]] if depth else None
+        self._touch(node, worker, now)
         if depth < len(keys):
             node = self._grow(keys, depth, node, worker, now)
         assert node is not None
-        if node.children == 0:
+        if node.children == 0 and node.last_used == now:
             heapq.heappush(self._leaves, (now, node.key))
         self._expire(now)
         self._shrink()
 
+    def _touch(self, node: _Node | None, worker: str, now: float) -> None:
+        """Mark `node` and its ancestors as sent to `worker` at `now`, up to the first already marked so (whose
+        ancestors were marked when it was)."""
+        counts = self._worker_nodes
+        while node is not None:
+            sent = node.workers.get(worker)
+            if sent is not None and sent >= now:
+                return
+            if sent is None:
+                counts[worker] = counts.get(worker, 0) + 1
+            node.workers[worker] = now
+            node.last_used = now
+            node = node.parent
+
     def _grow(self, keys: Sequence[BlockKey], depth: int, parent: _Node | None, worker: str, now: float) -> _Node:
-        """Add the nodes for keys[depth:] below `parent`, in the trie and the index."""
+        """Add the nodes for keys[depth:] below `parent`."""
         self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + len(keys) - depth
         if parent is not None:
             parent.children += 1
-        created: list[_Node] = []
+        index = self._index
         node = parent
         for i in range(depth, len(keys)):
             child = _Node(keys[i], node, i + 1, now)
             child.workers[worker] = now
             if node is not None and i > depth:
                 node.children = 1
-            self._index[keys[i]] = child
-            created.append(child)
+            index[keys[i]] = child
             node = child
         assert node is not None
-        path = tuple(keys)
-        trie = self._trie
-        if len(created) <= 4:  # few new nodes: set each by its key (each costs a walk from the root)
-            for child in created:
-                trie[path[: child.depth]] = child
-        else:  # many: one walk down the path gives every node on it its value
-            trie[path] = node
-            for i, step in enumerate(trie.walk_towards(path)):
-                if i > depth:
-                    step.value = created[i - depth - 1]
         return node
 
     # --- eviction ---------------------------------------------------------------------------------------------
@@ -193,8 +191,7 @@ class PrefixTrie:
         ):
             top = top.parent
             removed.append(top)
-        del self._trie[top.path():]
-        for gone in removed:
+        for gone in removed:  # the whole subtree of `top`: each removed node had one child, the one removed before
             del self._index[gone.key]
             for url in gone.workers:
                 self._worker_nodes[url] -= 1
@@ -225,17 +222,14 @@ class PrefixTrie:
         self._worker_nodes.pop(url, None)
         for node in emptied:
             del self._index[node.key]
-        for node in emptied:
+        for node in emptied:  # a node's workers include its descendants': an emptied node's subtree is emptied
             parent = node.parent
-            if parent is None or parent.workers:  # top of an emptied subtree
-                del self._trie[node.path():]
-                if parent is not None:
-                    parent.children -= 1
-                    if parent.children == 0:
-                        heapq.heappush(self._leaves, (parent.last_used, parent.key))
+            if parent is not None and parent.workers:  # the top of an emptied subtree
+                parent.children -= 1
+                if parent.children == 0:
+                    heapq.heappush(self._leaves, (parent.last_used, parent.key))
 
     def clear(self) -> None:
-        self._trie.clear()
         self._index.clear()
         self._leaves.clear()
         self._worker_nodes.clear()
@@ -249,17 +243,18 @@ class PrefixTrie:
         return self._worker_nodes.get(url, 0)
 
     def check(self) -> None:
-        """Assert the trie and the index agree (for tests)."""
-        items = list(self._trie.iteritems())
-        assert len(items) == len(self._index), (len(items), len(self._index))
-        for path, value in items:
-            assert isinstance(value, _Node)
-            assert self._index.get(path[-1]) is value
-            assert value.path() == tuple(path)
-            assert value.depth == len(path)
+        """Assert the nodes are a consistent tree (for tests)."""
         counts: dict[int, int] = {}
-        for node in self._index.values():
-            if node.parent is not None:
-                counts[id(node.parent)] = counts.get(id(node.parent), 0) + 1
+        for key, node in self._index.items():
+            assert node.key == key
+            parent = node.parent
+            if parent is None:
+                assert node.depth == 1
+            else:
+                assert self._index.get(parent.key) is parent, "a node whose parent is gone"
+                assert node.depth == parent.depth + 1
+                assert set(node.workers) <= set(parent.workers)
+                assert node.last_used <= parent.last_used
+                counts[id(parent)] = counts.get(id(parent), 0) + 1
         for node in self._index.values():
             assert node.children == counts.get(id(node), 0), "child count out of step"

@@ -34,13 +34,14 @@ from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
 from router.requests import ChatPrompt, CompletionPrompt, Prompt
 from router.template_sandbox import RenderFailed, TemplateSandbox, sandbox_memory_bytes
-from router.token_cache import TokenCache
+from router.token_cache import Lookup, TokenCache
 from router.tokenizer import ModelTokenizer, TokenizationError, chat_adds_special_tokens
 
 log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # text mode: one "token" is this many characters, one block is block_size of them
-INLINE_CHARS = 2048  # prompts shorter than this are tokenized on the event loop (the thread hop costs more)
+INLINE_CHARS = 2048  # text shorter than this is encoded on the event loop (the thread hop costs more)
+RENDER_INLINE_BYTES = 64 * 1024  # bodies up to this size are rendered and looked up in the cache on the loop
 INLINE_IDS = 16384  # token-id prompts shorter than this are hashed on the event loop
 TOKENS, TEXT = "tokens", "text"
 
@@ -233,7 +234,8 @@ class PromptTokens:
         root = root_key(model, lora, prompt.cache_salt)
         tokenizer = await self.tokenizer(model)
         # the body's size bounds the work of tokenizing it, tools and documents included
-        inline = (len(raw) if raw is not None else _text_size(prompt)) < INLINE_CHARS
+        size = len(raw) if raw is not None else _text_size(prompt)
+        inline = size < INLINE_CHARS
         result: PromptKeys | None = None
         if isinstance(prompt, CompletionPrompt) and isinstance(prompt.prompt, list):  # exact with or without a
             ids = prompt.prompt  # tokenizer
@@ -243,8 +245,11 @@ class PromptTokens:
             try:
                 if isinstance(prompt, ChatPrompt) and not tokenizer.chat.owns(prompt.template.get("chat_template")):
                     result = await self._with_client_template(tokenizer, prompt, raw, root)
-                elif inline:
-                    result = self.tokenize_now(tokenizer, prompt, root)
+                elif size <= RENDER_INLINE_BYTES:
+                    # rendering and finding the cached prefix cost little; encoding what is new may not
+                    lookup = self.cache.lookup(tokenizer, *self.prompt_text(tokenizer, prompt))
+                    result = (self._finish(tokenizer, lookup, root) if lookup.new_chars < INLINE_CHARS
+                              else await loop.run_in_executor(self._executor, self._finish, tokenizer, lookup, root))
                 else:
                     result = await loop.run_in_executor(self._executor, self.tokenize_now, tokenizer, prompt, root)
             except TokenizationError as exc:
@@ -285,18 +290,27 @@ class PromptTokens:
         return PromptKeys(block_keys(ids, self.block_size, root), len(ids), ids, TOKENS)
 
     def tokenize_now(self, tokenizer: ModelTokenizer, prompt: Prompt, root: BlockKey) -> PromptKeys:
-        """Tokenize and hash on the calling thread (`keys` decides which thread that is)."""
+        """Render, tokenize and hash on the calling thread (`keys` decides which thread that is)."""
+        return self._finish(tokenizer, self.cache.lookup(tokenizer, *self.prompt_text(tokenizer, prompt)), root)
+
+    @staticmethod
+    def prompt_text(tokenizer: ModelTokenizer, prompt: Prompt) -> tuple[str, bool]:
+        """The text vLLM encodes for a text prompt (a chat rendered with the model's template), and whether it
+        adds special tokens."""
         if isinstance(prompt, ChatPrompt):
             body = prompt.vllm_body()
-            return self.encode_now(tokenizer, tokenizer.chat.prompt_text(body), chat_adds_special_tokens(body), root)
+            return tokenizer.chat.prompt_text(body), chat_adds_special_tokens(body)
         if not isinstance(prompt.prompt, str):
             raise TokenizationError("`prompt` must be a string or a list of token ids")
-        return self.encode_now(tokenizer, prompt.prompt, prompt.add_special_tokens, root)
+        return prompt.prompt, prompt.add_special_tokens
 
     def encode_now(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool,
                    root: BlockKey) -> PromptKeys:
         """Encode an already rendered prompt and hash it, on the calling thread."""
-        encoded = self.cache.encode(tokenizer, text, add_special_tokens=add_special_tokens, root=root)
+        return self._finish(tokenizer, self.cache.lookup(tokenizer, text, add_special_tokens), root)
+
+    def _finish(self, tokenizer: ModelTokenizer, lookup: Lookup, root: BlockKey) -> PromptKeys:
+        encoded = self.cache.finish(tokenizer, lookup, root)
         return PromptKeys(encoded.keys, len(encoded.ids), encoded.ids, TOKENS)
 
     def text_keys(self, prompt: Prompt, root: BlockKey) -> PromptKeys:

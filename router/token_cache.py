@@ -34,8 +34,8 @@ from router.block_keys import BlockKey, chain_keys
 from router.tokenizer import ModelTokenizer
 
 CHUNK = 256  # characters per link of a text's hash chain: the granularity at which shared prefixes are found
-SEAM_MARGIN = 32  # characters of shared text left after the seam: what a pre-tokenizer's lookahead may still change
-OVERLAP_TOKENS = 8  # cached tokens before the seam that the window's encoding must reproduce
+SEAM_MARGIN = 16  # characters of shared text left after the seam: what a pre-tokenizer's lookahead may still change
+OVERLAP_TOKENS = 6  # cached tokens before the seam that the window's encoding must reproduce
 _ENTRY_OVERHEAD = 400  # bytes of an entry besides its arrays and text (objects, dict and LRU slots)
 _LINK_BYTES = 100  # bytes of one link in the index (a dict slot and an int)
 _KEY_BYTES = 40  # bytes of one block key in a list (a pointer and an int)
@@ -49,6 +49,28 @@ class Encoded:
     ids: array[int]
     keys: list[BlockKey]
     reused_tokens: int  # ids taken from the cache rather than the tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """A prompt's text and the cached prompt sharing the longest prefix with it (`TokenCache.lookup`)."""
+
+    text: str
+    add_special_tokens: bool
+    seed: int | None  # None: this tokenizer's ids cannot be spliced
+    links: list[int]
+    entry: _Entry | None
+    shared: int  # characters the two share
+
+    @property
+    def new_chars(self) -> int:
+        """About how many characters `finish` will encode: none for a prompt seen before, the text after the
+        seam for one that starts like a cached one, the whole text otherwise."""
+        if self.entry is None:
+            return len(self.text)
+        if self.shared == len(self.text) == len(self.entry.text):
+            return 0
+        return len(self.text) - self.shared + SEAM_MARGIN + 16 * OVERLAP_TOKENS
 
 
 class _Entry:
@@ -121,21 +143,35 @@ class TokenCache:
 
     def encode(self, tokenizer: ModelTokenizer, text: str, *, add_special_tokens: bool, root: BlockKey) -> Encoded:
         """`tokenizer.encode(text)` as uint32 ids, and the chained keys of its full blocks under `root`."""
+        return self.finish(tokenizer, self.lookup(tokenizer, text, add_special_tokens=add_special_tokens), root)
+
+    def lookup(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool) -> Lookup:
+        """`encode`'s first half, which costs little (hashing the text, a few dict probes): the cached prompt
+        sharing the longest prefix with `text`. Its `new_chars` tell how much the second half (`finish`) will
+        encode, so the caller can choose the thread for it."""
         seed = tokenizer.cache_seed(add_special_tokens)
         if seed is None:  # a tokenizer that adds special tokens at the end: ids cannot be spliced
-            ids, _ = self._encode(tokenizer, text, add_special_tokens)
-            self.misses += 1
-            return Encoded(ids, chain_keys(ids, self.block_size, root), 0)
+            return Lookup(text, add_special_tokens, None, [], None, 0)
         links = _links(text, seed)
         found = self._longest_prefix(text, seed, links)
-        if found is not None:
-            entry, shared = found
-            if shared == len(text) == len(entry.text):  # the same prompt again
+        if found is None:
+            return Lookup(text, add_special_tokens, seed, links, None, 0)
+        return Lookup(text, add_special_tokens, seed, links, *found)
+
+    def finish(self, tokenizer: ModelTokenizer, lookup: Lookup, root: BlockKey) -> Encoded:
+        """`encode`'s second half: the ids, spliced onto the cached prompt `lookup` found where that verifies."""
+        text, seed, links, entry = lookup.text, lookup.seed, lookup.links, lookup.entry
+        if seed is None:
+            ids, _ = self._encode(tokenizer, text, lookup.add_special_tokens)
+            self.misses += 1
+            return Encoded(ids, chain_keys(ids, self.block_size, root), 0)
+        if entry is not None:
+            if lookup.shared == len(text) == len(entry.text):  # the same prompt again
                 keys = entry.keys if entry.root == root else chain_keys(entry.ids, self.block_size, root)
                 self.hits += 1
                 self._store(entry, text, seed, entry.ids, entry.ends, links, root, keys)
                 return Encoded(entry.ids, keys, len(entry.ids))
-            spliced = self._splice(tokenizer, entry, text, shared)
+            spliced = self._splice(tokenizer, entry, text, lookup.shared)
             if spliced is not None:
                 ids, ends, kept, same = spliced
                 reused = min(same // self.block_size, len(entry.keys)) if entry.root == root else 0
@@ -145,7 +181,7 @@ class TokenCache:
                 self._store(entry, text, seed, ids, ends, links, root, keys)
                 return Encoded(ids, keys, kept)
             self.seam_mismatches += 1
-        ids, ends = self._encode(tokenizer, text, add_special_tokens)
+        ids, ends = self._encode(tokenizer, text, lookup.add_special_tokens)
         keys = chain_keys(ids, self.block_size, root)
         self.misses += 1
         self._store(None, text, seed, ids, ends, links, root, keys)
@@ -183,19 +219,19 @@ class TokenCache:
         at = ends[start - 1]
         if at == 0 or (start < len(ends) and ends[start] <= at):  # in the specials added in front, or inside a
             return None  # character that spans tokens
-        window, window_ends = self._encode(tokenizer, text[at:], False)
+        window, window_ends = self._encode(tokenizer, text[at:], False, at)
         if window[:OVERLAP_TOKENS] != entry.ids[start:seam]:
             return None
-        ids = entry.ids[:start] + window
-        for i, end in enumerate(window_ends):
-            window_ends[i] = end + at
-        return ids, ends[:start] + window_ends, start, seam
+        return entry.ids[:start] + window, ends[:start] + window_ends, start, seam
 
-    def _encode(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool) -> tuple[array[int], array[int]]:
+    def _encode(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool,
+                at: int = 0) -> tuple[array[int], array[int]]:
+        """Ids and token ends (as offsets into a text in which `text` starts at `at`)."""
         encoding = tokenizer.encode_with_offsets(text, add_special_tokens=add_special_tokens)
         self.encoded_chars += len(text)
         # offsets never go back (a trimmed whitespace token could): the seam search bisects them
-        return array("I", encoding.ids), array("I", accumulate(map(_end, encoding.offsets), max))
+        ends = accumulate(map(_end, encoding.offsets), max)
+        return array("I", encoding.ids), array("I", map(at.__add__, ends) if at else ends)
 
     def _store(self, hit: _Entry | None, text: str, seed: int, ids: array[int], ends: array[int], links: list[int],
                root: BlockKey, keys: list[BlockKey]) -> None:

@@ -26,9 +26,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from kvcore.config import option
+from router.metrics import Counter, Gauge, Histogram
 from router.pool import Worker
 from router.prefix_trie import PrefixTrie
 from router.routing import Decision, RouteRequest
@@ -117,7 +118,11 @@ class PrefillBalance:
         self.clock: Callable[[], float] = time.monotonic  # injectable: tests and the virtual-time fleet set it
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
-        self._metrics = PrefixMetrics(registry)
+        self._metrics = metrics = PrefixMetrics(registry)
+        # this strategy's children, bound once
+        self._match_ratio = metrics.match_ratio.labels(self.strategy)
+        self._routed_tokens = metrics.routed_prompt_tokens.labels(self.strategy)
+        self._predicted_tokens = metrics.predicted_cached_tokens.labels(self.strategy)
 
     def _queue(self, url: str) -> PrefillQueue:
         queue = self._queues.get(url)
@@ -171,9 +176,9 @@ class PrefillBalance:
         if metrics is None:
             return
         if prompt:
-            metrics.match_ratio.labels(self.strategy).observe(predicted / prompt)
-            metrics.routed_prompt_tokens.labels(self.strategy).inc(prompt)
-            metrics.predicted_cached_tokens.labels(self.strategy).inc(predicted)
+            self._match_ratio.observe(predicted / prompt)
+            self._routed_tokens.inc(prompt)
+            self._predicted_tokens.inc(predicted)
         trie = self.trie
         metrics.trie_nodes.set(len(trie))
         if trie.evictions != self._evictions:
