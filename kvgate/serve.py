@@ -19,6 +19,7 @@ from kvcore.aio import run_until_signalled
 from kvcore.config import ConfigError, add_config_arguments, describe, load_config
 from router.app import run_gateway
 from router.config import GatewayConfig
+from router.processes import GatewayProcess, serve_processes
 from router.routing import Strategy
 from strategies import create_strategy, option_classes, strategy_class
 
@@ -55,9 +56,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.getLogger().setLevel(config.log_level.upper())
     log.info("configuration: %s; %s options: %s", describe(config), strategy.name, describe(strategy.options))
+    if config.processes > 1:
+        return serve_processes(config, strategy.options, serve_one)
     try:
         run_until_signalled(run_gateway(config, strategy))
     except ConfigError as exc:  # found while starting (a trace file that cannot be written)
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def serve_one(config: GatewayConfig, options: Any, process: GatewayProcess) -> None:
+    """One of `--processes N` gateway processes (spawned: it builds its own strategy)."""
+    logging.basicConfig(level=config.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [{process.index}] %(name)s: %(message)s")
+    run_until_signalled(run_gateway(config, create_strategy(config, options), process))

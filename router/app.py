@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from typing import Any, TypeVar
 
 import orjson
@@ -27,6 +27,7 @@ from router.kv_subscriber import EventSource, KvEventHub
 from router.listener import raise_open_file_limit, serving
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool
+from router.processes import GatewayProcess
 from router.prompt_tokens import CHARS_PER_TOKEN, PromptTokens
 from router.proxy import FORWARDED_REQUEST_HEADERS, Proxy
 from router.requests import (
@@ -52,8 +53,9 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 class Gateway:
     """The running gateway's parts, owned by one application."""
 
-    def __init__(self, config: GatewayConfig, strategy: Strategy) -> None:
+    def __init__(self, config: GatewayConfig, strategy: Strategy, process: GatewayProcess | None = None) -> None:
         self.config = config
+        self.process = process  # which of several gateway processes this is (`--processes`), if there are several
         self.metrics = GatewayMetrics()
         self.admission = Admission(config.max_in_flight_requests, config.max_in_flight_bytes, self.metrics)
         self.strategy = strategy
@@ -358,8 +360,17 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[GATEWAY].metrics.registry)
+    gateway = request.app[GATEWAY]
+    body = generate_latest(gateway.metrics.registry)
+    if gateway.process is not None:  # every process's, each sample labelled with its process
+        body = await gateway.process.sibling_metrics(body)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _fixed_pool(gateway: Gateway) -> None:
+    if gateway.process is not None:
+        raise GatewayError(409, f"the gateway runs as {gateway.process.count} processes, each with its own pool: "
+                           "workers are added and removed with --worker or discovery", code="pool_is_fixed")
 
 
 async def admin_list_workers(request: web.Request) -> web.Response:
@@ -380,6 +391,7 @@ def _worker_spec(payload: dict[str, Any]) -> WorkerSpec:
 
 async def admin_add_worker(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
+    _fixed_pool(gateway)
     spec = _worker_spec(parse_json_object(await _read_body(request, 64 * 1024)))
     try:
         worker = gateway.pool.add(spec)
@@ -391,6 +403,7 @@ async def admin_add_worker(request: web.Request) -> web.Response:
 
 async def admin_remove_worker(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
+    _fixed_pool(gateway)
     url = request.query.get("url")
     if url is None:
         url = _worker_spec(parse_json_object(await _read_body(request, 64 * 1024))).url
@@ -406,11 +419,12 @@ def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
-def create_app(config: GatewayConfig, strategy: Strategy) -> web.Application:
-    """Build the gateway application around `strategy` (one per app); its workers are probed when the app starts."""
+def create_app(config: GatewayConfig, strategy: Strategy, process: GatewayProcess | None = None) -> web.Application:
+    """Build the gateway application around `strategy` (one per app); its workers are probed when the app starts.
+    `process`: which of several gateway processes on one port this app is (router/processes.py)."""
     # The body limit is enforced by _read_body with a JSON 413; aiohttp's own limit sits just above it.
     app = web.Application(middlewares=[edge_middleware], client_max_size=config.max_body_bytes + 1)
-    gateway = Gateway(config, strategy)
+    gateway = Gateway(config, strategy, process)
     app[GATEWAY] = gateway
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -435,15 +449,39 @@ def create_app(config: GatewayConfig, strategy: Strategy) -> web.Application:
     return app
 
 
-async def run_gateway(config: GatewayConfig, strategy: Strategy) -> None:
-    """Serve until cancelled; client disconnects cancel their handler so upstream requests end at once."""
+async def run_gateway(config: GatewayConfig, strategy: Strategy, process: GatewayProcess | None = None) -> None:
+    """Serve until cancelled; client disconnects cancel their handler so upstream requests end at once. `process`:
+    this is one of several gateway processes sharing the port."""
     files = raise_open_file_limit()
-    app = create_app(config, strategy)
-    async with serving(app, config, app[GATEWAY].metrics) as connections:
+    app = create_app(config, strategy, process)
+    async with serving(app, config, app[GATEWAY].metrics, reuse_port=process is not None) as connections, \
+            _own_metrics(app[GATEWAY], process):
         log.info("kvgate listening on http://%s:%d (strategy %s, %d workers; at most %d client connections, "
-                 "open-file limit %d)", config.host, config.port, config.strategy, len(config.worker),
-                 connections.limit, files)
+                 "open-file limit %d%s)", config.host, config.port, config.strategy, len(config.worker),
+                 connections.limit, files, f"; process {process.index + 1} of {process.count}" if process else "")
         if not config.api_key and not config.admin_key:
             log.warning("no api_key and no admin_key: anyone who reaches port %d can add workers (/admin/*) and so "
                         "receive every prompt; set admin_key unless this port is private", config.port)
         await asyncio.Event().wait()
+
+
+@asynccontextmanager
+async def _own_metrics(gateway: Gateway, process: GatewayProcess | None) -> AsyncIterator[None]:
+    """With several gateway processes, this one's own /metrics on its Unix socket, for the siblings to gather."""
+    if process is None:
+        yield
+        return
+
+    async def own(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(gateway.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", own)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.UnixSite(runner, process.metrics_socket(process.index)).start()
+        yield
+    finally:
+        await runner.cleanup()

@@ -156,6 +156,10 @@ class GatewayConfig:
         15.0, "a client connection that has not sent a whole request head this long after connecting or after its "
         "last answer is closed (idle keep-alive, and slowloris heads)"
     )
+    processes: int = option(
+        1, "gateway processes sharing the port (SO_REUSEPORT), each with its own pool, KV-event subscriptions, index "
+        "and trie; more than 1: /admin/workers cannot add or remove workers (409) and record_trace is refused"
+    )
     connect_timeout_s: float = option(5.0, "timeout for opening a connection to a worker")
     ttfb_timeout_s: float = option(120.0, "streaming requests: timeout until a worker sends its response headers")
     response_timeout_s: float = option(
@@ -248,6 +252,12 @@ class GatewayConfig:
                               "allow_api_key_admin to accept that")
         if self.admin_key and self.admin_key in self.api_key:
             raise ConfigError("admin_key must differ from every api_key")
+        if self.processes < 1:
+            raise ConfigError(f"processes must be at least 1: {self.processes}")
+        if self.processes > 1 and self.record_trace:
+            raise ConfigError("record_trace needs processes = 1: each process would write the same file")
+        if self.processes > 1 and self.port == 0:
+            raise ConfigError("processes > 1 needs a fixed port: with port 0 each process would pick its own")
         if self.record_trace_block_tokens < self.block_size or self.record_trace_block_tokens % self.block_size:
             raise ConfigError(f"record_trace_block_tokens ({self.record_trace_block_tokens}) must be a multiple of "
                               f"block_size ({self.block_size})")

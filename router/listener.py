@@ -174,12 +174,14 @@ class _Refused(asyncio.Protocol):
 class ListeningSite(web.BaseSite):
     """An aiohttp site on a TCP port whose every accepted connection goes through `ClientConnections`."""
 
-    def __init__(self, runner: web.AppRunner, connections: ClientConnections, host: str, port: int) -> None:
+    def __init__(self, runner: web.AppRunner, connections: ClientConnections, host: str, port: int,
+                 reuse_port: bool = False) -> None:
         # a deep accept queue: clients reconnecting in a burst (a slowloris wave cut off at once) must not have their
         # SYNs dropped, which costs each a 1 s retransmit (the kernel caps it at net.core.somaxconn)
         super().__init__(runner, backlog=LISTEN_BACKLOG)
         self.connections = connections
         self.host, self.port = host, port
+        self.reuse_port = reuse_port  # several gateway processes on this port (router/processes.py)
 
     @property
     def name(self) -> str:
@@ -188,7 +190,8 @@ class ListeningSite(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         self._server = await asyncio.get_running_loop().create_server(
-            self.connections, self.host, self.port, backlog=self._backlog, reuse_address=True)
+            self.connections, self.host, self.port, backlog=self._backlog, reuse_address=True,
+            reuse_port=self.reuse_port or None)
 
 
 class _MalformedRequests(logging.Filter):
@@ -210,9 +213,10 @@ class _MalformedRequests(logging.Filter):
 
 
 @asynccontextmanager
-async def serving(app: web.Application, config: GatewayConfig, metrics: GatewayMetrics) -> AsyncIterator[
-        ClientConnections]:
-    """Serve `app` on `config.host:config.port` until the context ends."""
+async def serving(app: web.Application, config: GatewayConfig, metrics: GatewayMetrics, *,
+                  reuse_port: bool = False) -> AsyncIterator[ClientConnections]:
+    """Serve `app` on `config.host:config.port` until the context ends (sharing the port with other processes that
+    set `reuse_port` too)."""
     server_log = logging.getLogger(f"{__name__}.http.{config.port}")
     server_log.addFilter(_MalformedRequests(metrics))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=server_log,
@@ -221,7 +225,7 @@ async def serving(app: web.Application, config: GatewayConfig, metrics: GatewayM
     try:
         assert runner.server is not None
         connections = ClientConnections(runner.server, connection_cap(config.max_client_connections), metrics)
-        await ListeningSite(runner, connections, config.host, config.port).start()
+        await ListeningSite(runner, connections, config.host, config.port, reuse_port).start()
         yield connections
     finally:
         await runner.cleanup()

@@ -1,0 +1,104 @@
+"""`kvgate serve --processes N` (router/processes.py): N real gateway processes on one port, their metrics
+gathered into one answer, a fixed pool, and a clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.overhead import _descendants
+from bench.procs import free_port, stop, wait_http
+from router.config import ConfigError, GatewayConfig
+from router.processes import merge_expositions
+from tests.conftest import kvgate_command, running_standin
+
+BODY = orjson.dumps({"model": "tiny", "prompt": "hello processes", "max_tokens": 2})
+
+
+@pytest.fixture
+def gateway_port() -> Iterator[int]:
+    yield free_port()
+
+
+async def test_two_processes_share_the_port_and_answer_metrics_together(tmp_path: Path, gateway_port: int) -> None:
+    async with running_standin() as a, running_standin() as b:
+        log = (tmp_path / "gateway.log").open("wb")
+        proc = subprocess.Popen(kvgate_command(
+            "serve", "--host", "127.0.0.1", "--port", str(gateway_port), "--processes", "2", "--strategy", "prefix",
+            "--worker", a.url, "--worker", b.url, "--log-level", "info"), stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{gateway_port}"
+        try:
+            await asyncio.to_thread(wait_http, url + "/ready", 60.0, proc)
+            children = _descendants(proc.pid)[1:]
+            assert len(children) >= 2
+
+            async def both_up() -> bool:
+                async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+                    text = await resp.text()
+                return all(f'kvgate_worker_healthy{{process="{i}",worker="{a.url}"}} 1.0' in text for i in (0, 1))
+
+            for _ in range(100):
+                if await both_up():
+                    break
+                await asyncio.sleep(0.1)
+            # a new connection per request: the kernel spreads them over both processes
+            for _ in range(60):
+                async with aiohttp.ClientSession() as http, http.post(
+                        url + "/v1/completions", data=BODY, headers={"Content-Type": "application/json"}) as resp:
+                    assert resp.status == 200
+            async with aiohttp.ClientSession() as http:
+                async with http.get(url + "/metrics") as resp:
+                    text = await resp.text()
+                async with http.post(url + "/admin/workers", json={"worker": "http://127.0.0.1:1"}) as resp:
+                    assert resp.status == 409
+                    assert (await resp.json())["error"]["code"] == "pool_is_fixed"
+            families = {f.name: f for f in text_string_to_metric_families(text)}  # a valid exposition
+            served: dict[str, float] = {}
+            for sample in families["kvgate_requests"].samples:
+                if sample.name == "kvgate_requests_total":
+                    served[sample.labels["process"]] = served.get(sample.labels["process"], 0) + sample.value
+            assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
+            assert sum(served.values()) >= 60
+            assert text.count("# TYPE kvgate_requests_total counter") == 1
+        finally:
+            os.kill(proc.pid, signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait, 30) == 0
+            log.close()
+            stop(proc)
+        assert all(_gone(pid) for pid in children)  # every child ended with its parent
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" in f.read().lower()
+    except FileNotFoundError:
+        return True
+
+
+def test_merged_expositions_keep_each_family_whole() -> None:
+    one = (b'# HELP a_total A\n# TYPE a_total counter\na_total{x="1"} 1.0\n# HELP g G\n# TYPE g gauge\ng 2.0\n')
+    two = b'# HELP a_total A\n# TYPE a_total counter\na_total{x="1"} 3.0\n# HELP g G\n# TYPE g gauge\ng 4.0\n'
+    merged = merge_expositions({0: one, 1: two}).decode()
+    assert merged == ('# HELP a_total A\n# TYPE a_total counter\na_total{process="0",x="1"} 1.0\n'
+                      'a_total{process="1",x="1"} 3.0\n# HELP g G\n# TYPE g gauge\ng{process="0"} 2.0\n'
+                      'g{process="1"} 4.0\n')
+    assert len(list(text_string_to_metric_families(merged))) == 2
+
+
+def test_processes_refuse_what_they_cannot_share() -> None:
+    with pytest.raises(ConfigError, match="record_trace"):
+        GatewayConfig(processes=2, record_trace="/tmp/trace.jsonl")
+    with pytest.raises(ConfigError, match="fixed port"):
+        GatewayConfig(processes=2, port=0)
+    with pytest.raises(ConfigError):
+        GatewayConfig(processes=0)
