@@ -75,6 +75,10 @@ class TtftOptions(KvOptions):
     ttft_kv_high: float = option(0.9, "ttft: KV-cache usage above which a worker is near full")
     ttft_kv_full_penalty_s: float = option(
         0.5, "ttft: delay predicted on a full KV cache (waiting for blocks, preemption), scaled from 0 at kv_high")
+    ttft_tie_s: float = option(
+        0.002, "ttft: predictions this close (seconds) count as equal: the least busy worker of them takes it")
+    ttft_tie_share: float = option(
+        0.1, "ttft: predictions this close (share of the best) count as equal, when more than ttft_tie_s")
     ttft_spread_weight: float = option(
         1.0, "ttft: cost of copying a prefix held elsewhere onto one more worker, as a share of its prefill time")
 
@@ -374,6 +378,8 @@ class TtftAware(KvAware):
         self._routed: dict[int, _Routed] = {}
         self._mean = Work()  # the prefill a request brings, on average (recent requests)
         self._ttft_metrics: TtftMetrics | None = None
+        self.tie_s = options.ttft_tie_s
+        self.tie_share = options.ttft_tie_share
 
     @property
     def now(self) -> float:
@@ -419,8 +425,14 @@ class TtftAware(KvAware):
         scores = [e.ttft_s + self.spread.seconds(h.tokens, most, self.rate(w.url))
                   for w, h, e in zip(workers, held, estimates, strict=True)]
         best = min(scores)
-        tied = [i for i, s in enumerate(scores) if s <= best + 1e-9]
-        if len(tied) > 1:  # an idle fleet: spread distinct prefixes
+        # within the prediction's own error the workers are as good: the least busy, then the one holding the
+        # least prefix state takes it (misses spread, instead of all going to the worker whose fit is a hair
+        # faster)
+        tied = [i for i, s in enumerate(scores) if s <= best + max(self.tie_s, self.tie_share * best)]
+        if len(tied) > 1:
+            fewest = min(workers[i].outstanding for i in tied)
+            tied = [i for i in tied if workers[i].outstanding == fewest]
+        if len(tied) > 1:
             least_state = min(self.balance.trie.worker_nodes(workers[i].url) for i in tied)
             tied = [i for i in tied if self.balance.trie.worker_nodes(workers[i].url) == least_state]
         pick = tied[0] if len(tied) == 1 else self.balance.random.choice(tied)

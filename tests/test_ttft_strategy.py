@@ -5,6 +5,7 @@ objects and a real KV block index, and the gateway telling it each streamed answ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from typing import Any
 
@@ -37,7 +38,7 @@ BS = 16
 ROOT = root_key("tiny")
 # a fleet whose prefill is 10,000 tokens/s, 10 ms per request besides, no attention cost: easy sums
 OPTIONS = TtftOptions(ttft_prefill_tokens_per_s=10_000.0, ttft_overhead_s=0.01, ttft_attention_s=0.0,
-                      ttft_decode_cost_s=0.0, ttft_spread_weight=1.0)
+                      ttft_decode_cost_s=0.0, ttft_spread_weight=1.0, ttft_tie_share=0.0)
 
 
 def make(n: int = 3, options: TtftOptions = OPTIONS) -> tuple[TtftAware, list[Worker], InMemoryKvIndex, list[float]]:
@@ -201,8 +202,12 @@ def test_a_hot_prefix_spills_only_when_the_queue_outweighs_its_saving_and_the_co
 
 
 def test_misses_spread_and_the_learned_rate_follows_first_tokens() -> None:
-    strategy, workers, _, clock = make()
-    chosen = [strategy.choose(request(tokens(10 + i, 1000)), workers) for i in range(3)]
+    strategy, workers, _, clock = make(options=dataclasses.replace(OPTIONS, ttft_tie_share=0.1))
+    strategy.rate(workers[0].url).fit.weights[1] *= 0.95  # a hair faster: not a reason to take every miss
+    chosen = []
+    for i in range(3):  # one after another, each long done before the next: the fleet is idle for each
+        chosen.append(strategy.choose(request(tokens(10 + i, 1000)), workers))
+        clock[0] += 10.0
     assert {d.worker.url for d in chosen} == {w.url for w in workers} and all(d.reason == MISS for d in chosen)
     # the workers are four times faster than believed: the prediction for the same request follows
     before = chosen[0].predicted_ttft_s
