@@ -23,6 +23,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    log.info("tier agent config: %s", describe(config, hide=()))
+    log.info("tier agent config: %s", describe(config, hide=("shared_secret",)))
     run_until_signalled(TierAgent(config).serve_forever())
     return 0

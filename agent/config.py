@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from agent.tiers.base import TierName
 from kvcore.config import ConfigError, option
@@ -67,7 +68,11 @@ class AgentConfig:
     shared_timeout_s: float = option(0.5, "socket timeout of one shared-tier operation")
     shared_retry_s: float = option(1.0, "after a shared-tier backend error, skip it for this long")
     shared_sweep_interval_s: float = option(60.0, "interval of the TTL sweep of the shared directory")
-    shared_index_refresh_s: float = option(5.0, "interval at which other replicas' shared blocks are learned")
+    shared_index_refresh_s: float = option(5.0, "interval at which other replicas' shared blocks are learned "
+                                           "(shared_backend=fs; Redis announces writes as they happen)")
+    shared_secret: str = option("", "fleet secret of the shared tier: blocks carry a MAC keyed with it, blocks "
+                                "without a valid one are refused (empty = unauthenticated shared tier)")
+    shared_secret_file: str = option("", "file holding the fleet secret (e.g. a mounted Kubernetes Secret)")
 
     write_policy: str = option("lazy", "lazy: demote to NVMe/shared under pressure; eager: write through")
     promote_on_hit: bool = option(True, "copy blocks loaded from NVMe/shared into DRAM")
@@ -75,6 +80,20 @@ class AgentConfig:
     shared_admit_reuse: int = option(1, "uses (stores + hits) a block needs before it is written to shared")
     io_threads: int = option(4, "threads doing NVMe and shared-tier I/O")
     log_level: str = option("info", "log level: debug, info, warning, error")
+
+    def shared_key(self) -> bytes | None:
+        """The fleet secret, from `shared_secret` or `shared_secret_file` (surrounding whitespace ignored)."""
+        if self.shared_secret and self.shared_secret_file:
+            raise ConfigError("set shared_secret or shared_secret_file, not both")
+        if self.shared_secret_file:
+            try:
+                secret = Path(self.shared_secret_file).read_bytes().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read shared_secret_file: {exc}") from exc
+            if not secret:
+                raise ConfigError(f"shared_secret_file {self.shared_secret_file} is empty")
+            return secret
+        return self.shared_secret.strip().encode() or None
 
     def validate(self) -> AgentConfig:
         if self.write_policy not in WRITE_POLICIES:
@@ -85,6 +104,7 @@ class AgentConfig:
             raise ConfigError(f"nvme_layout must be one of {NVME_LAYOUTS}: {self.nvme_layout!r}")
         if self.shared_backend == "fs" and not self.shared_dir:
             raise ConfigError("shared_backend=fs needs shared_dir")
+        self.shared_key()
         for low, high, name in ((self.dram_low_watermark, self.dram_high_watermark, TierName.DRAM),
                                 (self.nvme_low_watermark, self.nvme_high_watermark, TierName.NVME)):
             if not 0.0 < low <= high <= 1.0:

@@ -51,6 +51,7 @@ from agent.protocol import (
     request_decoder,
 )
 from agent.store import TierStore
+from agent.tiers.shared import RedisSharedTier
 from kvcore.kv_events import KvEventPublisher
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,9 @@ class TierAgent:
             loop.create_task(self._every(self.config.events_interval_s, self._flush_events)),
             loop.create_task(self._every(0.2, self._in_thread(self.store.maintain))),
         ]
-        if self.store.shared is not None:
+        if isinstance(self.store.shared, RedisSharedTier):
+            self.store.shared.listen()  # other replicas' writes as they happen (and one scan per subscription)
+        elif self.store.shared is not None:
             # learn what other replicas already put in the shared tier right away, then periodically
             self._tasks.append(loop.create_task(self._every(self.config.shared_index_refresh_s,
                                                             self._in_thread(self.store.refresh_shared_index),

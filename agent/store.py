@@ -59,13 +59,17 @@ class FlowStats:
 
 
 def build_shared_tier(config: AgentConfig) -> SharedTier | None:
+    secret = config.shared_key()
+    if config.shared_backend != "none" and secret is None:
+        log.warning("shared tier without a fleet secret (--shared-secret / --shared-secret-file): whoever can "
+                    "write %s can plant KV blocks this replica serves", config.shared_backend)
     if config.shared_backend == "redis":
         return RedisSharedTier(config.shared_url, prefix=config.shared_prefix, ttl_s=config.shared_ttl_s,
                                cluster=config.shared_cluster, timeout_s=config.shared_timeout_s,
-                               retry_s=config.shared_retry_s)
+                               retry_s=config.shared_retry_s, secret=secret)
     if config.shared_backend == "fs":
         return FsSharedTier(config.shared_dir, prefix=config.shared_prefix, ttl_s=config.shared_ttl_s,
-                            retry_s=config.shared_retry_s)
+                            retry_s=config.shared_retry_s, secret=secret)
     return None
 
 
@@ -135,9 +139,12 @@ class TierStore:
     def lookup(self, layout: int, hashes: Sequence[BlockHash]) -> tuple[int, str]:
         """How many leading blocks are held, and where each would come from (one `TierName.code` per block);
         local state only, no I/O."""
-        if not self.tiers:
+        tiers = self.tiers
+        if self.shared is not None and not self.shared.available:  # down or backing off: nothing to load there
+            tiers = [t for t in tiers if t is not self.shared]
+        if not tiers:
             return 0, ""
-        (first, first_code), *rest = [(t.contains, t.name.code) for t in self.tiers]
+        (first, first_code), *rest = [(t.contains, t.name.code) for t in tiers]
         where: list[str] = []
         for block_hash in hashes:
             key = (layout, block_hash)

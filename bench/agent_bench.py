@@ -4,7 +4,8 @@
 - NVMe tier (segment log, chains of `--batch` blocks per write/read; and the file-per-block layout) vs raw
   sequential write / read of the same block sizes in one file on the same disk
   (page cache dropped with posix_fadvise before cold reads);
-- Redis tier store / load vs raw redis-py pipelined SET / GET of the same values;
+- Redis tier store / load vs raw redis-py pipelined SET / GET of the same values, without and with a fleet
+  secret (`redis-sealed`: every block carries a keyed BLAKE3 MAC, computed on store and checked on load);
 - lookup latency for 1,000 hashes, in process and over the agent's Unix socket.
 Each figure is the best of `--repeat` interleaved runs (the machine is shared); ratio = raw time / tier time.
 Run: `kvgate bench agent [--block-bytes 65536 2097152] [--out results.json]`.
@@ -41,9 +42,11 @@ from agent.tiers.shared import RedisSharedTier
 from bench.procs import free_port, wait_for_port
 from bench.procs import stop as stop_process
 
-# the tiers measured: DRAM, NVMe in its two layouts, the shared tier on Redis/Valkey
+# the tiers measured: DRAM, NVMe in its two layouts, the shared tier on Redis/Valkey (without and with a fleet
+# secret: blocks sealed with a keyed MAC)
 DRAM, NVME, NVME_FILES, REDIS = TierName.DRAM.value, TierName.NVME.value, f"{TierName.NVME}-files", "redis"
-CASES = (DRAM, NVME, NVME_FILES, REDIS)
+REDIS_SEALED = "redis-sealed"
+CASES = (DRAM, NVME, NVME_FILES, REDIS, REDIS_SEALED)
 
 LAYOUT = 0xBE4C
 
@@ -193,10 +196,11 @@ def bench_nvme(size: int, count: int, repeat: int, directory: Path, fsync: bool,
 # -- Redis -----------------------------------------------------------------------------------------------------
 
 
-def bench_redis(size: int, count: int, repeat: int, url: str, batch: int) -> dict[str, Any]:
+def bench_redis(size: int, count: int, repeat: int, url: str, batch: int,
+                secret: bytes | None = None) -> dict[str, Any]:
     data = payloads(size, count)
     client = redis.Redis.from_url(url)
-    tier = RedisSharedTier(url, ttl_s=600, timeout_s=10)
+    tier = RedisSharedTier(url, ttl_s=600, timeout_s=10, secret=secret)
     generation = [0]
     state: dict[str, int] = {}
 
@@ -338,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
     valkey: subprocess.Popen[bytes] | None = None
     try:
         url = args.redis_url
-        if REDIS not in args.skip and not url:
+        if not {REDIS, REDIS_SEALED} <= set(args.skip) and not url:
             valkey, url = start_valkey(workdir)
         for size in args.block_bytes:
             count = max(4, args.total_mib * 2**20 // size)
@@ -351,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
                 entry[NVME_FILES] = bench_nvme(size, count, args.repeat, workdir, args.fsync, "files", 1)
             if REDIS not in args.skip:
                 entry[REDIS] = bench_redis(size, count, args.repeat, url, args.batch)
+            if REDIS_SEALED not in args.skip:
+                entry[REDIS_SEALED] = bench_redis(size, count, args.repeat, url, args.batch, b"bench fleet secret")
             results["block_sizes"][str(size)] = entry
         if "lookup" not in args.skip:
             results["lookup"] = bench_lookup(workdir)

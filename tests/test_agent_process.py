@@ -406,3 +406,27 @@ async def test_upkeep_never_holds_up_requests(tmp_path: Path) -> None:
         assert await asyncio.to_thread(store_and_load) < 1.0
     finally:
         await agent.close()
+
+
+def test_a_block_another_replica_writes_is_seen_at_once(tmp_path: Path, agents: list[AgentProcess],
+                                                         subprocess_env: dict[str, str], valkey: ValkeyServer) -> None:
+    """Issue 14: other replicas' shared blocks were learnt by a SCAN every 5 s, so a turn landing on another
+    replica 50 ms later recomputed. Writes are announced now (PUBLISH), and the other agent subscribes."""
+    flags = ("--dram-capacity", "1MiB", "--write-policy", "eager", "--shared-backend", "redis",
+             "--shared-url", valkey.url, "--shared-secret", "s3cret")
+    a = AgentProcess(tmp_path / "a", subprocess_env, *flags)
+    b = AgentProcess(tmp_path / "b", subprocess_env, *flags)
+    agents.extend([a, b])
+    raw = redis.Redis.from_url(valkey.url)
+    time.sleep(0.5)  # both subscribed (their first index refresh is long done)
+    with AgentClient(a.socket, shm_bytes=2**20) as writer, AgentClient(b.socket, shm_bytes=2**20) as reader:
+        for round_ in range(3):
+            hashes = [round_ * 10 + i for i in range(4)]
+            assert writer.store(LAYOUT, hashes, [content(h) for h in hashes]) == 4
+            deadline = time.monotonic() + 5
+            while not raw.exists(f"kvgate:{key_name((LAYOUT, hashes[-1]))}"):  # written through in the background
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            time.sleep(0.2)
+            assert reader.lookup(LAYOUT, hashes) == (4, "SSSS")  # one lookup: no probe of its own helped
+            assert reader.load(LAYOUT, hashes, BLOCK) == [content(h) for h in hashes]

@@ -14,12 +14,14 @@ import redis
 import redis.cluster
 
 from agent.block import HEADER_SIZE, BlockError, ChecksumError, key_name, pack, parse_key_name, verify
+from agent.config import AgentConfig
+from agent.store import TierStore
 from agent.tiers.base import DiskSpace, Removed, StoreItem, TierUsage
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.segments import SegmentNvmeTier
 from agent.tiers.shared import FsSharedTier, RedisSharedTier
-from bench.procs import free_port, wait_for_port
+from bench.procs import free_port, spawn_valkey, wait_for_port
 from bench.procs import stop as stop_process
 from tests.conftest import ROOT, ValkeyServer, valkey_server_binary
 
@@ -163,9 +165,15 @@ def test_dram_delete_is_constant_time() -> None:
         assert tier.usage() == TierUsage(0, 0, 10 * n)
         return elapsed
 
-    small = min(delete_all(1_000) for _ in range(5))
-    large = min(delete_all(20_000) for _ in range(3))
-    assert large < 80 * small, (large, small)  # linear: ~20x; quadratic: ~400x
+    import gc
+
+    gc.disable()  # a collection inside one timing is not what is measured
+    try:
+        small = min(delete_all(2_000) for _ in range(5))
+        large = min(delete_all(40_000) for _ in range(3))
+    finally:
+        gc.enable()
+    assert large < 150 * small, (large, small)  # linear: ~20x; quadratic: ~400x
 
 
 def test_dram_watermarks() -> None:
@@ -315,22 +323,35 @@ def test_redis_shared_ttl_and_corruption(valkey: ValkeyServer) -> None:
     tier.close()
 
 
-def test_redis_block_being_written_is_a_miss_not_corruption(valkey: ValkeyServer) -> None:
+def test_redis_blocks_are_written_whole_with_their_ttl(valkey: ValkeyServer) -> None:
     tier = RedisSharedTier(valkey.url, ttl_s=60)
     raw = redis.Redis.from_url(valkey.url)
-    name = f"kvgate:{key_name(key(5))}"
-    raw.set(name, bytes(HEADER_SIZE) + payload(5), px=60_000)  # another node's write, header not yet set
-    assert tier.probe([key(5)]) == [True]
-    assert read(tier, key(5)) is None
-    assert tier.stats.checksum_failures == 0 and tier.stats.read_errors == 0 and raw.exists(name)
     tier.store(key(6), payload(6))
     assert raw.get(f"kvgate:{key_name(key(6))}") == pack(LAYOUT, payload(6))  # header + payload, one string
-    big = payload(7, 300 * 1024)  # written as SET zero header + SETRANGE payload + SETRANGE header
+    big = payload(7, 300 * 1024)  # two strings, each SET with its TTL: the header, and the payload as it is
     assert tier.store(key(7), memoryview(bytearray(big)))
-    assert raw.get(f"kvgate:{key_name(key(7))}") == pack(LAYOUT, big)
-    assert raw.pttl(f"kvgate:{key_name(key(7))}") > 50_000
+    name = f"kvgate:{key_name(key(7))}"
+    assert raw.get(name) == pack(LAYOUT, big)[:HEADER_SIZE] and raw.get(name + ":p") == big
+    assert raw.pttl(name) > 50_000 and raw.pttl(name + ":p") > 50_000
     out = memoryview(bytearray(len(big)))
     assert tier.read_many([key(7)], [out]) == [len(big)] and bytes(out) == big
+    raw.set(name + ":p", payload(8, 300 * 1024), keepttl=True)  # a payload that is not the header's
+    assert tier.read_many([key(7)], [out]) == [None] and tier.stats.checksum_failures == 1
+    assert not raw.exists(name) and not raw.exists(name + ":p")
+    tier.close()
+
+
+def test_redis_writes_never_leave_a_key_without_ttl(valkey: ValkeyServer) -> None:
+    """Issue 14: SET (with PX) then SETRANGE in a pipeline; a key that expired in between was created again by
+    SETRANGE, without a TTL, and lived forever."""
+    tier = RedisSharedTier(valkey.url, ttl_s=0.001)  # expires while the payload is still on its way
+    raw = redis.Redis.from_url(valkey.url)
+    big = payload(1, 2 * 2**20)
+    for chain in range(20):
+        tier.store_many([StoreItem(key(chain * 4 + i), memoryview(big)) for i in range(4)])
+    time.sleep(0.05)
+    immortal = [name for name in raw.scan_iter("kvgate:*") if raw.pttl(name) == -1]
+    assert immortal == [], f"{len(immortal)} keys without TTL"
     tier.close()
 
 
@@ -346,6 +367,81 @@ def test_redis_down_is_counted_and_recovers(valkey: ValkeyServer) -> None:
     assert tier.store(key(3), payload(3))  # reconnected (the old data is gone: no persistence)
     assert read(tier, key(3)) == payload(3)
     tier.close()
+
+
+def test_shared_blocks_need_the_fleet_secret(valkey: ValkeyServer, tmp_path: Path) -> None:
+    """Issue 14: an unkeyed checksum let anyone who can write Valkey plant KV that is served as a valid hit."""
+    fleet = RedisSharedTier(valkey.url, ttl_s=60, secret=b"fleet secret")
+    other = RedisSharedTier(valkey.url, ttl_s=60, secret=b"another fleet")
+    raw = redis.Redis.from_url(valkey.url)
+    assert fleet.store(key(1), payload(1))
+    assert read(fleet, key(1)) == payload(1)
+    stored = raw.get(f"kvgate:{key_name(key(1))}")
+    assert isinstance(stored, bytes) and len(stored) == HEADER_SIZE + 16 + 1000
+    # a planted block with a valid (unkeyed) header and checksum, as the tier wrote them before
+    raw.set(f"kvgate:{key_name(key(2))}", pack(LAYOUT, payload(99)), px=60_000)
+    # a sealed block whose payload was swapped (the tag no longer matches)
+    raw.set(f"kvgate:{key_name(key(3))}", stored[: HEADER_SIZE + 16] + payload(98), px=60_000)
+    # a genuine block copied under another block's name
+    raw.set(f"kvgate:{key_name(key(4))}", stored, px=60_000)
+    assert fleet.probe([key(2), key(3), key(4)]) == [True, True, True]
+    assert fleet.read_many([key(2), key(3), key(4)], [memoryview(bytearray(2000)) for _ in range(3)]) == [None] * 3
+    assert fleet.stats.checksum_failures == 3
+    assert not any(raw.exists(f"kvgate:{key_name(key(i))}") for i in (2, 3, 4))  # deleted
+    assert read(other, key(1)) is None  # another secret: refused too
+    unkeyed = FsSharedTier(tmp_path, ttl_s=60)
+    keyed = FsSharedTier(tmp_path, ttl_s=60, secret=b"fleet secret")
+    assert unkeyed.store(key(5), payload(5)) and keyed.store(key(6), payload(6))
+    assert keyed.refresh_index() == 2
+    assert read(keyed, key(5)) is None and read(keyed, key(6)) == payload(6)
+    for tier in (fleet, other):
+        tier.close()
+
+
+def test_a_refused_write_does_not_switch_off_reads(tmp_path: Path) -> None:
+    """Issue 14: any error, an OOM answer to a write too, made the tier skip reads for retry_s."""
+    port = free_port()
+    server = spawn_valkey(port, str(tmp_path), 15.0, "--maxmemory-policy", "noeviction")
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        tier = RedisSharedTier(url, ttl_s=60, retry_s=30)
+        assert tier.store(key(1), payload(1))
+        raw = redis.Redis.from_url(url)
+        raw.config_set("maxmemory", "1")  # below what is used: every write is refused (OOM)
+        assert not tier.store(key(2), payload(2, 300 * 1024))
+        assert not tier.store(key(3), payload(3))
+        assert tier.stats.backend_errors == 1
+        assert tier.available and read(tier, key(1)) == payload(1)
+        assert not raw.exists(f"kvgate:{key_name(key(2))}")
+        tier.close()
+    finally:
+        stop_process(server)
+
+
+def test_lookups_count_no_shared_blocks_while_redis_is_down(valkey: ValkeyServer, tmp_path: Path) -> None:
+    """Issue 14: lookups answered from the index while Redis was down, so vLLM planned loads that could only fail."""
+    config = AgentConfig(dram_capacity=0, shared_backend="redis", shared_url=valkey.url, shared_timeout_s=0.3,
+                         shared_retry_s=0.3).validate()
+    store = TierStore.from_config(config)
+    shared = store.shared
+    assert isinstance(shared, RedisSharedTier)
+    shared.listen()
+    assert shared.wait_subscribed(5)
+    assert store.store_chain(LAYOUT, [1, 2, 3], [payload(i) for i in (1, 2, 3)]) == 3
+    assert store.lookup(LAYOUT, [1, 2, 3]) == (3, "SSS")
+    valkey.stop()
+    deadline = time.monotonic() + 3
+    while store.lookup(LAYOUT, [1, 2, 3]) != (0, ""):
+        assert time.monotonic() < deadline, "lookups still count shared blocks with Redis down"
+        time.sleep(0.05)
+    for _ in range(10):  # and keep not counting them while it stays down
+        assert store.lookup(LAYOUT, [1, 2, 3]) == (0, "")
+        time.sleep(0.1)
+    valkey.start()
+    assert shared.wait_subscribed(10)  # back, and its keyspace learnt again (empty: no persistence)
+    assert store.store_chain(LAYOUT, [4], [payload(4)]) == 1
+    assert store.lookup(LAYOUT, [4]) == (1, "S")
+    store.close()
 
 
 # -- shared: POSIX directory -------------------------------------------------------------------------------

@@ -77,21 +77,29 @@ def write_file_atomically(tmp_dir: Path, final: Path, parts: list[Buffer], fsync
         raise
 
 
-def read_block_file(path: Path, key: BlockKey, out: memoryview) -> int:
-    """Read and verify a block file into `out` (header, payload and an EOF probe in one preadv); raises
-    OSError, BlockError or ChecksumError. Only a regular file is read, never through a symlink, and opening never
-    waits (a FIFO planted in a shared directory would hang the reading thread)."""
-    header = bytearray(HEADER_SIZE)
-    probe = bytearray(1)
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of a regular file, never through a symlink, never waiting (a FIFO planted in a shared
+    directory would hang the reading thread); BlockError for anything else."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise BlockError(f"{path.name} is a symlink") from exc
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BlockError(f"{path.name} is not a regular file")
+    return fd
+
+
+def read_block_file(path: Path, key: BlockKey, out: memoryview) -> int:
+    """Read and verify a block file into `out` (header, payload and an EOF probe in one preadv); raises
+    OSError, BlockError or ChecksumError. Only a regular file is read, never through a symlink, and opening never
+    waits (a FIFO planted in a shared directory would hang the reading thread)."""
+    header = bytearray(HEADER_SIZE)
+    probe = bytearray(1)
+    fd = open_regular(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BlockError(f"{path.name} is not a regular file")
         got = os.preadv(fd, [header, out, probe], 0)
         if got < HEADER_SIZE:
             raise BlockError(f"torn block: {got}-byte file")

@@ -2,14 +2,17 @@
 
 Names are content addressed (`<prefix>:<layout>-<hash>` keys, `<dir>/<prefix>/<xx>/<layout>-<hash>` files), so the
 same prefix computed on any replica lands under the same name; entries expire `ttl_s` after their last write
-(Redis TTL; mtime sweep for the directory), so blocks of a changed system prompt age out.
-`contains` answers from a local index (own writes, reads, and a periodic `refresh_index` that learns other
-replicas' blocks), never from a remote round trip. When the backend fails, the tier counts a backend error,
-answers misses and refuses writes for `retry_s`, then tries again (redis-py reconnects by itself).
+(Redis TTL; mtime sweep for the directory), so blocks of a changed system prompt age out. Blocks carry a keyed MAC
+when the fleet has a secret (agent/block.py's `BlockSeal`): whoever can write the backend cannot plant KV.
+`contains` answers from a local index (own writes, reads, other replicas' writes as Redis publishes them, or a
+periodic `refresh_index` of the directory), never from a remote round trip. When the backend cannot be reached,
+the tier counts a backend error, answers misses and refuses writes for `retry_s`, then tries again (redis-py
+reconnects by itself); a write the backend refuses (out of memory) only pauses writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -21,17 +24,7 @@ from typing import Any
 import redis
 import redis.cluster
 
-from agent.block import (
-    HEADER_SIZE,
-    BlockError,
-    BlockKey,
-    ChecksumError,
-    checksum,
-    encode_header,
-    key_name,
-    parse_key_name,
-    verify,
-)
+from agent.block import BlockError, BlockKey, BlockSeal, ChecksumError, key_name, parse_key_name
 from agent.tiers.base import (
     Buffer,
     HeldBlock,
@@ -42,7 +35,7 @@ from agent.tiers.base import (
     TierStats,
     TierUsage,
 )
-from agent.tiers.nvme import read_block_file, write_file_atomically
+from agent.tiers.nvme import open_regular, write_file_atomically
 
 SHARED_FILE_MODE = 0o640  # the fleet's agents share a group, nobody else reads prompts' KV
 SHARED_DIR_MODE = 0o750
@@ -60,19 +53,23 @@ class SharedTier:
 
     name = TierName.SHARED
 
-    def __init__(self, ttl_s: float, retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl_s: float, retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 secret: bytes | None = None) -> None:
         self.ttl_s = ttl_s
         self.retry_s = retry_s
         self.clock = clock
+        self.seal = BlockSeal(secret)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
         self._index: dict[BlockKey, tuple[float, int]] = {}  # key -> (expiry on `clock`, bytes or 0)
         self._down_until = 0.0
+        self._writes_down_until = 0.0
         self._lock = threading.Lock()
 
     # -- backend hooks ---------------------------------------------------------------------------------------
 
-    def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
+    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
+        """Write (key, prefix, payload) blocks, each whole or not at all, each with its TTL."""
         raise NotImplementedError
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
@@ -98,12 +95,24 @@ class SharedTier:
 
     @property
     def available(self) -> bool:
+        """Whether the backend is believed reachable: lookups count shared blocks, loads and writes try it."""
         return self.clock() >= self._down_until
 
     def _failed(self, exc: Exception) -> None:
         self.stats.add("backend_errors")
         self._down_until = self.clock() + self.retry_s
         log.warning("shared tier backend error (retrying in %.1f s): %s", self.retry_s, exc)
+
+    def _write_refused(self, exc: Exception) -> None:
+        """The backend answered and refused a write (out of memory, read-only replica): reads go on; writes pause
+        for `retry_s`."""
+        self.stats.add("backend_errors")
+        self._writes_down_until = self.clock() + self.retry_s
+        log.warning("shared tier refused a write (writes paused for %.1f s, reads go on): %s", self.retry_s, exc)
+
+    def _refuses_writes(self, exc: Exception) -> bool:
+        """Whether `exc` is the backend refusing a write while it can still serve reads."""
+        return False
 
     def _expiry(self) -> float:
         return self.clock() + self.ttl_s if self.ttl_s > 0 else float("inf")
@@ -118,21 +127,23 @@ class SharedTier:
         todo = [(key, payload, digest) for key, payload, digest, _parent in items if not self.contains(key)]
         if not todo:
             return len(items)
-        if not self.available:
+        if not self.available or self.clock() < self._writes_down_until:
             self.stats.add("refused", len(todo))
             return 0
-        parts = [(key, [encode_header(key[0], len(payload), checksum(payload) if digest is None else digest),
-                        payload]) for key, payload, digest in todo]
+        parts = [(key, self.seal.prefix(key, payload, digest), payload) for key, payload, digest in todo]
         try:
             self._put_many(parts)
         except Exception as exc:
-            self._failed(exc)
+            if self._refuses_writes(exc):
+                self._write_refused(exc)
+            else:
+                self._failed(exc)
             self.stats.add("refused", len(todo))
             return 0
         expiry = self._expiry()
         with self._lock:
             for key, payload, _digest in todo:
-                self._index[key] = (expiry, HEADER_SIZE + len(payload))
+                self._index[key] = (expiry, self.seal.prefix_size + len(payload))
         self.stats.add("stores", len(todo))
         return len(items)
 
@@ -159,7 +170,7 @@ class SharedTier:
                 self.stats.add("hits")
                 with self._lock:
                     previous = self._index.get(key)
-                    self._index[key] = (previous[0] if previous else expiry, HEADER_SIZE + result)
+                    self._index[key] = (previous[0] if previous else expiry, self.seal.prefix_size + result)
                 lengths.append(result)
                 continue
             self.stats.add("misses")
@@ -219,6 +230,18 @@ class SharedTier:
         self._report(gone)
         return found
 
+    def learn(self, keys: Iterable[BlockKey], gone: Iterable[BlockKey] = ()) -> None:
+        """Other replicas wrote `keys` and deleted `gone` (as the backend announced it)."""
+        expiry = self._expiry()
+        removed: list[Removed] = []
+        with self._lock:
+            for key in keys:
+                self._index[key] = (expiry, self._index.get(key, (0.0, 0))[1])
+            for key in gone:
+                if self._index.pop(key, None) is not None:
+                    removed.append(Removed(key))
+        self._report(removed)
+
     def refresh_index(self) -> int:
         """Learn every block the backend holds (other replicas' writes included); returns how many."""
         if not self.available:
@@ -271,53 +294,130 @@ class SharedTier:
 
 
 class RedisSharedTier(SharedTier):
-    """One Redis/Valkey string per block (`<prefix>:<layout>-<hash>`), header then payload, read with pipelined
-    GETs. A block of 256 KiB or more is written as `SET key <zero header> PX ttl`, `SETRANGE key 32 <payload>`,
-    `SETRANGE key 0 <header>` (pipelined, no MULTI, so Redis Cluster is fine): the payload goes to the socket as
-    it is, never copied into a new buffer first -- for MiB-sized blocks that copy, page faults included, cost
-    more than the network -- and a reader that comes in between sees a zero header, "still being written", a
-    miss. A writer that dies midway leaves a zero-header key that expires with its TTL. Smaller blocks are
-    joined with their header and written with one SET (three commands cost more than a small copy)."""
+    """One Redis/Valkey string per block (`<prefix>:<layout>-<hash>`), prefix (header, tag) then payload, read with
+    pipelined GETs. A block of 256 KiB or more is two strings instead, `<name>` the prefix and `<name>:p` the
+    payload, each written with one `SET ... PX ttl`: the payload goes to the socket as it is, never copied into a
+    new buffer first (for MiB-sized blocks that copy, page faults included, cost more than the network), and
+    every key is created with its TTL (a `SET` + `SETRANGE` pipeline left a key without one when it expired in
+    between, or the writer died); a reader that finds one string without the other, or a payload that does not
+    match its prefix, has a miss. Smaller blocks are joined with their prefix and written with one SET.
+    Every chain written is announced on `<prefix>:blocks` (PUBLISH `+name name ...`; deletions `-name ...`):
+    `listen()` subscribes to it, so a block another replica wrote is in this replica's index within a round trip
+    of its write, without scanning the keyspace; while the subscription is down the tier counts as unavailable
+    (lookups do not count shared blocks)."""
 
     def __init__(self, url: str, *, prefix: str = "kvgate", ttl_s: float = 3600.0, cluster: bool = False,
-                 timeout_s: float = 0.5, retry_s: float = 1.0) -> None:
-        super().__init__(ttl_s, retry_s)
+                 timeout_s: float = 0.5, retry_s: float = 1.0, secret: bytes | None = None) -> None:
+        super().__init__(ttl_s, retry_s, secret=secret)
         self.prefix = prefix
+        self.channel = f"{prefix}:blocks"
         options: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.client: redis.Redis | redis.cluster.RedisCluster
         if cluster:
             self.client = redis.cluster.RedisCluster.from_url(url, **options)
         else:
             self.client = redis.Redis.from_url(url, **options)
+        self._closed = threading.Event()
+        self._listener: threading.Thread | None = None
+        self._subscribed = threading.Event()
+
+    # -- the subscription ------------------------------------------------------------------------------------
+
+    def listen(self) -> None:
+        """Follow other replicas' writes and deletions from now on (a thread, until `close`)."""
+        if self._listener is None:
+            self._listener = threading.Thread(target=self._listen, name="kvgate-shared-listen", daemon=True)
+            self._listener.start()
+
+    @property
+    def available(self) -> bool:
+        return super().available and (self._listener is None or self._subscribed.is_set())
+
+    def wait_subscribed(self, timeout: float) -> bool:
+        return self._subscribed.wait(timeout)
+
+    def _listen(self) -> None:
+        while not self._closed.is_set():
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            try:
+                pubsub.subscribe(self.channel)
+                # what was written before (or while we were away): one scan per (re)subscription, not per period
+                found = list(self._list_keys())
+                self.learn(found)
+                self._down_until = 0.0
+                self._subscribed.set()
+                last_ping = time.monotonic()
+                while not self._closed.is_set():
+                    message = pubsub.get_message(timeout=0.2)
+                    if message is not None and message.get("type") == "message":
+                        self._announced(message["data"])
+                    if time.monotonic() - last_ping > 1.0:  # a dead connection shows itself within a second
+                        pubsub.ping()
+                        last_ping = time.monotonic()
+            except Exception as exc:
+                self._subscribed.clear()
+                if not self._closed.is_set():
+                    self._failed(exc)
+                    self._closed.wait(self.retry_s)
+            finally:
+                self._subscribed.clear()
+                with contextlib.suppress(Exception):
+                    pubsub.close()
+
+    def _announced(self, data: bytes) -> None:
+        text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+        keys = [k for k in map(parse_key_name, text[1:].split()) if k is not None]
+        if text.startswith("+"):
+            self.learn(keys)
+        elif text.startswith("-"):
+            self.learn((), gone=keys)
+
+    # -- backend hooks ---------------------------------------------------------------------------------------
 
     def _name(self, key: BlockKey) -> str:
         return f"{self.prefix}:{key_name(key)}"
 
-    def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
+    def _refuses_writes(self, exc: Exception) -> bool:
+        return isinstance(exc, redis.ResponseError)
+
+    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
         px = int(self.ttl_s * 1000) if self.ttl_s > 0 else None
         pipe = self.client.pipeline(transaction=False)
-        for key, (header, payload) in items:
+        for key, prefix, payload in items:
             name = self._name(key)
-            if len(payload) < _COPY_BELOW:  # small: one SET of a joined copy is cheaper than three commands
-                pipe.set(name, b"".join((header, payload)), px=px)
-                continue
-            pipe.set(name, _WRITING, px=px)
-            pipe.setrange(name, HEADER_SIZE, _sendable(payload))
-            pipe.setrange(name, 0, bytes(header))
-        pipe.execute()
+            if len(payload) < _COPY_BELOW:  # small: one SET of a joined copy is cheaper than two keys
+                pipe.set(name, b"".join((prefix, payload)), px=px)
+            else:
+                pipe.set(name + _PAYLOAD, _sendable(payload), px=px)
+                pipe.set(name, prefix, px=px)
+        announcement = "+" + " ".join(key_name(key) for key, _prefix, _payload in items)
+        if isinstance(self.client, redis.cluster.RedisCluster):
+            pipe.execute()
+            self.client.publish(self.channel, announcement)
+        else:
+            pipe.publish(self.channel, announcement)
+            pipe.execute()
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:
+        split = [len(out) >= _COPY_BELOW for out in outs]  # a payload this big may be in its own string
+        for key, two in zip(keys, split, strict=True):
             pipe.get(self._name(key))
-        values = pipe.execute()
+            if two:
+                pipe.get(self._name(key) + _PAYLOAD)
+        values = iter(pipe.execute())
         results: list[int | Exception | None] = []
-        for key, value, out in zip(keys, values, outs, strict=True):
-            if value is None or value[: len(_WRITING)] == _WRITING:  # absent, or still being written
+        for key, two, out in zip(keys, split, outs, strict=True):
+            value, payload_value = next(values), next(values) if two else None
+            if value is None:
                 results.append(None)
                 continue
             try:
-                payload = verify(key, value)
+                if payload_value is not None and len(value) == self.seal.prefix_size:
+                    payload: memoryview = memoryview(payload_value)
+                    self.seal.open(key, value, payload)
+                else:
+                    payload = self.seal.verify(key, value)
                 if len(payload) > len(out):  # the caller's buffer is too small: a miss, the block is fine
                     results.append(None)
                     continue
@@ -335,6 +435,8 @@ class RedisSharedTier(SharedTier):
 
     def _delete(self, key: BlockKey) -> None:
         self.client.delete(self._name(key))
+        self.client.delete(self._name(key) + _PAYLOAD)
+        self.client.publish(self.channel, "-" + key_name(key))
 
     def _list_keys(self) -> Iterable[BlockKey]:
         skip = len(self.prefix) + 1
@@ -345,11 +447,14 @@ class RedisSharedTier(SharedTier):
                 yield key
 
     def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            self._listener.join(2)
         self.client.close()
 
 
-_WRITING = bytes(HEADER_SIZE)  # the header of a block whose payload is still on its way
-_COPY_BELOW = 256 * 1024  # payloads smaller than this are joined with their header and SET at once
+_COPY_BELOW = 256 * 1024  # payloads smaller than this are joined with their prefix and SET at once
+_PAYLOAD = ":p"  # the payload's own string, beside its prefix's, for larger blocks
 
 
 def _sendable(payload: Buffer) -> bytes | memoryview:
@@ -361,8 +466,8 @@ class FsSharedTier(SharedTier):
     """A shared POSIX directory (Lustre, Curvine FUSE, NFS): one file per block, temp + rename, mtime TTL."""
 
     def __init__(self, directory: str | Path, *, prefix: str = "kvgate", ttl_s: float = 3600.0,
-                 fsync: bool = False, retry_s: float = 1.0) -> None:
-        super().__init__(ttl_s, retry_s)
+                 fsync: bool = False, retry_s: float = 1.0, secret: bytes | None = None) -> None:
+        super().__init__(ttl_s, retry_s, secret=secret)
         self.root = Path(directory) / prefix
         self.tmp_dir = self.root / "tmp"
         self.fsync = fsync
@@ -376,11 +481,11 @@ class FsSharedTier(SharedTier):
     def _expired(self, mtime: float) -> bool:
         return self.ttl_s > 0 and time.time() - mtime > self.ttl_s
 
-    def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
-        for key, parts in items:
+    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
+        for key, prefix, payload in items:
             final = self._path(key)
             final.parent.mkdir(SHARED_DIR_MODE, exist_ok=True)
-            write_file_atomically(self.tmp_dir, final, parts, self.fsync, SHARED_FILE_MODE)
+            write_file_atomically(self.tmp_dir, final, [prefix, payload], self.fsync, SHARED_FILE_MODE)
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
         results: list[int | Exception | None] = []
@@ -388,10 +493,10 @@ class FsSharedTier(SharedTier):
             path = self._path(key)
             try:
                 st = path.stat()
-                if self._expired(st.st_mtime) or st.st_size - HEADER_SIZE > len(out):
+                if self._expired(st.st_mtime) or st.st_size - self.seal.prefix_size > len(out):
                     results.append(None)  # expired, or too big for the caller's buffer (the block is fine)
                     continue
-                results.append(read_block_file(path, key, out))
+                results.append(self._read(path, key, out))
             except FileNotFoundError:
                 results.append(None)
             except (BlockError, OSError) as exc:
@@ -399,6 +504,19 @@ class FsSharedTier(SharedTier):
         if not self.root.is_dir():  # the mount itself went away
             raise BackendDown(f"{self.root} is gone")
         return results
+
+    def _read(self, path: Path, key: BlockKey, out: memoryview) -> int:
+        """Read and check one block file into `out` (prefix, payload and an EOF probe in one preadv)."""
+        prefix = bytearray(self.seal.prefix_size)
+        probe = bytearray(1)
+        fd = open_regular(path)
+        try:
+            got = os.preadv(fd, [prefix, out, probe], 0)
+        finally:
+            os.close(fd)
+        if got < len(prefix) or got > len(prefix) + len(out):
+            raise BlockError(f"block file of {got}+ bytes does not fit")
+        return self.seal.open(key, prefix, out[: got - len(prefix)])
 
     def _exists_many(self, keys: list[BlockKey]) -> list[bool]:
         found = []

@@ -97,8 +97,8 @@ class FleetSharedTier(SharedTier):
         super().__init__(ttl_s, clock=backend.clock)
         self.backend = backend
 
-    def _put_many(self, items: list[tuple[BlockKey, list[Buffer]]]) -> None:
-        for key, _parts in items:
+    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
+        for key, _prefix, _payload in items:
             self.backend.put(key, self.ttl_s)
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
