@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,8 @@ class SharedTier:
         self.seal = BlockSeal(secret)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
-        self._index: dict[BlockKey, tuple[float, int]] = {}  # key -> (expiry on `clock`, bytes or 0)
+        # key -> (expiry on `clock`, bytes or 0), in expiry order: an entry whose expiry moves goes to the end
+        self._index: OrderedDict[BlockKey, tuple[float, int]] = OrderedDict()
         self._down_until = 0.0
         self._writes_down_until = 0.0
         self._lock = threading.Lock()
@@ -144,6 +146,7 @@ class SharedTier:
         with self._lock:
             for key, payload, _digest in todo:
                 self._index[key] = (expiry, self.seal.prefix_size + len(payload))
+                self._index.move_to_end(key)
         self.stats.add("stores", len(todo))
         return len(items)
 
@@ -207,7 +210,14 @@ class SharedTier:
         return []
 
     def upkeep(self) -> None:
-        pass
+        """Forget (and report) index entries past their TTL: the backend dropped those blocks by itself."""
+        now = self.clock()
+        gone: list[Removed] = []
+        with self._lock:
+            index = self._index
+            while index and next(iter(index.values()))[0] <= now:  # oldest expiry first: O(expired)
+                gone.append(Removed(index.popitem(last=False)[0]))
+        self._report(gone)
 
     def probe(self, keys: list[BlockKey]) -> list[bool]:
         """Ask the backend which of these blocks exist (one round trip) and remember the answer."""
@@ -237,6 +247,7 @@ class SharedTier:
         with self._lock:
             for key in keys:
                 self._index[key] = (expiry, self._index.get(key, (0.0, 0))[1])
+                self._index.move_to_end(key)
             for key in gone:
                 if self._index.pop(key, None) is not None:
                     removed.append(Removed(key))
@@ -251,6 +262,10 @@ class SharedTier:
         except Exception as exc:
             self._failed(exc)
             return 0
+        return self._reconcile(found)
+
+    def _reconcile(self, found: list[BlockKey]) -> int:
+        """The backend holds exactly `found`: learn what is new, forget (and report) what is gone or expired."""
         expiry = self._expiry()
         now = self.clock()
         with self._lock:
@@ -342,8 +357,7 @@ class RedisSharedTier(SharedTier):
             try:
                 pubsub.subscribe(self.channel)
                 # what was written before (or while we were away): one scan per (re)subscription, not per period
-                found = list(self._list_keys())
-                self.learn(found)
+                self._reconcile(list(self._list_keys()))
                 self._down_until = 0.0
                 self._subscribed.set()
                 last_ping = time.monotonic()
