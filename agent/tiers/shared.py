@@ -335,6 +335,7 @@ class RedisSharedTier(SharedTier):
         self._closed = threading.Event()
         self._listener: threading.Thread | None = None
         self._subscribed = threading.Event()
+        self._unsubscribed = threading.Event()  # the subscription failed and is not back yet: the backend is down
 
     # -- the subscription ------------------------------------------------------------------------------------
 
@@ -346,7 +347,7 @@ class RedisSharedTier(SharedTier):
 
     @property
     def available(self) -> bool:
-        return super().available and (self._listener is None or self._subscribed.is_set())
+        return super().available and not self._unsubscribed.is_set()
 
     def wait_subscribed(self, timeout: float) -> bool:
         return self._subscribed.wait(timeout)
@@ -359,6 +360,7 @@ class RedisSharedTier(SharedTier):
                 # what was written before (or while we were away): one scan per (re)subscription, not per period
                 self._reconcile(list(self._list_keys()))
                 self._down_until = 0.0
+                self._unsubscribed.clear()
                 self._subscribed.set()
                 last_ping = time.monotonic()
                 while not self._closed.is_set():
@@ -370,6 +372,7 @@ class RedisSharedTier(SharedTier):
                         last_ping = time.monotonic()
             except Exception as exc:
                 self._subscribed.clear()
+                self._unsubscribed.set()
                 if not self._closed.is_set():
                     self._failed(exc)
                     self._closed.wait(self.retry_s)
