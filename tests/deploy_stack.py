@@ -39,10 +39,15 @@ def compose_command() -> list[str]:
     return [standalone]
 
 
-def compose_config(path: Path) -> dict[str, Any]:
-    """The compose file as Compose resolves it."""
+# what an operator must set before `docker compose up` of the GPU stack (it has no default password)
+DEPLOY_ENV = {"VALKEY_PASSWORD": "valkey-test-password", "KVGATE_FLEET_SECRET": "fleet-test-secret"}
+
+
+def compose_config(path: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The compose file as Compose resolves it (with `DEPLOY_ENV` set, or `env`)."""
     out = subprocess.run([*compose_command(), "-f", str(path), "config", "--format", "json"],
-                         capture_output=True, text=True, timeout=60, check=False)
+                         capture_output=True, text=True, timeout=60, check=False,
+                         env={**os.environ, **(DEPLOY_ENV if env is None else env)})
     if out.returncode != 0:
         raise RuntimeError(f"docker compose config failed for {path}: {out.stderr.strip()}")
     config: dict[str, Any] = json.loads(out.stdout)
@@ -251,3 +256,19 @@ def exported_names(metrics_text: str) -> set[str]:
         elif line and not line.startswith("#"):
             names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
     return names
+
+
+def run_agent_as(uid: int, socket_path: str, metrics_port: int) -> None:
+    """A `kvgate agent` as `uid`, the image's user (multiprocessing target, started as root). The interpreter
+    of this machine lives where that uid cannot read, so everything is imported before the switch."""
+    import encodings.idna  # noqa: F401  (looked up lazily when the metrics port binds)
+
+    from agent.config import AgentConfig
+    from agent.server import TierAgent
+    from kvcore.aio import run_until_signalled
+
+    config = AgentConfig(socket_path=socket_path, metrics_port=metrics_port, dram_capacity=2**24).validate()
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    run_until_signalled(TierAgent(config).serve_forever())

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
 from tests.deploy_stack import (
+    DEPLOY_ENV,
     PROGRAMS,
     LocalStack,
     compose_command,
@@ -36,6 +38,7 @@ COMPOSE_FILES = [DOCKER / "compose.gpu.yaml", DOCKER / "compose.demo.yaml"]
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "kvgate.json"
 K8S = DOCKER / "k8s"
 K8S_VERSION = "1.31.0"
+IMAGE_UID = 10001  # the kvgate image's user (Dockerfile: useradd --uid)
 
 
 def need(tool: str) -> str:
@@ -51,8 +54,16 @@ def need(tool: str) -> str:
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
 def test_compose_file_parses(path: Path) -> None:
     out = subprocess.run([*compose_command(), "-f", str(path), "config", "--quiet"], capture_output=True,
-                         text=True, timeout=60, check=False)
+                         text=True, timeout=60, check=False, env={**os.environ, **DEPLOY_ENV})
     assert out.returncode == 0, out.stderr
+
+
+def test_the_gpu_stack_has_no_default_password() -> None:
+    """Without VALKEY_PASSWORD and KVGATE_FLEET_SECRET the GPU stack refuses to start (no guessable default)."""
+    env = {k: v for k, v in os.environ.items() if k not in DEPLOY_ENV}
+    out = subprocess.run([*compose_command(), "-f", str(DOCKER / "compose.gpu.yaml"), "config", "--quiet"],
+                         capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert out.returncode != 0 and "VALKEY_PASSWORD" in out.stderr + out.stdout
 
 
 def _flag(command: list[str], name: str) -> list[str]:
@@ -71,6 +82,7 @@ def test_compose_stack_shape(path: Path) -> None:
     """Every replica has an agent beside it, KV events on, and a --worker line with its event endpoints."""
     services = compose_config(path)["services"]
     replicas = sorted(n for n in services if n.startswith("replica-"))
+    valkey = services["valkey"]
     assert len(replicas) >= 2
     gateway = services["gateway"]["command"]
     assert _flag(gateway, "--strategy") == ["kv"]
@@ -82,7 +94,15 @@ def test_compose_stack_shape(path: Path) -> None:
         assert f"http://{name}:8000;events=tcp://{name}:5557;replay=tcp://{name}:5558" in workers
         run_volume = {v["source"] for v in agent["volumes"] if v["target"] == "/run/kvgate"}
         assert run_volume and run_volume <= {v["source"] for v in replica["volumes"]}, "agent socket not shared"
-        assert _flag(agent["command"], "--shared-url") == ["redis://valkey:6379/0"]
+        # the shared tier: Valkey's password and the fleet secret, from the operator's environment, not argv
+        url = agent["environment"]["KVGATE_AGENT_SHARED_URL"]
+        password = re.fullmatch(r"redis://:([^@]+)@valkey:6379/0", url)
+        assert password and _flag(valkey["command"], "--requirepass") == [password.group(1)]
+        assert valkey["environment"]["REDISCLI_AUTH"] == password.group(1)  # the health check authenticates
+        assert agent["environment"]["KVGATE_AGENT_SHARED_SECRET"]
+        assert not _flag(agent["command"], "--shared-url") and not _flag(agent["command"], "--shared-secret")
+        # the replica hands its shared memory over the socket: no IPC namespace or /dev/shm to share
+        assert "ipc" not in agent and "ipc" not in replica
         block_sizes |= set(_flag(agent["command"], "--block-size")) | set(_flag(replica["command"], "--block-size"))
         if replica["image"].startswith("kvgate-vllm"):
             command = replica["command"]
@@ -93,11 +113,13 @@ def test_compose_stack_shape(path: Path) -> None:
             connector = json.loads(_flag(command, "--kv-transfer-config")[0])
             module = ROOT / (connector["kv_connector_module_path"].replace(".", "/") + ".py")
             assert f"class {connector['kv_connector']}(" in module.read_text()
-            assert replica["ipc"] == f"service:agent-{index}" and agent["ipc"] == "shareable"
             assert any(d["capabilities"] == ["gpu"] for d in replica["deploy"]["resources"]["reservations"]["devices"])
         else:
             assert replica["command"][0] == "sim"
+            assert _flag(replica["command"], "--agent-socket") == ["/run/kvgate/agent.sock"]
+            assert replica["depends_on"][f"agent-{index}"]["condition"] == "service_healthy"
     assert len(block_sizes) == 1, f"block sizes differ: {block_sizes}"
+    assert _flag(valkey["command"], "--protected-mode") == ["yes"]
     assert {"valkey", "prometheus", "grafana"} <= set(services)
 
 
@@ -113,6 +135,7 @@ def test_dockerfile_is_multistage_nonroot_pinned() -> None:
     runtime = text[text.index("AS runtime"):]
     users = re.findall(r"^USER (\S+)", runtime, re.M)
     assert users and users[-1] not in ("root", "0")
+    assert re.search(rf"useradd [^\n]*--uid {IMAGE_UID} ", runtime)
     assert re.search(r"^HEALTHCHECK ", runtime, re.M)
     assert re.search(r'^ENTRYPOINT \["kvgate"\]', runtime, re.M)
 
@@ -276,16 +299,93 @@ def test_k8s_manifests_wire_together(tmp_path: Path) -> None:
     assert (source.port, cfg.discover_events_port, cfg.discover_replay_port) == (
         ports["http"], ports["kv-events"], ports["kv-replay"])
 
-    # the agent is a sidecar of the vLLM pod, sharing /dev/shm and the socket directory
+    # the agent is a sidecar of the vLLM pod, sharing the socket directory (shared memory goes over the socket)
     pod = by[("StatefulSet", "vllm")]["spec"]["template"]["spec"]
     agent = next(c for c in pod["initContainers"] if c["name"] == "tier-agent")
     vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
     assert agent["restartPolicy"] == "Always"
     shared = {m["mountPath"] for m in agent["volumeMounts"]} & {m["mountPath"] for m in vllm["volumeMounts"]}
-    assert {"/dev/shm", "/run/kvgate"} <= shared
+    assert shared == {"/run/kvgate"}
     assert "--kv-events-config" in " ".join(vllm["args"]) and "agent.vllm_connector" in " ".join(vllm["args"])
-    valkey = by[("Service", "valkey")]
-    assert any(f"redis://valkey.{valkey['metadata']['namespace']}.svc.cluster.local:6379" in a for a in agent["args"])
+    # the agent runs as the image's user, vLLM as root; the NVMe volume is made the agent's group's
+    assert agent["securityContext"]["runAsUser"] == IMAGE_UID and "runAsUser" not in vllm.get("securityContext", {})
+    assert pod["securityContext"]["fsGroup"] == agent["securityContext"]["runAsGroup"]
+
+    # Valkey: a password from the Secret, protected mode, and only the vLLM pods (their agents) may reach it
+    def secret_env(container: dict[str, Any]) -> dict[str, tuple[str, str]]:
+        return {e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+                for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+
+    valkey_service = by[("Service", "valkey")]
+    valkey = by[("Deployment", "valkey")]["spec"]["template"]["spec"]["containers"][0]
+    assert _flag(valkey["args"], "--protected-mode") == ["yes"]
+    assert _flag(valkey["args"], "--requirepass") == ["$(VALKEY_PASSWORD)"]
+    password_ref = ("kvgate-secrets", "valkey-password")
+    assert secret_env(valkey)["VALKEY_PASSWORD"] == password_ref and secret_env(valkey)["REDISCLI_AUTH"] == password_ref
+    assert secret_env(agent)["VALKEY_PASSWORD"] == password_ref
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    names = [e["name"] for e in agent["env"]]
+    assert names.index("VALKEY_PASSWORD") < names.index("KVGATE_AGENT_SHARED_URL")  # $(...) needs it defined first
+    host = f"valkey.{valkey_service['metadata']['namespace']}.svc.cluster.local:6379"
+    assert env["KVGATE_AGENT_SHARED_URL"] == f"redis://:$(VALKEY_PASSWORD)@{host}/0"
+    secret_file = _flag(agent["args"], "--shared-secret-file")[0]
+    volume = {v["name"]: v for v in pod["volumes"]}[next(
+        m["name"] for m in agent["volumeMounts"] if secret_file.startswith(m["mountPath"] + "/"))]
+    assert volume["secret"]["secretName"] == "kvgate-secrets"
+    assert {i["key"]: i["path"] for i in volume["secret"]["items"]}["fleet-secret"] == secret_file.rsplit("/", 1)[1]
+    policy = by[("NetworkPolicy", "valkey")]["spec"]
+    valkey_labels = by[("Deployment", "valkey")]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= valkey_labels.items()
+    assert policy["policyTypes"] == ["Ingress"] and len(policy["ingress"]) == 1
+    (rule,) = policy["ingress"]
+    allowed = [w for w in workloads if any(p["podSelector"]["matchLabels"].items()
+                                           <= w["spec"]["template"]["metadata"]["labels"].items()
+                                           for p in rule["from"])]
+    assert [w["metadata"]["name"] for w in allowed] == ["vllm"] and rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+    readme = (DOCKER / "README.md").read_text()
+    assert "create secret generic kvgate-secrets" in readme
+    assert "valkey-password" in readme and "fleet-secret" in readme
+
+
+# --- vLLM as root, the agent as the image's user ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running the agent as another uid needs root")
+def test_a_root_vllm_moves_bytes_through_an_agent_running_as_the_image_user(tmp_path: Path) -> None:
+    """Issue 14: in the shipped stacks vLLM runs as root and the agent as uid 10001; vLLM's shared memory was a
+    0600 /dev/shm file the agent could not open (EACCES), while lookups still answered. The same two uids here:
+    the agent as the image's user, the connector's client as root, bytes stored and loaded through shared
+    memory, and /health saying so."""
+    import multiprocessing
+    import shutil as _shutil
+    import tempfile
+
+    from agent.client import AgentClient
+    from bench.procs import free_port, wait_http
+    from tests.deploy_stack import run_agent_as
+
+    run_dir = Path(tempfile.mkdtemp(prefix="kvgate-run-"))  # /run/kvgate: the image makes it the agent's
+    os.chown(run_dir, IMAGE_UID, IMAGE_UID)
+    socket_path = str(run_dir / "agent.sock")
+    port = free_port()
+    agent = multiprocessing.get_context("spawn").Process(target=run_agent_as, args=(IMAGE_UID, socket_path, port))
+    agent.start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 30)
+        assert os.stat(socket_path).st_uid == IMAGE_UID
+        block = 64 * 1024
+        blocks = [bytes([i]) * block for i in range(8)]
+        with AgentClient(socket_path, shm_bytes=16 * block) as client:  # the vLLM connector's client, as root
+            assert client.store(0xD0C, list(range(8)), blocks) == 8
+            assert client.load_in_place(0xD0C, list(range(8)), block) == [block] * 8
+            assert client.shm is not None and bytes(client.shm[3 * block: 4 * block]) == blocks[3]
+            status, health = http_json(f"http://127.0.0.1:{port}/health")
+        assert status == 200 and health["shm_clients"] == 1 and health["hello_errors"] == 0
+        assert health["bytes_stored"] == 8 * block and health["bytes_loaded"] == 8 * block
+    finally:
+        agent.terminate()
+        agent.join(10)
+        _shutil.rmtree(run_dir, ignore_errors=True)
 
 
 # --- the demo stack, run here ----------------------------------------------------------------------------------
@@ -358,11 +458,27 @@ def test_demo_stack_serves_a_request_end_to_end(demo_stack: LocalStack) -> None:
                      exposition)]
     assert served, "no KV events applied from any replica"
 
-    # every agent runs the three tiers the compose file gives it
+    # every agent runs the three tiers the compose file gives it, and bytes move: the replicas saved the blocks
+    # they computed to their agents; both agents follow Valkey's announcements (with its password)
     for name in ("agent-0", "agent-1"):
         text = fetch_text(demo_stack.services[name].url(9400) + "/metrics")
         for tier in ("dram", "nvme", "shared"):
             assert f'kvgate_agent_tier_capacity_bytes{{tier="{tier}"}}' in text, text[:2000]
+    stored = 0
+    deadline = time.monotonic() + 10
+    while stored == 0:
+        assert time.monotonic() < deadline, "no agent stored a byte"
+        time.sleep(0.2)
+        stored = sum(http_json(demo_stack.services[name].url(9400) + "/health")[1]["bytes_stored"]
+                     for name in ("agent-0", "agent-1"))
+    valkey_port = demo_stack.services["valkey"].port(6379)
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=valkey_port).ping()
+    password = demo_stack.services["valkey"].spec["environment"]["REDISCLI_AUTH"]
+    assert redis.Redis(port=valkey_port, password=password).pubsub_numsub("kvgate:blocks") == [(b"kvgate:blocks", 2)]
+    for name in ("agent-0", "agent-1"):
+        text = fetch_text(demo_stack.services[name].url(9400) + "/metrics")
+        assert 'kvgate_agent_backend_errors_total{tier="shared"} 0.0' in text
 
 
 def test_dashboard_queries_only_exported_metrics(demo_stack: LocalStack) -> None:
