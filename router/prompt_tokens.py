@@ -235,7 +235,6 @@ class PromptTokens:
         tokenizer = await self.tokenizer(model)
         # the body's size bounds the work of tokenizing it, tools and documents included
         size = len(raw) if raw is not None else _text_size(prompt)
-        inline = size < INLINE_CHARS
         result: PromptKeys | None = None
         if isinstance(prompt, CompletionPrompt) and isinstance(prompt.prompt, list):  # exact with or without a
             ids = prompt.prompt  # tokenizer
@@ -248,14 +247,15 @@ class PromptTokens:
                 elif size <= RENDER_INLINE_BYTES:
                     # rendering and finding the cached prefix cost little; encoding what is new may not
                     lookup = self.cache.lookup(tokenizer, *self.prompt_text(tokenizer, prompt))
-                    result = (self._finish(tokenizer, lookup, root) if lookup.new_chars < INLINE_CHARS
+                    result = (self._finish(tokenizer, lookup, root) if lookup.new_bytes < INLINE_CHARS
                               else await loop.run_in_executor(self._executor, self._finish, tokenizer, lookup, root))
                 else:
                     result = await loop.run_in_executor(self._executor, self.tokenize_now, tokenizer, prompt, root)
             except TokenizationError as exc:
                 log.debug("tokenization failed, routing by text: %s", exc)
         if result is None:
-            result = (self.text_keys(prompt, root) if inline
+            # text mode costs a hash per 64 characters: inline as long as rendering would be
+            result = (self.text_keys(prompt, root) if size <= RENDER_INLINE_BYTES
                       else await loop.run_in_executor(self._executor, self.text_keys, prompt, root))
         if self._metrics is not None:
             self._metrics.tokenize_duration.labels(result.mode).observe(time.perf_counter() - started)

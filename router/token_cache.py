@@ -1,19 +1,22 @@
 """Incremental tokenization: a prompt whose leading text was tokenized recently reuses those token ids and block
 keys, and only the text after a verified seam goes through the tokenizer.
 
-A recent prompt is found by its text: every prompt's text is cut into `CHUNK`-character links of a hash chain, and
+A recent prompt is found by its text (as UTF-8): every prompt is cut into `CHUNK`-byte links of a hash chain, and
 each link names the most recently used cached prompt that has it, so the longest cached prefix is a binary search
 over the new prompt's links (a link known means every link before it is known too: evicting the least recently used
 prompt removes only the links no later prompt has).
 
 The seam: a tokenizer's ids for a shared prefix are the prefix's ids only up to where the shared text ends, minus
 what the next characters could change (a pre-tokenizer looks ahead, merges cross words). So the ids are reused up to
-`OVERLAP_TOKENS` tokens before a point `SEAM_MARGIN` characters inside the shared text, the rest of the prompt is
+`OVERLAP_TOKENS` tokens before a point `SEAM_MARGIN` bytes inside the shared text, the rest of the prompt is
 encoded from there, and the encoding of that window must reproduce the cached ids of the overlap; when it does not
 (or there is too little shared text to leave a window) the whole prompt is encoded. The result is identical to
 encoding the whole prompt (tests/test_token_cache.py checks it as a property, against `ModelTokenizer.encode`).
 
-The cache is bounded in bytes (`prompt_cache_bytes`): text, ids, token offsets, links and block keys, counted per
+Token ends come from `ModelTokenizer.encode_with_ends` (for byte-level BPE tokenizers, a table of each token's
+bytes rather than the tokenizer's offsets, which cost more than encoding).
+
+The cache is bounded in bytes (`prompt_cache_bytes`): text, ids, token ends, links and block keys, counted per
 prompt, least recently used first out.
 """
 
@@ -25,21 +28,18 @@ from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import accumulate
-from operator import itemgetter
 
 import xxhash
 
 from router.block_keys import BlockKey, chain_keys
 from router.tokenizer import ModelTokenizer
 
-CHUNK = 256  # characters per link of a text's hash chain: the granularity at which shared prefixes are found
-SEAM_MARGIN = 16  # characters of shared text left after the seam: what a pre-tokenizer's lookahead may still change
+CHUNK = 256  # bytes per link of a text's hash chain: the granularity at which shared prefixes are found
+SEAM_MARGIN = 16  # bytes of shared text left after the seam: what a pre-tokenizer's lookahead may still change
 OVERLAP_TOKENS = 6  # cached tokens before the seam that the window's encoding must reproduce
 _ENTRY_OVERHEAD = 400  # bytes of an entry besides its arrays and text (objects, dict and LRU slots)
 _LINK_BYTES = 100  # bytes of one link in the index (a dict slot and an int)
 _KEY_BYTES = 40  # bytes of one block key in a list (a pointer and an int)
-_end = itemgetter(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,54 +56,54 @@ class Lookup:
     """A prompt's text and the cached prompt sharing the longest prefix with it (`TokenCache.lookup`)."""
 
     text: str
+    data: bytes  # the text as UTF-8
     add_special_tokens: bool
     seed: int | None  # None: this tokenizer's ids cannot be spliced
     links: list[int]
     entry: _Entry | None
-    shared: int  # characters the two share
+    shared: int  # bytes the two share
 
     @property
-    def new_chars(self) -> int:
-        """About how many characters `finish` will encode: none for a prompt seen before, the text after the
+    def new_bytes(self) -> int:
+        """About how many bytes of text `finish` will encode: none for a prompt seen before, the text after the
         seam for one that starts like a cached one, the whole text otherwise."""
         if self.entry is None:
-            return len(self.text)
-        if self.shared == len(self.text) == len(self.entry.text):
+            return len(self.data)
+        if self.shared == len(self.data) == len(self.entry.data):
             return 0
-        return len(self.text) - self.shared + SEAM_MARGIN + 16 * OVERLAP_TOKENS
+        return len(self.data) - self.shared + SEAM_MARGIN + 16 * OVERLAP_TOKENS
 
 
 class _Entry:
     """One recently encoded prompt."""
 
-    __slots__ = ("ends", "ids", "keys", "links", "root", "seed", "size", "text")
+    __slots__ = ("data", "ends", "ids", "keys", "links", "root", "seed", "size")
 
-    def __init__(self, text: str, seed: int, ids: array[int], ends: array[int], links: list[int], root: BlockKey,
+    def __init__(self, data: bytes, seed: int, ids: array[int], ends: array[int], links: list[int], root: BlockKey,
                  keys: list[BlockKey]) -> None:
-        self.text = text
+        self.data = data  # the prompt's text as UTF-8
         self.seed = seed  # the tokenizer and whether special tokens were added: what the ids depend on
         self.ids = ids
-        self.ends = ends  # end offset (in characters) of each token; 0 for special tokens added in front
+        self.ends = ends  # end of each token, in bytes of `data`; 0 for special tokens added in front
         self.links = links
         self.root = root  # the block keys' root (model, adapter, namespace)
         self.keys = keys
-        self.size = (sys.getsizeof(text) + 8 * len(ids) + _LINK_BYTES * len(links) + _KEY_BYTES * len(keys)
+        self.size = (sys.getsizeof(data) + 8 * len(ids) + _LINK_BYTES * len(links) + _KEY_BYTES * len(keys)
                      + _ENTRY_OVERHEAD)
 
 
-def _links(text: str, seed: int) -> list[int]:
-    """The hash chain of `text`'s full `CHUNK`-character chunks."""
-    data = memoryview(text.encode("utf-32-le", "surrogatepass"))
-    step = CHUNK * 4
+def _links(data: bytes, seed: int) -> list[int]:
+    """The hash chain of `data`'s full `CHUNK`-byte chunks."""
+    view = memoryview(data)
     links: list[int] = []
     parent = seed
-    for end in range(step, len(data) + 1, step):
-        parent = xxhash.xxh3_64_intdigest(data[end - step:end], seed=parent)
+    for end in range(CHUNK, len(data) + 1, CHUNK):
+        parent = xxhash.xxh3_64_intdigest(view[end - CHUNK:end], seed=parent)
         links.append(parent)
     return links
 
 
-def _common_prefix(a: str, b: str, start: int, end: int) -> int:
+def _common_prefix(a: bytes, b: bytes, start: int, end: int) -> int:
     """The length of the common prefix of a and b, known to be at least `start` and at most `end`."""
     lo, hi = start, end
     while lo < hi:
@@ -150,46 +150,47 @@ class TokenCache:
         sharing the longest prefix with `text`. Its `new_chars` tell how much the second half (`finish`) will
         encode, so the caller can choose the thread for it."""
         seed = tokenizer.cache_seed(add_special_tokens)
+        data = text.encode("utf-8", "surrogatepass")
         if seed is None:  # a tokenizer that adds special tokens at the end: ids cannot be spliced
-            return Lookup(text, add_special_tokens, None, [], None, 0)
-        links = _links(text, seed)
-        found = self._longest_prefix(text, seed, links)
+            return Lookup(text, data, add_special_tokens, None, [], None, 0)
+        links = _links(data, seed)
+        found = self._longest_prefix(data, seed, links)
         if found is None:
-            return Lookup(text, add_special_tokens, seed, links, None, 0)
-        return Lookup(text, add_special_tokens, seed, links, *found)
+            return Lookup(text, data, add_special_tokens, seed, links, None, 0)
+        return Lookup(text, data, add_special_tokens, seed, links, *found)
 
     def finish(self, tokenizer: ModelTokenizer, lookup: Lookup, root: BlockKey) -> Encoded:
         """`encode`'s second half: the ids, spliced onto the cached prompt `lookup` found where that verifies."""
-        text, seed, links, entry = lookup.text, lookup.seed, lookup.links, lookup.entry
+        text, data, seed, links, entry = lookup.text, lookup.data, lookup.seed, lookup.links, lookup.entry
         if seed is None:
             ids, _ = self._encode(tokenizer, text, lookup.add_special_tokens)
             self.misses += 1
             return Encoded(ids, chain_keys(ids, self.block_size, root), 0)
         if entry is not None:
-            if lookup.shared == len(text) == len(entry.text):  # the same prompt again
+            if lookup.shared == len(data) == len(entry.data):  # the same prompt again
                 keys = entry.keys if entry.root == root else chain_keys(entry.ids, self.block_size, root)
                 self.hits += 1
-                self._store(entry, text, seed, entry.ids, entry.ends, links, root, keys)
+                self._store(entry, data, seed, entry.ids, entry.ends, links, root, keys)
                 return Encoded(entry.ids, keys, len(entry.ids))
-            spliced = self._splice(tokenizer, entry, text, lookup.shared)
+            spliced = self._splice(tokenizer, entry, data, lookup.shared)
             if spliced is not None:
                 ids, ends, kept, same = spliced
                 reused = min(same // self.block_size, len(entry.keys)) if entry.root == root else 0
                 parent = entry.keys[reused - 1] if reused else root
                 keys = entry.keys[:reused] + chain_keys(ids[reused * self.block_size:], self.block_size, parent)
                 self.hits += 1
-                self._store(entry, text, seed, ids, ends, links, root, keys)
+                self._store(entry, data, seed, ids, ends, links, root, keys)
                 return Encoded(ids, keys, kept)
             self.seam_mismatches += 1
         ids, ends = self._encode(tokenizer, text, lookup.add_special_tokens)
         keys = chain_keys(ids, self.block_size, root)
         self.misses += 1
-        self._store(None, text, seed, ids, ends, links, root, keys)
+        self._store(None, data, seed, ids, ends, links, root, keys)
         return Encoded(ids, keys, 0)
 
-    def _longest_prefix(self, text: str, seed: int, links: list[int]) -> tuple[_Entry, int] | None:
-        """The cached prompt sharing the longest prefix with `text` (at least one chunk), and that prefix's
-        length in characters."""
+    def _longest_prefix(self, data: bytes, seed: int, links: list[int]) -> tuple[_Entry, int] | None:
+        """The cached prompt sharing the longest prefix with `data` (at least one chunk), and that prefix's
+        length in bytes."""
         index = self._links
         if not links or links[0] not in index:
             return None
@@ -202,13 +203,13 @@ class TokenCache:
                 hi = mid - 1
         entry = index.get(links[lo - 1])
         start = lo * CHUNK
-        if entry is None or entry.seed != seed or entry.text[:start] != text[:start]:  # evicted meanwhile, or a
+        if entry is None or entry.seed != seed or entry.data[:start] != data[:start]:  # evicted meanwhile, or a
             return None  # hash collision
-        return entry, _common_prefix(entry.text, text, start, min(len(text), len(entry.text), start + CHUNK))
+        return entry, _common_prefix(entry.data, data, start, min(len(data), len(entry.data), start + CHUNK))
 
-    def _splice(self, tokenizer: ModelTokenizer, entry: _Entry, text: str,
+    def _splice(self, tokenizer: ModelTokenizer, entry: _Entry, data: bytes,
                 shared: int) -> tuple[array[int], array[int], int, int] | None:
-        """The ids of `text` as the cached ids up to a seam inside the `shared` prefix plus the encoding of the
+        """The ids of the text `data` as the cached ids up to a seam inside the `shared` prefix plus the encoding of the
         rest, with the token ends, how many ids were kept and how many leading ids are the cached ones (kept and
         verified); None when the seam does not verify."""
         ends = entry.ends
@@ -217,31 +218,29 @@ class TokenCache:
         if start < 1:
             return None
         at = ends[start - 1]
-        if at == 0 or (start < len(ends) and ends[start] <= at):  # in the specials added in front, or inside a
-            return None  # character that spans tokens
-        window, window_ends = self._encode(tokenizer, text[at:], False, at)
+        if at == 0 or (start < len(ends) and ends[start] <= at) or (data[at] & 0xC0) == 0x80:  # in the specials
+            return None  # added in front, or inside a character that spans tokens
+        window, window_ends = self._encode(tokenizer, data[at:].decode("utf-8", "surrogatepass"), False, at)
         if window[:OVERLAP_TOKENS] != entry.ids[start:seam]:
             return None
         return entry.ids[:start] + window, ends[:start] + window_ends, start, seam
 
     def _encode(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool,
                 at: int = 0) -> tuple[array[int], array[int]]:
-        """Ids and token ends (as offsets into a text in which `text` starts at `at`)."""
-        encoding = tokenizer.encode_with_offsets(text, add_special_tokens=add_special_tokens)
+        """Ids and token ends (in bytes of a text in which `text` starts at byte `at`)."""
+        ids, ends = tokenizer.encode_with_ends(text, add_special_tokens=add_special_tokens)
         self.encoded_chars += len(text)
-        # offsets never go back (a trimmed whitespace token could): the seam search bisects them
-        ends = accumulate(map(_end, encoding.offsets), max)
-        return array("I", encoding.ids), array("I", map(at.__add__, ends) if at else ends)
+        return ids, (array("I", map(at.__add__, ends)) if at else ends)
 
-    def _store(self, hit: _Entry | None, text: str, seed: int, ids: array[int], ends: array[int], links: list[int],
+    def _store(self, hit: _Entry | None, data: bytes, seed: int, ids: array[int], ends: array[int], links: list[int],
                root: BlockKey, keys: list[BlockKey]) -> None:
         """Keep the prompt just encoded as the most recent; a cached prompt it extends (a conversation's previous
         turn) is dropped, its links now name the new one."""
-        new = _Entry(text, seed, ids, ends, links, root, keys)
+        new = _Entry(data, seed, ids, ends, links, root, keys)
         if new.size > self.max_bytes:
             return
         with self._lock:
-            if hit is not None and id(hit) in self._entries and text.startswith(hit.text):
+            if hit is not None and id(hit) in self._entries and data.startswith(hit.data):
                 self._drop(hit)
             self._entries[id(new)] = new
             self.bytes += new.size

@@ -19,9 +19,13 @@ and run in parallel with the event loop; the template environment is immutable o
 from __future__ import annotations
 
 import json
+import unicodedata
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from itertools import accumulate
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,7 @@ import jinja2.meta
 import jinja2.nodes
 import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Encoding, Tokenizer
+from tokenizers import Tokenizer, decoders, normalizers
 
 PARALLEL_CHARS = 8192  # texts longer than this are encoded on the tokenizer's own threads
 # transformers' named special tokens, offered to every chat template (v5: `special_tokens_map`)
@@ -329,6 +333,9 @@ class ModelTokenizer:
         self.chat = ChatRenderer(self.special_tokens, self._load_templates(config), server_template=chat_template,
                                  default_kwargs=default_chat_template_kwargs, source=str(self.model_dir))
         self._seeds = self._cache_seeds()
+        self._nfc = False
+        self._byte_lengths: array[int] | None = None
+        self._byte_lengths = self._byte_length_table()
 
     def _load_templates(self, config: Mapping[str, Any]) -> dict[str, str]:
         templates: dict[str, str] = {}
@@ -373,14 +380,66 @@ class ModelTokenizer:
         ids: list[int] = self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return ids
 
-    def encode_with_offsets(self, text: str, *, add_special_tokens: bool) -> Encoding:
-        """`encode`, with each token's character offsets (what router/token_cache.py splices at). A short text is
-        encoded on the calling thread: waking the tokenizer's threads would cost more than the encoding."""
-        if len(text) < PARALLEL_CHARS:
-            short: Encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
-            return short
-        encoding: Encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        return encoding
+    def encode_with_ends(self, text: str, *, add_special_tokens: bool) -> tuple[array[int], array[int]]:
+        """`encode` as uint32 ids, with each token's end as a UTF-8 byte offset into `text` (0 for the special
+        tokens added in front): what router/token_cache.py splices at.
+
+        For a byte-level BPE tokenizer without a normalizer (or an NFC one, on NFC text) a token's bytes are its
+        vocabulary string's characters, so the ends are running sums of a per-id length table: no offsets are
+        asked of the tokenizer, which costs more than the encoding itself (measured with tokenizers 0.23). The sum
+        must come out at the text's length, or the offsets are asked after all."""
+        lengths = self._byte_lengths
+        if lengths is not None and (self._nfc is False or unicodedata.is_normalized("NFC", text)):
+            # on the calling thread: the batch call hands the work to the tokenizer's thread pool and waits, which
+            # on a busy machine leaves the event loop idle far longer than the encoding takes
+            encoding = (self._tok.encode(text, add_special_tokens=add_special_tokens) if len(text) < PARALLEL_CHARS
+                        else self._encode_batch([text], add_special_tokens=add_special_tokens)[0])
+            ids = array("I", encoding.ids)
+            front = self._front_specials if add_special_tokens else 0
+            ends = array("I", bytes(4 * front))
+            ends.extend(accumulate(map(lengths.__getitem__, ids[front:])))
+            if (ends[-1] if ends else 0) == len(text.encode("utf-8", "surrogatepass")):
+                return ids, ends
+        return self._encode_with_offsets(text, add_special_tokens)
+
+    def _encode_with_offsets(self, text: str, add_special_tokens: bool) -> tuple[array[int], array[int]]:
+        encoding = (self._tok.encode(text, add_special_tokens=add_special_tokens) if len(text) < PARALLEL_CHARS
+                    else self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0])
+        # character ends, never going back (a trimmed whitespace token's could), as byte offsets
+        ends: Iterator[int] = accumulate(map(itemgetter(1), encoding.offsets), max)
+        if not text.isascii():
+            at = [0, *accumulate(len(c.encode("utf-8", "surrogatepass")) for c in text)]
+            ends = map(at.__getitem__, ends)
+        return array("I", encoding.ids), array("I", ends)
+
+    def _byte_length_table(self) -> array[int] | None:
+        """Bytes of text each token id stands for, if this is a byte-level BPE tokenizer whose table gives the same
+        ends as its offsets on samples; else None."""
+        normalizer = self._tok.normalizer
+        if not isinstance(self._tok.decoder, decoders.ByteLevel) or not (
+                normalizer is None or isinstance(normalizer, normalizers.NFC)):
+            return None
+        self._nfc = normalizer is not None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        lengths = array("I", bytes(4 * (max(vocab.values(), default=0) + 1)))
+        for token, tid in vocab.items():
+            lengths[tid] = len(token)
+        for tid, added in self._tok.get_added_tokens_decoder().items():
+            lengths[tid] = len(added.content.encode())
+        self._byte_lengths = lengths
+        samples = ["plain words, numbers 12345 and  spaces\n\n\tand tabs", "ünïcödé 日本語 🙂 — ok?",
+                   "".join(self.special_tokens.values()) + " text between <|im_start|>user\nhi<|im_end|>"]
+        for sample in samples:
+            data = sample.encode()
+            for special in (False, True):
+                ids, ends = self.encode_with_ends(sample, add_special_tokens=special)
+                want_ids, want_ends = self._encode_with_offsets(sample, special)
+                # inside a character split over tokens, offsets name the character's end, the table the byte's
+                if ids != want_ids or any(a != b and (a >= len(data) or data[a] & 0xC0 != 0x80)
+                                          for a, b in zip(ends, want_ends, strict=True)):
+                    self._byte_lengths = None
+                    return None
+        return lengths
 
     def cache_seed(self, add_special_tokens: bool) -> int | None:
         """What cached ids of this tokenizer depend on, as a hash seed; None when they cannot be spliced (special
@@ -391,6 +450,7 @@ class ModelTokenizer:
         sample = "probe text, 12 words"
         plain = self.encode(sample, add_special_tokens=False)
         full = self.encode(sample, add_special_tokens=True)
+        self._front_specials = len(full) - len(plain)
         name = str(self.model_dir.resolve())
         return {False: xxhash.xxh3_64_intdigest(f"{name}\x00plain".encode()),
                 True: xxhash.xxh3_64_intdigest(f"{name}\x00special".encode())

@@ -133,3 +133,17 @@ def test_memory_is_bounded_in_bytes(tok: ModelTokenizer) -> None:
         tracemalloc.stop()
     assert 0 < len(cache) < 200
     assert after - held < budget * 1.5, (after - held, cache.bytes)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=texts, special=st.booleans())
+def test_token_ends_from_the_byte_table_equal_the_tokenizers_offsets(tok: ModelTokenizer, text: str,
+                                                                     special: bool) -> None:
+    """A byte-level BPE tokenizer's token ends come from a table of each token's bytes (the tokenizer's own offsets
+    cost more than the encoding); they must be its offsets, except inside a character split over tokens."""
+    assert tok._byte_lengths is not None  # the tiny model's tokenizer is byte-level BPE
+    ids, ends = tok.encode_with_ends(text, add_special_tokens=special)
+    want_ids, want_ends = tok._encode_with_offsets(text, special)
+    data = text.encode("utf-8", "surrogatepass")
+    assert ids == want_ids
+    assert all(a == b or data[a] & 0xC0 == 0x80 for a, b in zip(ends, want_ends, strict=True))
