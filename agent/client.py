@@ -6,12 +6,15 @@ against shrinking and growing, and passes its descriptor to the agent with `Hell
 permissions or shared /dev/shm between the two processes are involved, and the region cannot shrink under the
 agent's mapping. Block bytes are written to / read from that region in place;
 only offsets and hashes cross the socket. Every call has a timeout; a failed call closes the connection and the
-next call reconnects.
+next call reconnects, with a new region (`generation` counts them).
+
+The client never unmaps a region itself: closing drops its reference, and the mapping goes when the last one does.
+So a zero-copy view made over `mapping` (a torch tensor) is stale after a reconnect, but never dangling: a view
+whose memory was unmapped under it reads or writes whatever is mapped there next.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import mmap
 import os
@@ -24,6 +27,7 @@ import msgspec
 from agent.protocol import (
     FRAME,
     MAX_FRAME,
+    PROTOCOL_VERSION,
     AgentError,
     BlockHash,
     ErrorReply,
@@ -46,12 +50,17 @@ Buffer = bytes | bytearray | memoryview
 
 
 class AgentClient:
+    """`layout` and `block_bytes`, if given, are declared in Hello: the agent then refuses any other on this
+    connection (a vLLM worker has exactly one of each)."""
+
     def __init__(self, socket_path: str, shm_bytes: int = 64 * 2**20, timeout_s: float = 5.0,
-                 name: str = "") -> None:
+                 name: str = "", layout: int = 0, block_bytes: int = 0) -> None:
         self.socket_path = socket_path
         self.shm_bytes = shm_bytes
         self.timeout_s = timeout_s
         self.name = name
+        self.layout = layout
+        self.block_bytes = block_bytes
         self._sock: socket.socket | None = None
         self._shm: mmap.mmap | None = None
         self.shm: memoryview | None = None  # the shared region, valid while connected
@@ -79,16 +88,31 @@ class AgentClient:
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
                 self._shm = mmap.mmap(fd, self.shm_bytes)
                 self.shm = memoryview(self._shm)
-            reply = self._call(Hello(shm_bytes=self.shm_bytes if fd is not None else 0, client=self.name),
-                               fds=[fd] if fd is not None else [])
+            mapped = self.shm_bytes if fd is not None else 0
+            reply = self._call(Hello(shm_bytes=mapped, client=self.name, layout=self.layout,
+                                     block_bytes=self.block_bytes), fds=[fd] if fd is not None else [])
             if not isinstance(reply, HelloReply):
                 raise AgentError(f"unexpected hello reply {reply!r}")
+            if reply.version < PROTOCOL_VERSION:
+                raise AgentError(f"the tier agent speaks protocol {reply.version}, this client {PROTOCOL_VERSION}")
+            if reply.shm_bytes != mapped:
+                raise AgentError(f"the tier agent mapped {reply.shm_bytes} bytes of shared memory, not {mapped}")
         except BaseException:
             self.close()
             raise
         finally:
             if fd is not None:
                 os.close(fd)  # the mapping (and the agent's) keep the memory
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        """The shared region itself, for zero-copy views that must keep it mapped while they live."""
+        self.connect()
+        return self._shm
 
     def close(self) -> None:
         if self._sock is not None:
@@ -97,10 +121,7 @@ class AgentClient:
         if self.shm is not None:
             self.shm.release()
             self.shm = None
-        if self._shm is not None:
-            with contextlib.suppress(BufferError):
-                self._shm.close()
-            self._shm = None
+        self._shm = None  # unmapped now, or when the last view made over `mapping` goes (see the module doc)
 
     def __enter__(self) -> AgentClient:
         self.connect()

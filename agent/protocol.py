@@ -5,6 +5,11 @@ A frame is a 4-byte little-endian length followed by one msgpack message, tagged
 along (SCM_RIGHTS); afterwards `Store` / `Load` refer to block bytes by offset and length inside that region, so
 KV bytes never travel through the socket. A client without shared memory (e.g. a
 remote simulator) sends and receives the bytes inline (`data`) instead.
+
+`Hello` says how big the shared memory is and, for a client with one block layout (a vLLM worker), declares that
+layout and its block size; the agent answers with the size it mapped and refuses a block size that does not fit,
+and later a `Store` or `Load` of another layout or a `Load` of another block size on that connection. So both
+sides agree on the region before any block bytes move, and bytes one side would misread are never written.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class Hello(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
 
     shm_bytes: int = 0
     client: str = ""
+    layout: int = 0  # nonzero: the only layout this connection stores and loads
+    block_bytes: int = 0  # nonzero: the only block size this connection loads (must fit the shared memory)
 
 
 class Lookup(msgspec.Struct, tag="lookup", tag_field="op", kw_only=True):
@@ -67,6 +74,7 @@ Request = Hello | Lookup | Store | Load | Stats
 class HelloReply(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
     version: int
     pid: int
+    shm_bytes: int = 0  # the size of the region the agent mapped (0: none)
 
 
 class LookupReply(msgspec.Struct, tag="lookup", tag_field="op", kw_only=True):

@@ -94,11 +94,27 @@ def _remove_socket(path: Path, make_parent: bool = False) -> None:
 
 
 class Connection:
-    """One client: its shared-memory mapping, if it passed one."""
+    """One client: its shared-memory mapping, if it passed one, and the one layout and block size it declared in
+    Hello, which its stores and loads must keep to."""
 
     def __init__(self) -> None:
         self.shm: mmap.mmap | None = None
         self.view: memoryview | None = None
+        self.layout = 0
+        self.block_bytes = 0
+
+    def declare(self, layout: int, block_bytes: int) -> None:
+        size = len(self.view) if self.view is not None else 0
+        if block_bytes < 0 or (size and block_bytes > size):
+            raise ValueError(f"a block of {block_bytes} bytes does not fit {size} bytes of shared memory")
+        self.layout, self.block_bytes = layout, block_bytes
+
+    def check(self, layout: int, block_bytes: int | None = None) -> None:
+        """A store or load outside what the client declared in Hello is refused: its bytes would be misread."""
+        if self.layout and layout != self.layout:
+            raise ValueError(f"layout {layout:#x} on a connection declared for {self.layout:#x}")
+        if self.block_bytes and block_bytes is not None and block_bytes != self.block_bytes:
+            raise ValueError(f"blocks of {block_bytes} bytes on a connection declared for {self.block_bytes}")
 
     def attach(self, fd: int, size: int) -> None:
         """Map a client's shared memory: a regular memfd of `size` bytes, sealed so it cannot shrink (a region
@@ -362,7 +378,9 @@ class TierAgent:
                         raise ValueError(f"Hello with {len(fds)} descriptors: pass exactly the shared memory's")
                     conn.attach(fds[0], request.shm_bytes)
                     self.metrics.shm_clients.inc()
-                return HelloReply(version=PROTOCOL_VERSION, pid=os.getpid())
+                conn.declare(request.layout, request.block_bytes)
+                return HelloReply(version=PROTOCOL_VERSION, pid=os.getpid(),
+                                  shm_bytes=len(conn.view) if conn.view is not None else 0)
             if isinstance(request, Stats):
                 return self._stats()
             raise ValueError(f"unknown request {request!r}")
@@ -388,6 +406,7 @@ class TierAgent:
         return LookupReply(count=count, where=where)
 
     def _store(self, conn: Connection, request: Store) -> StoreReply:
+        conn.check(request.layout)
         if request.data:
             payloads: list[Any] = list(request.data)
         else:
@@ -404,6 +423,7 @@ class TierAgent:
         return StoreReply(stored=stored)
 
     def _load(self, conn: Connection, request: Load) -> LoadReply:
+        conn.check(request.layout, request.block_bytes)
         inline = not request.offsets
         if inline:
             buffers = [memoryview(bytearray(request.block_bytes)) for _ in request.hashes]

@@ -8,11 +8,13 @@ Load it with
 
 Scheduler side: for a new request, ask the agent how many of its leading full blocks (vLLM's own block hashes,
 in KV-event form) beyond the local prefix-cache hit it holds; plan those as a synchronous load, and plan every
-block that becomes fully computed as a save. Worker side: `start_load_kv` copies planned blocks from the agent
+block that becomes fully computed as a save. Worker side (agent/block_mover.py): the agent's shared memory is
+mapped when the caches are registered, before the first step; `start_load_kv` copies planned blocks from the agent
 (through shared memory) into the paged KV cache before the forward pass; `wait_for_save` copies newly computed
 full blocks out of the paged cache into shared memory and hands them to the agent. A block the agent cannot
-supply whole and verified is reported through `get_block_ids_with_load_errors`, so vLLM recomputes it (with
-kv_load_failure_policy=recompute) -- never wrong KV; saves of a request whose load failed are skipped that step.
+supply whole and verified -- for whatever reason, the agent gone included -- is reported through
+`get_block_ids_with_load_errors`, so vLLM recomputes it (with kv_load_failure_policy=recompute): never wrong KV,
+never an exception into the engine; saves of a request whose load failed are skipped that step.
 
 Tensors are handled generically (block dimension found from the cache's block count; index_select /
 index_copy_ per layer), so the same code serves CPU caches `[num_blocks, kv_heads, block_size, 2*head_dim]` and
@@ -36,9 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from agent.block_mover import BlockMover, Failure, LoadResult
 from agent.client import AgentClient
-from agent.kv_layout import CacheLayer, describe_layers, gather_blocks, scatter_blocks
-from agent.protocol import AgentError
+from agent.kv_layout import describe_layers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -122,10 +124,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._saved_upto: dict[str, int] = {}  # req_id -> leading blocks already held by the agent
         self._requests: dict[str, Request] = {}
         # worker side
-        self._layers: list[CacheLayer] = []
-        self._block_bytes = 0
-        self._shm_tensor: torch.Tensor | None = None
-        self._shm_generation = 0
+        self._mover: BlockMover | None = None
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
         log.info("kvgate connector (%s): agent %s, layout %016x", role.name, socket_path, self._layout)
@@ -150,7 +149,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         hashes = [event_hash(h) for h in request.block_hashes[start:loadable]]
         try:
             count, where = self._client.lookup(self._layout, hashes, probe_ms=self._probe_ms)
-        except AgentError as exc:
+        except Exception as exc:  # AgentError, or anything else: the agent's trouble never stops the engine
             self._agent_failed("lookup", exc)
             return 0, False
         self._lookups[request.request_id] = (start, where[:count])
@@ -225,26 +224,16 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==========================================================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layers = describe_layers(kv_caches, self._kv_cache_config.num_blocks)
-        self._block_bytes = sum(layer.block_bytes for layer in self._layers)
-        log.info("kvgate connector: %d layers, %d bytes per block", len(self._layers), self._block_bytes)
-
-    def _shm(self) -> torch.Tensor:
-        self._client.connect()
-        if self._shm_generation != self._client.generation:  # reconnected: a new shared-memory region
-            self._shm_tensor = None
-            self._shm_generation = self._client.generation
-        if self._shm_tensor is None:
-            assert self._client.shm is not None
-            self._shm_tensor = torch.frombuffer(self._client.shm, dtype=torch.uint8)
-            if any(layer.tensor.is_cuda for layer in self._layers):
-                # page-locked: host<->device copies become direct DMA, no bounce buffer
-                torch.cuda.cudart().cudaHostRegister(self._shm_tensor.data_ptr(), self._shm_tensor.numel(), 0)
-        return self._shm_tensor
-
-    def _reset_shm(self) -> None:
-        self._shm_tensor = None
-        self._client.close()
+        """Describe the caches and map the agent's shared memory now, before the engine's first step."""
+        try:
+            layers = describe_layers(kv_caches, self._kv_cache_config.num_blocks)
+        except ValueError:
+            log.exception("kvgate connector: unknown KV cache layout; running without the tier agent")
+            return
+        self._mover = BlockMover(self._client, self._layout, layers)
+        attached = self._mover.attach()
+        log.info("kvgate connector: %d layers, %d bytes per block, shared memory %s", len(layers),
+                 self._mover.block_bytes, "mapped" if attached else "not mapped yet (no agent)")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
@@ -253,48 +242,16 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert isinstance(meta, KvgateConnectorMetadata)
         self._failed_loads.clear()
         for transfer in meta.loads:
-            loaded = self._load(transfer)
-            if loaded < len(transfer.block_ids):
-                log.warning("kvgate connector: %d of %d blocks of %s could not be loaded; vLLM recomputes them",
-                            len(transfer.block_ids) - loaded, len(transfer.block_ids), transfer.req_id)
-                self._load_errors.update(transfer.block_ids[loaded:])
+            if self._mover is None:
+                result = LoadResult(0, Failure.NO_SHARED_MEMORY)
+            else:
+                result = self._mover.load(transfer.hashes, transfer.block_ids)
+            if result.loaded < len(transfer.block_ids):
+                log.warning("kvgate connector: %d of %d blocks of %s could not be loaded (%s); vLLM recomputes them",
+                            len(transfer.block_ids) - result.loaded, len(transfer.block_ids), transfer.req_id,
+                            result.failure)
+                self._load_errors.update(transfer.block_ids[result.loaded:])
                 self._failed_loads.add(transfer.req_id)
-
-    def _load(self, transfer: BlockTransfer) -> int:
-        """Copy the transfer's blocks into the paged cache; how many leading blocks arrived whole."""
-        if not self._layers:
-            return 0
-        for attempt in range(2):  # a second try on a fresh connection (the agent may have restarted)
-            try:
-                return self._load_once(transfer)
-            except AgentError as exc:
-                self._reset_shm()
-                if attempt:
-                    self._agent_failed("load", exc)
-        return 0
-
-    def _load_once(self, transfer: BlockTransfer) -> int:
-        loaded = 0
-        shm = self._shm()
-        step = self._client.max_blocks(self._block_bytes)
-        for i in range(0, len(transfer.hashes), step):
-            hashes = transfer.hashes[i: i + step]
-            lengths = self._client.load_in_place(self._layout, hashes, self._block_bytes)
-            whole = 0
-            for n in lengths:
-                if n != self._block_bytes:
-                    break
-                whole += 1
-            if whole:
-                self._copy_in(shm, transfer.block_ids[i: i + whole])
-            loaded += whole
-            if whole < len(hashes):
-                break
-        return loaded
-
-    def _copy_in(self, shm: torch.Tensor, block_ids: list[int]) -> None:
-        n = len(block_ids)
-        scatter_blocks(self._layers, block_ids, shm[: n * self._block_bytes].view(n, self._block_bytes))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish inside start_load_kv
@@ -304,38 +261,21 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # all layers of a block are saved together in wait_for_save, once the forward pass is done
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata() or not self._layers:
+        if not self.has_connector_metadata() or self._mover is None:
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvgateConnectorMetadata)
         for transfer in meta.saves:
             if transfer.req_id in self._failed_loads:
                 continue  # this step computed on top of blocks that failed to load: do not keep its KV
-            for attempt in range(2):
-                try:
-                    self._save(transfer)
-                    break
-                except AgentError as exc:
-                    self._reset_shm()
-                    if attempt:
-                        self._agent_failed("save", exc)
-                        return
-
-    def _save(self, transfer: BlockTransfer) -> None:
-        shm = self._shm()
-        step = self._client.max_blocks(self._block_bytes)
-        for i in range(0, len(transfer.hashes), step):
-            block_ids = transfer.block_ids[i: i + step]
-            n = len(block_ids)
-            gather_blocks(self._layers, block_ids, shm[: n * self._block_bytes].view(n, self._block_bytes))
-            parent = transfer.parent if i == 0 else transfer.hashes[i - 1]
-            self._client.store_in_place(self._layout, transfer.hashes[i: i + step],
-                                        [k * self._block_bytes for k in range(n)], [self._block_bytes] * n, parent)
+            if self._mover.save(transfer.hashes, transfer.block_ids, transfer.parent) is not None:
+                return  # the agent is not there: the other saves of this step would fail the same way
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
-        self._shm_tensor = None
+        if self._mover is not None:
+            self._mover.close()
         self._client.close()

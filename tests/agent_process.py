@@ -19,6 +19,7 @@ from tests.conftest import kvgate_command
 class AgentProcess:
     def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str) -> None:
         self.socket = str(tmp_path / "agent.sock")
+        self.log_path = tmp_path / "agent.log"  # a file, not a pipe nobody reads (which could fill and stall it)
         self.metrics_port = free_port()
         self.cmd = kvgate_command("agent", "--socket-path", self.socket, "--metrics-port", str(self.metrics_port),
                                   "--metrics-host", "127.0.0.1", *flags)
@@ -27,11 +28,13 @@ class AgentProcess:
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+                raise RuntimeError(f"agent exited: {self.log_path.read_text(errors='replace')[-4000:]}")
             try:
                 with AgentClient(self.socket, shm_bytes=0, timeout_s=1) as client:
                     client.stats()

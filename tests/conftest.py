@@ -146,6 +146,19 @@ def subprocess_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def weighted_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with random weights (fixed seed), so outputs show whether a loaded KV cache is right; made
+    once per session with the vLLM venv's torch."""
+    from bench.make_model import make_weights, write_model
+    from bench.vllm_engine import ensure_vllm_venv
+
+    path = tmp_path_factory.mktemp("tiny-weighted")
+    write_model(path)
+    make_weights(path, str(ensure_vllm_venv()))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `kvgate make-model` directory (tokenizer, chat template, config; no weights), made once per session."""
     from bench.make_model import write_model

@@ -5,78 +5,29 @@ stored block is detected and recomputed. Each time outputs and logprobs are bit-
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
-from bench.make_model import make_weights, write_model
-from bench.procs import free_port
-from bench.vllm_engine import BLOCK_SIZE, EngineServer, _wait_healthy, ensure_vllm_venv
+from bench.vllm_engine import BLOCK_SIZE, EngineServer, ensure_vllm_venv
+from tests import vllm_replica as replica
 from tests.agent_process import AgentProcess
 from tests.conftest import ROOT, ValkeyServer
+from tests.vllm_replica import reset_prefix_cache, start_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPT = " ".join(f"word{i} alpha beta gamma" for i in range(120))
 
 
-@pytest.fixture(scope="module")
-def weighted_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-weighted")
-    write_model(path)
-    make_weights(path, str(ensure_vllm_venv()))
-    return path
-
-
-def start_vllm(model_dir: Path, log_dir: Path, agent_socket: str) -> EngineServer:
-    port = free_port()
-    connector = {"kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector",
-                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                 "kv_connector_extra_config": {"agent_socket": agent_socket, "shm_bytes": 8 * 2**20}}
-    cmd = [str(ensure_vllm_venv()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-           "--load-format", "safetensors", "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
-           "--max-num-seqs", "4", "--num-gpu-blocks-override", "128", "--enable-prompt-tokens-details",
-           "--kv-transfer-config", json.dumps(connector)]
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
-    env.update(PYTHONPATH=str(ROOT), PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="auto", VLLM_SERVER_DEV_MODE="1",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"vllm-{port}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(log_dir),
-                                start_new_session=True)
-    server = EngineServer("vllm", "sha256", f"http://127.0.0.1:{port}", "", "", model_dir, proc, log_path, 0.0)
-    _wait_healthy(server, 300)
-    return server
-
-
 def complete(server: EngineServer) -> tuple[str, list[float], int, int]:
     """(text, logprobs, cached prompt tokens, prompt tokens) of a greedy completion of PROMPT."""
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 1}
-    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        reply: dict[str, Any] = json.load(response)
-    choice = reply["choices"][0]
-    usage = reply["usage"]
-    return (choice["text"], choice["logprobs"]["token_logprobs"], usage["prompt_tokens_details"]["cached_tokens"],
-            usage["prompt_tokens"])
-
-
-def reset_prefix_cache(server: EngineServer) -> None:
-    request = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"", method="POST")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        assert response.status == 200
+    return replica.complete(server, PROMPT)
 
 
 @pytest.fixture
@@ -149,7 +100,7 @@ def test_vllm_loads_saved_blocks_from_every_tier(weighted_model: Path, tmp_path:
     again_text, again_logprobs, _cached, _n = complete(vllm_b)
     assert (again_text, again_logprobs) == (text, logprobs)
     assert agent_b.metric("kvgate_agent_checksum_failures_total", tier="shared") >= 1
-    assert "could not be loaded; vLLM recomputes them" in vllm_b.log_tail(200_000)
+    assert "could not be loaded (missing); vLLM recomputes them" in vllm_b.log_tail(200_000)
 
 
 @pytest.fixture

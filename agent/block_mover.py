@@ -1,0 +1,219 @@
+"""The worker half of the vLLM connector, without vLLM: whole KV blocks between the paged cache and the tier agent,
+through the agent client's shared memory (torch and the client only, so it is tested without an engine).
+
+Nothing here raises into the engine. A load that fails in any way -- the agent gone or hung, its shared memory not
+set up or stale, a reply with extra, missing or foreign-sized blocks, any exception at all -- copies only the
+leading run of blocks that arrived whole and names why the rest did not, so vLLM recomputes them; a failed save is
+dropped (the cache itself is fine). Each failure is counted by reason and logged, at most once per reason every 10 s.
+
+The shared memory is mapped when the caches are registered (`attach`), before the engine's first step, and the
+torch view over it holds the mapping itself (`AgentClient.mapping`), so the view can go stale after a reconnect but
+never points at unmapped memory; a view is used only while it belongs to the client's current connection
+(`Staging.generation`), and every batch is checked against its size and the block size before torch touches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from agent.client import AgentClient
+from agent.kv_layout import CacheLayer, gather_blocks, scatter_blocks
+from agent.protocol import AgentError
+
+log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
+
+LOG_EVERY_S = 10.0
+
+
+class Failure(StrEnum):
+    """Why blocks were not loaded (or saved); the label of the connector's failure counters."""
+
+    AGENT_UNAVAILABLE = "agent_unavailable"  # cannot connect, the call failed or timed out, or an error reply
+    NO_SHARED_MEMORY = "no_shared_memory"  # the region is not mapped, or smaller than one batch
+    STALE_SHARED_MEMORY = "stale_shared_memory"  # the region was replaced (a reconnect) while a batch was in flight
+    BAD_REPLY = "bad_reply"  # more blocks than asked for, or a block of another size: foreign bytes
+    MISSING = "missing"  # the agent no longer holds a block it reported at lookup (evicted in between)
+    ERROR = "error"  # any other exception: a bug, logged with its traceback
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    loaded: int  # leading blocks copied into the cache whole
+    failure: Failure | None = None  # why the rest were not (None: all were)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A torch view of one mapping of the client's shared memory; usable while `generation` is the client's."""
+
+    tensor: torch.Tensor
+    generation: int
+
+
+class BlockMover:
+    def __init__(self, client: AgentClient, layout: int, layers: list[CacheLayer]) -> None:
+        self.client = client
+        self.layout = layout
+        self.layers = layers
+        self.block_bytes = sum(layer.block_bytes for layer in layers)
+        client.layout, client.block_bytes = layout, self.block_bytes  # declared in Hello: the agent holds us to them
+        self.load_failures: Counter[Failure] = Counter()
+        self.save_failures: Counter[Failure] = Counter()
+        self._staging: Staging | None = None
+        self._logged: dict[str, float] = {}
+
+    # -- shared memory ---------------------------------------------------------------------------------------
+
+    def attach(self) -> bool:
+        """Connect and map the shared memory now, outside any step; False (logged) if the agent is not there yet
+        -- the first load or save tries again."""
+        try:
+            self._current()
+        except AgentError as exc:
+            self._note(Failure.AGENT_UNAVAILABLE, f"tier agent not reachable yet: {exc}")
+            return False
+        return True
+
+    def _current(self) -> Staging:
+        """The view of the client's current region, made (and checked) on a new connection."""
+        mapping = self.client.mapping  # connects if needed
+        staging = self._staging
+        if staging is not None and staging.generation == self.client.generation:
+            return staging
+        self._staging = None
+        if mapping is None:
+            raise AgentError("the client has no shared memory")
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping`: never unmapped under the view
+        if tensor.numel() != self.client.shm_bytes or tensor.numel() < self.block_bytes:
+            raise AgentError(f"shared memory of {tensor.numel()} bytes for blocks of {self.block_bytes}")
+        if any(layer.tensor.is_cuda for layer in self.layers):
+            # page-locked: host<->device copies become direct DMA, no bounce buffer
+            torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+        self._staging = Staging(tensor, self.client.generation)
+        return self._staging
+
+    def _rows(self, staging: Staging, n: int) -> torch.Tensor:
+        """The first `n` block rows of a view, after checking the view is still the client's and large enough."""
+        if staging.generation != self.client.generation or not self.client.connected:
+            raise _Stale(f"the shared memory of connection {staging.generation} was replaced")
+        if n * self.block_bytes > staging.tensor.numel():
+            raise _Stale(f"{n} blocks of {self.block_bytes} bytes do not fit {staging.tensor.numel()} bytes")
+        return staging.tensor[: n * self.block_bytes].view(n, self.block_bytes)
+
+    def _reset(self) -> None:
+        self._staging = None
+        self.client.close()
+
+    # -- loads -----------------------------------------------------------------------------------------------
+
+    def load(self, hashes: Sequence[int], block_ids: Sequence[int]) -> LoadResult:
+        """Copy the leading run of these blocks that the agent supplies whole into the cache at `block_ids`."""
+        loaded = 0
+        failure: Failure | None = None
+        for attempt in range(2):  # a second try on a fresh connection (the agent may have restarted)
+            try:
+                loaded, failure = self._load_from(hashes, block_ids, loaded)
+                break
+            except AgentError as exc:
+                self._reset()
+                failure = Failure.AGENT_UNAVAILABLE
+                if attempt:
+                    self._note(failure, f"tier agent unavailable during a load: {exc}")
+            except _Stale as exc:
+                self._reset()
+                failure = Failure.STALE_SHARED_MEMORY
+                self._note(failure, str(exc))
+                break
+            except Exception:
+                self._reset()
+                failure = Failure.ERROR
+                self._note(failure, "unexpected error in a load", exc_info=True)
+                break
+        if failure is not None:
+            self.load_failures[failure] += 1
+        return LoadResult(loaded, failure)
+
+    def _load_from(self, hashes: Sequence[int], block_ids: Sequence[int], start: int) -> tuple[int, Failure | None]:
+        staging = self._current()
+        step = max(1, staging.tensor.numel() // self.block_bytes)
+        loaded = start
+        while loaded < len(hashes):
+            chunk = list(hashes[loaded: loaded + step])
+            lengths = self.client.load_in_place(self.layout, chunk, self.block_bytes)
+            whole = 0
+            while whole < len(lengths) and lengths[whole] == self.block_bytes:
+                whole += 1
+            if len(lengths) > len(chunk):
+                self._note(Failure.BAD_REPLY, f"the agent answered {len(lengths)} blocks for {len(chunk)}")
+                return loaded, Failure.BAD_REPLY  # nothing of this reply can be trusted
+            if whole:
+                scatter_blocks(self.layers, list(block_ids[loaded: loaded + whole]), self._rows(staging, whole))
+            loaded += whole
+            if whole < len(lengths):
+                self._note(Failure.BAD_REPLY, f"a block of {lengths[whole]} bytes where {self.block_bytes} belong")
+                return loaded, Failure.BAD_REPLY
+            if whole < len(chunk):
+                return loaded, Failure.MISSING
+        return loaded, None
+
+    # -- saves -----------------------------------------------------------------------------------------------
+
+    def save(self, hashes: Sequence[int], block_ids: Sequence[int], parent: int | None) -> Failure | None:
+        """Hand these computed blocks (a chain after `parent`) to the agent; why not, if they were not."""
+        failure: Failure | None = None
+        for attempt in range(2):
+            try:
+                self._save(hashes, block_ids, parent)
+                return None
+            except AgentError as exc:
+                self._reset()
+                failure = Failure.AGENT_UNAVAILABLE
+                if attempt:
+                    self._note(failure, f"tier agent unavailable during a save: {exc}")
+            except _Stale as exc:
+                self._reset()
+                failure = Failure.STALE_SHARED_MEMORY
+                self._note(failure, str(exc))
+                break
+            except Exception:
+                self._reset()
+                failure = Failure.ERROR
+                self._note(failure, "unexpected error in a save", exc_info=True)
+                break
+        assert failure is not None
+        self.save_failures[failure] += 1
+        return failure
+
+    def _save(self, hashes: Sequence[int], block_ids: Sequence[int], parent: int | None) -> None:
+        staging = self._current()
+        step = max(1, staging.tensor.numel() // self.block_bytes)
+        for i in range(0, len(hashes), step):
+            ids = list(block_ids[i: i + step])
+            n = len(ids)
+            gather_blocks(self.layers, ids, self._rows(staging, n))
+            self.client.store_in_place(self.layout, list(hashes[i: i + step]),
+                                       [k * self.block_bytes for k in range(n)], [self.block_bytes] * n,
+                                       parent if i == 0 else hashes[i - 1])
+
+    # -- the rest --------------------------------------------------------------------------------------------
+
+    def _note(self, reason: Failure, message: str, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(reason, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[reason] = now
+            log.warning("kvgate connector: %s (%s); vLLM recomputes what did not load", message, reason,
+                        exc_info=exc_info)
+
+    def close(self) -> None:
+        self._reset()
+
+
+class _Stale(Exception):
+    """A view of the shared memory is not the client's current one, or too small for the batch."""

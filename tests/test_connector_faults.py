@@ -1,0 +1,118 @@
+"""The connector's load path against real agent processes that are absent, restarted or answer wrongly: every
+failure loads fewer blocks (vLLM recomputes the rest), is counted by reason, and never raises; the shared memory is
+mapped before the first step and its torch view never outlives its mapping. The worker half runs on vLLM's torch
+(tests/mover_probe.py), without an engine; the Hello checks run against the agent directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.client import AgentClient
+from agent.protocol import AgentError, Load
+from bench.vllm_engine import ensure_vllm_venv
+from tests.agent_process import AgentProcess
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK_BYTES = 2 * 2 * 32 * 64 * 2  # tests/mover_probe.py: 2 layers x 2 KV heads x 32 tokens x 2*32 dims x bf16
+
+
+class MoverProbe:
+    """tests/mover_probe.py in the vLLM venv: a BlockMover on real torch caches, one JSON command per call."""
+
+    def __init__(self, socket: str, shm_bytes: int = 8 * BLOCK_BYTES) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([str(ensure_vllm_venv()), str(ROOT / "tests" / "mover_probe.py"), socket,
+                                      str(shm_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     text=True)
+
+    def __call__(self, op: str, **fields: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the probe died ({self.proc.wait(10)})"
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        assert self.proc.wait(30) == 0  # no crash, no exception out of the mover
+
+
+@pytest.fixture
+def probes() -> Iterator[list[MoverProbe]]:
+    started: list[MoverProbe] = []
+    yield started
+    for probe in started:
+        if probe.proc.poll() is None:
+            probe.proc.kill()
+            probe.proc.wait()
+
+
+@pytest.fixture
+def agents() -> Iterator[list[AgentProcess]]:
+    started: list[AgentProcess] = []
+    yield started
+    for agent in started:
+        agent.stop()
+
+
+def test_shared_memory_is_mapped_before_the_first_step_and_never_dangles(
+        tmp_path: Path, agents: list[AgentProcess], probes: list[MoverProbe],
+        subprocess_env: dict[str, str]) -> None:
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    probe = MoverProbe(agent.socket)
+    probes.append(probe)
+    assert probe("attach") == {"attached": True}
+    assert probe("save", hashes=[11, 12, 13], blocks=[3, 9, 27]) == {"failure": None}
+    assert probe("load", hashes=[11, 12, 13], blocks=[0, 1, 2]) == {"loaded": 3, "failure": None, "correct": True}
+    # the torch view of the shared memory holds the mapping: closing the connection cannot unmap memory that a
+    # view still points at (before, AgentClient.close() unmapped it under the connector's tensor)
+    assert probe("view_outlives_close") == {"mapped": True}
+    assert probe("load", hashes=[11, 12, 13], blocks=[4, 5, 6]) == {"loaded": 3, "failure": None, "correct": True}
+    probe.close()
+
+
+def test_without_an_agent_loads_fail_and_saves_drop_without_raising(
+        tmp_path: Path, agents: list[AgentProcess], probes: list[MoverProbe],
+        subprocess_env: dict[str, str]) -> None:
+    probe = MoverProbe(str(tmp_path / "agent.sock"))
+    probes.append(probe)
+    assert probe("attach") == {"attached": False}
+    assert probe("load", hashes=[1, 2], blocks=[0, 1]) == {"loaded": 0, "failure": "agent_unavailable",
+                                                           "correct": True}
+    assert probe("save", hashes=[1, 2], blocks=[0, 1]) == {"failure": "agent_unavailable"}
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")  # the agent comes up: rejoined
+    agents.append(agent)
+    assert probe("save", hashes=[1, 2], blocks=[0, 1]) == {"failure": None}
+    assert probe("load", hashes=[1, 2, 3], blocks=[7, 8, 9]) == {"loaded": 2, "failure": "missing",
+                                                                 "correct": True}
+    assert probe("counters") == {"load": {"agent_unavailable": 1, "missing": 1}, "save": {"agent_unavailable": 1}}
+    probe.close()
+
+
+def test_hello_declares_the_layout_and_block_size(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    with AgentClient(agent.socket, shm_bytes=4 * BLOCK_BYTES, layout=5, block_bytes=BLOCK_BYTES) as client:
+        assert client.store(5, [1], [b"x" * BLOCK_BYTES]) == 1
+        assert client.load(5, [1], BLOCK_BYTES) == [b"x" * BLOCK_BYTES]
+        with pytest.raises(AgentError, match="blocks of 100 bytes on a connection declared for"):
+            client._call(Load(layout=5, hashes=[1], block_bytes=100, offsets=[0]))
+        with pytest.raises(AgentError, match="layout 0x6 on a connection declared for 0x5"):
+            client.load_in_place(6, [1], BLOCK_BYTES)
+    # a block size the shared memory cannot hold is refused at Hello
+    with pytest.raises(AgentError, match="a block of 8192 bytes does not fit 4096 bytes of shared memory"):
+        AgentClient(agent.socket, shm_bytes=4096, block_bytes=8192).connect()

