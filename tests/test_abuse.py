@@ -456,6 +456,12 @@ async def test_the_model_template_with_huge_tools_stays_off_the_loop(http: aioht
                                                             model_dir=[str(tiny_model_dir)]) as gw:
         url = gw.url + "/v1/chat/completions"
         await post(http, url, chat())  # the tokenizer is loaded
+        registry = gw.gateway.metrics.registry
+
+        def tokenized() -> float:
+            return registry.get_sample_value("kvgate_tokenize_duration_seconds_count", {"mode": "tokens"}) or 0.0
+
+        before = tokenized()
         tools_waits, same_size_waits, works = [], [], []
         for attempt in range(2):
             body = chat(tools=_tools(6_000, f"f{attempt}_"))
@@ -470,6 +476,8 @@ async def test_the_model_template_with_huge_tools_stays_off_the_loop(http: aioht
                 http, url, orjson.dumps({**chat(), "messages": [{"role": "user", "content": text}]})))
             assert status == 200
             same_size_waits.append(slowest)
+        # every body rendered and tokenized (none routed by size or text alone, which would prove nothing here)
+        assert tokenized() - before == 4
         tools_wait, same_size_wait, work = min(tools_waits), min(same_size_waits), min(works)
         # rendered and tokenized on the loop, /health would wait about `work` longer than for the message
         assert tools_wait < same_size_wait + 0.5 * work, (
