@@ -215,7 +215,8 @@ def test_grafana_provisioning_matches_dashboard() -> None:
         assert mounts["/etc/grafana/provisioning"] == DOCKER / "grafana" / "provisioning"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("hit rate", "predicted vs actual", "time to first token", "routing decisions", "in flight",
-                  "health", "kv events", "index drift", "kv index trust", "tier occupancy", "hits by tier"):
+                  "health", "kv events", "index drift", "kv index trust", "tier occupancy", "hits by tier",
+                  "bytes moved"):
         assert topic in titles, topic
 
 
