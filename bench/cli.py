@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "compare": ("bench.compare", "kvgate strategies, sglang-router, vllm-router on one sim fleet"),
     "vsim": ("bench.vsim", "virtual-time fleet simulation of a whole trace, 8-64 replicas, with or without tiers"),
     "drift": ("bench.drift", "kv: predicted vs the engines' reported cached tokens, per worker and round"),
+    "trace": ("bench.traces", "write a synthetic conversation trace (Mooncake's format) of a chosen size"),
     "calibrate": ("bench.calibrate", "fit the simulator's time model to a recorded trace's timings"),
     "plan": ("bench.plan", "the smallest fleet (strategy, replicas, DRAM / NVMe / shared) meeting a TTFT objective"),
     "agent": ("bench.agent_bench", "tier agent: DRAM/NVMe/Redis tiers vs memcpy/file/redis-py, lookup latency"),

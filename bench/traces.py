@@ -17,9 +17,11 @@ block, they share that block up to the shorter end).
 
 from __future__ import annotations
 
+import argparse
 import math
+import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -138,14 +140,11 @@ def expand_record(record: TraceRecord, vocab: PromptVocabulary, block_tokens: in
     """The prompt of one record: each hash id becomes its tokens, the last block cut so the prompt has the
     record's length (scaled when `block_tokens` differs from the trace's)."""
     size, length = _length(record, block_tokens)
-    tokens: list[int] = []
-    for ident in record.hash_ids:
-        if len(tokens) >= length:
-            break
-        tokens.extend(vocab.block("mooncake", ident, size))
+    ids = record.hash_ids[: -(-length // size)]
+    tokens = vocab.blocks("mooncake", ids, size, length)
     if len(tokens) < length:  # a record with fewer ids than its length needs: pad with its own tokens
         tokens.extend(vocab.tokens(_tail_seed(record), length - len(tokens)))
-    return tokens[:length]
+    return tokens
 
 
 def _tail_seed(record: TraceRecord) -> str:
@@ -231,3 +230,93 @@ class TraceSource:
             hits += hit
             each.append((total, hit))
         return IdealCache(hits, queries, each)
+
+
+# --- a synthetic conversation trace ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConversationShape:
+    """Chats as a service sees them, in Mooncake's trace format: each conversation starts with one of a few
+    system prompts (whole blocks, so they are shared) and a first message (documents, code: long, lognormal);
+    every next turn is the whole history (the full blocks of the last turn, then its partial block and the answer
+    and question that follow as new ids) plus a new question. Conversations start uniformly over `duration_s`,
+    turns are `turn_gap_s` (exponential mean) apart. The defaults give about the size of Mooncake's conversation
+    trace (12,031 requests, ~145 M prompt tokens, mean output ~340, one hour)."""
+
+    requests: int = 12_031
+    duration_s: float = 3600.0
+    system_prompts: int = 24
+    system_blocks: tuple[int, int] = (1, 6)       # 512-token blocks, uniform
+    first_message_tokens: float = 4700.0           # lognormal median
+    first_message_sigma: float = 0.9
+    turn_tokens: float = 1200.0                    # answer + next question, exponential mean
+    mean_turns: float = 4.0                        # geometric
+    turn_gap_s: float = 60.0
+    output_tokens: float = 340.0                   # exponential mean
+    max_input_tokens: int = 120_000
+    seed: int = 0
+
+
+def conversation_trace(shape: ConversationShape = ConversationShape()) -> list[TraceRecord]:
+    """The records of a synthetic conversation trace (ids only, no tokens), in arrival order."""
+    rng = random.Random(shape.seed)
+    bt = MOONCAKE_BLOCK_TOKENS
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        next_id += n
+        return list(range(next_id - n, next_id))
+
+    systems = [fresh(rng.randint(*shape.system_blocks)) for _ in range(shape.system_prompts)]
+    out: list[TraceRecord] = []
+    while len(out) < shape.requests:
+        at = rng.uniform(0, shape.duration_s)
+        ids = list(rng.choice(systems))
+        length = len(ids) * bt
+        grow = min(int(rng.lognormvariate(math.log(shape.first_message_tokens), shape.first_message_sigma)),
+                   shape.max_input_tokens // 2)
+        while True:
+            length = min(length + max(grow, 1), shape.max_input_tokens)
+            ids += fresh(-(-length // bt) - len(ids))
+            out.append(TraceRecord(timestamp=round(at * 1000.0, 3), input_length=length,
+                                   output_length=max(1, int(rng.expovariate(1 / shape.output_tokens))),
+                                   hash_ids=list(ids)))
+            if rng.random() < 1 / shape.mean_turns or length >= shape.max_input_tokens:
+                break
+            ids = ids[: length // bt]  # the partial last block changes as the history grows
+            at += rng.expovariate(1 / shape.turn_gap_s)
+            grow = int(rng.expovariate(1 / shape.turn_tokens))
+    out.sort(key=lambda r: r.timestamp)
+    out = out[: shape.requests]
+    stretch = shape.duration_s * 1000.0 / max(out[-1].timestamp, 1.0)  # the last turns of the last chats fit too
+    for record in out:
+        record.timestamp = round(record.timestamp * stretch, 3)
+    return out
+
+
+def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
+    encoder = msgspec.json.Encoder()
+    with Path(path).open("wb") as f:
+        for record in records:
+            f.write(encoder.encode(record) + b"\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    shape = ConversationShape()
+    parser.add_argument("--out", required=True, help="the JSONL trace to write")
+    parser.add_argument("--requests", type=int, default=shape.requests)
+    parser.add_argument("--duration-s", type=float, default=shape.duration_s)
+    parser.add_argument("--seed", type=int, default=shape.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    records = conversation_trace(ConversationShape(requests=args.requests, duration_s=args.duration_s,
+                                                   seed=args.seed))
+    write_trace(args.out, records)
+    tokens = sum(r.input_length for r in records)
+    print(f"wrote {args.out}: {len(records)} requests, {tokens / 1e6:.1f} M prompt tokens, "
+          f"{sum(r.output_length for r in records) / len(records):.0f} output tokens per request on average, "
+          f"{records[-1].timestamp / 1000:.0f} s")
+    return 0

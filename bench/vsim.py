@@ -35,7 +35,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import orjson
 from tqdm import tqdm
@@ -54,7 +54,7 @@ from bench.sweep import Job, run_sweep
 from bench.traces import Trace, TraceError, TraceSource
 from bench.workloads import PromptVocabulary, RequestSource, Workload, WorkloadSource
 from kvcore.kv_events import GPU, BlockStored, KvEvent
-from kvcore.vllm_hash import BlockHasher, Digest, EventHash, event_hash
+from kvcore.vllm_hash import BlockHasher, Digest
 from kvgate.serve import assemble
 from router.block_keys import block_keys, chain_key, root_key
 from router.config import WorkerSpec
@@ -68,8 +68,8 @@ from strategies.balance import PrefillBalance
 from strategies.kv import KvAware
 
 MODEL = "tiny"
-# The engines hash blocks with a chain of 64-bit xxh3 from a root of their own (digest: its 8 bytes, big-endian, so
-# the event hash is the key) instead of vLLM's sha256 of pickle: events carry 64 bits either way, it costs a tenth,
+# The engines hash blocks with a chain of 64-bit xxh3 from a root of their own (the digest is the 64-bit int, which
+# is also the event hash) instead of vLLM's sha256 of pickle: events carry 64 bits either way, it costs a tenth,
 # and it is still unlike the gateway's keys, so the KV event applier maps engine hashes to its own keys from the
 # events' token ids exactly as it does for a real engine.
 ENGINE_ROOT = root_key("vsim-engine")
@@ -133,11 +133,11 @@ class VRequest:
 
 class VirtualReplica:
     def __init__(self, index: int, profile: Profile, block_size: int, num_blocks: int, max_model_len: int,
-                 hasher: BlockHasher, to_event: Callable[[Digest], EventHash], events: bool) -> None:
+                 hasher: BlockHasher, events: bool) -> None:
         self.index = index
         self.url = f"http://replica-{index}:8000"
         self.profile = profile
-        self.pool = BlockPool(num_blocks, block_size, to_event, enable_events=events)
+        self.pool = BlockPool(num_blocks, block_size, None, enable_events=events)  # digests are event hashes
         self.kv = KvCacheManager(self.pool, max_model_len)
         self.scheduler = Scheduler(self.kv, hasher, profile.max_num_seqs, profile.max_num_batched_tokens,
                                    max_model_len)
@@ -185,9 +185,8 @@ class FleetSimulation:
         if isinstance(balance, PrefillBalance):
             balance.random.seed(seed)
             balance.clock = lambda: self.now
-        self.to_event = event_hash
         self.replicas = [VirtualReplica(i, self.profile, block_size, blocks, self.max_model_len, _engine_hash,
-                                        event_hash, events=True) for i in range(replicas)]
+                                        events=True) for i in range(replicas)]
         self.workers = [r.worker for r in self.replicas]
         self.now = 0.0
         # KV events go straight to the gateway's applier, in order and complete: no transport, nothing to recover
@@ -317,7 +316,7 @@ class FleetSimulation:
             if block is None:
                 break
             gpu.append(block)
-        rest = [int(self.to_event(d)) for d in hashes[len(gpu):]]
+        rest = cast(list[int], hashes[len(gpu):])  # the engines' digests are their event hashes
         if not rest:
             return 0.0
         where = replica.tiers.load(rest)
@@ -494,13 +493,14 @@ class FleetSimulation:
 
 
 def engine_hashes(token_ids: Sequence[int], block_size: int) -> list[Digest]:
-    """The simulated engines' digest of every full block of a prompt."""
-    return [key.to_bytes(8, "big") for key in block_keys(token_ids, block_size, ENGINE_ROOT)]
+    """The simulated engines' digest of every full block of a prompt: a 64-bit int, which is also its event hash
+    (the block pool is told so), instead of 8 bytes converted at every use."""
+    return cast(list[Digest], block_keys(token_ids, block_size, ENGINE_ROOT))
 
 
 def _engine_hash(parent: Digest | None, token_ids: Sequence[int], extra: object = None) -> Digest:
     """One block's digest on the simulated engines (a block filled by decoding)."""
-    return chain_key(ENGINE_ROOT if parent is None else event_hash(parent), token_ids).to_bytes(8, "big")
+    return cast(Digest, chain_key(ENGINE_ROOT if parent is None else cast(int, parent), token_ids))
 
 
 def _thin(pairs: list[tuple[float, float]], most: int) -> list[tuple[float, float]]:

@@ -22,9 +22,9 @@ Generators (all deterministic for a seed):
 
 from __future__ import annotations
 
-import operator
 import random
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +40,7 @@ _WORD = re.compile(r" [A-Za-z]+")
 # splitmix64's constants (Steele, Lea, Flood 2014)
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+BLOCK_CACHE = 4096  # numbered blocks a vocabulary keeps expanded (at 512 tokens, 16 MB of references)
 
 
 @dataclass(slots=True)
@@ -127,7 +128,10 @@ class PromptVocabulary:
         if len(words) < 64:
             raise ValueError(f"the tokenizer has only {len(words)} single-token words; cannot build prompts")
         self.words = words
+        self._words = np.empty(len(words), dtype=object)
+        self._words[:] = words
         self.bos: list[int] = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self._blocks: OrderedDict[tuple[str, int, int], list[int]] = OrderedDict()  # (namespace, n, ident)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> PromptVocabulary:
@@ -141,14 +145,42 @@ class PromptVocabulary:
         x = (x ^ (x >> _S30)) * _MIX1
         x = (x ^ (x >> _S27)) * _MIX2
         x ^= x >> _S31
-        picks: list[int] = (x % np.uint64(len(self.words))).tolist()
-        if n < 2:
-            return [self.words[i] for i in picks]
-        return list(operator.itemgetter(*picks)(self.words))  # the vocabulary's own int objects, not copies
+        # an object array of the vocabulary's own int objects: the tokens are references, not copies
+        tokens: list[int] = self._words[(x % np.uint64(len(self.words))).astype(np.intp)].tolist()
+        return tokens
 
     def block(self, namespace: str, ident: int, n: int) -> list[int]:
         """The tokens of a numbered block (a trace hash_id): the same ident gives the same tokens."""
         return self.tokens(f"{namespace}:{ident}", n)
+
+    def blocks(self, namespace: str, idents: Sequence[int], n: int, length: int) -> list[int]:
+        """The first `length` tokens of the numbered blocks `idents` of `n` tokens each, one after another: the
+        same as joining `block(namespace, ident, n)`. A trace's prompts repeat their blocks (a conversation's
+        next turn is its history again), so the most recent `BLOCK_CACHE` blocks are kept and only the others
+        computed, in one pass."""
+        cache = self._blocks
+        missing = [ident for ident in dict.fromkeys(idents) if (namespace, n, ident) not in cache]
+        if missing:
+            seeds = np.fromiter((xxhash.xxh3_64_intdigest(f"{namespace}:{ident}".encode()) for ident in missing),
+                                dtype=np.uint64, count=len(missing))
+            x = ((np.arange(n, dtype=np.uint64) * _GOLDEN)[None, :] + seeds[:, None]).ravel()
+            x = (x ^ (x >> _S30)) * _MIX1
+            x = (x ^ (x >> _S27)) * _MIX2
+            x ^= x >> _S31
+            tokens: list[int] = self._words[(x % np.uint64(len(self.words))).astype(np.intp)].tolist()
+            for k, ident in enumerate(missing):
+                cache[(namespace, n, ident)] = tokens[k * n:(k + 1) * n]
+        out: list[int] = []
+        for ident in idents:
+            key = (namespace, n, ident)
+            out += cache[key]
+            cache.move_to_end(key)
+            if len(out) >= length:
+                break
+        while len(cache) > BLOCK_CACHE:
+            cache.popitem(last=False)
+        del out[length:]
+        return out
 
     def text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))

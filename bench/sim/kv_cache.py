@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from kvcore.vllm_hash import Digest, EventHash
@@ -105,8 +105,10 @@ class ExternalCacheStats:
 class BlockPool:
     """All blocks of the cache, the hash → block map of cached blocks, and the events of what changed."""
 
-    def __init__(self, num_blocks: int, block_size: int, event_hash: Callable[[Digest], EventHash],
+    def __init__(self, num_blocks: int, block_size: int, event_hash: Callable[[Digest], EventHash] | None,
                  enable_events: bool = True) -> None:
+        """`event_hash`: a digest as events carry it; None when the digests are 64-bit ints that events carry as
+        they are (the virtual-time fleet's engines: one call less per block)."""
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (block 0 is vLLM's null block)")
         self.num_blocks = num_blocks
@@ -116,7 +118,8 @@ class BlockPool:
         self.null_block = self.free_queue.popleft()
         # a hash can be held by several blocks when two requests computed the same block before either was cached
         self.cached: dict[Digest, dict[int, KvBlock]] = {}
-        self._event_hash = event_hash
+        self._event_hash: Callable[[Digest], EventHash] = event_hash or _as_event_hash
+        self._identity = event_hash is None
         self.enable_events = enable_events
         self.events: list[KvEvent] = []
 
@@ -145,19 +148,25 @@ class BlockPool:
         if num_cached >= num_full:
             return
         new_hashes: list[EventHash] = []
+        to_event = None if self._identity else self._event_hash
+        cached = self.cached
         for i in range(num_cached, num_full):
             block = blocks[i]
             if block.block_hash is not None:  # already cached (a prefix hit); vLLM skips it too
                 continue
             digest = block_hashes[i]
             block.block_hash = digest
-            block.event_hash = self._event_hash(digest)
-            holders = self.cached.get(digest)
+            if to_event is None:
+                event: EventHash = digest  # an int already (no call per block)
+            else:
+                event = to_event(digest)
+            block.event_hash = event
+            holders = cached.get(digest)
             if holders is None:
-                self.cached[digest] = {block.block_id: block}
+                cached[digest] = {block.block_id: block}
             else:
                 holders[block.block_id] = block
-            new_hashes.append(block.event_hash)
+            new_hashes.append(event)
         if self.enable_events and new_hashes:
             bs = self.block_size
             parent = self._event_hash(block_hashes[num_cached - 1]) if num_cached > 0 else None
@@ -233,6 +242,11 @@ class BlockPool:
         return [b.block_id for b in self.free_queue]
 
 
+def _as_event_hash(digest: Digest) -> EventHash:
+    """A digest that is its own event hash already (an int, see `BlockPool`)."""
+    return cast(EventHash, digest)
+
+
 @dataclass
 class RequestBlocks:
     blocks: list[KvBlock] = field(default_factory=list)
@@ -283,6 +297,15 @@ class KvCacheManager:
         bs = self.block_size
         needed_tokens = min(num_computed_tokens + num_new_tokens, self.max_model_len)
         required = -(-needed_tokens // bs)
+        if not new_computed_blocks and not full_sequence_must_fit and required <= len(table.blocks):
+            # a decode step inside the last block (most steps): nothing to reserve, at most a block to cache
+            if self.enable_caching:
+                num_full = min(needed_tokens, len(all_token_ids), len(block_hashes) * bs) // bs
+                if num_full > table.num_cached:
+                    self.pool.cache_full_blocks(table.blocks, block_hashes, table.num_cached, num_full,
+                                                all_token_ids, first_block_extra)
+                    table.num_cached = num_full
+            return True
         num_new = required - len(table.blocks) - len(new_computed_blocks)
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if full_sequence_must_fit:
