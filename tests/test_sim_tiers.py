@@ -3,10 +3,14 @@ stand-in bytes, the fleet's shared store and its TTL on the virtual clock, and t
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+from agent.block import checksum
 from agent.config import AgentConfig
-from bench.sim.tier_model import FleetBackend, ReplicaAgent
+from agent.tiers.base import StoreItem
+from agent.tiers.dram import DramTier
+from bench.sim.tier_model import FleetBackend, NvmeModel, ReplicaAgent
 from kvcore.kv_events import BlockRemoved, BlockStored
 
 
@@ -72,3 +76,39 @@ def test_admission_by_reuse_keeps_one_off_blocks_out_of_the_lower_tiers() -> Non
     a.save([1], None)  # third use: NVMe and the shared store admit it
     stored = media(a.events(), BlockStored)
     assert stored["DISK"] == [1] and stored["SHARED"] == [1]
+
+
+def test_the_nvme_model_is_the_dram_tier_without_prefix_order() -> None:
+    """The simulator's slim NVMe model (an ordered dict of keys) answers, evicts and hands down exactly as the
+    agent's DRAM tier without prefix order, the exact LRU it stands for, under a random mix of operations."""
+    rng = random.Random(7)
+    slim, full = NvmeModel(50, 0.9, 0.6), DramTier(50, 0.9, 0.6, prefix_order=False)
+    removed: dict[str, list[Any]] = {"slim": [], "full": []}
+    slim.on_removed = lambda r: removed["slim"].append([(x.key, None if x.block is None else x.block.item(x.key))
+                                                        for x in r])
+    full.on_removed = lambda r: removed["full"].append([(x.key, None if x.block is None else x.block.item(x.key))
+                                                        for x in r])
+    out = memoryview(bytearray(1))
+    for _ in range(3000):
+        keys = [(0, rng.randrange(120)) for _ in range(rng.randint(1, 8))]
+        op = rng.random()
+        if op < 0.4:
+            items = [StoreItem(k, b"\x00", checksum(b"\x00"), (0, 999)) for k in keys]
+            assert slim.store_many(items) == full.store_many(items)
+        elif op < 0.7:
+            touch = rng.random() < 0.8
+            assert slim.read_many(keys, [out] * len(keys), touch) == full.read_many(keys, [out] * len(keys), touch)
+        elif op < 0.8:
+            slim.touch(keys)
+            full.touch(keys)
+        elif op < 0.9:
+            assert slim.delete(keys[0]) == full.delete(keys[0])
+        elif slim.above_high_watermark() or full.above_high_watermark():
+            assert slim.above_high_watermark() and full.above_high_watermark()
+            slim.evict_to_low_watermark()
+            full.evict_to_low_watermark()
+        assert [slim.contains(k) for k in keys] == [full.contains(k) for k in keys]
+        assert slim.usage() == full.usage() and list(slim.block_keys()) == sorted(full.block_keys(),
+                                                                                key=lambda k: full._blocks[k].used)
+    assert removed["slim"] == removed["full"] and sum(map(len, removed["full"])) > 500
+    assert vars(slim.stats) | {"lock": None} == vars(full.stats) | {"lock": None}

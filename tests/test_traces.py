@@ -18,7 +18,15 @@ import orjson
 import pytest
 
 from bench import vsim
-from bench.traces import Trace, TraceError, TraceSource, expand_record
+from bench.traces import (
+    ConversationShape,
+    Trace,
+    TraceError,
+    TraceSource,
+    conversation_trace,
+    expand_record,
+    write_trace,
+)
 from bench.workloads import PromptVocabulary, ideal_hit_rate
 
 
@@ -190,3 +198,18 @@ def test_only_requests_in_flight_hold_prompts(tmp_path: Path, vocab: PromptVocab
     assert result["completed"] == 50
     # each request is taken from the trace when the one before it arrives, not all at the start
     assert taken[10] >= 9.0 and taken[-1] >= 48.0
+
+
+def test_the_synthetic_conversation_trace_has_the_size_it_claims(tmp_path: Path, vocab: PromptVocabulary) -> None:
+    """`kvgate bench trace`: by default the size of Mooncake's conversation trace (12,031 requests, ~145 M prompt
+    tokens, one hour); turns extend their conversation's history, so a single cache would hit most of it."""
+    path = tmp_path / "conv.jsonl"
+    done = subprocess.run([sys.executable, "-m", "kvgate.cli", "bench", "trace", "--out", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    trace = Trace(path, report=None)
+    assert len(trace) == 12_031 and trace.scan.skipped == 0
+    assert 140e6 < trace.scan.prompt_tokens < 155e6 and trace.scan.duration_s == pytest.approx(3600, abs=1)
+    small = tmp_path / "small.jsonl"
+    write_trace(small, conversation_trace(ConversationShape(requests=400, duration_s=60.0)))
+    assert 0.5 < TraceSource(Trace(small), vocab, block_tokens=32).ideal(16).hit_rate < 0.95

@@ -3,7 +3,7 @@ admission by reuse, promotion, demotion and watermarks (agent/store.py, agent/po
 eviction in prefix order, its shared tier's index and TTL -- over tiers that keep one stand-in byte per block, so
 capacities count blocks.
 
-Modelled rather than run: NVMe keeps the DRAM tier's bookkeeping without prefix order, i.e. exact LRU (the order
+Modelled rather than run: NVMe is exact LRU, the DRAM tier's bookkeeping without prefix order (the order
 of the agent's `files` layout; the default segment log drops the oldest eighth at a time), and like DRAM it hands
 a block it pushes out to the tier below (the agent copies NVMe's eviction candidates down before its upkeep
 evicts them). The fleet's Redis is a dict on the virtual clock: TTL from the last write, a bound in blocks with
@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from typing import ParamSpec, TypeVar
 
-from agent.block import BlockKey
+from agent.block import BlockKey, checksum
 from agent.config import AgentConfig
 from agent.store import TierStore
-from agent.tiers.base import Buffer, TierName
+from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 from agent.tiers.dram import DramTier
 from agent.tiers.shared import SharedTier
 from kvcore.kv_events import KvEvent
@@ -30,6 +30,7 @@ from kvcore.kv_events import KvEvent
 LAYOUT = 0
 UPKEEP_S = 0.2  # the agent's maintain() interval (agent/server.py)
 _STAND_IN = b"\x00"  # one byte per block: tier capacities in bytes are capacities in blocks
+_HELD = HeldBlock(bytearray(_STAND_IN), None, checksum(_STAND_IN))  # any block NVMe hands down
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -47,13 +48,109 @@ class InlineExecutor(Executor):
         return future
 
 
-class NvmeModel(DramTier):
-    """The NVMe tier of the model: DRAM's bookkeeping without prefix order (exact LRU)."""
+class NvmeModel:
+    """The NVMe tier of the model: exact LRU over block keys, which is what the agent's DRAM tier without prefix
+    order does, kept as one ordered dict instead of a block object, a byte buffer and heap entries per block
+    (NVMe holds ten times DRAM's blocks; this is most of a tiered simulation's memory otherwise). Every block is
+    the same one-byte stand-in, so one held block stands for each one that moves down."""
 
     name = TierName.NVME
 
     def __init__(self, capacity: int, high_watermark: float, low_watermark: float) -> None:
-        super().__init__(capacity, high_watermark, low_watermark, prefix_order=False)
+        self.capacity = capacity
+        self.high_bytes = int(capacity * high_watermark)
+        self.low_bytes = int(capacity * low_watermark)
+        self.stats = TierStats()
+        self.on_removed: RemovalListener | None = None
+        self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # least recently used first
+
+    def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
+        return self.store_many([StoreItem(key, payload, digest)]) == 1
+
+    def store_many(self, items: Sequence[StoreItem]) -> int:
+        lru = self._lru
+        evicted: list[Removed] = []
+        held = 0
+        for item in items:
+            key = item.key
+            if key in lru:
+                lru.move_to_end(key)
+            elif self.capacity < 1:
+                self.stats.refused += 1
+                continue
+            else:
+                if len(lru) >= self.capacity:
+                    evicted += self._evict(self.capacity - 1)
+                lru[key] = None
+                self.stats.stores += 1
+            held += 1
+        self._report(evicted)
+        return held
+
+    def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
+        if key not in self._lru:
+            self.stats.misses += 1
+            return None
+        out[:1] = _STAND_IN
+        if touch:
+            self._lru.move_to_end(key)
+        self.stats.hits += 1
+        return 1
+
+    def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
+        return [self.read_into(key, out, touch) for key, out in zip(keys, outs, strict=True)]
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._lru
+
+    def held(self, key: BlockKey) -> HeldBlock | None:
+        return _HELD if key in self._lru else None
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        for key in reversed(keys):
+            if key in self._lru:
+                self._lru.move_to_end(key)
+
+    def delete(self, key: BlockKey) -> bool:
+        if key not in self._lru:
+            return False
+        del self._lru[key]
+        self._report([Removed(key)])
+        return True
+
+    def usage(self) -> TierUsage:
+        return TierUsage(len(self._lru), len(self._lru), self.capacity)
+
+    def block_keys(self) -> Iterable[BlockKey]:
+        return list(self._lru)
+
+    def above_high_watermark(self) -> bool:
+        return len(self._lru) > self.high_bytes
+
+    def evict_to_low_watermark(self) -> None:
+        self._report(self._evict(self.low_bytes))
+
+    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
+        return []  # an eviction hands over the (stand-in) bytes itself
+
+    def upkeep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _evict(self, target: int) -> list[Removed]:
+        lru = self._lru
+        evicted = []
+        while len(lru) > target:
+            key, _ = lru.popitem(last=False)
+            evicted.append(Removed(key, _HELD))
+        self.stats.evictions += len(evicted)
+        return evicted
+
+    def _report(self, removed: list[Removed]) -> None:
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)
 
 
 class FleetBackend:
