@@ -36,13 +36,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from agent.block_mover import BlockMover, Failure, LoadResult
 from agent.client import AgentClient
 from agent.kv_layout import describe_layers
+from agent.protocol import AgentError
 
 if TYPE_CHECKING:
+    from prometheus_client import Counter
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -93,6 +96,60 @@ class KvgateConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[BlockTransfer] = field(default_factory=list)
 
 
+FAILURE_KINDS = ("lookup", "load", "save")
+
+
+@dataclass
+class KvgateConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """The connector's failures since its last report, by kind and reason: `{"load": {"bad_reply": 2}, ...}`.
+    Lookups fail in the scheduler process, loads and saves in the workers; vLLM adds the two up."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data: dict[str, dict[str, int]] = {kind: {} for kind in FAILURE_KINDS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(kind) for kind in FAILURE_KINDS)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for kind, reasons in other.data.items():
+            mine = self.data.setdefault(kind, {})
+            for reason, n in reasons.items():
+                mine[reason] = mine.get(reason, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"{kind}_failures_{reason}": n for kind, reasons in sorted(self.data.items())
+                for reason, n in sorted(reasons.items())}
+
+    def count(self, kind: str, reason: str, n: int = 1) -> None:
+        reasons = self.data.setdefault(kind, {})
+        reasons[reason] = reasons.get(reason, 0) + n
+
+
+class KvgateConnectorPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """`vllm:kvgate_connector_failures_total{kind, reason}` on vLLM's /metrics: lookups, loads and saves that
+    went wrong (a failed load is recomputed, a failed save dropped, a failed lookup answers 0)."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._failures = self._counter_cls(
+            name="vllm:kvgate_connector_failures_total",
+            documentation="kvgate connector lookups, loads and saves that failed, by kind and reason.",
+            labelnames=[*labelnames, "kind", "reason"])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for kind, reasons in (transfer_stats_data or {}).items():
+            for reason, n in reasons.items():
+                counter: Counter = self._failures.labels(*labels, kind, reason)
+                counter.inc(n)
+
+
 class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
     _cache_hit_source = CacheHitSource.HOST
 
@@ -127,9 +184,11 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._mover: BlockMover | None = None
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
+        self._stats = KvgateConnectorStats()  # failures not yet reported to vLLM
         log.info("kvgate connector (%s): agent %s, layout %016x", role.name, socket_path, self._layout)
 
     def _agent_failed(self, what: str, exc: Exception) -> None:
+        self._stats.count(what, "agent_unavailable" if isinstance(exc, AgentError) else "error")
         now = time.monotonic()
         if now - self._last_agent_error > 10:
             log.warning("kvgate agent unavailable during %s (continuing without it): %s", what, exc)
@@ -270,6 +329,31 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue  # this step computed on top of blocks that failed to load: do not keep its KV
             if self._mover.save(transfer.hashes, transfer.block_ids, transfer.parent) is not None:
                 return  # the agent is not there: the other saves of this step would fail the same way
+
+    # ==========================================================================================================
+    # failures, counted for vLLM's stats logger and /metrics
+    # ==========================================================================================================
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._mover is not None:
+            for kind, counts in (("load", self._mover.load_failures), ("save", self._mover.save_failures)):
+                for reason, n in counts.items():
+                    self._stats.count(kind, str(reason), n)
+                counts.clear()
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvgateConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        # a copy: vLLM's stats loggers aggregate into what they are given
+        return KvgateConnectorStats(data={kind: dict(reasons) for kind, reasons in (data or {}).items()})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KvgateConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -3,6 +3,7 @@ read its Prometheus metrics."""
 
 from __future__ import annotations
 
+import resource
 import signal
 import subprocess
 import time
@@ -17,20 +18,31 @@ from tests.conftest import kvgate_command
 
 
 class AgentProcess:
-    def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str) -> None:
-        self.socket = str(tmp_path / "agent.sock")
+    def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str, command: list[str] | None = None,
+                 file_size_limit: int | None = None, socket: str | None = None) -> None:
+        """`command`: what runs instead of `kvgate agent` (it gets the same flags). `file_size_limit`: no file the
+        agent writes may grow past this many bytes (RLIMIT_FSIZE; writes beyond fail with EFBIG, as on a full
+        disk), set on the process itself, so no root or special filesystem is needed. `socket`: another socket
+        path than TMP_PATH/agent.sock (to stand in for an agent that had it)."""
+        self.socket = socket or str(tmp_path / "agent.sock")
         self.log_path = tmp_path / "agent.log"  # a file, not a pipe nobody reads (which could fill and stall it)
         self.metrics_port = free_port()
-        self.cmd = kvgate_command("agent", "--socket-path", self.socket, "--metrics-port", str(self.metrics_port),
-                                  "--metrics-host", "127.0.0.1", *flags)
+        self.cmd = [*(command or kvgate_command("agent")), "--socket-path", self.socket, "--metrics-port",
+                    str(self.metrics_port), "--metrics-host", "127.0.0.1", *flags]
         self.env = env
+        self.file_size_limit = file_size_limit
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
+
+    def _limit(self) -> None:
+        if self.file_size_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.file_size_limit, self.file_size_limit))
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=log,
+                                         preexec_fn=self._limit if self.file_size_limit is not None else None)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -116,3 +116,81 @@ def test_hello_declares_the_layout_and_block_size(
     # a block size the shared memory cannot hold is refused at Hello
     with pytest.raises(AgentError, match="a block of 8192 bytes does not fit 4096 bytes of shared memory"):
         AgentClient(agent.socket, shm_bytes=4096, block_bytes=8192).connect()
+
+
+# what each wrong answer must come to: (mode, failure, blocks of the four asked for that still load whole)
+FAULTS = [("short", "bad_reply", 0), ("foreign", "bad_reply", 3), ("extra", "bad_reply", 0),
+          ("garbage", "agent_unavailable", 0), ("error", "agent_unavailable", 0),
+          ("hang", "agent_unavailable", 0), ("close", "agent_unavailable", 0),
+          ("hello_size", "agent_unavailable", 0)]
+
+
+def test_every_wrong_answer_becomes_a_counted_partial_load(tmp_path: Path, agents: list[AgentProcess],
+                                                           probes: list[MoverProbe],
+                                                           subprocess_env: dict[str, str]) -> None:
+    from tests.faulty_agent import FaultyAgentProcess
+
+    agent = FaultyAgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    probe = MoverProbe(agent.socket)
+    probes.append(probe)
+    hashes = [21, 22, 23, 24]
+    assert probe("save", hashes=hashes, blocks=[10, 11, 12, 13]) == {"failure": None}
+    expected: dict[str, int] = {}
+    for mode, failure, whole in FAULTS:
+        agent.set_mode(mode)
+        if mode == "hello_size":
+            probe("view_outlives_close")  # the next call connects again, and meets this Hello
+        got = probe("load", hashes=hashes, blocks=[0, 1, 2, 3])
+        assert got == {"loaded": whole, "failure": failure, "correct": True}, mode
+        expected[failure] = expected.get(failure, 0) + 1
+        agent.set_mode("ok")
+        assert probe("load", hashes=hashes, blocks=[4, 5, 6, 7]) == {"loaded": 4, "failure": None,
+                                                                      "correct": True}, f"after {mode}"
+    assert probe("counters") == {"load": expected, "save": {}}
+    probe.close()  # exits 0: nothing raised out of the mover
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_meets_every_wrong_answer_recomputes_and_counts_it(weighted_model: Path, tmp_path: Path,
+                                                                 agents: list[AgentProcess],
+                                                                 subprocess_env: dict[str, str]) -> None:
+    """One real vLLM on the faulty agent, one fault after another: no crash, no failed request, the output of
+    recomputation every time, and the failures by reason on vLLM's /metrics."""
+    from tests.faulty_agent import FaultyAgentProcess
+    from tests.vllm_replica import complete, connector_failures, loadable_tokens, reset_prefix_cache, start_vllm
+
+    agent = FaultyAgentProcess(tmp_path / "agent", subprocess_env, "--block-size", "32")
+    agents.append(agent)
+    server = start_vllm(weighted_model, tmp_path / "logs", agent.socket, connector_extra={"timeout_s": 1.0})
+    try:
+        prompt = " ".join(f"fault{i} x" for i in range(40))
+        reference = complete(server, prompt)  # computed, saved
+        assert reference.cached == 0
+        expected: dict[str, int] = {}
+        for mode, failure, _whole in FAULTS:
+            expected[failure] = expected.get(failure, 0) + 1
+            agent.set_mode(mode)
+            if mode == "hello_size":  # only a new connection meets Hello: make the worker reconnect
+                agent.set_mode("close")
+                reset_prefix_cache(server)
+                assert complete(server, prompt).output == reference.output
+                expected["agent_unavailable"] += 1
+                agent.set_mode("hello_size")
+            reset_prefix_cache(server)
+            got = complete(server, prompt)
+            assert got.output == reference.output, mode
+            assert server.proc.poll() is None, server.log_tail(8000)
+        agent.set_mode("ok")
+        reset_prefix_cache(server)
+        hits = agent.metric("kvgate_agent_hits_total", tier="dram")
+        recovered = complete(server, prompt)
+        assert recovered.output == reference.output
+        assert recovered.cached == loadable_tokens(recovered.prompt_tokens)  # back to loading whole
+        assert agent.metric("kvgate_agent_hits_total", tier="dram") == hits + recovered.cached // 32
+        for reason, n in expected.items():  # each fault once per request: counted on vLLM's /metrics
+            assert connector_failures(server, "load", reason) == n, reason
+        assert "could not be loaded (bad_reply); vLLM recomputes them" in server.log_tail(2_000_000)
+    finally:
+        server.stop()

@@ -27,8 +27,10 @@ class Completion(NamedTuple):
 
 
 def start_vllm(model_dir: Path, log_dir: Path, agent_socket: str | None, *extra: str,
-               block_size: int = BLOCK_SIZE, timeout: float = 300) -> EngineServer:
-    """vLLM with the kvgate connector on `agent_socket` (None: no connector, same flags and environment)."""
+               block_size: int = BLOCK_SIZE, timeout: float = 300,
+               connector_extra: dict[str, Any] | None = None) -> EngineServer:
+    """vLLM with the kvgate connector on `agent_socket` (None: no connector, same flags and environment);
+    `connector_extra` adds to the connector's `kv_connector_extra_config`."""
     port = free_port()
     cmd = [str(ensure_vllm_venv()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
@@ -37,7 +39,8 @@ def start_vllm(model_dir: Path, log_dir: Path, agent_socket: str | None, *extra:
     if agent_socket is not None:
         connector = {"kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector",
                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                     "kv_connector_extra_config": {"agent_socket": agent_socket, "shm_bytes": 8 * 2**20}}
+                     "kv_connector_extra_config": {"agent_socket": agent_socket, "shm_bytes": 8 * 2**20,
+                                                   **(connector_extra or {})}}
         cmd += ["--kv-transfer-config", json.dumps(connector)]
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
     env.update(PYTHONPATH=str(ROOT), PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -65,6 +68,23 @@ def complete(server: EngineServer, prompt: str, max_tokens: int = 8) -> Completi
     usage = reply["usage"]
     return Completion(choice["text"], choice["logprobs"]["token_logprobs"],
                       usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"])
+
+
+def metrics(server: EngineServer) -> str:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+        body: bytes = response.read()
+        return body.decode()
+
+
+def connector_failures(server: EngineServer, kind: str, reason: str) -> float:
+    """vLLM's own count (`vllm:kvgate_connector_failures_total`) of the connector's failures of this kind (lookup,
+    load, save) and reason; 0 if none yet."""
+    total = 0.0
+    for line in metrics(server).splitlines():
+        if line.startswith("vllm:kvgate_connector_failures_total{") and f'kind="{kind}"' in line \
+                and f'reason="{reason}"' in line:
+            total += float(line.split()[-1])
+    return total
 
 
 def reset_prefix_cache(server: EngineServer) -> None:

@@ -1,0 +1,100 @@
+"""A real tier agent process that answers wrongly on purpose, for the connector's fault tests.
+
+`python -m tests.faulty_agent MODE_FILE <kvgate agent flags>` runs the real `TierAgent` (real socket, shared
+memory, tiers), except that before every request it reads a mode from MODE_FILE, so one engine can meet every fault
+in turn without a restart:
+  ok           answer correctly
+  short        a load reports its first block one byte short
+  foreign      a load reports its last block 16 bytes longer than the block size
+  extra        a load reports one block more than was asked for
+  garbage      a load is answered with a frame that is not a reply
+  error        a load is answered with an error
+  hang         a load is answered after 30 s (past any client timeout)
+  close        the connection is closed instead of answering a load
+  hello_size   Hello answers a shared-memory size other than the one mapped
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from agent.cli import add_arguments
+from agent.config import ENV_PREFIX, AgentConfig
+from agent.protocol import ErrorReply, Hello, HelloReply, Load, LoadReply, Reply, Stats, request_decoder
+from agent.server import Connection, TierAgent
+from kvcore.aio import run_until_signalled
+from kvcore.config import load_config
+from tests.agent_process import AgentProcess
+
+MODES = ("ok", "short", "foreign", "extra", "garbage", "error", "hang", "close", "hello_size")
+HANG_S = 30.0
+
+
+class FaultyTierAgent(TierAgent):
+    def __init__(self, config: AgentConfig, mode_file: Path) -> None:
+        super().__init__(config)
+        self.mode_file = mode_file
+
+    def mode(self) -> str:
+        try:
+            return self.mode_file.read_text().strip() or "ok"
+        except FileNotFoundError:
+            return "ok"
+
+    async def _answer(self, conn: Connection, body: bytes, fds: list[int] | None = None) -> Reply:
+        mode = self.mode()
+        try:
+            request = request_decoder.decode(body)
+        except Exception:
+            return await super()._answer(conn, body, fds)
+        if isinstance(request, Load):
+            if mode == "hang":
+                await asyncio.sleep(HANG_S)
+            elif mode == "close":
+                raise ConnectionResetError("faulty agent: closing instead of answering")
+            elif mode == "garbage":
+                return Stats()  # type: ignore[return-value]  # a request's frame: not a reply
+            elif mode == "error":
+                return ErrorReply(message="faulty agent: refused")
+        reply = await super()._answer(conn, body, fds)
+        if isinstance(reply, LoadReply) and reply.lengths:
+            if mode == "short":
+                reply.lengths[0] -= 1
+            elif mode == "foreign":
+                reply.lengths[-1] += 16
+            elif mode == "extra":
+                reply.lengths.append(reply.lengths[-1])
+        if isinstance(request, Hello) and isinstance(reply, HelloReply) and mode == "hello_size":
+            reply.shm_bytes += 4096
+        return reply
+
+
+class FaultyAgentProcess(AgentProcess):
+    """The faulty agent as a test process; `set_mode` takes effect from the next request on."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str) -> None:
+        self.mode_file = tmp_path / "mode"
+        self.mode_file.parent.mkdir(parents=True, exist_ok=True)
+        self.mode_file.write_text("ok")
+        super().__init__(tmp_path, env, *flags,
+                         command=[sys.executable, "-m", "tests.faulty_agent", str(self.mode_file), "agent"])
+
+    def set_mode(self, mode: str) -> None:
+        assert mode in MODES, mode
+        self.mode_file.write_text(mode)
+
+
+def main() -> None:
+    mode_file = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(prog="faulty_agent")
+    add_arguments(parser)
+    args = parser.parse_args(sys.argv[3:])  # argv[2] is "agent", so the command line reads like kvgate's
+    config = load_config(AgentConfig, ENV_PREFIX, args).validate()
+    run_until_signalled(FaultyTierAgent(config, mode_file).serve_forever())
+
+
+if __name__ == "__main__":
+    main()
