@@ -75,7 +75,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _text(rng: random.Random, chars: int) -> str:
     out: list[str] = []
     size = 0
-    while size < chars:
+    while size <= chars:  # the join has one space fewer than counted
         word = rng.choice(WORDS)
         out.append(word)
         size += len(word) + 1
@@ -88,7 +88,8 @@ class Workload:
     def __init__(self, api: str, prompt_chars: int, system_prompts: int, stream: bool, seed: int = 0) -> None:
         self.api, self.stream = api, stream
         rng = random.Random(seed)
-        self.systems = [f"System prompt {n}. " + _text(rng, max(0, prompt_chars - 20)) for n in range(system_prompts)]
+        heads = [f"System prompt {n}. " for n in range(system_prompts)]
+        self.systems = [head + _text(rng, max(0, prompt_chars - len(head))) for head in heads]
         self.path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
         self._next = itertools.count()
 
@@ -275,6 +276,47 @@ async def measure(router: Router, worker_urls: list[str], apis: list[str], sizes
     return results
 
 
+@dataclass
+class StallResult:
+    target: str
+    api: str
+    prompt_chars: int
+    requests: int
+    concurrency: int
+    health_probes: int
+    health_p50_ms: float
+    health_p99_ms: float
+    health_max_ms: float
+    errors: int
+
+
+async def measure_stall(router: Router, api: str, chars: int, requests: int, concurrency: int) -> StallResult:
+    """How long `/health` waits while cold prompts of `chars` characters (every one new: nothing to reuse) go
+    through the router: a probe every 10 ms, timed from when it was due, so time the router's event loop spent
+    blocked between probes counts too."""
+    workload = Workload(api, chars, requests, False, seed=1)  # a system prompt per request: all cold
+    bodies = workload.bodies(requests)
+    waits: list[float] = []
+    done = asyncio.Event()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def probe() -> None:
+            while not done.is_set():
+                due = time.perf_counter()
+                async with session.get(router.url + "/health") as resp:
+                    await resp.read()
+                waits.append(time.perf_counter() - due)
+                await asyncio.sleep(0.01)
+
+        prober = asyncio.create_task(probe())
+        sample = await _drive(session, [router.url + workload.path], bodies, False, concurrency)
+        done.set()
+        await prober
+    return StallResult(router.target, api, chars, requests, concurrency, len(waits),
+                       _percentile(waits, 0.5) * 1e3, _percentile(waits, 0.99) * 1e3, max(waits) * 1e3,
+                       sample.errors)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", action="append",
                         help="router, repeatable: kvgate:STRATEGY, sglang:cache_aware, vllm-router:cache_aware "
@@ -292,6 +334,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", action="append", choices=["json", "stream"], help="default json")
     parser.add_argument("--workers", type=int, default=4, help="stand-in workers")
     parser.add_argument("--processes", type=int, default=1, help="kvgate serve --processes")
+    parser.add_argument("--stall-chars", type=int, default=0,
+                        help="also time /health (every 10 ms) while kvgate targets take --stall-requests cold "
+                        "prompts of this many characters, 4 at a time (0: skip)")
+    parser.add_argument("--stall-requests", type=int, default=100)
     parser.add_argument("--out", default="out/overhead.json", help="JSON results file")
 
 
@@ -333,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
     apis, sizes = args.api or ["chat", "completions"], args.prompt_chars or [200, 4000]
     modes, concurrencies = args.mode or ["json"], args.concurrency or [1, 64]
     results: list[ScenarioResult] = []
+    stalls: list[StallResult] = []
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="kvgate-overhead-") as tmp:
         model_dir = Path(tmp) / "tiny"
@@ -354,6 +401,9 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     results += asyncio.run(measure(router, worker_urls, apis, sizes, modes, concurrencies,
                                                    args.requests, args.rounds, args.system_prompts, bar))
+                    if args.stall_chars and target.startswith("kvgate:"):
+                        stalls += [asyncio.run(measure_stall(router, api, args.stall_chars, args.stall_requests, 4))
+                                   for api in apis]
                 finally:
                     router.stop()
         finally:
@@ -369,6 +419,10 @@ def run(args: argparse.Namespace) -> int:
     if results:
         for line in summary(results):
             print(line)
+    for st in stalls:
+        print(f"/health while {st.target} takes {st.requests} cold {st.api} prompts of {st.prompt_chars} characters "
+              f"(c{st.concurrency}): p50 {st.health_p50_ms:.1f} ms, p99 {st.health_p99_ms:.1f} ms, max "
+              f"{st.health_max_ms:.1f} ms over {st.health_probes} probes, {st.errors} errors")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -376,10 +430,11 @@ def run(args: argparse.Namespace) -> int:
         "requests_per_round": args.requests, "rounds": args.rounds, "workers": args.workers,
         "system_prompts": args.system_prompts, "question_chars": QUESTION_CHARS, "processes": args.processes,
         "targets": targets, "skipped": skipped, "results": [asdict(r) for r in results],
+        "health_stalls": [asdict(st) for st in stalls],
     }
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"wrote {out}")
-    return 1 if any(r.errors for r in results) or not results else 0
+    return 1 if any(r.errors for r in results) or any(st.errors for st in stalls) or not results else 0
 
 
 if __name__ == "__main__":

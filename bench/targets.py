@@ -6,6 +6,7 @@ A target is named `KIND:POLICY[:VARIANT]`:
 - `sglang:cache_aware`, `sglang:round_robin` — `python -m sglang_router.launch_router --policy ...`.
 - `vllm-router:cache_aware`, `vllm-router:kv_aware` — `vllm-router --policy ...`; kv_aware gets every replica's
   KV-event and replay endpoints (`--kv-event-source URL=tcp://...`) and the engines' block size.
+- VARIANT `pN` (kvgate only): `kvgate serve --processes N`.
 - VARIANT `tuned` (cache_aware only): balance thresholds suited to the fleet (`--balance-abs-threshold`,
   `--balance-rel-threshold` from the runner) instead of the defaults (64 requests and 1.5x, which a small
   fleet never reaches, so the default never rebalances).
@@ -94,9 +95,12 @@ class Target:
             self.config = {"strategy": self.policy, "block_size": s.block_size, "model_dir": str(s.model_dir),
                            "other options": "defaults (kvgate serve --help)"}
             workers = [a for spec in fleet.worker_specs for a in ("--worker", spec)]
+            processes = ["--processes", self.variant[1:]] if self.variant.startswith("p") else []
+            if processes:
+                self.config["processes"] = int(self.variant[1:])
             return [sys.executable, "-m", "kvgate.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                     "--strategy", self.policy, "--model-dir", str(s.model_dir), "--block-size", str(s.block_size),
-                    "--log-level", "warning", *workers]
+                    "--log-level", "warning", *processes, *workers]
         venv = ensure_peer(self.kind)
         self.version = peer_version(self.kind)
         tuned = self.variant == "tuned"
@@ -143,8 +147,10 @@ def parse_target(name: str) -> Target:
             raise ValueError(f"target {name!r}: unknown vllm-router policy")
     else:
         raise ValueError(f"target {name!r}: kind must be kvgate, sglang or vllm-router")
-    if variant not in ("", "tuned") or (variant == "tuned" and policy != "cache_aware"):
-        raise ValueError(f"target {name!r}: the only variant is 'tuned', for cache_aware")
+    processes = kind == "kvgate" and variant[:1] == "p" and variant[1:].isdigit() and int(variant[1:]) >= 1
+    if not processes and (variant not in ("", "tuned") or (variant == "tuned" and policy != "cache_aware")):
+        raise ValueError(f"target {name!r}: the variants are 'tuned', for cache_aware, and 'pN' (N processes), "
+                         "for kvgate")
     return Target(name, kind, policy, variant)
 
 
