@@ -60,31 +60,48 @@ log = logging.getLogger(__name__)
 _SEALED = fcntl.F_SEAL_SHRINK  # what a client's shared memory must be sealed with before it is mapped
 
 
-def _first_frame(sock: socket.socket, timeout: float) -> tuple[bytes, list[int]]:
-    """The connection's first frame (Hello) and the descriptors passed with it (blocking, with a timeout: run in a
-    thread)."""
-    sock.settimeout(timeout)
-    fds: list[int] = []
-    head = b""
-    while len(head) < FRAME.size:
-        data, more, _flags, _addr = socket.recv_fds(sock, FRAME.size - len(head), 4)
+async def _readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def _recv(sock: socket.socket, size: int, fds: list[int]) -> bytes:
+    """Up to `size` bytes of a non-blocking socket, and the descriptors that came with them."""
+    while True:
+        await _readable(sock)
+        try:
+            data, more, _flags, _addr = socket.recv_fds(sock, size, 4)
+        except BlockingIOError:
+            continue
         fds += more
         if not data:
-            raise ConnectionError("closed before the first frame")
-        head += data
+            raise ConnectionError("closed before the first frame was whole")
+        return data
+
+
+async def _first_frame(sock: socket.socket, fds: list[int]) -> bytes:
+    """The connection's first frame (Hello), the descriptors passed with it added to `fds` (a stream transport
+    would drop them): read on the loop, no thread held by a client that connects and says nothing."""
+    head = b""
+    while len(head) < FRAME.size:
+        head += await _recv(sock, FRAME.size - len(head), fds)
     (size,) = FRAME.unpack(head)
     if size > MAX_HELLO:
-        for fd in fds:
-            os.close(fd)
         raise ValueError(f"first frame of {size} bytes is too large")
     body = b""
     while len(body) < size:
-        data = sock.recv(size - len(body))
-        if not data:
-            raise ConnectionError("closed in the first frame")
-        body += data
-    sock.setblocking(False)
-    return body, fds
+        body += await _recv(sock, size - len(body), fds)
+    return body
 
 
 def _remove_socket(path: Path, make_parent: bool = False) -> None:
@@ -160,7 +177,6 @@ class TierAgent:
         self._upkeep = ThreadPoolExecutor(1, thread_name_prefix="kvgate-agent-upkeep")
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
-        self._greeting: set[socket.socket] = set()  # connections whose first frame is still being read
         self._clients: set[asyncio.Task[None]] = set()
         self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -212,14 +228,14 @@ class TierAgent:
             self._accepting.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._accepting
-        for sock in list(self._greeting):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
         for task in self._tasks:
             task.cancel()
         # end client connections by closing them (cancelling a stream handler task trips asyncio on 3.11)
         for writer in self._connections.values():
             writer.close()
+        for task in self._clients:
+            if task not in self._connections:  # still waiting for its first frame
+                task.cancel()
         for task in [*self._tasks, *self._clients]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(asyncio.shield(task), 5)
@@ -304,15 +320,18 @@ class TierAgent:
         """The first frame is read with the descriptors it carries (stream transports drop them), then the
         connection becomes a stream."""
         conn = Connection()
-        self._greeting.add(sock)
+        fds: list[int] = []
         try:
-            body, fds = await asyncio.to_thread(_first_frame, sock, 10.0)
-        except (OSError, ValueError) as exc:
-            log.debug("client dropped before its first frame: %s", exc)
+            sock.setblocking(False)
+            body = await asyncio.wait_for(_first_frame(sock, fds), 10.0)
+        except (TimeoutError, OSError, ValueError, asyncio.CancelledError) as exc:
+            log.debug("client dropped before its first frame: %r", exc)
+            for fd in fds:
+                os.close(fd)
             sock.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             return
-        finally:
-            self._greeting.discard(sock)
         try:
             first = await self._answer(conn, body, fds)
         finally:

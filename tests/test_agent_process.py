@@ -429,3 +429,22 @@ def test_a_block_another_replica_writes_is_seen_at_once(tmp_path: Path, agents: 
             time.sleep(0.2)
             assert reader.lookup(LAYOUT, hashes) == (4, "SSSS")  # one lookup: no probe of its own helped
             assert reader.load(LAYOUT, hashes, BLOCK) == [content(h) for h in hashes]
+
+
+def test_silent_connections_do_not_hold_up_a_client(tmp_path: Path, agents: list[AgentProcess],
+                                                    subprocess_env: dict[str, str]) -> None:
+    """A connection's first frame is read on the event loop: clients that connect and say nothing hold no
+    thread, and the one that talks is served at once."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    silent = [connect(agent.socket) for _ in range(64)]
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        with AgentClient(agent.socket, shm_bytes=16 * BLOCK, timeout_s=5) as client:
+            assert client.store(LAYOUT, [1], [content(1)]) == 1
+            assert client.load(LAYOUT, [1], BLOCK) == [content(1)]
+        assert time.monotonic() - started < 1.0
+    finally:
+        for sock in silent:
+            sock.close()
