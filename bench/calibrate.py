@@ -174,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
     base = PROFILES[args.profile]
     try:
         samples, timed = alone(list(Trace(args.trace)))
+        if not timed:
+            raise TraceError(f"{args.trace}: no request in it has the timings a fit needs (status 200, ttfb_ms, "
+                             "duration_ms, worker): a plain Mooncake trace has none; record one with "
+                             "`kvgate serve --record-trace`")
         profile, report = fit(base, samples)
     except (TraceError, ValueError) as exc:
         print(f"kvgate bench calibrate: {exc}", file=sys.stderr)

@@ -67,7 +67,11 @@ class Trace:
         self.offset = offset
         self.limit = limit
         if not self.path.is_file():
-            raise TraceError(f"{self.path}: no such trace file")
+            raise TraceError(f"{self.path}: " + ("a directory, not a trace file" if self.path.is_dir()
+                                                 else "no such trace file"))
+        with self.path.open("rb") as f:
+            if f.read(2) == b"\x1f\x8b":
+                raise TraceError(f"{self.path}: gzip-compressed; a trace is JSON lines (gunzip it first)")
         self.scan = self._check(report)
         if not self.scan.records:
             raise TraceError(f"{self.path}: no usable request in the selection (offset {offset}, limit {limit}; "

@@ -3,10 +3,12 @@ virtual-time sweep: identical results whatever --jobs, Ctrl-C keeps what finishe
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -213,3 +215,26 @@ def test_the_synthetic_conversation_trace_has_the_size_it_claims(tmp_path: Path,
     small = tmp_path / "small.jsonl"
     write_trace(small, conversation_trace(ConversationShape(requests=400, duration_s=60.0)))
     assert 0.5 < TraceSource(Trace(small), vocab, block_tokens=32).ideal(16).hit_rate < 0.95
+
+
+def test_files_that_are_not_traces_are_refused_with_what_they_are(tmp_path: Path) -> None:
+    plain = write(tmp_path / "plain.jsonl", [row(0, 600, [1, 2]), row(5, 700, [1, 3])])
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    csv = write(tmp_path / "t.csv", ["timestamp,input_length,output_length", "0,100,4"])
+    array = write(tmp_path / "t.json", [json.dumps([json.loads(row(0, 600, [1]))])])
+    cases = {gz: "gzip-compressed; a trace is JSON lines (gunzip it first)", tmp_path: "a directory, not a trace",
+             tmp_path / "absent.jsonl": "no such trace file", csv: "no usable request", array: "no usable request"}
+    for path, message in cases.items():
+        report = io.StringIO()
+        with pytest.raises(TraceError, match=re.escape(message)):
+            Trace(path, report=report)
+    report = io.StringIO()
+    with pytest.raises(TraceError):
+        Trace(array, report=report)
+    assert "t.json:1: skipped, Expected `object`, got `array`" in report.getvalue()
+    # a trace without the gateway's timings cannot be calibrated: said so, not a traceback
+    proc = subprocess.run([sys.executable, "-m", "kvgate.cli", "bench", "calibrate", "--trace", str(plain),
+                           "--out", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "no request in it has the timings a fit needs" in proc.stderr and "--record-trace" in proc.stderr
