@@ -103,6 +103,10 @@ def test_store_lookup_load_events_and_metrics(tmp_path: Path, agents: list[Agent
     sub.close(0)
     ctx.term()
     assert agent.metric("kvgate_agent_tier_blocks", tier="dram") == 11
+    deadline = time.monotonic() + 5
+    while agent.metric("kvgate_agent_tier_blocks", tier="nvme") < 11:  # block 7's write-through is in the background
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     assert agent.metric("kvgate_agent_tier_blocks", tier="nvme") == 11
     assert agent.metric("kvgate_agent_hits_total", tier="dram") >= 15
     assert agent.metric("kvgate_agent_write_through_total", tier="nvme") == 11
