@@ -541,6 +541,20 @@ def test_redis_cluster_backend(valkey_cluster: str) -> None:
     outs = [memoryview(bytearray(2000)) for _ in range(20)]
     assert b.read_many([key(i) for i in range(20)], outs) == [1000] * 20
     assert all(bytes(outs[i][:1000]) == payload(i) for i in range(20))
-    assert a.stats.backend_errors == 0 and b.stats.backend_errors == 0
-    a.close()
-    b.close()
+    # announcements work on a cluster too: a listener learns another tier's writes without a scan
+    c = RedisSharedTier(valkey_cluster, cluster=True, ttl_s=60, secret=b"s")
+    writer = RedisSharedTier(valkey_cluster, cluster=True, ttl_s=60, secret=b"s")
+    c.listen()
+    assert c.wait_subscribed(10) and c.available
+    assert writer.store_many([StoreItem(key(i), payload(i, 300 * 1024)) for i in range(100, 104)]) == 4
+    deadline = time.monotonic() + 5
+    while not all(c.contains(key(i)) for i in range(100, 104)):
+        assert time.monotonic() < deadline, "the cluster listener learnt nothing"
+        time.sleep(0.01)
+    time.sleep(1.5)  # past a ping: the subscription stays up
+    assert c.available
+    big = [memoryview(bytearray(300 * 1024)) for _ in range(4)]
+    assert c.read_many([key(i) for i in range(100, 104)], big) == [300 * 1024] * 4
+    for tier in (a, b, c, writer):
+        assert tier.stats.backend_errors == 0
+        tier.close()
