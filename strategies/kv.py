@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -197,12 +198,13 @@ class PendingBlocks:
     is monotone in i, and the longest pending run is a binary search."""
 
     def __init__(self) -> None:
-        self._by_worker: dict[str, dict[int, int]] = {}
+        self._by_worker: dict[str, Counter[int]] = {}
 
     def add(self, worker: str, keys: Sequence[int]) -> None:
-        counts = self._by_worker.setdefault(worker, {})
-        for key in keys:
-            counts[key] = counts.get(key, 0) + 1
+        counts = self._by_worker.get(worker)
+        if counts is None:
+            counts = self._by_worker[worker] = Counter()
+        counts.update(keys)  # the whole run in one C loop
 
     def discard(self, worker: str, keys: Sequence[int]) -> None:
         counts = self._by_worker.get(worker)
