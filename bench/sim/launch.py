@@ -42,7 +42,7 @@ class AgentSettings:
     nvme: bool = False                  # an NVMe tier in a temporary directory per agent
     shared: bool = True                 # the fleet-shared tier on one Valkey
     valkey_url: str | None = None       # an existing Valkey/Redis; None = start one for the fleet
-    shared_index_refresh_s: float = 0.5  # how soon an agent learns the other agents' shared blocks
+    shared_index_refresh_s: float = 0.5  # a shared directory's rescan (Redis announces other agents' writes at once)
     extra_args: tuple[str, ...] = ()    # more `kvgate agent` flags
     sim_args: tuple[str, ...] = ()      # more `kvgate sim --agent-*` flags (e.g. --agent-link, --agent-probe-ms)
 
