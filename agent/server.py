@@ -150,7 +150,7 @@ class Connection:
 
     def region(self, offset: int, length: int) -> memoryview:
         if self.view is None:
-            raise ValueError("no shared memory attached: send Hello with shm_path, or bytes inline")
+            raise ValueError("no shared memory attached: pass a sealed memfd with Hello, or send bytes inline")
         if offset < 0 or length < 0 or offset + length > len(self.view):
             raise ValueError(f"region {offset}+{length} outside the {len(self.view)}-byte shared memory")
         return self.view[offset: offset + length]
