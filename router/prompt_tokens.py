@@ -20,13 +20,15 @@ import asyncio
 import logging
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvcore.config import ConfigError
 from router.block_keys import BlockKey, block_keys, root_key
@@ -55,6 +57,26 @@ class PromptKeys:
     prompt_tokens: int  # exact with a tokenizer or token-id prompt, estimated in text mode
     token_ids: Sequence[int] | None  # None in text mode
     mode: str  # TOKENS or TEXT
+
+
+class _PromptCacheCollector(Collector):
+    """The token cache's figures, read when scraped (nothing per request)."""
+
+    def __init__(self, cache: TokenCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        size = GaugeMetricFamily("kvgate_prompt_cache_bytes", "Bytes held by recent tokenized prompts, against "
+                                 "prompt_cache_bytes")
+        size.add_metric([], self._cache.bytes)
+        yield size
+        outcomes = CounterMetricFamily(
+            "kvgate_prompt_cache_prompts", "Prompts tokenized, by outcome: hit (a cached prefix reused), miss (all "
+            "encoded), seam_mismatch (a cached prefix whose seam did not verify: all encoded)", labels=["outcome"])
+        cache = self._cache
+        for outcome, count in (("hit", cache.hits), ("miss", cache.misses), ("seam_mismatch", cache.seam_mismatches)):
+            outcomes.add_metric([outcome], count)
+        yield outcomes
 
 
 def resolve_model_dir(path: str | Path, model: str | None = None) -> Path:
@@ -156,6 +178,8 @@ class PromptTokens:
         self._failed: set[str] = set()
         self._directories: dict[str, str | None] = {}  # model -> resolved directory, or None for text mode
         self.cache = TokenCache(config.prompt_cache_bytes, config.block_size)
+        if metrics is not None:
+            metrics.registry.register(_PromptCacheCollector(self.cache))
         self._executor = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="kvgate-tokenize")
         # a client's own chat template runs only in the sandbox, and only when the engines would run it too
         self._sandbox = TemplateSandbox(
