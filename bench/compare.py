@@ -35,10 +35,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import loadgen, traces, workloads
+from bench import loadgen, traces, vsim_report, workloads
 from bench.make_model import write_model
 from bench.report import write_markdown, write_plots
 from bench.sim.launch import ROOT, AgentSettings, SimFleet, start_sim_fleet
+from bench.sim.perf_model import load_profile
 from bench.targets import DEFAULT_TARGETS, Target, TargetError, TargetSettings, parse_target
 from bench.workloads import PromptVocabulary, Workload
 
@@ -259,6 +260,10 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
                         "query_tokens": bound.query_tokens,
                         "definition": "one unbounded cache, same request order, leading full blocks of "
                                       f"{bs} tokens, never the last prompt token (as vLLM counts)"},
+        # each request's prefill alone with the ideal hit, in the fleet's wall time (the model's / speedup); the
+        # router's and HTTP's own time comes on top of it in every row
+        "ttft_limit": {k: None if v is None else v / args.speedup
+                       for k, v in vsim_report.ttft_limit(bound, load_profile(args.profile)).items()},
         "peer_tuning": {"balance_abs_threshold": balance_abs, "balance_rel_threshold": args.peer_balance_rel},
         "command": _command_line(),
         "targets": [],

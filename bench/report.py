@@ -53,7 +53,11 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         + (f" Tier agents (`+agent` rows, every tier emptied before each target): `{report['agents']}`."
            if report.get("agents") else ""),
         "",
-        f"Upper bound ({ub['definition']}): hit rate **{ub['hit_rate']:.3f}**.",
+        f"Upper bound ({ub['definition']}): hit rate **{ub['hit_rate']:.3f}**."
+        + (f" TTFT limit (each request's prefill alone with that hit, the model's time / speedup; a router's "
+           f"own time comes on top): p50 {_f(report['ttft_limit']['ttft_ms_p50'])} / p90 "
+           f"{_f(report['ttft_limit']['ttft_ms_p90'])} / p99 {_f(report['ttft_limit']['ttft_ms_p99'])} ms."
+           if report.get("ttft_limit") else ""),
         "",
         *headline_table(report),
         "",

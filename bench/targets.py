@@ -25,12 +25,13 @@ from pathlib import Path
 
 from bench.procs import free_port, stop
 from bench.sim.launch import ROOT, SimFleet
+from strategies import STRATEGIES
 
 PEERS_DIR = ROOT / ".cache" / "peers"
 PEER_PACKAGES = {"sglang": "sglang-router", "vllm-router": "vllm-router"}
-KVGATE_STRATEGIES = ("round_robin", "least_load", "prefix", "kv")
+KVGATE_STRATEGIES = tuple(STRATEGIES)  # the registry's
 DEFAULT_TARGETS = (
-    "kvgate:round_robin", "kvgate:least_load", "kvgate:prefix", "kvgate:kv",
+    "kvgate:round_robin", "kvgate:least_load", "kvgate:prefix", "kvgate:kv", "kvgate:ttft",
     "sglang:round_robin", "sglang:cache_aware", "sglang:cache_aware:tuned",
     "vllm-router:cache_aware", "vllm-router:cache_aware:tuned", "vllm-router:kv_aware",
 )

@@ -42,6 +42,7 @@ from strategies.balance import HIT, MISS, SPILL
 from strategies.kv import Holding, KvAware, KvOptions
 
 LOWER_TIERS = (CPU, DISK, SHARED)
+OWN_FIT_SAMPLES = 20  # answers after which a worker is judged by its own fit rather than the fleet's
 ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -374,6 +375,7 @@ class TtftAware(KvAware):
         self.pressure = EnginePressure(options)
         self.spread = SpreadCost(options)
         self.rates: dict[str, PrefillRate] = {}
+        self.fleet_rate = PrefillRate(options)  # every worker's answers
         self.queues: dict[str, PrefillQueue] = {}
         self._routed: dict[int, _Routed] = {}
         self._mean = Work()  # the prefill a request brings, on average (recent requests)
@@ -390,6 +392,13 @@ class TtftAware(KvAware):
         self._ttft_metrics = TtftMetrics(registry)
 
     def rate(self, url: str) -> PrefillRate:
+        """The worker's own prefill fit once it has answered `OWN_FIT_SAMPLES` times, the fleet's until then (a
+        worker judged by its prior alone may never be chosen, and so never learn, while the others have learned
+        they are faster than the prior)."""
+        rate = self.own_rate(url)
+        return rate if rate.fit.samples >= OWN_FIT_SAMPLES else self.fleet_rate
+
+    def own_rate(self, url: str) -> PrefillRate:
         rate = self.rates.get(url)
         if rate is None:
             rate = self.rates[url] = PrefillRate(self.ttft_options)
@@ -425,10 +434,14 @@ class TtftAware(KvAware):
         scores = [e.ttft_s + self.spread.seconds(h.tokens, most, self.rate(w.url))
                   for w, h, e in zip(workers, held, estimates, strict=True)]
         best = min(scores)
-        # within the prediction's own error the workers are as good: the least busy, then the one holding the
-        # least prefix state takes it (misses spread, instead of all going to the worker whose fit is a hair
-        # faster)
+        # within the prediction's own error the workers are as good: the one holding most of the prompt (no
+        # copy: where prefill is nearly free, as short prompts on a big GPU, the fit cannot price the copy),
+        # then the least busy, then the one holding the least prefix state takes it (misses spread, instead of
+        # all going to the worker whose fit is a hair faster)
         tied = [i for i, s in enumerate(scores) if s <= best + max(self.tie_s, self.tie_share * best)]
+        if len(tied) > 1:
+            longest = max(held[i].tokens for i in tied)
+            tied = [i for i in tied if held[i].tokens == longest]
         if len(tied) > 1:
             fewest = min(workers[i].outstanding for i in tied)
             tied = [i for i in tied if workers[i].outstanding == fewest]
@@ -454,9 +467,10 @@ class TtftAware(KvAware):
             return
         self.queue(routed.worker).done(id(request), self.now)
         e = routed.estimate
-        rate = self.rate(routed.worker)
         # the observed time less the parts that are not the worker's prefill: what its prefill model must explain
-        rate.learn(e.queued + e.prefill, ttft_s - e.load_s - e.pressure_s)
+        for rate in (self.own_rate(routed.worker), self.fleet_rate):
+            rate.learn(e.queued + e.prefill, ttft_s - e.load_s - e.pressure_s)
+        rate = self.rate(routed.worker)
         metrics = self._ttft_metrics
         if metrics is not None:
             if ttft_s > 0:

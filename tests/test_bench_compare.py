@@ -18,7 +18,7 @@ from bench.targets import TargetSettings, parse_target
 from bench.vsim import FleetSimulation, TierSettings
 from bench.workloads import PromptVocabulary
 
-STRATEGIES = ("round_robin", "prefix", "kv")
+STRATEGIES = ("round_robin", "prefix", "kv", "ttft")
 WORKLOAD = {"workload": "tenants", "tenants": 4, "users": 3, "requests_per_user": 2, "prefix_tokens": 256,
             "question_tokens": 16, "max_tokens": 4}
 GPU_BLOCKS = 44  # a replica holds two of the four tenants' prefixes: where a tenant goes decides its hits
@@ -62,8 +62,10 @@ def test_short_comparison_writes_every_output(live_report: tuple[dict[str, Any],
         assert sum(r["prompt_tokens"] for r in fleet["replicas"]) == report["workload"]["prompt_tokens"]
         assert 0 < fleet["hit_rate"] <= bound + 1e-9
         assert fleet["request_imbalance"] >= 1.0
+    limit = on_disk["ttft_limit"]  # the model's prefill alone: below what any router's clients see
+    assert 0 < limit["ttft_ms_p50"] <= min(t["latency"]["ttft_ms_p50"] for t in report["targets"])
     markdown = (out / "report.md").read_text()
-    assert "| kvgate:kv |" in markdown and "Upper bound" in markdown
+    assert "| kvgate:kv |" in markdown and "Upper bound" in markdown and "TTFT limit" in markdown
     by_name = {t["name"]: t["fleet"]["hit_rate"] for t in report["targets"]}
     assert by_name["kvgate:kv"] > by_name["kvgate:round_robin"]
 
