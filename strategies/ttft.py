@@ -434,14 +434,10 @@ class TtftAware(KvAware):
         scores = [e.ttft_s + self.spread.seconds(h.tokens, most, self.rate(w.url))
                   for w, h, e in zip(workers, held, estimates, strict=True)]
         best = min(scores)
-        # within the prediction's own error the workers are as good: the one holding most of the prompt (no
-        # copy: where prefill is nearly free, as short prompts on a big GPU, the fit cannot price the copy),
-        # then the least busy, then the one holding the least prefix state takes it (misses spread, instead of
-        # all going to the worker whose fit is a hair faster)
+        # within the prediction's own error the workers are as good: the least busy, then the one holding the
+        # least prefix state takes it (misses spread, instead of all going to the worker whose fit is a hair
+        # faster)
         tied = [i for i, s in enumerate(scores) if s <= best + max(self.tie_s, self.tie_share * best)]
-        if len(tied) > 1:
-            longest = max(held[i].tokens for i in tied)
-            tied = [i for i in tied if held[i].tokens == longest]
         if len(tied) > 1:
             fewest = min(workers[i].outstanding for i in tied)
             tied = [i for i in tied if workers[i].outstanding == fewest]
