@@ -2,24 +2,43 @@
 and agents restarted, killed and swapped under each other. Each case checks that no vLLM process dies, no request
 fails, and every output (text and logprobs) is identical to what the same replica computes with nothing to load.
 
-vLLM starts cost ~30 s each on a 2-core machine, so a case reuses an engine where the case allows it; a case that
-is about a *fresh* engine starts one."""
+vLLM starts cost 30-60 s each on a 2-core machine, so a case reuses an engine where the case allows it (one
+engine sees its agent restarted, killed, out of disk and its shared tier flushed); a case that is about a *fresh*
+engine starts one. The README's operator table ("The tier agent through restarts, upgrades and crashes") is what
+these cases check."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from bench.vllm_engine import BLOCK_SIZE, EngineServer
 from tests.agent_process import AgentProcess
-from tests.vllm_replica import Completion, complete, loadable_tokens, start_vllm
+from tests.conftest import ValkeyServer
+from tests.vllm_replica import (
+    Completion,
+    complete,
+    connector_failures,
+    loadable_tokens,
+    reset_prefix_cache,
+    start_vllm,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 # 97 prompt tokens: three full blocks load, one token is computed (the shape of issue 19's crash)
 PROMPT = " ".join(f"w{i} a" for i in range(30)) + " a b"
+# the traffic of the cases below: four prompts of 6-9 blocks, each also decoding past a block boundary
+PROMPTS = [" ".join(f"{topic}{i} {word}" for i in range(n)) for topic, word, n in
+           (("alpha", "one", 60), ("beta", "two", 70), ("gamma", "three", 80), ("delta", "four", 90))]
+MAX_TOKENS = 40
 
 
 @pytest.fixture
@@ -50,13 +69,68 @@ def assert_loaded(got: Completion, reference: Completion) -> None:
     assert got.cached == loadable_tokens(got.prompt_tokens)
 
 
+class Traffic(threading.Thread):
+    """Sends the prompts in turn, round after round, with the engine's prefix cache reset before each round (so
+    every round asks the agent); records every failed request and every output unlike its reference."""
+
+    def __init__(self, server: EngineServer, references: dict[str, Completion]) -> None:
+        super().__init__(daemon=True)
+        self.server = server
+        self.references = references
+        self.requests = 0
+        self.loaded = 0  # requests whose prompt tokens came (or were meant to come) from the agent
+        self.failures: list[str] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                reset_prefix_cache(self.server)
+            except Exception as exc:
+                self.failures.append(f"reset_prefix_cache: {exc!r}")
+            for prompt, reference in self.references.items():
+                try:
+                    got = complete(self.server, prompt, MAX_TOKENS)
+                except Exception as exc:
+                    self.failures.append(f"request: {exc!r}")
+                    continue
+                self.requests += 1
+                self.loaded += got.cached > 0
+                if got.output != reference.output:
+                    self.failures.append(f"output differs for {prompt[:20]!r}: {got.text!r} != {reference.text!r}")
+
+    def wait_for(self, more: int, timeout: float = 180) -> None:
+        """Until `more` further requests have been answered."""
+        target = self.requests + more
+        deadline = time.monotonic() + timeout
+        while self.requests < target:
+            assert self.is_alive() and time.monotonic() < deadline, self.failures
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(120)
+        assert not self.failures, self.failures
+
+
+def computed(server: EngineServer) -> dict[str, Completion]:
+    """Each of PROMPTS computed from scratch (nothing to load), the reference its later answers must equal."""
+    references = {}
+    for prompt in PROMPTS:
+        reference = complete(server, prompt, MAX_TOKENS)
+        assert reference.cached == 0
+        references[prompt] = reference
+    return references
+
+
 def test_fresh_vllm_first_request_loads_from_a_warm_agent(weighted_model: Path, tmp_path: Path,
                                                           subprocess_env: dict[str, str],
                                                           servers: list[EngineServer],
                                                           agents: list[AgentProcess]) -> None:
     """Issue 19: a restarted vLLM whose very first request is a hit on the agent that stayed up -- from DRAM, and
     (after the agent restarted too) from NVMe. Before the fix its worker died (SIGILL) in that first step on the
-    machine that reported it."""
+    machine that reported it. The first vLLM is killed (-9) while it computes and saves: no block of it is ever
+    served half-written."""
     agent = AgentProcess(tmp_path / "agent", subprocess_env, "--nvme-dir", str(tmp_path / "agent" / "nvme"),
                          "--write-policy", "eager", "--no-nvme-fsync", "--block-size", str(BLOCK_SIZE))
     agents.append(agent)
@@ -64,7 +138,17 @@ def test_fresh_vllm_first_request_loads_from_a_warm_agent(weighted_model: Path, 
     servers.append(first)
     reference = complete(first, PROMPT)  # computed; its full blocks are saved
     assert reference.cached == 0 and reference.prompt_tokens % BLOCK_SIZE == 1
-    first.stop()
+    # kill -9 in the middle of a stream of requests, each computing and saving new blocks
+    stream = threading.Thread(target=lambda: [complete(first, p, MAX_TOKENS) for p in PROMPTS], daemon=True)
+    stream.start()
+    stores = agent.metric("kvgate_agent_requests_total", op="store")
+    deadline = time.monotonic() + 120
+    while agent.metric("kvgate_agent_requests_total", op="store") < stores + 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.killpg(first.proc.pid, signal.SIGKILL)
+    first.proc.wait(30)
+    stream.join(60)
 
     blocks = loadable_tokens(reference.prompt_tokens) // BLOCK_SIZE
     hits = agent.metric("kvgate_agent_hits_total", tier="dram")
@@ -72,13 +156,118 @@ def test_fresh_vllm_first_request_loads_from_a_warm_agent(weighted_model: Path, 
     servers.append(second)
     assert_loaded(complete(second, PROMPT), reference)  # its first request: a load from DRAM
     assert agent.metric("kvgate_agent_hits_total", tier="dram") == hits + blocks
+    # whatever the killed engine saved loads whole or not at all: outputs equal this engine's own computation
+    loaded = {p: complete(second, p, MAX_TOKENS) for p in PROMPTS}
+    assert any(got.cached for got in loaded.values())
+    agent.stop()  # without the agent, the same engine computes everything: the reference for those
+    reset_prefix_cache(second)
+    for prompt, got in loaded.items():
+        assert complete(second, prompt, MAX_TOKENS).output == got.output
     assert_alive(second)
     second.stop()
 
-    agent.stop()
     agent.start()  # DRAM is gone; NVMe kept the blocks
     third = start_vllm(weighted_model, tmp_path / "logs-3", agent.socket)
     servers.append(third)
     assert_loaded(complete(third, PROMPT), reference)  # its first request: a load from NVMe
     assert agent.metric("kvgate_agent_hits_total", tier="nvme") == blocks
     assert_alive(third)
+
+
+def test_agent_restarted_killed_disk_full_and_shared_flushed_under_a_serving_vllm(
+        weighted_model: Path, tmp_path: Path, valkey: ValkeyServer, subprocess_env: dict[str, str],
+        servers: list[EngineServer], agents: list[AgentProcess]) -> None:
+    """One vLLM serves throughout while its agent is restarted, killed (-9), replaced by one whose disk is full,
+    and by one whose shared tier is flushed behind its back; requests run all the while."""
+    socket = str(tmp_path / "agent.sock")
+    nvme = ("--nvme-dir", str(tmp_path / "nvme"), "--write-policy", "eager", "--no-nvme-fsync")
+    agent = AgentProcess(tmp_path / "agent", subprocess_env, *nvme, "--block-size", str(BLOCK_SIZE), socket=socket)
+    agents.append(agent)
+    server = start_vllm(weighted_model, tmp_path / "logs", socket, connector_extra={"timeout_s": 2.0})
+    servers.append(server)
+    references = computed(server)
+    traffic = Traffic(server, references)
+    traffic.start()
+    traffic.wait_for(6)
+    agent.stop()  # restarted (SIGTERM) with loads and saves in flight
+    agent.start()
+    traffic.wait_for(6)
+    agent.stop(signal.SIGKILL)  # killed
+    agent.start()
+    traffic.wait_for(6)
+    traffic.stop()
+    assert traffic.loaded > 0
+    assert_alive(server)
+
+    # a full disk: no file the agent writes may exceed 8 KiB, less than a block (one file per block, so every
+    # NVMe write fails as on a full disk); a small DRAM must give blocks up. The agent never claims a block it
+    # cannot serve: no load finds one missing.
+    agent.stop()
+    full = AgentProcess(tmp_path / "agent-full", subprocess_env, "--nvme-dir", str(tmp_path / "nvme-full"),
+                        "--nvme-layout", "files", "--write-policy", "eager", "--no-nvme-fsync",
+                        "--dram-capacity", "256KiB", file_size_limit=8192, socket=socket)
+    agents.append(full)
+    missing = connector_failures(server, "load", "missing")
+    traffic = Traffic(server, references)
+    traffic.start()
+    traffic.wait_for(12)
+    traffic.stop()
+    assert full.metric("kvgate_agent_tier_blocks", tier="nvme") == 0
+    assert full.metric("kvgate_agent_refused_total", tier="nvme") > 0
+    assert connector_failures(server, "load", "missing") == missing
+    full.stop()
+
+    # the shared tier is flushed behind the agent's back: loads it promised find nothing and are recomputed
+    flags = ("--shared-backend", "redis", "--shared-url", valkey.url, "--write-policy", "eager",
+             "--dram-capacity", "0", "--shared-index-refresh-s", "60")
+    shared = AgentProcess(tmp_path / "agent-shared", subprocess_env, *flags, socket=socket)
+    agents.append(shared)
+    reset_prefix_cache(server)
+    for prompt, reference in references.items():  # saved to the shared tier
+        assert complete(server, prompt, MAX_TOKENS).output == reference.output
+    deadline = time.monotonic() + 30  # written through in the background
+    while shared.metric("kvgate_agent_tier_blocks", tier="shared") == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    redis.Redis.from_url(valkey.url).flushall()
+    traffic = Traffic(server, references)
+    traffic.start()
+    traffic.wait_for(8)
+    traffic.stop()
+    assert connector_failures(server, "load", "missing") > missing  # promised, gone, recomputed
+    assert_alive(server)
+
+
+def test_two_vllms_of_two_layouts_on_one_agent(weighted_model: Path, tmp_path: Path,
+                                               subprocess_env: dict[str, str], servers: list[EngineServer],
+                                               agents: list[AgentProcess]) -> None:
+    """Two engines serve from one agent at once, the second restarted with another block size (another layout):
+    nothing loads across layouts, each loads its own. (Engines of one layout sharing an agent, each loading what
+    the other saved: the fresh-engine case above.)"""
+    agent = AgentProcess(tmp_path / "agent", subprocess_env, "--block-size", str(BLOCK_SIZE))
+    agents.append(agent)
+    one = start_vllm(weighted_model, tmp_path / "logs-1", agent.socket)
+    servers.append(one)
+    references = computed(one)
+    other = start_vllm(weighted_model, tmp_path / "logs-2", agent.socket, block_size=2 * BLOCK_SIZE)
+    servers.append(other)
+    hits = agent.metric("kvgate_agent_hits_total", tier="dram")
+    own = {p: complete(other, p, MAX_TOKENS) for p in PROMPTS}
+    assert all(got.cached == 0 for got in own.values())  # blocks of 32 tokens are not blocks of 64
+    assert agent.metric("kvgate_agent_hits_total", tier="dram") == hits
+    both = [Traffic(one, references), Traffic(other, own)]  # two processes on the agent at once
+    for traffic in both:
+        traffic.start()
+    for traffic in both:
+        traffic.wait_for(8)
+    for traffic in both:
+        traffic.stop()
+    for server, outputs, block_size in ((one, references, BLOCK_SIZE), (other, own, 2 * BLOCK_SIZE)):
+        reset_prefix_cache(server)
+        got = complete(server, PROMPTS[1], MAX_TOKENS)  # its own layout's blocks load
+        assert got.output == outputs[PROMPTS[1]].output
+        assert got.cached == loadable_tokens(got.prompt_tokens, block_size)
+        assert connector_failures(server, "load", "bad_reply") == 0
+        assert connector_failures(server, "load", "missing") == 0
+    assert_alive(one, other)
+
