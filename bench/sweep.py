@@ -74,7 +74,9 @@ def _call(runner: Callable[[J, Progress], dict[str, Any]], index: int, spec: J) 
     import resource
 
     result = runner(spec, Progress(index))
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["peak_rss_mb"] = usage.ru_maxrss / 1024
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime  # what wall time would be on a core of its own
     return result
 
 

@@ -600,7 +600,7 @@ def describe_row(row: dict[str, Any]) -> str:
             f"hit {row['hit_rate']:.3f} (gpu {t['gpu']:.3f} dram {t['dram']:.3f} nvme {t['nvme']:.3f} "
             f"shared {t['shared']:.3f})  TTFT p50 {row['ttft_ms_p50']:.0f} p90 {row['ttft_ms_p90']:.0f} "
             f"p99 {row['ttft_ms_p99']:.0f} ms  imbalance {row['request_imbalance']:.2f}  [{row['wall_s']:.0f} s wall, "
-            f"{row.get('peak_rss_mb', 0):.0f} MB]")
+            f"{row.get('cpu_s', 0):.0f} s CPU, {row.get('peak_rss_mb', 0):.0f} MB]")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -65,9 +65,9 @@ class KvBlockIndex(abc.ABC):
 
 
 class InMemoryKvIndex(KvBlockIndex):
-    """The index in this process. Workers get small ids; for each block key the index keeps a bit mask of the
-    workers holding it on GPU (the common case, so a lookup is a few integer operations per block) and, only
-    for blocks in the tier agent's tiers, a map worker id → tier bit mask.
+    """The index in this process. Workers get small ids; for each tier, each block key held there maps to a bit
+    mask of the workers holding it (so a lookup is a few integer operations per block, and a block costs one
+    entry per tier it is on, not a map per block: a fleet's NVMe and shared tiers hold millions).
 
     Bounded by `max_entries` (block, worker) pairs: beyond it the oldest blocks are dropped, since without
     their removal events the gateway can no longer be sure of them anyway.
@@ -77,9 +77,9 @@ class InMemoryKvIndex(KvBlockIndex):
         self.max_entries = max_entries
         self._ids: dict[str, int] = {}
         self._free_ids: list[int] = []
-        self._gpu: dict[BlockKey, int] = {}  # key -> bit mask of worker ids
-        self._lower: dict[BlockKey, dict[int, int]] = {}  # key -> {worker id: mask of non-GPU tier bits}
-        self._shared: dict[BlockKey, int] = {}  # key -> how many workers hold it in the shared tier
+        # tier -> key -> bit mask of worker ids holding it there
+        self._masks: dict[str, dict[BlockKey, int]] = {tier: {} for tier in TIERS}
+        self._gpu, self._cpu, self._disk, self._shared = (self._masks[t] for t in TIERS)
         self._by_worker: dict[int, dict[BlockKey, None]] = {}  # insertion-ordered: oldest first
         self._entries = 0
         self.dropped = 0
@@ -93,26 +93,24 @@ class InMemoryKvIndex(KvBlockIndex):
         return wid
 
     def _tiers_of(self, key: BlockKey, wid: int) -> int:
-        mask = _BIT[GPU] if self._gpu.get(key, 0) >> wid & 1 else 0
-        lower = self._lower.get(key)
-        return mask | (lower.get(wid, 0) if lower else 0)
+        """The tier bits (`_BIT`) of the tiers worker `wid` holds `key` on."""
+        return ((self._gpu.get(key, 0) >> wid & 1) | (self._cpu.get(key, 0) >> wid & 1) << 1
+                | (self._disk.get(key, 0) >> wid & 1) << 2 | (self._shared.get(key, 0) >> wid & 1) << 3)
 
     def lookup(self, keys: Sequence[BlockKey], workers: Iterable[str]) -> dict[str, PrefixRun]:
         runs = {w: PrefixRun() for w in workers}
         ids = {self._ids[w]: w for w in runs if w in self._ids}
         wanted = sum(1 << wid for wid in ids)
-        if not wanted and not self._shared:
+        gpu, cpu, disk, shared = self._gpu, self._cpu, self._disk, self._shared
+        lower = bool(cpu or disk or shared)
+        if not wanted and not shared:
             return runs
         ends: dict[int, int] = {}
         live = wanted
-        gpu, lower, shared = self._gpu, self._lower, self._shared
         for i, key in enumerate(keys):
             held = gpu.get(key, 0)
             if lower:
-                tiers = lower.get(key)
-                if tiers:
-                    for holder in tiers:
-                        held |= 1 << holder
+                held |= cpu.get(key, 0) | disk.get(key, 0)
                 if key in shared:
                     held = wanted
             held &= live
@@ -152,7 +150,7 @@ class InMemoryKvIndex(KvBlockIndex):
         wid = self._id(worker)
         bit = 1 << wid
         held = self._by_worker[wid]
-        gpu = tier == GPU
+        masks = self._masks[tier]
         tier_bit = _BIT[tier]
         for key in keys:
             before = self._tiers_of(key, wid)
@@ -161,13 +159,7 @@ class InMemoryKvIndex(KvBlockIndex):
             if not before:
                 self._entries += 1
                 held[key] = None
-            if gpu:
-                self._gpu[key] = self._gpu.get(key, 0) | bit
-            else:
-                tiers = self._lower.setdefault(key, {})
-                tiers[wid] = tiers.get(wid, 0) | tier_bit
-                if tier == SHARED:
-                    self._shared[key] = self._shared.get(key, 0) + 1
+            masks[key] = masks.get(key, 0) | bit
         if self._entries > self.max_entries:
             self._shrink()
 
@@ -183,29 +175,15 @@ class InMemoryKvIndex(KvBlockIndex):
         before = self._tiers_of(key, wid)
         if not before & tier_bits:
             return
-        if tier_bits & _BIT[GPU]:
-            left = self._gpu.get(key, 0) & ~(1 << wid)
-            if left:
-                self._gpu[key] = left
-            else:
-                self._gpu.pop(key, None)
-        lower_bits = tier_bits & ~_BIT[GPU] & before
-        if lower_bits:
-            tiers = self._lower[key]
-            remaining = tiers[wid] & ~lower_bits
-            if remaining:
-                tiers[wid] = remaining
-            else:
-                del tiers[wid]
-                if not tiers:
-                    del self._lower[key]
-            if lower_bits & _BIT[SHARED]:
-                count = self._shared[key] - 1
-                if count:
-                    self._shared[key] = count
+        for tier in TIERS:
+            if before & tier_bits & _BIT[tier]:
+                masks = self._masks[tier]
+                left = masks[key] & ~(1 << wid)
+                if left:
+                    masks[key] = left
                 else:
-                    del self._shared[key]
-        if not self._tiers_of(key, wid):
+                    del masks[key]
+        if not before & ~tier_bits:
             self._entries -= 1
             self._by_worker[wid].pop(key, None)
 
