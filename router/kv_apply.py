@@ -55,10 +55,35 @@ class InvalidEvent(ValueError):
     """An event no engine could have sent."""
 
 
-@dataclass(slots=True)
-class _Holding:
-    key: BlockKey
-    count: int
+class _Holdings:
+    """What one source says it holds: per tier, engine hash -> gateway key (one entry per block: a fleet's tiers
+    announce millions), and for sources that announce copies (`counted`) the copies beyond the first."""
+
+    __slots__ = ("extra", "tiers")
+
+    def __init__(self) -> None:
+        self.tiers: dict[str, dict[BlockHash, BlockKey]] = {}
+        self.extra: dict[tuple[BlockHash, str], int] = {}
+
+    def __len__(self) -> int:
+        return sum(len(keys) for keys in self.tiers.values())
+
+    def key(self, engine_hash: BlockHash, tier: str) -> BlockKey | None:
+        keys = self.tiers.get(tier)
+        return keys.get(engine_hash) if keys else None
+
+    def release(self, engine_hash: BlockHash, tier: str) -> BlockKey | None:
+        """One copy fewer; the key once the last one is gone (None while copies remain)."""
+        extra = self.extra
+        if extra:
+            n = extra.get((engine_hash, tier))
+            if n is not None:
+                if n > 1:
+                    extra[(engine_hash, tier)] = n - 1
+                else:
+                    del extra[(engine_hash, tier)]
+                return None
+        return self.tiers[tier].pop(engine_hash)
 
 
 @dataclass(slots=True)
@@ -116,7 +141,7 @@ class KvEventApplier:
         self._metrics = metrics
         self._model_of = model_of
         self.identity = ContentIdentity(identity_blocks)
-        self._held: dict[EventSource, dict[tuple[BlockHash, str], _Holding]] = {}
+        self._held: dict[EventSource, _Holdings] = {}
         self._sources: dict[str, list[EventSource]] = {}  # worker -> its sources
         self._group: dict[EventSource, int] = {}  # the KV-cache group indexed, once a source named one
         self._warned: set[tuple[EventSource, str]] = set()
@@ -141,7 +166,7 @@ class KvEventApplier:
         event loop run there). Stops early if the source is forgotten meanwhile."""
         held = self._held.get(source)
         if held is None:
-            held = self._held[source] = {}
+            held = self._held[source] = _Holdings()
             self._sources.setdefault(source.cache, []).append(source)
         worker = source.cache  # the index's name for the cache this source describes (a DP rank has its own)
         model = self._model_of(source.worker)
@@ -204,9 +229,9 @@ class KvEventApplier:
         held = self._held.get(source)
         if not held:
             return
-        self._held[source] = {}
-        for (_, tier), holding in held.items():
-            self.index.remove(source.cache, (holding.key,), tier)
+        self._held[source] = _Holdings()
+        for tier, keys in held.tiers.items():
+            self.index.remove(source.cache, list(keys.values()), tier)
 
     def forget_worker(self, worker: str) -> None:
         """Forget a worker and all its sources at once (a worker re-added under the same URL starts clean)."""
@@ -220,7 +245,7 @@ class KvEventApplier:
 
     def engine_hashes(self, worker: str, tier: str) -> set[BlockHash]:
         """The engine block hashes the worker's sources say it holds on `tier` (for checks and debugging)."""
-        return {h for source in self._sources.get(worker, ()) for (h, t) in self._held[source] if t == tier}
+        return {h for source in self._sources.get(worker, ()) for h in self._held[source].tiers.get(tier, ())}
 
     # --- what answers say -------------------------------------------------------------------------------------
 
@@ -312,7 +337,7 @@ class KvEventApplier:
 
     # --- one event --------------------------------------------------------------------------------------------
 
-    def _stored(self, source: EventSource, held: dict[tuple[BlockHash, str], _Holding], event: BlockStored,
+    def _stored(self, source: EventSource, held: _Holdings, event: BlockStored,
                 start: int, size: int, model: str | None) -> None:
         """Blocks start .. start + SLICE_BLOCKS of a stored event."""
         worker = source.cache
@@ -350,13 +375,13 @@ class KvEventApplier:
         if new_keys:
             self.index.add(worker, new_keys, tier)
 
-    def _removed(self, source: EventSource, held: dict[tuple[BlockHash, str], _Holding],
-                 hashes: Sequence[BlockHash], tier: str, model: str | None) -> None:
+    def _removed(self, source: EventSource, held: _Holdings, hashes: Sequence[BlockHash], tier: str,
+                 model: str | None) -> None:
         gone = []
         learned = self._learned.get(source) if tier == GPU else None
+        holdings = held.tiers.get(tier) or {}
         for engine_hash in hashes:
-            holding = held.get((engine_hash, tier))
-            if holding is None:
+            if engine_hash not in holdings:
                 if model is not None:
                     self._unwait(model, engine_hash, source, tier)
                     if learned:
@@ -364,10 +389,9 @@ class KvEventApplier:
                         if key is not None and learned.pop(key, 0) is None:
                             gone.append(key)
                 continue  # removals of unknown blocks are normal (e.g. after a reset)
-            holding.count -= 1
-            if holding.count <= 0:
-                del held[(engine_hash, tier)]
-                gone.append(holding.key)
+            key = held.release(engine_hash, tier)
+            if key is not None:
+                gone.append(key)
         if gone:
             self.index.remove(source.cache, gone, tier)
 
@@ -379,9 +403,9 @@ class KvEventApplier:
         for source in self._sources.get(worker, ()):
             held = self._held[source]
             for tier in TIERS:
-                holding = held.get((engine_hash, tier))
-                if holding is not None:
-                    return holding.key
+                key = held.key(engine_hash, tier)
+                if key is not None:
+                    return key
         return None
 
     # --- announcements waiting for their block's name ---------------------------------------------------------
@@ -447,16 +471,17 @@ class KvEventApplier:
         return self._waiting_count
 
 
-def _hold(held: dict[tuple[BlockHash, str], _Holding], engine_hash: BlockHash, tier: str, key: BlockKey,
-          counted: bool) -> bool:
+def _hold(held: _Holdings, engine_hash: BlockHash, tier: str, key: BlockKey, counted: bool) -> bool:
     """Record that the source holds the block on `tier`; whether that is news. A set for an engine; a
     reference count where the protocol announces copies (`counted`)."""
-    holding = held.get((engine_hash, tier))
-    if holding is None:
-        held[(engine_hash, tier)] = _Holding(key, 1)
+    keys = held.tiers.get(tier)
+    if keys is None:
+        keys = held.tiers[tier] = {}
+    if engine_hash not in keys:
+        keys[engine_hash] = key
         return True
     if counted:
-        holding.count += 1
+        held.extra[(engine_hash, tier)] = held.extra.get((engine_hash, tier), 0) + 1
     return False
 
 
