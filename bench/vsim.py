@@ -625,7 +625,9 @@ def run(args: argparse.Namespace) -> int:
           f"{bound.hit_rate:.3f}, TTFT limit p50 {limit['ttft_ms_p50'] or 0:.0f} p90 {limit['ttft_ms_p90'] or 0:.0f} "
           f"ms; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
     started = time.perf_counter()
-    outcome = run_sweep([Job(job.label, source.count, job) for job in jobs], simulate, processes=args.jobs,
+    # with tiers a configuration takes two to three times as long (measured on the conversation trace)
+    outcome = run_sweep([Job(job.label, source.count, job, cost=3 if job.tiers else 1)
+                         for job in jobs], simulate, processes=args.jobs,
                         show_progress=not args.no_progress,
                         on_result=lambda i, row: tqdm.write(describe_row(row)))
     wall_s = time.perf_counter() - started
