@@ -24,6 +24,7 @@ from enum import StrEnum
 import torch
 
 from agent.client import AgentClient
+from agent.host_pinning import CudaHostPinning, HostPinning, PinnedRegion
 from agent.kv_layout import CacheLayer, gather_blocks, scatter_blocks
 from agent.protocol import AgentError
 
@@ -55,11 +56,15 @@ class Staging:
 
     tensor: torch.Tensor
     generation: int
+    pinned: PinnedRegion | None = None  # its registration with CUDA, released before the view is dropped
 
 
 class BlockMover:
-    def __init__(self, client: AgentClient, layout: int, layers: list[CacheLayer]) -> None:
+    def __init__(self, client: AgentClient, layout: int, layers: list[CacheLayer],
+                 pinning: HostPinning | None = None) -> None:
+        """`pinning`: how the shared memory is page-locked; by default CUDA's when the caches are on a GPU."""
         self.client = client
+        self.pinning = pinning or (CudaHostPinning() if any(layer.tensor.is_cuda for layer in layers) else None)
         self.layout = layout
         self.layers = layers
         self.block_bytes = sum(layer.block_bytes for layer in layers)
@@ -87,16 +92,15 @@ class BlockMover:
         staging = self._staging
         if staging is not None and staging.generation == self.client.generation:
             return staging
-        self._staging = None
+        self._drop_staging()
         if mapping is None:
             raise AgentError("the client has no shared memory")
         tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping`: never unmapped under the view
         if tensor.numel() != self.client.shm_bytes or tensor.numel() < self.block_bytes:
             raise AgentError(f"shared memory of {tensor.numel()} bytes for blocks of {self.block_bytes}")
-        if any(layer.tensor.is_cuda for layer in self.layers):
-            # page-locked: host<->device copies become direct DMA, no bounce buffer
-            torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
-        self._staging = Staging(tensor, self.client.generation)
+        # page-locked: host<->device copies become direct DMA, no bounce buffer
+        pinned = PinnedRegion(self.pinning, tensor.data_ptr(), tensor.numel()) if self.pinning else None
+        self._staging = Staging(tensor, self.client.generation, pinned)
         return self._staging
 
     def _rows(self, staging: Staging, n: int) -> torch.Tensor:
@@ -107,8 +111,14 @@ class BlockMover:
             raise _Stale(f"{n} blocks of {self.block_bytes} bytes do not fit {staging.tensor.numel()} bytes")
         return staging.tensor[: n * self.block_bytes].view(n, self.block_bytes)
 
+    def _drop_staging(self) -> None:
+        """Unregister the view, then drop it: the mapping may go with it."""
+        staging, self._staging = self._staging, None
+        if staging is not None and staging.pinned is not None:
+            staging.pinned.release()
+
     def _reset(self) -> None:
-        self._staging = None
+        self._drop_staging()
         self.client.close()
 
     # -- loads -----------------------------------------------------------------------------------------------

@@ -14,12 +14,15 @@ mapped when the caches are registered, before the first step; `start_load_kv` co
 full blocks out of the paged cache into shared memory and hands them to the agent. A block the agent cannot
 supply whole and verified -- for whatever reason, the agent gone included -- is reported through
 `get_block_ids_with_load_errors`, so vLLM recomputes it (with kv_load_failure_policy=recompute): never wrong KV,
-never an exception into the engine; saves of a request whose load failed are skipped that step.
+never an exception into the engine. A step in which any load failed (on any TP rank) saves nothing: any
+request of the step may have attended to the failed block. Blocks are kept under a layout id
+(agent/layout_key.py) that names every setting that changes what their bytes mean, the worker's TP and PP rank
+included.
 
 Tensors are handled generically (block dimension found from the cache's block count; index_select /
 index_copy_ per layer), so the same code serves CPU caches `[num_blocks, kv_heads, block_size, 2*head_dim]` and
 GPU caches such as `[2, num_blocks, block_size, kv_heads, head_dim]` (for GPU, the shared memory is registered
-as pinned host memory so the copies are plain DMA).
+as pinned host memory so the copies are plain DMA, and unregistered before it is unmapped: agent/host_pinning.py).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from agent.block_mover import BlockMover, Failure, LoadResult
 from agent.client import AgentClient
 from agent.kv_layout import describe_layers
+from agent.layout_key import KvLayout
 from agent.protocol import AgentError
 
 if TYPE_CHECKING:
@@ -65,21 +69,10 @@ def event_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, "big") & _MASK64
 
 
-def layout_id(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int) -> int:
-    """Blocks are only interchangeable between engines with the same model, dtype, block size and sharding."""
-    import hashlib
-
-    if "layout" in extra:
-        text = str(extra["layout"])
-    else:
-        model = vllm_config.model_config
-        parallel = vllm_config.parallel_config
-        text = "|".join(str(x) for x in (
-            model.model, model.dtype, vllm_config.cache_config.cache_dtype, vllm_config.cache_config.block_size,
-            model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
-            parallel.tensor_parallel_size, parallel.pipeline_parallel_size))
-    text += f"|rank={tp_rank}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+def layout_id(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int, pp_rank: int = 0) -> int:
+    """Blocks are only interchangeable between workers whose `KvLayout` is equal (agent/layout_key.py)."""
+    override = str(extra["layout"]) if "layout" in extra else None
+    return KvLayout.from_vllm(vllm_config, tp_rank, pp_rank, override).id()
 
 
 @dataclass
@@ -162,15 +155,18 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         socket_path = str(extra.get("agent_socket", os.environ.get("KVGATE_AGENT_SOCKET_PATH",
                                                                     "/tmp/kvgate-agent.sock")))
         timeout = float(extra.get("timeout_s", 5.0))
-        rank = 0
+        tp_rank = pp_rank = 0  # the scheduler asks about the first worker's blocks
+        self._tp_group: Any = None  # torch.distributed group of the TP ranks, when there are several
         if role == KVConnectorRole.WORKER:
             try:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+                from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-                rank = get_tensor_model_parallel_rank()
+                tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+                if get_tp_group().world_size > 1:
+                    self._tp_group = get_tp_group().cpu_group
             except Exception:  # not initialised (single process): rank 0
-                rank = 0
-        self._layout = layout_id(vllm_config, extra, rank)
+                tp_rank = pp_rank = 0
+        self._layout = layout_id(vllm_config, extra, tp_rank, pp_rank)
         shm_bytes = int(extra.get("shm_bytes", 256 * 2**20)) if role == KVConnectorRole.WORKER else 0
         self._client = AgentClient(socket_path, shm_bytes=shm_bytes, timeout_s=timeout,
                                    name=f"vllm-{role.name.lower()}-{os.getpid()}")
@@ -320,15 +316,32 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # all layers of a block are saved together in wait_for_save, once the forward pass is done
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata() or self._mover is None:
+        if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvgateConnectorMetadata)
+        if meta.loads and self._load_failed_on_any_rank():
+            # A block that failed to load went through this step's forward pass as garbage, on this rank or
+            # another: any request of the step may have attended to it (a shared prefix block), and every TP
+            # rank's output mixes every rank's. Keep no KV of this step (the failed blocks are recomputed).
+            if meta.saves:
+                self._stats.count("save", "after_failed_load", len(meta.saves))
+            return
+        if self._mover is None:
+            return
         for transfer in meta.saves:
-            if transfer.req_id in self._failed_loads:
-                continue  # this step computed on top of blocks that failed to load: do not keep its KV
             if self._mover.save(transfer.hashes, transfer.block_ids, transfer.parent) is not None:
                 return  # the agent is not there: the other saves of this step would fail the same way
+
+    def _load_failed_on_any_rank(self) -> bool:
+        """Whether a load of this step failed on any TP rank. Every rank has the same metadata, so every rank
+        with loads in the step makes this call: the all-reduce cannot wait for a rank that skips it."""
+        failed = bool(self._failed_loads)
+        if self._tp_group is None:
+            return failed
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._tp_group)
+        return bool(flag.item())
 
     # ==========================================================================================================
     # failures, counted for vLLM's stats logger and /metrics
