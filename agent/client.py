@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from agent.breaker import AgentCircuit
 from agent.protocol import (
     FRAME,
     MAX_FRAME,
@@ -51,16 +52,18 @@ Buffer = bytes | bytearray | memoryview
 
 class AgentClient:
     """`layout` and `block_bytes`, if given, are declared in Hello: the agent then refuses any other on this
-    connection (a vLLM worker has exactly one of each)."""
+    connection (a vLLM worker has exactly one of each). `circuit`, if given, is opened by a call the agent does
+    not answer; while it is open every call fails at once (agent/breaker.py)."""
 
     def __init__(self, socket_path: str, shm_bytes: int = 64 * 2**20, timeout_s: float = 5.0,
-                 name: str = "", layout: int = 0, block_bytes: int = 0) -> None:
+                 name: str = "", layout: int = 0, block_bytes: int = 0, circuit: AgentCircuit | None = None) -> None:
         self.socket_path = socket_path
         self.shm_bytes = shm_bytes
         self.timeout_s = timeout_s
         self.name = name
         self.layout = layout
         self.block_bytes = block_bytes
+        self.circuit = circuit
         self._sock: socket.socket | None = None
         self._shm: mmap.mmap | None = None
         self.shm: memoryview | None = None  # the shared region, valid while connected
@@ -71,12 +74,15 @@ class AgentClient:
     def connect(self) -> None:
         if self._sock is not None:
             return
+        if self.circuit is not None and self.circuit.is_open:
+            raise AgentError(f"the tier agent at {self.socket_path} did not answer: not called until it does")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
         except OSError as exc:
             sock.close()
+            self._unanswered(exc)
             raise AgentError(f"cannot reach the tier agent at {self.socket_path}: {exc}") from exc
         self._sock = sock
         self.generation += 1
@@ -156,10 +162,16 @@ class AgentClient:
             reply = reply_decoder.decode(self._recv_exact(sock, size))
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.close()
+            if isinstance(exc, TimeoutError):  # hung; a cut connection (a restart) is for the reconnect to judge
+                self._unanswered(exc)
             raise AgentError(f"tier agent call failed: {exc}") from exc
         if isinstance(reply, ErrorReply):
             raise AgentError(reply.message)
         return reply
+
+    def _unanswered(self, exc: Exception) -> None:
+        if self.circuit is not None:
+            self.circuit.trip(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
     @staticmethod
     def _recv_exact(sock: socket.socket, n: int) -> bytes:

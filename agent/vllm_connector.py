@@ -27,6 +27,7 @@ as pinned host memory so the copies are plain DMA, and unregistered before it is
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -43,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from agent.block_mover import BlockMover, Failure, LoadResult
+from agent.breaker import AgentCircuit
 from agent.client import AgentClient
 from agent.kv_layout import describe_layers
 from agent.layout_key import KvLayout
@@ -73,6 +75,12 @@ def layout_id(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int, pp_r
     """Blocks are only interchangeable between workers whose `KvLayout` is equal (agent/layout_key.py)."""
     override = str(extra["layout"]) if "layout" in extra else None
     return KvLayout.from_vllm(vllm_config, tp_rank, pp_rank, override).id()
+
+
+def _hello(socket_path: str, timeout_s: float) -> None:
+    """Connect to the agent and exchange Hello (raises AgentError unless it answers): the circuit's probe."""
+    with AgentClient(socket_path, shm_bytes=0, timeout_s=timeout_s, name=f"vllm-probe-{os.getpid()}"):
+        pass
 
 
 @dataclass
@@ -168,8 +176,15 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 tp_rank = pp_rank = 0
         self._layout = layout_id(vllm_config, extra, tp_rank, pp_rank)
         shm_bytes = int(extra.get("shm_bytes", 256 * 2**20)) if role == KVConnectorRole.WORKER else 0
+        self._circuit = AgentCircuit(functools.partial(_hello, socket_path, timeout),
+                                     float(extra.get("probe_interval_s", 1.0)), f"tier agent at {socket_path}")
         self._client = AgentClient(socket_path, shm_bytes=shm_bytes, timeout_s=timeout,
-                                   name=f"vllm-{role.name.lower()}-{os.getpid()}")
+                                   name=f"vllm-{role.name.lower()}-{os.getpid()}", circuit=self._circuit)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            log.warning("kvgate connector: kv_load_failure_policy is %r, not 'recompute': EVERY REQUEST WHOSE KV "
+                        "THE TIER AGENT CANNOT DELIVER FAILS (agent restarted or down, a block evicted or corrupt); "
+                        "set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config", policy)
         self._last_agent_error = 0.0
         # scheduler side
         self._lookups: dict[str, tuple[int, str]] = {}  # req_id -> (first block index asked, where string)
@@ -373,6 +388,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return errors
 
     def shutdown(self) -> None:
+        self._circuit.close()
         if self._mover is not None:
             self._mover.close()
         self._client.close()
