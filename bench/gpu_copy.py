@@ -1,0 +1,132 @@
+"""How fast KV blocks move between a paged GPU cache and host memory, against the raw pinned-memory limit (torch only).
+
+Run with a Python that has torch (e.g. the vLLM venv): `python -m bench.gpu_copy [--layers 32 --blocks 64 ...]`.
+One JSON line per measurement (median of `--repeat` runs, GB/s of block bytes moved), then a table. Each way
+(save: cache -> host, load: host -> cache) is measured four ways, side by side in one run:
+
+- `raw pinned`: one contiguous device buffer of the same size to / from pinned host memory (the DMA limit);
+- `pinned staging`: what the connector should do -- gather every layer's blocks on the device into one contiguous
+  device buffer (`index_select`, device-side), then one copy to pinned host memory (and the reverse for loads);
+- `per-layer pinned`: the connector today (`agent/kv_layout.py`) into pinned rows (as when the agent's shared
+  memory is registered with `cudaHostRegister`): one strided copy per layer;
+- `per-layer pageable`: the same into ordinary (pageable) host memory, which the driver bounces through its own
+  pinned buffer.
+
+The cache is GPU flash-attention's layout, `[2, num_blocks, block_size, kv_heads, head_dim]` per layer. Without
+CUDA it says so and measures the CPU cache layout host to host (raw memcpy against the per-layer copies), so the
+script itself is tested anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from agent.kv_layout import describe_layers, gather_blocks, scatter_blocks
+
+
+def timed(fn: Callable[[], None], sync: Callable[[], None], repeat: int) -> float:
+    """Median seconds of `fn` (after one warm-up), synchronised before and after each run."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--num-blocks", type=int, default=512, help="blocks in the cache")
+    parser.add_argument("--blocks", type=int, default=64, help="blocks moved per batch")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        print(f"# CUDA device: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
+        shape: tuple[int, ...] = (2, args.num_blocks, args.block_size, args.kv_heads, args.head_dim)
+        sync: Callable[[], None] = torch.cuda.synchronize
+    else:
+        print("# no CUDA device present: measuring the CPU cache layout host to host instead "
+              f"(torch {torch.__version__})", flush=True)
+        shape = (args.num_blocks, args.kv_heads, args.block_size, 2 * args.head_dim)
+        sync = lambda: None  # noqa: E731
+    gen = torch.Generator(device=device).manual_seed(0)
+    caches = {f"layer{i}": torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+              for i in range(args.layers)}
+    layers = describe_layers(caches, args.num_blocks)
+    block_bytes = sum(layer.block_bytes for layer in layers)
+    n = args.blocks
+    ids = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(1))[:n].tolist()
+    index = torch.tensor(ids, dtype=torch.long, device=device)
+    total = n * block_bytes
+
+    pageable = torch.empty((n, block_bytes), dtype=torch.uint8)
+    pinned = torch.empty((n, block_bytes), dtype=torch.uint8, pin_memory=cuda)
+    device_flat = torch.empty((n, block_bytes), dtype=torch.uint8, device=device)
+
+    def staged_save() -> None:
+        offset = 0
+        for layer in layers:  # device-side gathers into one contiguous buffer, then a single DMA
+            src = layer.tensor.index_select(layer.block_dim, index)
+            if layer.block_dim != 0:
+                src = src.movedim(layer.block_dim, 0)
+            device_flat[:, offset: offset + layer.block_bytes].copy_(src.reshape(n, -1).view(torch.uint8))
+            offset += layer.block_bytes
+        pinned.copy_(device_flat, non_blocking=True)
+
+    def staged_load() -> None:
+        device_flat.copy_(pinned, non_blocking=True)
+        offset = 0
+        for layer in layers:
+            src = device_flat[:, offset: offset + layer.block_bytes].view(layer.tensor.dtype).view(
+                n, *layer.block_shape)
+            if layer.block_dim != 0:
+                src = src.movedim(0, layer.block_dim)
+            layer.tensor.index_copy_(layer.block_dim, index, src)
+            offset += layer.block_bytes
+
+    ways: list[tuple[str, str, Callable[[], None]]] = [
+        ("save", "raw pinned" if cuda else "raw memcpy", lambda: pinned.copy_(device_flat, non_blocking=True)),
+        ("load", "raw pinned" if cuda else "raw memcpy", lambda: device_flat.copy_(pinned, non_blocking=True)),
+    ]
+    if cuda:
+        ways += [("save", "pinned staging", staged_save), ("load", "pinned staging", staged_load),
+                 ("save", "per-layer pinned", lambda: gather_blocks(layers, ids, pinned)),
+                 ("load", "per-layer pinned", lambda: scatter_blocks(layers, ids, pinned))]
+    ways += [("save", "per-layer pageable", lambda: gather_blocks(layers, ids, pageable)),
+             ("load", "per-layer pageable", lambda: scatter_blocks(layers, ids, pageable))]
+
+    results = []
+    for direction, way, fn in ways:
+        seconds = timed(fn, sync, args.repeat)
+        row = {"direction": direction, "way": way, "device": device.type, "blocks": n, "block_bytes": block_bytes,
+               "layers": args.layers, "seconds": seconds, "gb_per_s": total / seconds / 1e9}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    raw = {r["direction"]: r["gb_per_s"] for r in results if str(r["way"]).startswith("raw")}
+    print(f"# {n} blocks of {block_bytes} bytes ({args.layers} layers), {total / 2**20:.1f} MiB per batch, "
+          f"median of {args.repeat}")
+    print(f"# {'direction':<9} {'way':<20} {'GB/s':>8} {'of raw':>7}")
+    for r in results:
+        share = float(r["gb_per_s"]) / raw[str(r["direction"])]
+        print(f"# {r['direction']:<9} {r['way']:<20} {float(r['gb_per_s']):8.2f} {share:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
