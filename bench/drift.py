@@ -16,7 +16,7 @@ import asyncio
 import json
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,7 +78,7 @@ class RoundResult:
                 "workers": {url: {**asdict(w), "ratio": w.ratio} for url, w in self.workers.items()}}
 
 
-def _sum(gateway: Gateway, name: str, **labels: str) -> float:
+def gateway_counter(gateway: Gateway, name: str, **labels: str) -> float:
     """A counter of the gateway's registry, summed over the label sets matching `labels`."""
     total = 0.0
     for family in gateway.metrics.registry.collect():
@@ -89,12 +89,12 @@ def _sum(gateway: Gateway, name: str, **labels: str) -> float:
 
 
 def _snapshot(gateway: Gateway, urls: Sequence[str]) -> dict[str, float]:
-    out = {"unmapped": _sum(gateway, "kvgate_kv_unmapped_blocks_total"),
-           "resets": _sum(gateway, "kvgate_kv_state_resets_total")}
+    out = {"unmapped": gateway_counter(gateway, "kvgate_kv_unmapped_blocks_total"),
+           "resets": gateway_counter(gateway, "kvgate_kv_state_resets_total")}
     for url in urls:
-        out[f"predicted {url}"] = _sum(gateway, "kvgate_worker_predicted_cached_tokens_total", worker=url)
-        out[f"reported {url}"] = _sum(gateway, "kvgate_worker_reported_cached_tokens_total", worker=url)
-        out[f"requests {url}"] = _sum(gateway, "kvgate_requests_total", worker=url, status="200")
+        out[f"predicted {url}"] = gateway_counter(gateway, "kvgate_worker_predicted_cached_tokens_total", worker=url)
+        out[f"reported {url}"] = gateway_counter(gateway, "kvgate_worker_reported_cached_tokens_total", worker=url)
+        out[f"requests {url}"] = gateway_counter(gateway, "kvgate_requests_total", worker=url, status="200")
     return out
 
 
@@ -127,8 +127,11 @@ async def _agent_hits(http: aiohttp.ClientSession, metrics_urls: Sequence[str]) 
 async def run_rounds(worker_specs: Sequence[str], urls: Sequence[str], model_dir: Path, workload: Workload,
                      vocab: PromptVocabulary, *, block_size: int, rounds: int, concurrency: int,
                      progress: bool = True, gateway_settings: dict[str, Any] | None = None,
-                     agent_metrics: Sequence[str] = ()) -> list[RoundResult]:
-    """The workload `rounds` times through a kv gateway; per round, per worker: predicted and reported."""
+                     agent_metrics: Sequence[str] = (),
+                     before_round: Callable[[int, Gateway], None] | None = None) -> list[RoundResult]:
+    """The workload `rounds` times through a kv gateway; per round, per worker: predicted and reported.
+    `before_round(r, gateway)` runs (in a thread) before round r (0-based), e.g. to restart a tier agent under the
+    gateway."""
     bodies = [orjson.dumps({"model": "tiny", "prompt": vocab.text(r.token_ids), "max_tokens": r.max_tokens,
                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
               for r in workload.requests]
@@ -144,6 +147,8 @@ async def run_rounds(worker_specs: Sequence[str], urls: Sequence[str], model_dir
         else:
             raise RuntimeError("the gateway never trusted every worker's KV events")
         for r in range(rounds):
+            if before_round is not None:
+                await asyncio.to_thread(before_round, r, gateway)
             before = _snapshot(gateway, urls)
             hits = await _agent_hits(http, agent_metrics)
             answers = await closed_loop(http, url, bodies, concurrency, progress=progress,
