@@ -42,7 +42,10 @@ from strategies.balance import HIT, MISS, SPILL
 from strategies.kv import Holding, KvAware, KvOptions
 
 LOWER_TIERS = (CPU, DISK, SHARED)
-OWN_FIT_SAMPLES = 20  # answers after which a worker is judged by its own fit rather than the fleet's
+# answers after which a worker is judged by its own fit rather than the fleet's: about what a fit remembers (the
+# half-life's default); switching after 20 judged workers by young, noisy fits (RAG at 100/s, 8 replicas: TTFT p90
+# 114 ms; own fits from the first answer 60; after 200, 51; the fleet's alone 47)
+OWN_FIT_SAMPLES = 200
 ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 

@@ -233,7 +233,7 @@ def test_a_worker_without_answers_of_its_own_is_judged_by_the_fleets_fit() -> No
     busier."""
     strategy, workers, _, clock = make(2)
     kept = []
-    for i in range(30):
+    for i in range(OWN_FIT_SAMPLES + 5):
         req = request(tokens(2000 + i, 1000))
         kept.append(req)
         decision = strategy.choose(req, workers[1:])
