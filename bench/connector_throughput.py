@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.make_model import write_model
+from bench.overhead import tree_cpu_seconds
 from bench.sim.launch import AgentSettings, agent_process
 from bench.vllm_engine import BLOCK_SIZE, MODEL_NAME, EngineServer, start_engine
 
@@ -35,25 +36,33 @@ def _complete(url: str, prompt: str, max_tokens: int) -> tuple[int, int]:
     return int(usage["prompt_tokens"]), int(usage["completion_tokens"])
 
 
-def saturate(server: EngineServer, salt: str, args: argparse.Namespace) -> dict[str, float]:
-    """`args.requests` unique prompts through `args.concurrency` clients; requests/s and tokens/s."""
+def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tuple[int, ...] = ()) -> dict[str, float]:
+    """`args.requests` unique prompts through `args.concurrency` clients; requests/s, tokens/s and the CPU time
+    the server (and `pids`: its agent) used per request -- which the machine's other load does not inflate."""
+    assert server.proc is not None
+    server_cpu = tree_cpu_seconds(server.proc.pid)
+    agent_cpu = sum(tree_cpu_seconds(pid) for pid in pids)
     words = " ".join(f"w{i} alpha beta gamma" for i in range(args.prompt_words))
     prompts = [f"{salt} request {i} {words}" for i in range(args.requests)]
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
         usages = list(pool.map(lambda p: _complete(server.url, p, args.max_tokens), prompts))
     seconds = time.monotonic() - start
+    server_cpu = tree_cpu_seconds(server.proc.pid) - server_cpu
+    agent_cpu = sum(tree_cpu_seconds(pid) for pid in pids) - agent_cpu
     prompt_tokens = sum(u[0] for u in usages)
     completion_tokens = sum(u[1] for u in usages)
     return {"seconds": seconds, "requests_per_s": len(prompts) / seconds,
             "tokens_per_s": (prompt_tokens + completion_tokens) / seconds, "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens}
+            "completion_tokens": completion_tokens,
+            "cpu_ms_per_request": 1000 * (server_cpu + agent_cpu) / len(prompts),
+            "agent_cpu_ms_per_request": 1000 * agent_cpu / len(prompts)}
 
 
 def _agent_metric(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0].split("{")[0] == name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,10 +90,11 @@ def main(argv: list[str] | None = None) -> None:
             results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
             for round_ in range(args.rounds):
                 for name, server in servers.items():
-                    row = saturate(server, f"r{round_}-{name}", args)
+                    pids = (agent.pid,) if name == "with" and agent.pid is not None else ()
+                    row = saturate(server, f"r{round_}-{name}", args, pids)
                     results[name].append(row)
                     print(json.dumps({"round": round_, "connector": name, **row}), flush=True)
-            stored = _agent_metric(agent.metrics_port, "kvgate_agent_bytes_stored")
+            stored = _agent_metric(agent.metrics_port, "kvgate_agent_bytes_stored_total")
         finally:
             for server in servers.values():
                 server.stop()
@@ -95,7 +105,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.max_tokens} generated), {args.concurrency} clients; agent bytes stored: {stored / 2**20:.1f} MiB")
     for name in results:
         print(f"# {name:<8} connector: median {median[name]:8.1f} tokens/s, {median_rps[name]:6.2f} requests/s")
+    cpu = {name: statistics.median(r["cpu_ms_per_request"] for r in rows) for name, rows in results.items()}
+    agent_cpu = statistics.median(r["agent_cpu_ms_per_request"] for r in results["with"])
     print(f"# with / without: {median['with'] / median['without']:.3f} (tokens/s)")
+    print(f"# CPU per request (server tree, plus the agent with the connector): without {cpu['without']:.1f} ms, "
+          f"with {cpu['with']:.1f} ms (the agent {agent_cpu:.1f} ms of it); "
+          f"without / with {cpu['without'] / cpu['with']:.3f} (the throughput ratio on "
+          f"a machine where the replica has the CPUs to itself)")
 
 
 if __name__ == "__main__":
