@@ -42,9 +42,8 @@ from router.tokenizer import ModelTokenizer, TokenizationError, chat_adds_specia
 log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # text mode: one "token" is this many characters, one block is block_size of them
-INLINE_CHARS = 2048  # text shorter than this is encoded on the event loop (the thread hop costs more)
-RENDER_INLINE_BYTES = 64 * 1024  # bodies up to this size are rendered and looked up in the cache on the loop
-INLINE_MESSAGES = 32  # ... if they hold at most this many messages and no tools or documents
+INLINE_CHARS = 2048  # bodies shorter than this are tokenized on the event loop (the thread hop costs more)
+TEXT_INLINE_BYTES = 64 * 1024  # text mode (a hash per 64 characters) runs on the loop up to this body size
 INLINE_IDS = 16384  # token-id prompts shorter than this are hashed on the event loop
 TOKENS, TEXT = "tokens", "text"
 
@@ -149,14 +148,6 @@ def _text_size(prompt: Prompt) -> int:
     if isinstance(prompt, CompletionPrompt):
         return len(prompt.prompt) if isinstance(prompt.prompt, str) else 0
     return sum(len(_part_text(m.get("content"))) for m in prompt.messages)
-
-
-def _renders_quickly(prompt: Prompt) -> bool:
-    """Whether rendering the prompt is cheap enough for the event loop: a completion, or a chat of a few messages
-    without tools or documents (the template loops over those, and a client decides how many)."""
-    return isinstance(prompt, CompletionPrompt) or (
-        len(prompt.messages) <= INLINE_MESSAGES and "tools" not in prompt.template
-        and "documents" not in prompt.template)
 
 
 def text_block_keys(text: str, block_size: int, root: BlockKey) -> list[BlockKey]:
@@ -277,18 +268,14 @@ class PromptTokens:
             try:
                 if isinstance(prompt, ChatPrompt) and not tokenizer.chat.owns(prompt.template.get("chat_template")):
                     result = await self._with_client_template(tokenizer, prompt, raw, root)
-                elif size <= RENDER_INLINE_BYTES and _renders_quickly(prompt):
-                    # rendering and finding the cached prefix cost little; encoding what is new may not
-                    lookup = self.cache.lookup(tokenizer, *self.prompt_text(tokenizer, prompt))
-                    result = (self._finish(tokenizer, lookup, root) if lookup.new_bytes < INLINE_CHARS
-                              else await loop.run_in_executor(self._executor, self._finish, tokenizer, lookup, root))
+                elif size < INLINE_CHARS:
+                    result = self.tokenize_now(tokenizer, prompt, root)
                 else:
                     result = await loop.run_in_executor(self._executor, self.tokenize_now, tokenizer, prompt, root)
             except TokenizationError as exc:
                 log.debug("tokenization failed, routing by text: %s", exc)
         if result is None:
-            # text mode costs a hash per 64 characters: inline as long as rendering would be
-            result = (self.text_keys(prompt, root) if size <= RENDER_INLINE_BYTES
+            result = (self.text_keys(prompt, root) if size <= TEXT_INLINE_BYTES
                       else await loop.run_in_executor(self._executor, self.text_keys, prompt, root))
         if self._metrics is not None:
             self._metrics.tokenize_duration.labels(result.mode).observe(time.perf_counter() - started)

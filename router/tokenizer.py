@@ -390,8 +390,8 @@ class ModelTokenizer:
         must come out at the text's length, or the offsets are asked after all."""
         lengths = self._byte_lengths
         if lengths is not None and (self._nfc is False or unicodedata.is_normalized("NFC", text)):
-            # on the calling thread: the batch call hands the work to the tokenizer's thread pool and waits, which
-            # on a busy machine leaves the event loop idle far longer than the encoding takes
+            # a short text is encoded on the calling thread: the batch call would hand it to the tokenizer's own
+            # thread pool and wait, and on a busy machine each hand-over waits for a core
             encoding = (self._tok.encode(text, add_special_tokens=add_special_tokens) if len(text) < PARALLEL_CHARS
                         else self._encode_batch([text], add_special_tokens=add_special_tokens)[0])
             ids = array("I", encoding.ids)
