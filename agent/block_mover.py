@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -126,26 +126,13 @@ class BlockMover:
     def load(self, hashes: Sequence[int], block_ids: Sequence[int]) -> LoadResult:
         """Copy the leading run of these blocks that the agent supplies whole into the cache at `block_ids`."""
         loaded = 0
-        failure: Failure | None = None
-        for attempt in range(2):  # a second try on a fresh connection (the agent may have restarted)
-            try:
-                loaded, failure = self._load_from(hashes, block_ids, loaded)
-                break
-            except AgentError as exc:
-                self._reset()
-                failure = Failure.AGENT_UNAVAILABLE
-                if attempt:
-                    self._note(failure, f"tier agent unavailable during a load: {exc}")
-            except _Stale as exc:
-                self._reset()
-                failure = Failure.STALE_SHARED_MEMORY
-                self._note(failure, str(exc))
-                break
-            except Exception:
-                self._reset()
-                failure = Failure.ERROR
-                self._note(failure, "unexpected error in a load", exc_info=True)
-                break
+
+        def attempt() -> Failure | None:
+            nonlocal loaded
+            loaded, failure = self._load_from(hashes, block_ids, loaded)
+            return failure
+
+        failure = self._guarded("load", attempt)
         if failure is not None:
             self.load_failures[failure] += 1
         return LoadResult(loaded, failure)
@@ -177,16 +164,26 @@ class BlockMover:
 
     def save(self, hashes: Sequence[int], block_ids: Sequence[int], parent: int | None) -> Failure | None:
         """Hand these computed blocks (a chain after `parent`) to the agent; why not, if they were not."""
+        def attempt() -> None:
+            self._save(hashes, block_ids, parent)
+
+        failure = self._guarded("save", attempt)
+        if failure is not None:
+            self.save_failures[failure] += 1
+        return failure
+
+    def _guarded(self, what: str, attempt: Callable[[], Failure | None]) -> Failure | None:
+        """Run a load or save, a second time on a fresh connection if the agent went away (it may have
+        restarted); whatever it raises becomes the failure it returns, never an exception into the engine."""
         failure: Failure | None = None
-        for attempt in range(2):
+        for retry in range(2):
             try:
-                self._save(hashes, block_ids, parent)
-                return None
+                return attempt()
             except AgentError as exc:
                 self._reset()
                 failure = Failure.AGENT_UNAVAILABLE
-                if attempt:
-                    self._note(failure, f"tier agent unavailable during a save: {exc}")
+                if retry:
+                    self._note(failure, f"tier agent unavailable during a {what}: {exc}")
             except _Stale as exc:
                 self._reset()
                 failure = Failure.STALE_SHARED_MEMORY
@@ -195,10 +192,8 @@ class BlockMover:
             except Exception:
                 self._reset()
                 failure = Failure.ERROR
-                self._note(failure, "unexpected error in a save", exc_info=True)
+                self._note(failure, f"unexpected error in a {what}", exc_info=True)
                 break
-        assert failure is not None
-        self.save_failures[failure] += 1
         return failure
 
     def _save(self, hashes: Sequence[int], block_ids: Sequence[int], parent: int | None) -> None:
