@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -24,6 +24,10 @@ from kvgate.serve import assemble
 from router.app import GATEWAY, Gateway, create_app
 from router.config import WorkerSpec
 from router.listener import ClientConnections, serving
+
+if TYPE_CHECKING:  # tests.agent_process imports this module
+    from bench.vllm_engine import EngineServer
+    from tests.agent_process import AgentProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -210,4 +214,22 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     try:
         yield server
     finally:
+        server.stop()
+
+
+@pytest.fixture
+def agents() -> Iterator[list[AgentProcess]]:
+    """Tier agent processes a test starts; each is stopped at the end (a test may override this fixture)."""
+    started: list[AgentProcess] = []
+    yield started
+    for agent in started:
+        agent.stop()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[EngineServer]]:
+    """Real vLLM servers a test starts; each is stopped at the end."""
+    started: list[EngineServer] = []
+    yield started
+    for server in started:
         server.stop()

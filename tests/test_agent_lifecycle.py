@@ -15,7 +15,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,22 +40,6 @@ PROMPT = " ".join(f"w{i} a" for i in range(30)) + " a b"
 PROMPTS = [" ".join(f"{topic}{i} {word}" for i in range(n)) for topic, word, n in
            (("alpha", "one", 60), ("beta", "two", 70), ("gamma", "three", 80), ("delta", "four", 90))]
 MAX_TOKENS = 40
-
-
-@pytest.fixture
-def servers() -> Iterator[list[EngineServer]]:
-    started: list[EngineServer] = []
-    yield started
-    for server in started:
-        server.stop()
-
-
-@pytest.fixture
-def agents() -> Iterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
-        agent.stop()
 
 
 def assert_alive(*servers: EngineServer) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,14 +27,6 @@ PROMPT = " ".join(f"word{i} alpha beta gamma" for i in range(120))
 def complete(server: EngineServer) -> tuple[str, list[float], int, int]:
     """(text, logprobs, cached prompt tokens, prompt tokens) of a greedy completion of PROMPT."""
     return replica.complete(server, PROMPT)
-
-
-@pytest.fixture
-def servers() -> Iterator[list[EngineServer]]:
-    started: list[EngineServer] = []
-    yield started
-    for server in started:
-        server.stop()
 
 
 def test_vllm_loads_saved_blocks_from_every_tier(weighted_model: Path, tmp_path: Path, valkey: ValkeyServer,
@@ -101,14 +92,6 @@ def test_vllm_loads_saved_blocks_from_every_tier(weighted_model: Path, tmp_path:
     assert (again_text, again_logprobs) == (text, logprobs)
     assert agent_b.metric("kvgate_agent_checksum_failures_total", tier="shared") >= 1
     assert "could not be loaded (missing); vLLM recomputes them" in vllm_b.log_tail(200_000)
-
-
-@pytest.fixture
-def agents() -> Iterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
-        agent.stop()
 
 
 KV_LAYOUT_SCRIPT = """

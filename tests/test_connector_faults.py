@@ -60,14 +60,6 @@ def probes() -> Iterator[list[MoverProbe]]:
             probe.proc.wait()
 
 
-@pytest.fixture
-def agents() -> Iterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
-        agent.stop()
-
-
 def test_shared_memory_is_mapped_before_the_first_step_and_never_dangles(
         tmp_path: Path, agents: list[AgentProcess], probes: list[MoverProbe],
         subprocess_env: dict[str, str]) -> None:

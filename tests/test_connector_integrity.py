@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,14 +94,6 @@ def test_layout_id_of_a_real_vllm_config_separates(field: str, vllm_layout_ids: 
     assert ids["same"] == vllm_layout_ids["base"]
     assert ids[field] != vllm_layout_ids["base"]
     assert ids["override_pp_rank"] != ids["override"]
-
-
-@pytest.fixture
-def agents() -> Iterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
-        agent.stop()
 
 
 # A worker-side KvgateConnector on CPU caches, driven step by step with metadata as the scheduler would send it.
