@@ -233,3 +233,27 @@ def servers() -> Iterator[list[EngineServer]]:
     yield started
     for server in started:
         server.stop()
+
+
+async def health_while(http: aiohttp.ClientSession, gw_url: str, work: Any) -> tuple[Any, float]:
+    """Run `work` while probing /health every 10 ms; its result and the slowest probe, in seconds. A probe counts
+    from when it was due, so time the event loop spent blocked between probes counts too."""
+    slowest = 0.0
+    done = asyncio.Event()
+
+    async def probe() -> None:
+        nonlocal slowest
+        while not done.is_set():
+            due = time.perf_counter()
+            async with http.get(gw_url + "/health") as resp:
+                assert resp.status == 200
+            await asyncio.sleep(0.01)
+            slowest = max(slowest, time.perf_counter() - due - 0.01)
+
+    prober = asyncio.create_task(probe())
+    try:
+        result = await work
+    finally:
+        done.set()
+        await prober
+    return result, slowest

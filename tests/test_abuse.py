@@ -23,7 +23,7 @@ from router.pool import WorkerPool
 from router.tokenizer import ModelTokenizer
 from router.upstream import UpstreamPool
 from tests.abuse_servers import listing_worker, raw_worker
-from tests.conftest import eventually, kvgate_command, running_gateway, running_standin
+from tests.conftest import eventually, health_while, kvgate_command, running_gateway, running_standin
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 CHUNK = b'data: {"choices": [{"index": 0, "text": " t0"}]}\n\n'
@@ -359,30 +359,6 @@ def chat(template: str | None = None, **extra: Any) -> dict[str, Any]:
     if template is not None:
         body["chat_template"] = template
     return {**body, **extra}
-
-
-async def health_while(http: aiohttp.ClientSession, gw_url: str, work: Any) -> tuple[Any, float]:
-    """Run `work` while probing /health every 10 ms; its result and the slowest probe, in seconds. A probe counts
-    from when it was due, so time the event loop spent blocked between probes counts too."""
-    slowest = 0.0
-    done = asyncio.Event()
-
-    async def probe() -> None:
-        nonlocal slowest
-        while not done.is_set():
-            due = time.perf_counter()
-            async with http.get(gw_url + "/health") as resp:
-                assert resp.status == 200
-            await asyncio.sleep(0.01)
-            slowest = max(slowest, time.perf_counter() - due - 0.01)
-
-    prober = asyncio.create_task(probe())
-    try:
-        result = await work
-    finally:
-        done.set()
-        await prober
-    return result, slowest
 
 
 def renders(gw: Any) -> dict[str, float]:

@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -22,7 +20,7 @@ from bench.procs import free_port, stop, wait_http
 from router.errors import GatewayError
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS, LargePrompt, parse_body, with_tenant
 from tests.abuse_servers import raw_worker
-from tests.conftest import kvgate_command
+from tests.conftest import health_while, kvgate_command
 
 ANSWER = orjson.dumps({"id": "x", "object": "text_completion", "model": "tiny",
                        "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
@@ -69,30 +67,6 @@ async def metric(http: aiohttp.ClientSession, url: str, name: str, **labels: str
                if line.split("{")[0].split(" ")[0] == name and all(f'{k}="{v}"' in line for k, v in labels.items()))
 
 
-async def slowest_health_while(http: aiohttp.ClientSession, url: str, work: Any) -> tuple[Any, float]:
-    """Run `work` while probing /health every 10 ms: its result and the slowest probe, counted from when it was
-    due (time the gateway's loop spent blocked between probes counts too)."""
-    slowest = 0.0
-    done = asyncio.Event()
-
-    async def probe() -> None:
-        nonlocal slowest
-        while not done.is_set():
-            due = time.perf_counter()
-            async with http.get(url + "/health") as resp:
-                assert resp.status == 200
-            slowest = max(slowest, time.perf_counter() - due)
-            await asyncio.sleep(0.01)
-
-    prober = asyncio.create_task(probe())
-    try:
-        result = await work
-    finally:
-        done.set()
-        await prober
-    return result, slowest
-
-
 async def post(http: aiohttp.ClientSession, url: str, body: bytes) -> int:
     async with http.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}) as resp:
         await resp.read()
@@ -107,7 +81,7 @@ async def test_a_32_mib_token_id_prompt_does_not_stall_health(huge_body: bytes, 
             [worker], tmp_path, "--strategy", strategy, "--model-dir", str(tiny_model_dir)) as url, \
             aiohttp.ClientSession() as http:
         await post(http, url, orjson.dumps({"model": "tiny", "prompt": "warm up", "max_tokens": 1}))
-        status, slowest = await slowest_health_while(http, url, post(http, url, huge_body))
+        status, slowest = await health_while(http, url, post(http, url, huge_body))
         assert status == 200
         assert slowest < 0.5, f"/health waited {slowest * 1000:.0f} ms"
         assert await metric(http, url, "kvgate_oversized_prompts_total") == 1
