@@ -43,7 +43,8 @@ class AgentProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=log,
                                          preexec_fn=self._limit if self.file_size_limit is not None else None)
-        deadline = time.monotonic() + 20
+        # Generous: on a 2-core CI machine a serving vLLM can hold both cores while the agent imports and starts.
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"agent exited: {self.log_path.read_text(errors='replace')[-4000:]}")
@@ -54,7 +55,7 @@ class AgentProcess:
                     return
             except (AgentError, OSError):
                 time.sleep(0.05)
-        raise TimeoutError("agent did not come up")
+        raise TimeoutError(f"agent did not come up in 90 s: {self.log_path.read_text(errors='replace')[-4000:]}")
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
