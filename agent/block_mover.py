@@ -25,7 +25,7 @@ import torch
 
 from agent.client import AgentClient
 from agent.host_pinning import CudaHostPinning, HostPinning, PinnedRegion
-from agent.kv_layout import CacheLayer, gather_blocks, scatter_blocks
+from agent.kv_layout import STAGING_BYTES, BlockCopier, CacheLayer
 from agent.protocol import AgentError
 
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
@@ -61,13 +61,15 @@ class Staging:
 
 class BlockMover:
     def __init__(self, client: AgentClient, layout: int, layers: list[CacheLayer],
-                 pinning: HostPinning | None = None) -> None:
-        """`pinning`: how the shared memory is page-locked; by default CUDA's when the caches are on a GPU."""
+                 pinning: HostPinning | None = None, staging_bytes: int = STAGING_BYTES) -> None:
+        """`pinning`: how the shared memory is page-locked; by default CUDA's when the caches are on a GPU.
+        `staging_bytes`: the device buffer batches go through when the caches are on one (agent/kv_layout.py)."""
         self.client = client
         self.pinning = pinning or (CudaHostPinning() if any(layer.tensor.is_cuda for layer in layers) else None)
         self.layout = layout
         self.layers = layers
-        self.block_bytes = sum(layer.block_bytes for layer in layers)
+        self.copier = BlockCopier(layers, staging_bytes)
+        self.block_bytes = self.copier.block_bytes
         client.layout, client.block_bytes = layout, self.block_bytes  # declared in Hello: the agent holds us to them
         self.load_failures: Counter[Failure] = Counter()
         self.save_failures: Counter[Failure] = Counter()
@@ -151,7 +153,7 @@ class BlockMover:
                 self._note(Failure.BAD_REPLY, f"the agent answered {len(lengths)} blocks for {len(chunk)}")
                 return loaded, Failure.BAD_REPLY  # nothing of this reply can be trusted
             if whole:
-                scatter_blocks(self.layers, list(block_ids[loaded: loaded + whole]), self._rows(staging, whole))
+                self.copier.scatter(list(block_ids[loaded: loaded + whole]), self._rows(staging, whole))
             loaded += whole
             if whole < len(lengths):
                 self._note(Failure.BAD_REPLY, f"a block of {lengths[whole]} bytes where {self.block_bytes} belong")
@@ -202,7 +204,7 @@ class BlockMover:
         for i in range(0, len(hashes), step):
             ids = list(block_ids[i: i + step])
             n = len(ids)
-            gather_blocks(self.layers, ids, self._rows(staging, n))
+            self.copier.gather(ids, self._rows(staging, n))
             self.client.store_in_place(self.layout, list(hashes[i: i + step]),
                                        [k * self.block_bytes for k in range(n)], [self.block_bytes] * n,
                                        parent if i == 0 else hashes[i - 1])

@@ -4,13 +4,23 @@ Each layer's cache tensor has one dimension of size `num_blocks`: the first on v
 (`[num_blocks, kv_heads, block_size, 2*head_dim]`), the second for GPU flash attention
 (`[2, num_blocks, block_size, kv_heads, head_dim]`). A block's bytes are the concatenation, layer by layer, of
 that layer's slice at the block index, so one row of `block_bytes` holds a whole block.
+
+`BlockCopier` moves batches of blocks. Caches on an accelerator go through one contiguous staging buffer on their
+device: every layer's blocks are gathered there by device-side copies, then a single copy moves the whole batch
+to the host rows (one DMA when the rows are pinned, as the agent's shared memory is), and loads the reverse --
+instead of one small strided device<->host copy per layer (what `bench/gpu_copy.py` measures). Caches in host
+memory are copied straight into the rows, which already are one contiguous buffer in plain memory: a staging
+buffer there would only add a copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+STAGING_BYTES = 32 * 2**20  # device memory taken for the staging buffer (at least one block)
 
 
 @dataclass
@@ -38,28 +48,90 @@ def describe_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list
     return layers
 
 
-def gather_blocks(layers: list[CacheLayer], block_ids: list[int], rows: torch.Tensor) -> None:
-    """Copy blocks out of the caches into `rows` (uint8, `[len(block_ids), block_bytes]`, host memory)."""
+def gather_blocks(layers: list[CacheLayer], block_ids: Sequence[int], rows: torch.Tensor) -> None:
+    """Copy blocks out of the caches into `rows` (uint8, `[len(block_ids), block_bytes]`), one copy per layer."""
     n = len(block_ids)
     offset = 0
+    indexes: dict[torch.device, torch.Tensor] = {}
     for layer in layers:
-        index = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
-        src = layer.tensor.index_select(layer.block_dim, index)
+        device = layer.tensor.device
+        if device not in indexes:
+            indexes[device] = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+        src = layer.tensor.index_select(layer.block_dim, indexes[device])
         if layer.block_dim != 0:
             src = src.movedim(layer.block_dim, 0)
-        rows[:, offset: offset + layer.block_bytes].copy_(src.reshape(n, -1).view(torch.uint8))
+        # device-side (staging) copies are stream-ordered; a copy to the host returns once it is done
+        rows[:, offset: offset + layer.block_bytes].copy_(src.reshape(n, -1).view(torch.uint8),
+                                                          non_blocking=rows.device == device)
         offset += layer.block_bytes
 
 
-def scatter_blocks(layers: list[CacheLayer], block_ids: list[int], rows: torch.Tensor) -> None:
-    """Copy `rows` (as written by `gather_blocks`) into the caches at these block ids."""
+def scatter_blocks(layers: list[CacheLayer], block_ids: Sequence[int], rows: torch.Tensor) -> None:
+    """Copy `rows` (as written by `gather_blocks`) into the caches at these block ids, one copy per layer."""
     n = len(block_ids)
     offset = 0
+    indexes: dict[torch.device, torch.Tensor] = {}
     for layer in layers:
         device = layer.tensor.device
+        if device not in indexes:
+            indexes[device] = torch.tensor(list(block_ids), dtype=torch.long, device=device)
         src = rows[:, offset: offset + layer.block_bytes].view(layer.tensor.dtype).view(n, *layer.block_shape)
         if layer.block_dim != 0:
             src = src.movedim(0, layer.block_dim)
-        index = torch.tensor(block_ids, dtype=torch.long, device=device)
-        layer.tensor.index_copy_(layer.block_dim, index, src.to(device, non_blocking=False))
+        src = src.to(device, non_blocking=rows.device == device)
+        layer.tensor.index_copy_(layer.block_dim, indexes[device], src)
         offset += layer.block_bytes
+
+
+class BlockCopier:
+    """Batches of whole blocks between the caches and host rows; through one contiguous staging buffer on the
+    caches' device when they are not in host memory (or when `staged` says so: tests run that path on CPU).
+    Every call returns once its copies are complete (the caller hands the rows to the agent right after), on the
+    current stream: a transfer thread runs it on its own."""
+
+    def __init__(self, layers: list[CacheLayer], staging_bytes: int = STAGING_BYTES,
+                 staged: bool | None = None) -> None:
+        self.layers = layers
+        self.block_bytes = sum(layer.block_bytes for layer in layers)
+        devices = {layer.tensor.device for layer in layers}
+        self.device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        if staged is None:
+            staged = len(devices) == 1 and self.device.type != "cpu"
+        self.staging: torch.Tensor | None = None
+        if staged and self.block_bytes:
+            blocks = max(1, staging_bytes // self.block_bytes)
+            self.staging = torch.empty((blocks, self.block_bytes), dtype=torch.uint8, device=self.device)
+
+    @property
+    def staged(self) -> bool:
+        return self.staging is not None
+
+    def gather(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """Blocks out of the caches into `rows` (`[len(block_ids), block_bytes]` uint8, host memory)."""
+        if self.staging is None:
+            gather_blocks(self.layers, block_ids, rows)
+        else:
+            step = self.staging.shape[0]
+            for i in range(0, len(block_ids), step):
+                ids = block_ids[i: i + step]
+                staging = self.staging[: len(ids)]
+                gather_blocks(self.layers, ids, staging)  # device-side copies into one contiguous buffer
+                rows[i: i + len(ids)].copy_(staging, non_blocking=True)  # one DMA for the whole batch
+        self._sync()
+
+    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """`rows` (as written by `gather`) into the caches at these block ids."""
+        if self.staging is None:
+            scatter_blocks(self.layers, block_ids, rows)
+        else:
+            step = self.staging.shape[0]
+            for i in range(0, len(block_ids), step):
+                ids = block_ids[i: i + step]
+                staging = self.staging[: len(ids)]
+                staging.copy_(rows[i: i + len(ids)], non_blocking=True)  # one DMA for the whole batch
+                scatter_blocks(self.layers, ids, staging)  # device-side copies out of it
+        self._sync()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()

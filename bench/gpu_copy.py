@@ -5,16 +5,18 @@ One JSON line per measurement (median of `--repeat` runs, GB/s of block bytes mo
 (save: cache -> host, load: host -> cache) is measured four ways, side by side in one run:
 
 - `raw pinned`: one contiguous device buffer of the same size to / from pinned host memory (the DMA limit);
-- `pinned staging`: what the connector should do -- gather every layer's blocks on the device into one contiguous
-  device buffer (`index_select`, device-side), then one copy to pinned host memory (and the reverse for loads);
-- `per-layer pinned`: the connector today (`agent/kv_layout.py`) into pinned rows (as when the agent's shared
-  memory is registered with `cudaHostRegister`): one strided copy per layer;
+- `pinned staging`: what the connector does (`agent/kv_layout.py`, `BlockCopier`, the same object) -- gather every
+  layer's blocks on the device into one contiguous device buffer (`index_select`, device-side), then one copy to
+  pinned host memory (and the reverse for loads); the connector's transfer thread runs it off the engine's step;
+- `per-layer pinned`: the connector before it, into pinned rows (as when the agent's shared memory is registered
+  with `cudaHostRegister`): one strided copy per layer;
 - `per-layer pageable`: the same into ordinary (pageable) host memory, which the driver bounces through its own
   pinned buffer.
 
 The cache is GPU flash-attention's layout, `[2, num_blocks, block_size, kv_heads, head_dim]` per layer. Without
-CUDA it says so and measures the CPU cache layout host to host (raw memcpy against the per-layer copies), so the
-script itself is tested anywhere.
+CUDA it says so and measures the CPU cache layout host to host (raw memcpy against the copier forced through a
+staging buffer and the per-layer copies the connector uses on CPU), so the script and the staging path run
+anywhere.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from agent.kv_layout import describe_layers, gather_blocks, scatter_blocks
+from agent.kv_layout import BlockCopier, describe_layers, gather_blocks, scatter_blocks
 
 
 def timed(fn: Callable[[], None], sync: Callable[[], None], repeat: int) -> float:
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-blocks", type=int, default=512, help="blocks in the cache")
     parser.add_argument("--blocks", type=int, default=64, help="blocks moved per batch")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--staging-mib", type=int, default=32, help="the copier's device staging buffer")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -73,41 +76,25 @@ def main(argv: list[str] | None = None) -> None:
     block_bytes = sum(layer.block_bytes for layer in layers)
     n = args.blocks
     ids = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(1))[:n].tolist()
-    index = torch.tensor(ids, dtype=torch.long, device=device)
     total = n * block_bytes
 
     pageable = torch.empty((n, block_bytes), dtype=torch.uint8)
     pinned = torch.empty((n, block_bytes), dtype=torch.uint8, pin_memory=cuda)
     device_flat = torch.empty((n, block_bytes), dtype=torch.uint8, device=device)
 
-    def staged_save() -> None:
-        offset = 0
-        for layer in layers:  # device-side gathers into one contiguous buffer, then a single DMA
-            src = layer.tensor.index_select(layer.block_dim, index)
-            if layer.block_dim != 0:
-                src = src.movedim(layer.block_dim, 0)
-            device_flat[:, offset: offset + layer.block_bytes].copy_(src.reshape(n, -1).view(torch.uint8))
-            offset += layer.block_bytes
-        pinned.copy_(device_flat, non_blocking=True)
-
-    def staged_load() -> None:
-        device_flat.copy_(pinned, non_blocking=True)
-        offset = 0
-        for layer in layers:
-            src = device_flat[:, offset: offset + layer.block_bytes].view(layer.tensor.dtype).view(
-                n, *layer.block_shape)
-            if layer.block_dim != 0:
-                src = src.movedim(0, layer.block_dim)
-            layer.tensor.index_copy_(layer.block_dim, index, src)
-            offset += layer.block_bytes
+    # the connector's own copier (agent/kv_layout.py): device-side gathers into one contiguous staging buffer,
+    # then one copy to the host rows; forced on for the CPU layout too, so the path runs anywhere
+    copier = BlockCopier(layers, staging_bytes=args.staging_mib * 2**20, staged=True)
 
     ways: list[tuple[str, str, Callable[[], None]]] = [
         ("save", "raw pinned" if cuda else "raw memcpy", lambda: pinned.copy_(device_flat, non_blocking=True)),
         ("load", "raw pinned" if cuda else "raw memcpy", lambda: device_flat.copy_(pinned, non_blocking=True)),
     ]
+    staged = "pinned staging" if cuda else "staging (forced)"
+    ways += [("save", staged, lambda: copier.gather(ids, pinned)),
+             ("load", staged, lambda: copier.scatter(ids, pinned))]
     if cuda:
-        ways += [("save", "pinned staging", staged_save), ("load", "pinned staging", staged_load),
-                 ("save", "per-layer pinned", lambda: gather_blocks(layers, ids, pinned)),
+        ways += [("save", "per-layer pinned", lambda: gather_blocks(layers, ids, pinned)),
                  ("load", "per-layer pinned", lambda: scatter_blocks(layers, ids, pinned))]
     ways += [("save", "per-layer pageable", lambda: gather_blocks(layers, ids, pageable)),
              ("load", "per-layer pageable", lambda: scatter_blocks(layers, ids, pageable))]

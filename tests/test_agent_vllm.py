@@ -96,7 +96,7 @@ def test_vllm_loads_saved_blocks_from_every_tier(weighted_model: Path, tmp_path:
 
 KV_LAYOUT_SCRIPT = """
 import torch
-from agent.kv_layout import describe_layers, gather_blocks, scatter_blocks
+from agent.kv_layout import BlockCopier, describe_layers, gather_blocks, scatter_blocks
 
 devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 shapes = {"cpu": (64, 2, 32, 64),          # vLLM CPU: [num_blocks, kv_heads, block_size, 2*head_dim]
@@ -109,16 +109,24 @@ for device in devices:
         assert [l.block_dim for l in layers] == [0 if name == "cpu" else 1] * 3
         block_bytes = sum(l.block_bytes for l in layers)
         assert block_bytes == 3 * 2 * 32 * 64 * 2
-        rows = torch.zeros((3, block_bytes), dtype=torch.uint8)
-        gather_blocks(layers, [5, 17, 3], rows)
-        fresh = {k: torch.zeros_like(v) for k, v in caches.items()}
-        scatter_blocks(describe_layers(fresh, 64), [40, 41, 0], rows)
-        for key in caches:
-            src, dst = caches[key], fresh[key]
-            bd = 0 if name == "cpu" else 1
-            for a, b in ((5, 40), (17, 41), (3, 0)):
-                assert torch.equal(src.select(bd, a), dst.select(bd, b)), (device, name, key, a)
-            assert dst.select(bd, 1).abs().sum() == 0  # nothing else written
+        # per-layer copies, and the copier's staging buffer (forced on CPU; 2 blocks: the batch goes in 2 parts)
+        for way in ("per-layer", "staged"):
+            rows = torch.zeros((3, block_bytes), dtype=torch.uint8)
+            fresh = {k: torch.zeros_like(v) for k, v in caches.items()}
+            if way == "per-layer":
+                gather_blocks(layers, [5, 17, 3], rows)
+                scatter_blocks(describe_layers(fresh, 64), [40, 41, 0], rows)
+            else:
+                BlockCopier(layers, staging_bytes=2 * block_bytes, staged=True).gather([5, 17, 3], rows)
+                copier = BlockCopier(describe_layers(fresh, 64), staging_bytes=2 * block_bytes, staged=True)
+                assert copier.staging.shape == (2, block_bytes) and copier.staging.device.type == device
+                copier.scatter([40, 41, 0], rows)
+            for key in caches:
+                src, dst = caches[key], fresh[key]
+                bd = 0 if name == "cpu" else 1
+                for a, b in ((5, 40), (17, 41), (3, 0)):
+                    assert torch.equal(src.select(bd, a), dst.select(bd, b)), (device, name, key, a, way)
+                assert dst.select(bd, 1).abs().sum() == 0  # nothing else written
 print("ok", devices)
 """
 

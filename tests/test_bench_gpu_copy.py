@@ -1,5 +1,5 @@
 """bench/gpu_copy.py runs anywhere: without CUDA it says so and measures host-to-host copies of the CPU cache
-layout, with the real block copies of agent/kv_layout.py (the GPU figures come from a run on a lent GPU)."""
+layout, with the real block copies of agent/kv_layout.py, its staging path included (the GPU figures come from a run on a lent GPU)."""
 
 from __future__ import annotations
 
@@ -21,5 +21,5 @@ def test_gpu_copy_benchmark_runs_without_cuda_and_says_so() -> None:
     assert lines[0].startswith("# no CUDA device present")
     rows = [json.loads(line) for line in lines if line.startswith("{")]
     assert {(r["direction"], r["way"]) for r in rows} == {
-        (d, w) for d in ("save", "load") for w in ("raw memcpy", "per-layer pageable")}
+        (d, w) for d in ("save", "load") for w in ("raw memcpy", "staging (forced)", "per-layer pageable")}
     assert all(r["gb_per_s"] > 0 and r["block_bytes"] == 2 * 8 * 16 * 256 * 2 for r in rows)
