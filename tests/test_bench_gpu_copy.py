@@ -1,5 +1,6 @@
 """bench/gpu_copy.py runs anywhere: without CUDA it says so and measures host-to-host copies of the CPU cache
-layout, with the real block copies of agent/kv_layout.py, its staging path included (the GPU figures come from a run on a lent GPU)."""
+layout, with the real block copies of agent/kv_layout.py, its staging path included (the GPU figures come from a
+run on a lent GPU)."""
 
 from __future__ import annotations
 
