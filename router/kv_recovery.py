@@ -9,6 +9,12 @@ continue what we heard, means the publisher restarted: its cache is new and empt
 same sequence number and the same payload, e.g. a live copy of a batch the replay delivered first) is skipped.
 State is never kept silently when it is known to be stale.
 
+A source whose blocks are of no use while it is away (`empty_when_away`: a tier agent, which its engine can load
+nothing from while it is gone) is forgotten the moment its connection drops -- it exited, was killed, or went
+silent past the heartbeat -- and counts as holding nothing (complete, not partial) until it is back: then its
+replay buffer is taken from the start as a late joiner's would be, whether it restarted or not (a restarted agent
+announces what it still has; one whose buffer no longer starts at 0 is partial, as a late start).
+
 Bad input never stops the stream: a message that is not a batch is counted and dropped (a later valid copy of
 the same batch, or the replay's, takes its place); an event no engine could send, or one that does not fit the
 gateway, is counted and dropped and makes the picture partial; a bug while applying a batch is logged, and the
@@ -64,6 +70,7 @@ class StreamRecovery:
         metrics: GatewayMetrics,
         replay: Replay | None = None,
         resync_s: float = 300.0,
+        empty_when_away: bool = False,
     ) -> None:
         self.source = source
         self._apply = apply
@@ -71,6 +78,8 @@ class StreamRecovery:
         self._metrics = metrics
         self._replay = replay if source.replay else None
         self._resync_s = resync_s
+        self._empty_when_away = empty_when_away
+        self._away = False  # disconnected, and forgotten: it holds nothing until it is heard from again
         self.expected: int | None = None  # next sequence number; None until the stream's position is known
         self._digests: dict[int, int] = {}  # seq -> payload digest of the last HISTORY applied batches
         self._partial_since: float | None = None  # when the picture became incomplete; None = complete
@@ -80,7 +89,7 @@ class StreamRecovery:
 
     def complete(self) -> bool:
         """Whether everything this source said is applied (else its worker is routed approximately)."""
-        if self.expected is None:
+        if self.expected is None and not self._away:
             return False
         if self._partial_since is not None:
             if time.monotonic() - self._partial_since < self._resync_s:
@@ -93,6 +102,14 @@ class StreamRecovery:
     async def opened(self) -> None:
         if self.expected is None:
             await self.reconcile()
+
+    async def disconnected(self) -> None:
+        if not self._empty_when_away or self._away:
+            return
+        self._reset("disconnected", partial=False)
+        self._digests.clear()
+        self.expected = None  # whoever answers next starts from its beginning
+        self._away = True
 
     async def reconnected(self) -> None:
         await self.reconcile()
@@ -228,6 +245,7 @@ class StreamRecovery:
 
     async def _take(self, seq: int, payload: bytes, events: Sequence[KvEvent]) -> None:
         """Apply batch `seq` and move past it."""
+        self._away = False
         await self._pause()
         await self._apply_all(events)
         self.expected = seq + 1

@@ -71,7 +71,9 @@ class KvEventHub:
                 replay = functools.partial(self._transport.replay, source.replay, timeout_s=self._replay_timeout_s)
             stream = self._streams[source] = StreamRecovery(
                 source, functools.partial(self.applier.steps, source), functools.partial(self.applier.release, source),
-                self._metrics, replay, self._resync_s)
+                self._metrics, replay, self._resync_s,
+                # an agent that is gone serves its engine nothing: its tiers are empty until it is back
+                empty_when_away=source.name == "agent")
             self._sources.setdefault(source.worker, []).append(source)
             self._caches.setdefault(source.cache, []).append(source)
         return stream

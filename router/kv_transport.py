@@ -1,8 +1,9 @@
 """KV events in, the transport: ZMQ sockets to one event source, kept connected, and its replay socket.
 
 `subscribe` receives one source's messages forever and tells its `Receiver` what happens: the socket opened, the
-connection came back (the publisher may have restarted meanwhile), a message arrived. ZMQ reconnects by itself,
-with backoff; a broken socket is re-created. What the messages mean is not this module's business.
+connection dropped (the publisher exited, was killed, or went silent past the heartbeat timeout), the connection
+came back (the publisher may have restarted meanwhile), a message arrived. ZMQ reconnects by itself, with backoff;
+a broken socket is re-created. What the messages mean is not this module's business.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvcore.kv_events import END_OF_REPLAY
 
@@ -56,6 +58,9 @@ class Receiver(Protocol):
     async def opened(self) -> None:
         """The socket was (re)created and connected; the stream may have moved on meanwhile."""
 
+    async def disconnected(self) -> None:
+        """The connection dropped; every message that came before it has been passed on."""
+
     async def reconnected(self) -> None:
         """ZMQ re-established the connection; the publisher may have restarted meanwhile."""
 
@@ -83,7 +88,7 @@ class ZmqEventTransport:
             sock.setsockopt(zmq.RCVHWM, 100_000)
             sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
             poller = zmq.asyncio.Poller()
             poller.register(sock, zmq.POLLIN)
@@ -95,19 +100,18 @@ class ZmqEventTransport:
                 while True:
                     ready = dict(await poller.poll())
                     if monitor in ready:
-                        await monitor.recv_multipart()
-                        connections += 1
-                        if connections > 1:
-                            await receiver.reconnected()
+                        event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                        if event == zmq.EVENT_DISCONNECTED:
+                            # what the publisher sent before it went comes first (ZMQ reconnects 100 ms later
+                            # at the soonest, so nothing of a new connection is among it)
+                            await _drain(raw, receiver)
+                            await receiver.disconnected()
+                        elif event == zmq.EVENT_CONNECTED:
+                            connections += 1
+                            if connections > 1:
+                                await receiver.reconnected()
                     if sock in ready:
-                        # drain what has arrived without a round through the event loop per message, but let
-                        # the loop run every few milliseconds: a flood must not starve everything else
-                        began = time.monotonic()
-                        while (frames := _recv_now(raw)) is not None:
-                            await receiver.received(frames)
-                            if time.monotonic() - began > YIELD_AFTER_S:
-                                await asyncio.sleep(0)
-                                began = time.monotonic()
+                        await _drain(raw, receiver)
                         backoff = 0.1
             except asyncio.CancelledError:
                 raise
@@ -152,6 +156,17 @@ class ZmqEventTransport:
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)
+
+
+async def _drain(sock: zmq.Socket[bytes], receiver: Receiver) -> None:
+    """Pass on what has arrived without a round through the event loop per message, but let the loop run every
+    few milliseconds: a flood must not starve everything else."""
+    began = time.monotonic()
+    while (frames := _recv_now(sock)) is not None:
+        await receiver.received(frames)
+        if time.monotonic() - began > YIELD_AFTER_S:
+            await asyncio.sleep(0)
+            began = time.monotonic()
 
 
 def _recv_now(sock: zmq.Socket[bytes]) -> list[bytes] | None:

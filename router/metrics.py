@@ -145,7 +145,8 @@ class GatewayMetrics:
         )
         self.kv_resets = Counter(
             "kvgate_kv_state_resets",
-            "Times a worker's known blocks were forgotten, by reason (gap, publisher_restart, late_start)",
+            "Times a worker's known blocks were forgotten, by reason (gap, publisher_restart, late_start, apply_error, "
+            "disconnected)",
             ["worker", "reason"], registry=r,
         )
         self.kv_decode_errors = Counter(

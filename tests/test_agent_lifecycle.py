@@ -267,12 +267,9 @@ def test_the_gateway_index_follows_the_agent_through_restart_kill_and_flush(tiny
     less than the workload, so blocks come back from the agent. Between rounds the agent is restarted (its DRAM
     lost, the shared tier kept), killed (-9) with the shared tier flushed (everything lost), and its shared tier
     flushed behind its back while it runs. On every round the gateway predicts no more cached tokens than vLLM
-    reports (it announces no block the replica cannot serve), maps every event, and no request fails.
-
-    Not covered, measured: the gateway learns that an agent restarted when its event stream reconnects (ZMQ backs
-    off up to 2 s) and replays; requests routed before that are predicted from the dead agent's blocks (here, a
-    round started at once after the kill and the flush: 3,808 cached tokens predicted, 0 reported). The rounds
-    below start once the gateway has noticed (at most 10 s)."""
+    reports (it announces no block the replica cannot serve), maps every event, and no request fails. The gateway
+    forgets an agent's blocks when its event stream drops (tests/test_kv_agent_events.py holds a real `kvgate
+    serve` to that on rounds sent at once after a kill and a restart); the rounds here start once it has noticed."""
     from bench.drift import gateway_counter, run_rounds
     from bench.sim.launch import AgentSettings
     from bench.vllm_engine import start_vllm_fleet

@@ -19,6 +19,7 @@ from router.kv_index import GPU, InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from tests.conftest import eventually
+from tests.test_kv_events_in import metric
 
 WORKER = "http://127.0.0.1:9"
 PUBLISHER = Path(__file__).with_name("vllm_publisher.py")
@@ -166,3 +167,57 @@ async def test_start_and_reconnect_against_a_busy_vllm_publisher_are_trusted_at_
                 assert reconnects is not None  # the cuts really made it reconcile
     finally:
         await proxy.close()
+
+
+@pytest.mark.timeout(60)
+async def test_an_agent_whose_connection_drops_holds_nothing_until_it_is_back() -> None:
+    """An agent source (its engine can load nothing from it while it is gone) is forgotten the moment its
+    connection drops, and stays trusted as empty; when the same publisher is back, its replay buffer is taken from
+    the start; one whose buffer no longer starts at 0 is partial (a late start)."""
+    import zmq.asyncio
+
+    from tests.test_kv_events_in import BS, KEYS, TOKENS, Publisher, stored
+
+    ctx = zmq.asyncio.Context()
+    publisher = Publisher(ctx)
+    proxy = CuttableProxy(publisher.port)
+    await proxy.start()
+    source = EventSource(WORKER, f"tcp://127.0.0.1:{proxy.port}", publisher.source.replay, "agent")
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny", block_size=BS)
+    hub.watch([source])
+    index = hub.index
+    assert isinstance(index, InMemoryKvIndex)
+
+    def dram() -> set[int]:
+        return {key for key, tier in index.holds(WORKER) if tier == "CPU"}
+
+    try:
+        for _attempt in range(100):  # PUB drops what it sends before the SUB is connected
+            await publisher.send([stored([1, 2], TOKENS[:8], medium="CPU")])
+            with contextlib.suppress(AssertionError):
+                await eventually(lambda: dram() == set(KEYS[:2]), timeout=0.3)
+                break
+        else:
+            raise AssertionError("the agent's blocks never reached the gateway")
+        assert hub.trusted(WORKER)
+        proxy.cut()  # the agent is gone (as when it exits or is killed): its tiers are empty at once
+        await eventually(lambda: not dram(), timeout=2)
+        assert hub.trusted(WORKER)
+        assert metric(metrics, "kvgate_kv_state_resets_total", worker=WORKER, reason="disconnected") == 1
+        # the same publisher back (a network blip): what it said is taken again from its replay buffer
+        await eventually(lambda: dram() == set(KEYS[:2]), timeout=10)
+        assert hub.trusted(WORKER)
+        await publisher.send([stored([3], TOKENS[8:12], parent=2, medium="CPU")])
+        await eventually(lambda: dram() == set(KEYS[:3]), timeout=10)
+        del publisher.buffer[0]  # now its buffer no longer reaches back to its first batch
+        proxy.cut()
+        await eventually(lambda: not dram(), timeout=2)
+        await eventually(lambda: metric(metrics, "kvgate_kv_state_resets_total", worker=WORKER,
+                                        reason="late_start") == 1, timeout=10)
+        assert not hub.trusted(WORKER)  # batch 0 is lost for good: routed approximately for a while
+    finally:
+        await hub.close()
+        await proxy.close()
+        publisher.close()
+        ctx.destroy(0)
