@@ -37,6 +37,8 @@ import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders, normalizers
 
+from router.word_encoder import WordEncoder
+
 PARALLEL_CHARS = 8192  # texts longer than this are encoded on the tokenizer's own threads
 # transformers' named special tokens, offered to every chat template (v5: `special_tokens_map`)
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -332,10 +334,12 @@ class ModelTokenizer:
         self.model_max_length: int | None = config.get("model_max_length")
         self.chat = ChatRenderer(self.special_tokens, self._load_templates(config), server_template=chat_template,
                                  default_kwargs=default_chat_template_kwargs, source=str(self.model_dir))
+        self._words: WordEncoder | None = None
         self._seeds = self._cache_seeds()
         self._nfc = False
         self._byte_lengths: array[int] | None = None
         self._byte_lengths = self._byte_length_table()
+        self._words = WordEncoder.build(self._tok) if self._byte_lengths is not None else None
 
     def _load_templates(self, config: Mapping[str, Any]) -> dict[str, str]:
         templates: dict[str, str] = {}
@@ -390,17 +394,29 @@ class ModelTokenizer:
         must come out at the text's length, or the offsets are asked after all."""
         lengths = self._byte_lengths
         if lengths is not None and (self._nfc is False or unicodedata.is_normalized("NFC", text)):
-            # a short text is encoded on the calling thread: the batch call would hand it to the tokenizer's own
-            # thread pool and wait, and on a busy machine each hand-over waits for a core
-            encoding = (self._tok.encode(text, add_special_tokens=add_special_tokens) if len(text) < PARALLEL_CHARS
-                        else self._encode_batch([text], add_special_tokens=add_special_tokens)[0])
-            ids = array("I", encoding.ids)
+            ids = self._encode_short(text, add_special_tokens)
             front = self._front_specials if add_special_tokens else 0
             ends = array("I", bytes(4 * front))
             ends.extend(accumulate(map(lengths.__getitem__, ids[front:])))
             if (ends[-1] if ends else 0) == len(text.encode("utf-8", "surrogatepass")):
                 return ids, ends
         return self._encode_with_offsets(text, add_special_tokens)
+
+    def _encode_short(self, text: str, add_special_tokens: bool) -> array[int]:
+        """Ids of a text shorter than `PARALLEL_CHARS` from the word cache when it can (router/word_encoder.py:
+        ASCII text), else from the tokenizer on the calling thread (the batch call would hand it to the tokenizer's
+        own thread pool and wait, and on a busy machine each hand-over waits for a core); a longer one from the
+        tokenizer's threads, without the GIL."""
+        if len(text) >= PARALLEL_CHARS:
+            return array("I", self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        words, front = self._words, self._front_ids
+        if words is not None and (front is not None or not add_special_tokens):
+            plain = words.encode(text)
+            if plain is not None:
+                ids = array("I", front) if add_special_tokens and front else array("I")
+                ids.extend(plain)
+                return ids
+        return array("I", self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def _encode_with_offsets(self, text: str, add_special_tokens: bool) -> tuple[array[int], array[int]]:
         encoding = (self._tok.encode(text, add_special_tokens=add_special_tokens) if len(text) < PARALLEL_CHARS
@@ -451,10 +467,12 @@ class ModelTokenizer:
         plain = self.encode(sample, add_special_tokens=False)
         full = self.encode(sample, add_special_tokens=True)
         self._front_specials = len(full) - len(plain)
+        spliceable = full[len(full) - len(plain):] == plain
+        self._front_ids: list[int] | None = full[:self._front_specials] if spliceable else None
         name = str(self.model_dir.resolve())
         return {False: xxhash.xxh3_64_intdigest(f"{name}\x00plain".encode()),
                 True: xxhash.xxh3_64_intdigest(f"{name}\x00special".encode())
-                if full[len(full) - len(plain):] == plain else None}
+                if spliceable else None}
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Token ids → text, as vLLM's `/detokenize` (transformers `decode`) gives it."""

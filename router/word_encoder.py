@@ -1,0 +1,177 @@
+"""Byte-level BPE encoding of ASCII text with a per-word cache: the tokenizer's own ids at a fraction of its cost.
+
+A byte-level BPE tokenizer (GPT-2, Llama 3, Qwen, the tiny test model) cuts text at its added tokens, splits the
+rest into words with one regular expression, and encodes each word on its own, so a word's ids never depend on its
+neighbours. Prompts repeat their words, and `tokenizers` spends most of a short encode in its regex engine and in
+building the `Encoding` object: here the split is Python's `re` (the pattern's Unicode classes narrowed to ASCII,
+which is exact on ASCII text) and a word seen before costs one dict lookup. A new word goes to the tokenizer's own
+BPE model.
+
+Only ASCII text takes this path (`encode` answers None otherwise), only without added special tokens, and only for
+tokenizers whose pipeline it reproduces: no normalizer or NFC (ASCII is NFC already), a ByteLevel pre-tokenizer or
+a Split + ByteLevel sequence, a deterministic BPE model, plain added tokens. `WordEncoder.build` checks its ids
+against the tokenizer's on samples and gives None on any difference; tests/test_word_encoder.py checks it as a
+property.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from tokenizers import Tokenizer
+
+# tokenizers' ByteLevel pre-tokenizer regex (pre_tokenizers/byte_level.rs)
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+MAX_WORDS = 1 << 16  # cached words; the cache starts over when full
+_SPACE = " \\t\\n\\x0b\\x0c\\r"  # Unicode White_Space within ASCII (not \x1c-\x1f, which Python's \s includes)
+# an escape in a class, and outside one, for ASCII text
+_ESCAPES = {r"\p{L}": ("A-Za-z", "[A-Za-z]"), r"\p{N}": ("0-9", "[0-9]"), r"\s": (_SPACE, f"[{_SPACE}]"),
+            r"\S": (None, f"[^{_SPACE}]"), r"\d": ("0-9", "[0-9]"), r"\r": ("\\r", "\\r"), r"\n": ("\\n", "\\n"),
+            r"\t": ("\\t", "\\t")}
+_ESCAPE = re.compile(r"\\p\{[A-Za-z]+\}|\\P\{[A-Za-z]+\}|\\.|\[|\]", re.DOTALL)
+_SAMPLES = ("plain words, numbers 12345 and  spaces\n\n\tand tabs", "don't WE'LL it's I'M they've 'S",
+            "def f(x):\n    return x  # a comment\r\n\r\n", "   leading and trailing   ", "a1b22c333d4444 1234567",
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<s></s><|endoftext|>x<s",
+            "?!... ;;\x1c\x1f\x0b")
+
+
+def ascii_pattern(pattern: str) -> str | None:
+    """An Oniguruma pre-tokenizer pattern as a Python `re` pattern that splits ASCII text the same way, or None
+    where it uses a class this cannot narrow."""
+    out: list[str] = []
+    in_class = False
+    at = 0
+    for match in _ESCAPE.finditer(pattern):
+        out.append(pattern[at:match.start()])
+        at = match.end()
+        token = match.group()
+        if token == "[":
+            if in_class:
+                return None  # nested classes: not Oniguruma's usual pre-tokenizer shapes
+            in_class = True
+            out.append(token)
+        elif token == "]":
+            in_class = False
+            out.append(token)
+        elif token in _ESCAPES:
+            inside, outside = _ESCAPES[token]
+            if not in_class:
+                out.append(outside)
+            elif inside is not None:
+                out.append(inside)
+            else:
+                return None
+        elif token.startswith(("\\p", "\\P")) or (token[1:].isalnum() and token[1:] not in "bBfv"):
+            return None  # a class or escape whose ASCII meaning is not written down here
+        else:
+            out.append(token)
+    out.append(pattern[at:])
+    return "".join(out)
+
+
+def _byte_map() -> dict[int, str]:
+    """GPT-2's byte → printable character table, for ASCII (tokenizers' `bytes_char`)."""
+    printable = set(range(ord("!"), ord("~") + 1))
+    table: dict[int, str] = {}
+    extra = 0
+    for b in range(256):
+        if b in printable or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return {b: table[b] for b in range(128)}
+
+
+class WordEncoder:
+    """`encode(text)`: the tokenizer's ids of ASCII `text` without special tokens added, or None."""
+
+    def __init__(self, tokenizer: Tokenizer, pattern: str, added: list[tuple[str, int, bool]]) -> None:
+        self._model = tokenizer.model
+        self._split = re.compile(pattern)
+        self._bytes = str.maketrans(_byte_map())
+        # added tokens are cut out first: those matched on the raw text, then those matched after normalizing
+        # (the same text here); longest first, so Python's leftmost-first alternation finds the leftmost-longest
+        self._added_ids = {content: tid for content, tid, _ in added}
+        self._added = [re.compile("(" + "|".join(re.escape(c) for c in sorted(group, key=len, reverse=True)) + ")")
+                       for group in ([c for c, _, normalized in added if not normalized],
+                                     [c for c, _, normalized in added if normalized]) if group]
+        self._words: dict[str, list[int]] = {}
+
+    @classmethod
+    def build(cls, tokenizer: Tokenizer) -> WordEncoder | None:
+        """The encoder for `tokenizer`, if its pipeline is one this reproduces and the samples agree."""
+        config: dict[str, Any] = json.loads(tokenizer.to_str())
+        pattern = _pre_tokenizer_pattern(config.get("pre_tokenizer"))
+        normalizer = config.get("normalizer")
+        model = config.get("model") or {}
+        if (pattern is None or not (normalizer is None or normalizer.get("type") == "NFC")
+                or model.get("type") != "BPE" or model.get("dropout") or model.get("continuing_subword_prefix")
+                or model.get("end_of_word_suffix")):
+            return None
+        added = []
+        for token in config.get("added_tokens") or []:
+            if token.get("single_word") or token.get("lstrip") or token.get("rstrip"):
+                return None
+            added.append((token["content"], token["id"], bool(token.get("normalized")) and not token.get("special")))
+        python = ascii_pattern(pattern)
+        if python is None:
+            return None
+        try:
+            encoder = cls(tokenizer, python, added)
+        except re.error:
+            return None
+        if encoder._split.groups:  # findall would return the groups, not the words
+            return None
+        for sample in _SAMPLES:
+            if encoder.encode(sample) != tokenizer.encode(sample, add_special_tokens=False).ids:
+                return None
+        encoder._words.clear()
+        return encoder
+
+    def encode(self, text: str) -> list[int] | None:
+        if not text.isascii():
+            return None
+        ids: list[int] = []
+        pieces = [text]
+        for added in self._added:
+            pieces = [part for piece in pieces for part in
+                      ((piece,) if piece in self._added_ids else added.split(piece)) if part]
+        words, translate, split = self._words, self._bytes, self._split.findall
+        for piece in pieces:
+            tid = self._added_ids.get(piece)
+            if tid is not None:
+                ids.append(tid)
+                continue
+            in_piece = split(piece)
+            if sum(map(len, in_piece)) != len(piece):
+                return None  # text the pattern does not match: Split keeps it as a piece of its own
+            for word in in_piece:
+                found = words.get(word)
+                if found is None:
+                    found = [token.id for token in self._model.tokenize(word.translate(translate))]
+                    if len(words) >= MAX_WORDS:
+                        words.clear()
+                    words[word] = found
+                ids += found
+        return ids
+
+
+def _pre_tokenizer_pattern(pre: dict[str, Any] | None) -> str | None:
+    """The one split pattern of a ByteLevel pre-tokenizer, or of Split(pattern, Isolated) + ByteLevel(no regex)."""
+    if pre is None:
+        return None
+    if pre.get("type") == "ByteLevel":
+        return GPT2_PATTERN if pre.get("use_regex", True) and not pre.get("add_prefix_space") else None
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if not steps or len(steps) != 2:
+        return None
+    split, byte_level = steps
+    if (split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert")
+            or byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex", True)
+            or byte_level.get("add_prefix_space")):
+        return None
+    regex = (split.get("pattern") or {}).get("Regex")
+    return regex if isinstance(regex, str) else None

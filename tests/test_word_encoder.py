@@ -1,0 +1,94 @@
+"""The word-cached encoder (router/word_encoder.py) gives the tokenizer's own ids on ASCII text, for the tokenizer
+shapes it accepts, and refuses the shapes it cannot reproduce."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+from router.tokenizer import ModelTokenizer
+from router.word_encoder import WordEncoder, ascii_pattern
+
+# Llama 3's split pattern (Qwen 2's differs only in \p{N} vs \p{N}{1,3})
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+FRAGMENTS = ["<|im_start|>", "<|im_end|>", "<s>", "</s>", "<|endoftext|>", " ", "  ", "\n", "\n\n", "\r\n", "\t",
+             "'s", "'S", " don't", "I'LL", "1234567", "<|im", "start|>", "def f(x):\n    return x\n", "x" * 40,
+             " " * 40, "\x1c\x1f", "\x0b\x0c"]
+ascii_texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(string.printable + "\x00\x1c\x7f", max_size=12)),
+                       max_size=40).map("".join)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_model_dir: Path) -> ModelTokenizer:
+    return ModelTokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def split_style(tiny: Tokenizer) -> Tokenizer:
+    """The tiny model's vocabulary behind a Llama 3 style pre-tokenizer: Split(pattern) + ByteLevel(no regex)."""
+    tok = Tokenizer.from_str(tiny.to_str())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    return tok
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=ascii_texts)
+def test_ids_equal_the_tokenizers_on_ascii_text(tiny: Tokenizer, split_style: Tokenizer, text: str) -> None:
+    for tok in (tiny, split_style):
+        encoder = WordEncoder.build(tok)
+        assert encoder is not None
+        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids
+        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids  # from the word cache
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.one_of(ascii_texts, st.text(max_size=40)), special=st.booleans())
+def test_model_tokenizer_ids_and_ends_unchanged(model_tok: ModelTokenizer, text: str, special: bool) -> None:
+    """`encode_with_ends` (what the token cache calls) takes the word cache and still gives `encode`'s ids."""
+    tok = model_tok
+    assert tok._words is not None
+    ids, ends = tok.encode_with_ends(text, add_special_tokens=special)
+    assert list(ids) == tok.encode(text, add_special_tokens=special)
+    assert (ends[-1] if ends else 0) == len(text.encode("utf-8", "surrogatepass"))
+
+
+def test_non_ascii_text_is_left_to_the_tokenizer(tiny: Tokenizer) -> None:
+    encoder = WordEncoder.build(tiny)
+    assert encoder is not None
+    assert encoder.encode("café") is None
+
+
+def test_patterns_it_cannot_narrow_are_refused() -> None:
+    assert ascii_pattern(r"\p{Lu}+|\s+") is None
+    assert ascii_pattern(r"[^\S]") is None
+    assert ascii_pattern(r"\w+") is None
+    assert ascii_pattern(r" ?\p{L}+|[^\s\p{L}]") == r" ?[A-Za-z]+|[^ \t\n\x0b\x0c\rA-Za-z]"
+
+
+@pytest.mark.parametrize("change", ["prefix_space", "lstrip", "dropout", "normalizer"])
+def test_pipelines_it_does_not_reproduce_are_refused(tiny: Tokenizer, change: str) -> None:
+    config = json.loads(tiny.to_str())
+    if change == "prefix_space":
+        config["pre_tokenizer"]["add_prefix_space"] = True
+    elif change == "lstrip":
+        config["added_tokens"][1]["lstrip"] = True
+    elif change == "dropout":
+        config["model"]["dropout"] = 0.1
+    else:
+        config["normalizer"] = {"type": "Lowercase"}
+    assert WordEncoder.build(Tokenizer.from_str(json.dumps(config))) is None
