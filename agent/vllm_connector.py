@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,9 +47,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from agent.block_mover import BlockMover, Failure, LoadResult
 from agent.breaker import AgentCircuit
 from agent.client import AgentClient
-from agent.kv_layout import describe_layers
+from agent.kv_layout import STAGING_BYTES, describe_layers
 from agent.layout_key import KvLayout
 from agent.protocol import AgentError
+from agent.transfers import LoadJob, SaveJob, TransferThread
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
@@ -95,6 +98,10 @@ class BlockTransfer:
 class KvgateConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    # asynchronous transfers only: finished requests whose blocks vLLM keeps until their saves are done (the
+    # workers name them in finished_sending), and preempted requests whose saves must be done before the step
+    held: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
 
 FAILURE_KINDS = ("lookup", "load", "save")
@@ -175,6 +182,9 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
             except Exception:  # not initialised (single process): rank 0
                 tp_rank = pp_rank = 0
         self._layout = layout_id(vllm_config, extra, tp_rank, pp_rank)
+        self._async = bool(extra.get("async_transfers", False))
+        self._timeout_s = timeout
+        self._staging_bytes = int(extra.get("staging_bytes", STAGING_BYTES))
         shm_bytes = int(extra.get("shm_bytes", 256 * 2**20)) if role == KVConnectorRole.WORKER else 0
         self._circuit = AgentCircuit(functools.partial(_hello, socket_path, timeout),
                                      float(extra.get("probe_interval_s", 1.0)), f"tier agent at {socket_path}")
@@ -191,12 +201,26 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads: dict[str, BlockTransfer] = {}
         self._saved_upto: dict[str, int] = {}  # req_id -> leading blocks already held by the agent
         self._requests: dict[str, Request] = {}
+        self._loading: set[str] = set()  # async loads not yet reported finished
+        self._saving: set[str] = set()  # requests with saves planned since their admission (async)
+        self._held: list[str] = []  # finished requests whose blocks wait for their saves (async), for the next meta
         # worker side
         self._mover: BlockMover | None = None
+        self._transfers: TransferThread | None = None
+        self._held_here: set[str] = set()  # requests whose finish vLLM delays for our saves (async)
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
+        self._recved_now: set[str] = set()  # async loads failed before they were queued
         self._stats = KvgateConnectorStats()  # failures not yet reported to vLLM
-        log.info("kvgate connector (%s): agent %s, layout %016x", role.name, socket_path, self._layout)
+        log.info("kvgate connector (%s): agent %s, layout %016x, %s transfers", role.name, socket_path, self._layout,
+                 "asynchronous" if self._async else "synchronous")
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache (a dropped save is a later miss): a preempted request need not be recomputed for
+        our sake; with asynchronous transfers its saves are done before its blocks are reused (handle_preemptions).
+        """
+        return False if self._async else bool(super().requires_kv_delivery)
 
     def _agent_failed(self, what: str, exc: Exception) -> None:
         self._stats.count(what, "agent_unavailable" if isinstance(exc, AgentError) else "error")
@@ -225,7 +249,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookups[request.request_id] = (start, where[:count])
         log.debug("kvgate lookup %s: %d local, %d of %d asked held by the agent (%s)", request.request_id, start,
                   count, len(hashes), where[:count])
-        return count * self._block_size, False
+        return count * self._block_size, self._async and count > 0
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         if num_external_tokens == 0:
@@ -251,13 +275,25 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         hashes = [event_hash(h) for h in request.block_hashes[start: start + count]]
         self._pending_loads[req_id] = BlockTransfer(req_id, list(block_ids), hashes)
         self._saved_upto[req_id] = start + count
+        if self._async:
+            self._loading.add(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvgateConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = KvgateConnectorMetadata(loads=list(self._pending_loads.values()), held=self._held)
         self._pending_loads.clear()
+        self._held = []
+        if self._async:
+            # the blocks of a preempted request are free again: the workers finish its saves before this step
+            preempted = scheduler_output.preempted_req_ids or set()
+            meta.preempted = sorted(self._saving & preempted)
+            self._saving -= preempted
         scheduled = scheduler_output.num_scheduled_tokens
         for new_req in scheduler_output.scheduled_new_reqs:
-            self._plan_save(meta, new_req.req_id, new_req.num_computed_tokens + scheduled.get(new_req.req_id, 0),
+            computed = new_req.num_computed_tokens
+            if self._async and new_req.req_id in self._saved_upto:
+                # after a failed asynchronous load the request computes from its last good block: save from there
+                self._saved_upto[new_req.req_id] = min(self._saved_upto[new_req.req_id], computed // self._block_size)
+            self._plan_save(meta, new_req.req_id, computed + scheduled.get(new_req.req_id, 0),
                             list(new_req.block_ids[0]))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -280,13 +316,27 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         parent = event_hash(request.block_hashes[first - 1]) if first > 0 else None
         meta.saves.append(BlockTransfer(req_id, block_ids[first:full], hashes, parent))
         self._saved_upto[req_id] = full
+        if self._async:
+            self._saving.add(req_id)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_recving or ():
+            self._loading.discard(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """With asynchronous saves planned for the request, vLLM keeps its blocks until the workers name it in
+        finished_sending (a request aborted during its load is held by vLLM itself until the load is done)."""
         req_id = request.request_id
         self._lookups.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
         self._saved_upto.pop(req_id, None)
         self._requests.pop(req_id, None)
+        saving = req_id in self._saving
+        self._saving.discard(req_id)
+        if saving and req_id not in self._loading:
+            self._held.append(req_id)
+            return True, None
+        self._loading.discard(req_id)
         return False, None
 
     # ==========================================================================================================
@@ -300,28 +350,59 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except ValueError:
             log.exception("kvgate connector: unknown KV cache layout; running without the tier agent")
             return
-        self._mover = BlockMover(self._client, self._layout, layers)
+        self._mover = BlockMover(self._client, self._layout, layers, staging_bytes=self._staging_bytes)
         attached = self._mover.attach()
-        log.info("kvgate connector: %d layers, %d bytes per block, shared memory %s", len(layers),
-                 self._mover.block_bytes, "mapped" if attached else "not mapped yet (no agent)")
+        if self._async:
+            self._transfers = TransferThread(self._mover)  # from now on the only user of the mover and the client
+        log.info("kvgate connector: %d layers, %d bytes per block, shared memory %s, staging %s", len(layers),
+                 self._mover.block_bytes, "mapped" if attached else "not mapped yet (no agent)",
+                 "on the device" if self._mover.copier.staged else "straight into shared memory")
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step reuses a preempted request's blocks, its saves must have read them."""
+        if self._transfers is None or not isinstance(kv_connector_metadata, KvgateConnectorMetadata):
+            return
+        preempted = kv_connector_metadata.preempted
+        # a save waits at most a timeout for the agent, twice (the retry); then the circuit answers at once
+        if preempted and not self._transfers.wait_for_saves(preempted, 2 * self._timeout_s + 5):
+            log.error("kvgate connector: saves of preempted requests %s did not finish in time; the ones not "
+                          "started are dropped", kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvgateConnectorMetadata)
+        if self._async:
+            self._held_here.update(meta.held)
+            if meta.loads:
+                if self._transfers is None:
+                    self._fail_loads(meta.loads, LoadResult(0, Failure.NO_SHARED_MEMORY))
+                    return
+                ready = self._transfers.ready_event()  # after any zeroing of the blocks queued before
+                for transfer in meta.loads:
+                    self._transfers.load(LoadJob(transfer.req_id, transfer.hashes, transfer.block_ids, ready))
+            return
         self._failed_loads.clear()
         for transfer in meta.loads:
             if self._mover is None:
                 result = LoadResult(0, Failure.NO_SHARED_MEMORY)
             else:
                 result = self._mover.load(transfer.hashes, transfer.block_ids)
-            if result.loaded < len(transfer.block_ids):
-                log.warning("kvgate connector: %d of %d blocks of %s could not be loaded (%s); vLLM recomputes them",
-                            len(transfer.block_ids) - result.loaded, len(transfer.block_ids), transfer.req_id,
-                            result.failure)
-                self._load_errors.update(transfer.block_ids[result.loaded:])
-                self._failed_loads.add(transfer.req_id)
+            self._note_load(transfer.req_id, transfer.block_ids, result)
+
+    def _note_load(self, req_id: str, block_ids: Sequence[int], result: LoadResult) -> None:
+        if result.loaded < len(block_ids):
+            log.warning("kvgate connector: %d of %d blocks of %s could not be loaded (%s); vLLM recomputes them",
+                        len(block_ids) - result.loaded, len(block_ids), req_id, result.failure)
+            self._load_errors.update(block_ids[result.loaded:])
+            self._failed_loads.add(req_id)
+
+    def _fail_loads(self, loads: list[BlockTransfer], result: LoadResult) -> None:
+        """Asynchronous loads that cannot even be queued: finished at once, every block an error."""
+        for transfer in loads:
+            self._note_load(transfer.req_id, transfer.block_ids, result)
+            self._recved_now.add(transfer.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish inside start_load_kv
@@ -335,6 +416,16 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvgateConnectorMetadata)
+        if self._async:
+            # An asynchronous load never feeds a forward pass before it is complete (vLLM schedules the request
+            # only once every worker named it in finished_recving, with the failed blocks truncated), so a failed
+            # one cannot have reached this step's KV: nothing here waits for another rank or stage.
+            if meta.saves and self._transfers is not None:
+                ready = self._transfers.ready_event()  # after the forward pass that computed the blocks
+                for transfer in meta.saves:
+                    self._transfers.save(SaveJob(transfer.req_id, transfer.hashes, transfer.block_ids,
+                                                 transfer.parent, ready))
+            return
         if meta.loads and self._load_failed_on_any_rank():
             # A block that failed to load went through this step's forward pass as garbage, on this rank or
             # another: any request of the step may have attended to it (a shared prefix block), and every TP
@@ -358,12 +449,33 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._tp_group)
         return bool(flag.item())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(held requests whose saves are all done, requests whose asynchronous load is done). A failed load's
+        blocks are in `get_block_ids_with_load_errors` of this same pass, as vLLM's contract asks."""
+        if not self._async:
+            return None, None
+        recved, self._recved_now = self._recved_now, set()
+        if self._transfers is not None:
+            for job, result in self._transfers.finished_loads():
+                self._note_load(job.req_id, job.block_ids, result)
+                recved.add(job.req_id)
+            sent = {r for r in self._held_here if not self._transfers.saves_in_flight(r)}
+        else:
+            sent = set(self._held_here)
+        self._held_here -= sent
+        return sent or None, recved or None
+
     # ==========================================================================================================
     # failures, counted for vLLM's stats logger and /metrics
     # ==========================================================================================================
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._mover is not None:
+        if self._transfers is not None:
+            loads, saves = self._transfers.take_failures()
+            for kind, counts in (("load", loads), ("save", saves)):
+                for reason, n in counts.items():
+                    self._stats.count(kind, str(reason), n)
+        elif self._mover is not None:
             for kind, counts in (("load", self._mover.load_failures), ("save", self._mover.save_failures)):
                 for reason, n in counts.items():
                     self._stats.count(kind, str(reason), n)
@@ -389,6 +501,8 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._circuit.close()
+        if self._transfers is not None:
+            self._transfers.close()
         if self._mover is not None:
             self._mover.close()
         self._client.close()

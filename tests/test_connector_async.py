@@ -1,0 +1,157 @@
+"""The connector's asynchronous transfers (`async_transfers`), on vLLM's contract: no step waits for the agent --
+loads and saves run in the worker's transfer thread; a load is reported in finished_recving with its failed blocks
+in the same pass; a finished request's blocks are held (request_finished -> True) until its saves are done and the
+workers name it in finished_sending; a preempted request's saves are done before the step reuses its blocks. The
+worker half runs through the real KvgateConnector against a real agent process (some of it SIGSTOPped); the whole
+of it in a real vLLM, with outputs identical to recomputation."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.make_model import write_model
+from bench.vllm_engine import BLOCK_SIZE, EngineServer
+from tests import vllm_replica as replica
+from tests.agent_process import AgentProcess
+from tests.test_connector_integrity import run_in_vllm
+from tests.vllm_replica import reset_prefix_cache, start_vllm
+
+pytestmark = pytest.mark.timeout(900)
+
+# A worker-side KvgateConnector with asynchronous transfers, driven step by step as vLLM's model runner does.
+ASYNC_SCRIPT = """
+import json, os, signal, sys, time
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from agent.client import AgentClient
+from agent.vllm_connector import BlockTransfer, KvgateConnector, KvgateConnectorMetadata
+
+model, socket, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+extra = {"agent_socket": socket, "shm_bytes": 1 << 20, "timeout_s": 1.0, "probe_interval_s": 0.2,
+         "async_transfers": True}
+config = EngineArgs(model=model, max_model_len=512, kv_transfer_config={
+    "kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector", "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}).create_engine_config()
+worker = KvgateConnector(config, KVConnectorRole.WORKER, KVCacheConfig(32, [], []))
+gen = torch.Generator().manual_seed(3)
+caches = {f"l{i}": torch.randn(32, 2, 16, 64, generator=gen).to(torch.bfloat16) for i in range(2)}
+worker.register_kv_caches(caches)
+
+def step(meta, finished=()):
+    # the model runner's order: preemptions, loads, (forward), saves, then what finished
+    start = time.monotonic()
+    worker.handle_preemptions(meta)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    sent, recved = worker.get_finished(set(finished))
+    errors = sorted(worker.get_block_ids_with_load_errors())
+    worker.clear_connector_metadata()
+    return time.monotonic() - start, sorted(sent or ()), sorted(recved or ()), errors
+
+def until(want, meta=None, limit_s=10.0):
+    # steps (the first with `meta`) until `want(sent, recved)`; every pass's (sent, recved, errors) and step time
+    passes, deadline = [], time.monotonic() + limit_s
+    meta = meta or KvgateConnectorMetadata()
+    while True:
+        took, sent, recved, errors = step(meta)
+        passes.append({"s": took, "sent": sent, "recved": recved, "errors": errors})
+        if want(sent, recved) or time.monotonic() > deadline:
+            return passes
+        meta = KvgateConnectorMetadata()
+        time.sleep(0.005)
+
+out = {}
+held = lambda *ids: lambda sent, recved: set(ids) <= set(sent)
+got = lambda *ids: lambda sent, recved: set(ids) <= set(recved)
+# 1. b's blocks 5, 6 are computed and saved; b finishes (held) and is named in finished_sending once saved
+out["save_s"] = step(KvgateConnectorMetadata(saves=[BlockTransfer("b", [5, 6], [201, 202])]))[0]
+out["held"] = until(held("b"), KvgateConnectorMetadata(held=["b"]))
+with AgentClient(socket, shm_bytes=0) as client:
+    out["stored"] = client.lookup(worker._layout, [201, 202])[0]
+# 2. a loads them into blocks 0, 1: named in finished_recving, no errors, the bytes are b's
+out["load"] = until(got("a"), KvgateConnectorMetadata(loads=[BlockTransfer("a", [0, 1], [201, 202])]))
+out["same_bytes"] = all(torch.equal(t[0], t[5]) and torch.equal(t[1], t[6]) for t in caches.values())
+# 3. c asks for blocks the agent lacks: finished_recving names it and its blocks are errors in the same pass
+out["missing"] = until(got("c"), KvgateConnectorMetadata(loads=[BlockTransfer("c", [2, 3], [201, 999])]))
+# 4. the agent hangs: no step waits; the load finishes (failed) after one timeout, a save is dropped
+os.kill(pid, signal.SIGSTOP)
+out["hung"] = until(got("d"), KvgateConnectorMetadata(loads=[BlockTransfer("d", [7, 8], [201, 202])],
+                                                      saves=[BlockTransfer("e", [9], [301])]))
+# 5. with the circuit open, a preempted request's queued saves finish at once (they fail fast)
+step(KvgateConnectorMetadata(saves=[BlockTransfer("p", [10], [401])]))
+start = time.monotonic()
+step(KvgateConnectorMetadata(preempted=["p"]))
+out["preempt_open_s"] = time.monotonic() - start
+out["p_in_flight"] = worker._transfers.saves_in_flight("p")
+os.kill(pid, signal.SIGCONT)
+deadline = time.monotonic() + 10
+while worker._circuit.is_open and time.monotonic() < deadline:
+    time.sleep(0.05)
+# 6. back: a preempted request's save is done (stored) when handle_preemptions returns
+step(KvgateConnectorMetadata(saves=[BlockTransfer("q", [11, 12], [501, 502])]))
+step(KvgateConnectorMetadata(preempted=["q"]))
+with AgentClient(socket, shm_bytes=0) as client:
+    out["q_stored"] = client.lookup(worker._layout, [501, 502])[0]
+    out["e_stored"] = client.lookup(worker._layout, [301])[0]
+stats = worker.get_kv_connector_stats()
+out["stats"] = stats.data if stats is not None else {}
+worker.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_async_transfers_never_wait_in_the_step_and_follow_vllms_contract(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "4MiB")
+    agents.append(agent)
+    assert agent.proc is not None
+    model = tmp_path / "model"
+    write_model(model)
+    out = run_in_vllm(ASYNC_SCRIPT, str(model), agent.socket, str(agent.proc.pid))
+    assert out["save_s"] < 0.05
+    assert out["held"][-1]["sent"] == ["b"] and out["stored"] == 2
+    load = out["load"]
+    assert load[-1]["recved"] == ["a"] and all(p["errors"] == [] for p in load) and out["same_bytes"]
+    missing = out["missing"]
+    assert missing[-1]["recved"] == ["c"] and missing[-1]["errors"] == [3]  # block 2 loaded, 3 (hash 999) not
+    assert all(p["errors"] == [] for p in missing[:-1])  # not before the pass that names c
+    hung = out["hung"]
+    assert hung[-1]["recved"] == ["d"] and hung[-1]["errors"] == [7, 8]
+    assert max(p["s"] for p in hung) < 0.05  # no step waited for the hung agent
+    assert len(hung) >= 10  # ... while the load took about a timeout
+    assert out["preempt_open_s"] < 0.5 and not out["p_in_flight"]
+    assert out["q_stored"] == 2 and out["e_stored"] == 0
+    assert out["stats"]["load"] == {"missing": 1, "agent_unavailable": 1}
+    assert out["stats"]["save"].get("agent_unavailable", 0) >= 1
+
+
+PROMPT = " ".join(f"word{i} alpha beta gamma" for i in range(120))
+
+
+def test_vllm_with_async_transfers_saves_loads_and_recomputes_identically(
+        weighted_model: Path, tmp_path: Path, subprocess_env: dict[str, str], servers: list[EngineServer],
+        agents: list[AgentProcess]) -> None:
+    """Real vLLM, asynchronous loads and saves: the blocks saved by the first request come back from the agent
+    after the engine forgets them (WAITING_FOR_REMOTE_KVS, then scheduled), with the same output and logprobs."""
+    agent = AgentProcess(tmp_path / "a", subprocess_env, "--block-size", str(BLOCK_SIZE))
+    agents.append(agent)
+    vllm = start_vllm(weighted_model, tmp_path / "logs", agent.socket, connector_extra={"async_transfers": True})
+    servers.append(vllm)
+    text, logprobs, cached, prompt_tokens = replica.complete(vllm, PROMPT)
+    assert cached == 0
+    expected = replica.loadable_tokens(prompt_tokens)
+    deadline = time.monotonic() + 30
+    while agent.metric("kvgate_agent_tier_blocks", tier="dram") < expected // BLOCK_SIZE:
+        assert time.monotonic() < deadline, "the saves never reached the agent"
+        time.sleep(0.1)
+    for _ in range(2):
+        reset_prefix_cache(vllm)
+        assert replica.complete(vllm, PROMPT) == (text, logprobs, expected, prompt_tokens)
+    assert agent.metric("kvgate_agent_hits_total", tier="dram") >= 2 * expected // BLOCK_SIZE
+    assert "asynchronous transfers" in vllm.log_tail(2_000_000)
