@@ -12,6 +12,7 @@ in turn without a restart:
   hang         a load is answered after 30 s (past any client timeout)
   close        the connection is closed instead of answering a load
   hello_size   Hello answers a shared-memory size other than the one mapped
+  protocol     Hello answers as an agent of the next protocol version (an agent upgraded alone)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvcore.aio import run_until_signalled
 from kvcore.config import load_config
 from tests.agent_process import AgentProcess
 
-MODES = ("ok", "short", "foreign", "extra", "garbage", "error", "hang", "close", "hello_size")
+MODES = ("ok", "short", "foreign", "extra", "garbage", "error", "hang", "close", "hello_size", "protocol")
 HANG_S = 30.0
 
 
@@ -67,8 +68,11 @@ class FaultyTierAgent(TierAgent):
                 reply.lengths[-1] += 16
             elif mode == "extra":
                 reply.lengths.append(reply.lengths[-1])
-        if isinstance(request, Hello) and isinstance(reply, HelloReply) and mode == "hello_size":
-            reply.shm_bytes += 4096
+        if isinstance(request, Hello) and isinstance(reply, HelloReply):
+            if mode == "hello_size":
+                reply.shm_bytes += 4096
+            elif mode == "protocol":
+                reply.version += 1
         return reply
 
 
