@@ -79,11 +79,11 @@ class FaultyTierAgent(TierAgent):
 class FaultyAgentProcess(AgentProcess):
     """The faulty agent as a test process; `set_mode` takes effect from the next request on."""
 
-    def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str) -> None:
+    def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str, socket: str | None = None) -> None:
         self.mode_file = tmp_path / "mode"
         self.mode_file.parent.mkdir(parents=True, exist_ok=True)
-        self.mode_file.write_text("ok")
-        super().__init__(tmp_path, env, *flags,
+        self.mode_file.write_text("ok")  # until it is up: AgentProcess asks it, as a client of its protocol
+        super().__init__(tmp_path, env, *flags, socket=socket,
                          command=[sys.executable, "-m", "tests.faulty_agent", str(self.mode_file), "agent"])
 
     def set_mode(self, mode: str) -> None:

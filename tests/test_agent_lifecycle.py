@@ -25,6 +25,7 @@ import redis
 from bench.vllm_engine import BLOCK_SIZE, EngineServer
 from tests.agent_process import AgentProcess
 from tests.conftest import ValkeyServer
+from tests.faulty_agent import FaultyAgentProcess
 from tests.vllm_replica import (
     Completion,
     complete,
@@ -169,8 +170,9 @@ def test_fresh_vllm_first_request_loads_from_a_warm_agent(weighted_model: Path, 
 def test_agent_restarted_killed_disk_full_and_shared_flushed_under_a_serving_vllm(
         weighted_model: Path, tmp_path: Path, valkey: ValkeyServer, subprocess_env: dict[str, str],
         servers: list[EngineServer], agents: list[AgentProcess]) -> None:
-    """One vLLM serves throughout while its agent is restarted, killed (-9), replaced by one whose disk is full,
-    and by one whose shared tier is flushed behind its back; requests run all the while."""
+    """One vLLM serves throughout while its agent is restarted, killed (-9), replaced by one of another protocol
+    (an upgrade of one side), by one whose disk is full, and by one whose shared tier is flushed behind its back;
+    requests run all the while."""
     socket = str(tmp_path / "agent.sock")
     nvme = ("--nvme-dir", str(tmp_path / "nvme"), "--write-policy", "eager", "--no-nvme-fsync")
     agent = AgentProcess(tmp_path / "agent", subprocess_env, *nvme, "--block-size", str(BLOCK_SIZE), socket=socket)
@@ -191,10 +193,34 @@ def test_agent_restarted_killed_disk_full_and_shared_flushed_under_a_serving_vll
     assert traffic.loaded > 0
     assert_alive(server)
 
+    # upgraded alone: an agent of the next protocol takes the socket (while no request runs, so vLLM's first
+    # reconnect meets it). Each side refuses the other at Hello: vLLM runs without it -- nothing loads, nothing
+    # fails -- until it speaks vLLM's protocol again (the other side upgraded too) and a probe finds it.
+    agent.stop()
+    newer = FaultyAgentProcess(tmp_path / "agent-newer", subprocess_env, "--block-size", str(BLOCK_SIZE),
+                               socket=socket)
+    agents.append(newer)
+    newer.set_mode("protocol")
+    lookups = connector_failures(server, "lookup", "agent_unavailable")
+    traffic = Traffic(server, references)
+    traffic.start()
+    traffic.wait_for(8)
+    traffic.stop()
+    assert traffic.loaded == 0
+    assert connector_failures(server, "lookup", "agent_unavailable") > lookups
+    assert "the tier agent speaks protocol 3, this client 2: upgrade both" in server.log_tail(2_000_000)
+    newer.set_mode("ok")
+    traffic = Traffic(server, references)
+    traffic.start()
+    traffic.wait_for(12)
+    traffic.stop()
+    assert traffic.loaded > 0
+    assert_alive(server)
+    newer.stop()
+
     # a full disk: no file the agent writes may exceed 8 KiB, less than a block (one file per block, so every
     # NVMe write fails as on a full disk); a small DRAM must give blocks up. The agent never claims a block it
     # cannot serve: no load finds one missing.
-    agent.stop()
     full = AgentProcess(tmp_path / "agent-full", subprocess_env, "--nvme-dir", str(tmp_path / "nvme-full"),
                         "--nvme-layout", "files", "--write-policy", "eager", "--no-nvme-fsync",
                         "--dram-capacity", "256KiB", file_size_limit=8192, socket=socket)
