@@ -85,6 +85,14 @@ class TtftOptions(KvOptions):
         0.1, "ttft: predictions this close (share of the best) count as equal, when more than ttft_tie_s")
     ttft_spread_weight: float = option(
         1.0, "ttft: cost of copying a prefix held elsewhere onto one more worker, as a share of its prefill time")
+    ttft_balance_slack: float = option(
+        0.2, "ttft: a worker over (1 + this) x the fleet's mean share of recent requests takes no more until it "
+        "is back under (bounded-load balance; negative: off)")
+    ttft_balance_s: float = option(
+        0.12, "ttft: predicted seconds a worker at its balance cap costs more (the most the balance may cost a "
+        "request)")
+    ttft_balance_window: float = option(
+        300.0, "ttft: requests per worker after which an old request counts half in the shares the balance caps")
 
 
 class LinearFit:
@@ -330,6 +338,38 @@ class SpreadCost:
         return self.weight * rate.seconds(Work.of(copied, held_here)) if copied else 0.0
 
 
+class RequestShare:
+    """Each worker's count of recent requests (each counts half after `window` requests per worker have been routed
+    since) and the cap of bounded-load balancing (Mirrokni et al., consistent hashing with bounded loads): a worker
+    whose count with one more request would be over (1 + `slack`) x the mean of the workers it is chosen among
+    (plus one request) takes none until the others catch up. What is cheap to place anywhere (a new session, a
+    first read of a document, a hot prefix's next copy) then goes to a worker under the cap, and a group of
+    requests that share a prefix is spread over as many copies as its traffic needs, instead of every request of
+    the group following the one worker that held the prefix first."""
+
+    def __init__(self, slack: float, window: float) -> None:
+        self.slack = slack
+        self.window = window
+        self.counts: dict[str, float] = {}
+
+    def over(self, urls: Sequence[str]) -> list[bool]:
+        """Which of these workers are at their cap (none when the balance is off)."""
+        if self.slack < 0 or len(urls) < 2:
+            return [False] * len(urls)
+        counts = [self.counts.get(u, 0.0) for u in urls]
+        cap = (1.0 + self.slack) * (sum(counts) + 1.0) / len(urls) + 1.0
+        return [c + 1.0 > cap for c in counts]
+
+    def add(self, url: str, workers: int) -> None:
+        decay = 0.5 ** (1.0 / (self.window * max(1, workers)))
+        for u in self.counts:
+            self.counts[u] *= decay
+        self.counts[url] = self.counts.get(url, 0.0) + 1.0
+
+    def forget(self, url: str) -> None:
+        self.counts.pop(url, None)
+
+
 @dataclass(frozen=True, slots=True)
 class Estimate:
     """One worker's predicted time to first token for a request, by part, and the work it is made of."""
@@ -377,12 +417,14 @@ class TtftAware(KvAware):
         self.load = LoadCost(options)
         self.pressure = EnginePressure(options)
         self.spread = SpreadCost(options)
+        self.share = RequestShare(options.ttft_balance_slack, options.ttft_balance_window)
         self.rates: dict[str, PrefillRate] = {}
         self.fleet_rate = PrefillRate(options)  # every worker's answers
         self.queues: dict[str, PrefillQueue] = {}
         self._routed: dict[int, _Routed] = {}
         self._mean = Work()  # the prefill a request brings, on average (recent requests)
         self._ttft_metrics: TtftMetrics | None = None
+        self.balance_s = options.ttft_balance_s
         self.tie_s = options.ttft_tie_s
         self.tie_share = options.ttft_tie_share
 
@@ -434,8 +476,15 @@ class TtftAware(KvAware):
         held = self.holdings(keys, workers, cacheable)
         most = max(h.tokens for h in held)
         estimates = [self.estimate(w, prompt, h, now) for w, h in zip(workers, held, strict=True)]
-        scores = [e.ttft_s + self.spread.seconds(h.tokens, most, self.rate(w.url))
-                  for w, h, e in zip(workers, held, estimates, strict=True)]
+        over = self.share.over([w.url for w in workers])
+        if all(over):
+            over = [False] * len(workers)
+        # a prefix whose every holder is at its cap has more traffic than they can take: one more copy is what the
+        # balance needs, not a cost
+        spread = most > 0 and not all(o for o, h in zip(over, held, strict=True) if h.tokens == most)
+        scores = [e.ttft_s + (self.spread.seconds(h.tokens, most, self.rate(w.url)) if spread else 0.0)
+                  + (self.balance_s if o else 0.0)
+                  for w, h, e, o in zip(workers, held, estimates, over, strict=True)]
         best = min(scores)
         # within the prediction's own error the workers are as good: the least busy, then the one holding the
         # least prefix state takes it (misses spread, instead of all going to the worker whose fit is a hair
@@ -451,6 +500,7 @@ class TtftAware(KvAware):
         worker, estimate, cached = workers[pick], estimates[pick], held[pick].tokens
         reason = MISS if most == 0 else HIT if cached >= most else SPILL
         self.queue(worker.url).add(id(request), estimate.prefill, now, estimate.ttft_s)
+        self.share.add(worker.url, len(workers))
         self._routed[id(request)] = _Routed(worker.url, estimate)
         self._mean = self._mean + (estimate.prefill + self._mean.scaled(-1.0)).scaled(1 / 64)
         rank = self._ranks.get(worker.url)
@@ -487,4 +537,5 @@ class TtftAware(KvAware):
         super().forget_worker(url)
         self.rates.pop(url, None)
         self.queues.pop(url, None)
+        self.share.forget(url)
         self._routed = {k: r for k, r in self._routed.items() if r.worker != url}

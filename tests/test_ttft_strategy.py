@@ -26,6 +26,7 @@ from strategies.ttft import (
     LoadCost,
     PrefillQueue,
     PrefillRate,
+    RequestShare,
     SpreadCost,
     TtftAware,
     TtftOptions,
@@ -37,9 +38,11 @@ from tests.test_proxy_usage import HEAD, chunked, event, text_event
 
 BS = 16
 ROOT = root_key("tiny")
-# a fleet whose prefill is 10,000 tokens/s, 10 ms per request besides, no attention cost: easy sums
+# a fleet whose prefill is 10,000 tokens/s, 10 ms per request besides, no attention cost: easy sums (the balance
+# cap off: each part on its own; the balance's tests turn it on)
 OPTIONS = TtftOptions(ttft_prefill_tokens_per_s=10_000.0, ttft_overhead_s=0.01, ttft_attention_s=0.0,
-                      ttft_decode_cost_s=0.0, ttft_spread_weight=1.0, ttft_tie_share=0.0)
+                      ttft_decode_cost_s=0.0, ttft_spread_weight=1.0, ttft_tie_share=0.0, ttft_balance_slack=-1.0)
+BALANCED = dataclasses.replace(OPTIONS, ttft_balance_slack=0.2, ttft_balance_s=0.12, ttft_balance_window=300.0)
 
 
 def make(n: int = 3, options: TtftOptions = OPTIONS) -> tuple[TtftAware, list[Worker], InMemoryKvIndex, list[float]]:
@@ -157,6 +160,25 @@ def test_a_copy_of_a_prefix_held_elsewhere_costs_its_prefill() -> None:
     assert abs(spread.seconds(held_here=0, held_most=1000, rate=rate) - 0.1) < 1e-12
 
 
+def test_a_worker_over_its_share_of_recent_requests_is_at_its_cap_and_old_requests_fade() -> None:
+    share = RequestShare(slack=0.2, window=10)
+    urls = ["a", "b", "c", "d"]
+    assert share.over(urls) == [False] * 4
+    for _ in range(3):
+        share.add("a", 4)
+    # a: 3 of 3; the cap 1.2 x (3 + 1) / 4 + 1 = 2.2: one more would be 4
+    assert share.over(urls) == [True, False, False, False]
+    for url in ("b", "c", "d") * 2:
+        share.add(url, 4)
+    assert share.over(urls) == [False] * 4
+    for _ in range(400):  # 10 requests per worker is a half-life: a's old lead is forgotten, d's new one counts
+        share.add("d", 4)
+    assert share.counts["a"] < 0.01 and share.over(urls) == [False, False, False, True]
+    assert RequestShare(slack=-1.0, window=10).over(urls) == [False] * 4  # off
+    share.forget("d")
+    assert "d" not in share.counts
+
+
 # --- the strategy ---------------------------------------------------------------------------------------------
 
 
@@ -200,6 +222,48 @@ def test_a_hot_prefix_spills_only_when_the_queue_outweighs_its_saving_and_the_co
     assert placed[first_spill].reason == SPILL
     assert first_spill == 11
     assert all(d.worker is workers[0] for d in placed[:first_spill])
+
+
+def sequential(strategy: TtftAware, workers: list[Worker], clock: list[float], prompts: list[list[int]],
+               index: InMemoryKvIndex) -> list[Any]:
+    """Each prompt routed, answered (its blocks announced by the worker chosen) and done before the next: an idle
+    fleet, where only the cache and the balance decide."""
+    decisions = []
+    for ids in prompts:
+        req = request(ids)
+        decision = strategy.choose(req, workers)
+        clock[0] += 1.0
+        strategy.on_first_token(req, decision, decision.predicted_ttft_s or 0.01)
+        index.add(decision.worker.url, req.block_keys, GPU)
+        decisions.append(decision)
+    return decisions
+
+
+def test_a_hot_prefix_is_copied_to_as_many_workers_as_its_traffic_needs() -> None:
+    """Every request shares one 1,024-token system prompt (0.1 s of prefill to copy) on an idle fleet of four: with
+    the balance off all of them follow the worker that read it first (no queue ever outweighs the copy); with it
+    each worker takes at most 1.2x the mean plus one, and the prompt is copied once per worker, not per request."""
+    system = tokens(1, 1024)
+    prompts = [system + tokens(100 + i, 32) for i in range(200)]
+    strategy, workers, index, clock = make(4)
+    alone = sequential(strategy, workers, clock, prompts, index)
+    assert {d.worker.url for d in alone} == {alone[0].worker.url}
+
+    strategy, workers, index, clock = make(4, BALANCED)
+    spread = sequential(strategy, workers, clock, prompts, index)
+    counts = [sum(d.worker is w for d in spread) for w in workers]
+    assert max(counts) / (sum(counts) / 4) <= 1.25
+    assert sum(d.reason != HIT for d in spread) == 4  # the first read and three copies
+
+
+def test_the_balance_costs_a_request_at_most_its_budget() -> None:
+    """A prefix whose copy would cost more than `ttft_balance_s` (4,096 tokens: 0.41 s against 0.12 s) stays on
+    its worker even at its cap."""
+    system = tokens(1, 4096)
+    strategy, workers, index, clock = make(4, BALANCED)
+    decisions = sequential(strategy, workers, clock, [system + tokens(100 + i, 32) for i in range(40)], index)
+    assert {d.worker.url for d in decisions} == {decisions[0].worker.url}
+    assert strategy.share.over([w.url for w in workers]) == [w is decisions[0].worker for w in workers]
 
 
 def test_misses_spread_and_the_learned_rate_follows_first_tokens() -> None:
