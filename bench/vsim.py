@@ -194,7 +194,7 @@ class FleetSimulation:
         self.kv: KvEventApplier | None = None
         self.sources = [EventSource(r.url, f"vsim://{r.index}") for r in self.replicas]
         if self.strategy.uses_kv_events:
-            self.kv = KvEventApplier(InMemoryKvIndex(), GatewayMetrics(), lambda url: MODEL)
+            self.kv = KvEventApplier(InMemoryKvIndex(), GatewayMetrics(), lambda url: MODEL, clock=lambda: self.now)
             self.strategy.attach_kv(self.kv.index, lambda url: True)
         self.tier_settings = tiers
         if tiers is not None:
