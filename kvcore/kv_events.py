@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
