@@ -10,18 +10,22 @@ import random
 from typing import Any
 
 import aiohttp
+import orjson
 
+from bench.sim.perf_model import load_profile
 from kvcore.kv_events import CPU, DISK, GPU, SHARED
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
 from router.kv_index import InMemoryKvIndex
 from router.pool import Worker
+from router.prom_text import sum_samples
 from router.routing import RouteRequest
 from strategies import STRATEGIES, create_strategy
 from strategies.balance import HIT, MISS, SPILL
 from strategies.ttft import (
     OWN_FIT_SAMPLES,
     EnginePressure,
+    EngineTimings,
     LinearFit,
     LoadCost,
     PrefillQueue,
@@ -152,6 +156,33 @@ def test_engine_pressure_counts_decodes_foreign_waiting_and_a_full_cache() -> No
     assert pressure.foreign(worker, 2, Work(100.0, 0.0)).tokens == 100.0  # one waiting there is not ours
     worker.kv_usage = 0.95
     assert abs(pressure.seconds(worker, ours_waiting=2) - (0.003 + 0.25)) < 1e-12
+
+
+def test_an_engines_prefill_histograms_make_a_sample_per_window() -> None:
+    timings = EngineTimings(window_s=10.0)
+    worker = Worker(spec=WorkerSpec("http://w"))
+    assert timings.sample(worker) is None  # never scraped
+
+    def scraped(at: float, seconds: float, requests: float, computed: float, prompt: float) -> None:
+        worker.load_scraped_at, worker.prefill_seconds, worker.prefill_requests = at, seconds, requests
+        worker.prefill_computed_tokens, worker.prefill_prompt_tokens = computed, prompt
+
+    scraped(100.0, 5.0, 10, 20_000, 30_000)
+    assert timings.sample(worker) is None  # the window starts
+    scraped(105.0, 6.0, 14, 26_000, 40_000)
+    assert timings.sample(worker) is None  # 5 s: not yet a window
+    scraped(110.0, 7.0, 20, 32_000, 50_000)  # 10 requests: 12,000 computed of 20,000 prompt tokens, 2 s
+    sample = timings.sample(worker)
+    assert sample is not None and sample.requests == 10 and abs(sample.seconds - 0.2) < 1e-12
+    assert sample.work == Work.of(1200, 800)  # the mean request computed 1,200 tokens after 800 cached
+    scraped(120.0, 37.0, 40, 92_000, 110_000)  # 30 s of prefill in 10 s (side by side): 10 s at most
+    sample = timings.sample(worker)
+    assert sample is not None and abs(sample.seconds - 10.0 / 20) < 1e-12
+    scraped(130.0, 1.0, 2, 100, 100)  # the engine restarted: counters back near 0, a new window starts
+    assert timings.sample(worker) is None
+    scraped(140.0, 1.0, 2, 100, 100)  # a window where nothing finished: no sample
+    assert timings.sample(worker) is None
+    assert EngineTimings(window_s=0.0).sample(worker) is None  # off
 
 
 def test_a_copy_of_a_prefix_held_elsewhere_costs_its_prefill() -> None:
@@ -335,3 +366,53 @@ async def test_the_gateway_reports_each_streamed_first_token(http: aiohttp.Clien
         registry = gw.gateway.metrics.registry
         assert registry.get_sample_value("kvgate_ttft_prediction_error_ratio_count") == 3
         assert not strategy._routed and strategy.queue(url).count(strategy.now) == 0
+
+
+async def engine_prefill(http: aiohttp.ClientSession, url: str) -> tuple[float, float, float]:
+    """(seconds, requests, tokens computed) the engine's /metrics report of its finished requests' prefill."""
+    async with http.get(url + "/metrics") as resp:
+        totals = sum_samples(await resp.text(), ("vllm:request_prefill_time_seconds_sum",
+                                                 "vllm:request_prefill_time_seconds_count",
+                                                 "vllm:request_prefill_kv_computed_tokens_sum"))
+    return tuple(totals.values())  # type: ignore[return-value]
+
+
+async def test_the_prefill_rate_is_learned_from_a_real_engines_metrics(sim_fleet: Any,
+                                                                       http: aiohttp.ClientSession) -> None:
+    """A `kvgate sim` replica (vLLM's metrics, prefill timed by the H100 profile) behind a `ttft` gateway that
+    believes prefill is free (10 M tokens/s, no overhead). Only whole answers are asked for, so no first token is
+    ever reported to the strategy: what it learns comes from the engine's /metrics alone. Its prediction for the
+    mean request moves from ~0.2 ms to within a quarter of the prefill time the engine reported for them (on a
+    loaded machine that is slower than the profile's, so the profile is only a check of the units)."""
+    fleet = sim_fleet(1, extra_args=["--max-model-len", "4096", "--num-gpu-blocks-override", "4000"])
+    url = fleet.urls[0]
+    profile = load_profile("llama-3.1-8b-h100")
+    async with running_gateway(fleet.worker_specs, strategy="ttft", ttft_prefill_tokens_per_s=1e7,
+                               ttft_overhead_s=0.0, ttft_attention_s=0.0, ttft_metrics_window_s=0.5) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        strategy: Any = gw.gateway.strategy
+        rate = strategy.own_rate(url)
+        assert rate.overhead_s + rate.seconds(Work.of(2000, 0)) < 0.001
+        before = await engine_prefill(http, url)
+        rng = random.Random(5)
+        for i in range(200):
+            ids = [rng.randrange(1, 4000) for _ in range(rng.randrange(1000, 3000))]
+            body = {"model": "tiny", "prompt": ids, "max_tokens": 1}
+            async with http.post(gw.url + "/v1/completions", data=orjson.dumps(body),
+                                 headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200
+                await resp.read()
+            if rate.fit.samples >= 20 and i >= 20:
+                break
+        after = await engine_prefill(http, url)
+        assert rate.fit.samples >= 20 and strategy.fleet_rate.fit.samples == rate.fit.samples
+        seconds, requests, computed = (a - b for a, b in zip(after, before, strict=True))
+        mean = computed / requests
+        learned = rate.overhead_s + rate.seconds(Work.of(mean, 0))
+        assert abs(learned - seconds / requests) / (seconds / requests) < 0.25, (learned, seconds / requests)
+        profiled = profile.prefill_time(round(mean)) + profile.request_overhead_s
+        assert profiled / 2 < learned < profiled * 3, (learned, profiled)
+        registry = gw.gateway.metrics.registry
+        assert registry.get_sample_value("kvgate_ttft_engine_prefills_learned_total", {"worker": url}) == \
+            rate.fit.samples
+        assert registry.get_sample_value("kvgate_ttft_prediction_error_ratio_count") in (None, 0)
