@@ -368,6 +368,25 @@ async def test_the_gateway_reports_each_streamed_first_token(http: aiohttp.Clien
         assert not strategy._routed and strategy.queue(url).count(strategy.now) == 0
 
 
+async def test_the_prediction_is_sent_to_the_client_only_when_asked(http: aiohttp.ClientSession) -> None:
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(text_event(" a")) + chunked(event("[DONE]")) + b"0\r\n\r\n")
+
+    body = {"model": "tiny", "prompt": "hello there", "stream": True}
+    async with raw_worker(answer) as url:
+        for asked in (False, True):
+            async with running_gateway([url], strategy="ttft", predicted_ttft_header=asked) as gw:
+                await eventually(lambda: bool(gw.gateway.pool.healthy()))
+                async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+                    header = resp.headers.get("X-Kvgate-Predicted-Ttft-Ms")
+                if asked:
+                    assert header is not None and 0 < float(header) < 1000
+                else:
+                    assert header is None
+
+
 async def engine_prefill(http: aiohttp.ClientSession, url: str) -> tuple[float, float, float]:
     """(seconds, requests, tokens computed) the engine's /metrics report of its finished requests' prefill."""
     async with http.get(url + "/metrics") as resp:
