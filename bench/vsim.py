@@ -492,9 +492,7 @@ class FleetSimulation:
             out[f"ttft_ms_p{int(q * 100)}"] = None if p is None else p * 1e3
         out["e2e_ms_p50"] = (percentile(self._e2e, 0.5) or 0.0) * 1e3
         if self._predicted:
-            errors = sorted(abs(p - o) / o for p, o in self._predicted if o > 0)
-            out["ttft_prediction"] = {"median_abs_relative_error": errors[len(errors) // 2] if errors else None,
-                                      "pairs": _thin(self._predicted, PREDICTION_PAIRS)}
+            out["ttft_prediction"] = vsim_report.prediction_summary(self._predicted, PREDICTION_PAIRS)
         return out
 
 
@@ -507,12 +505,6 @@ def engine_hashes(token_ids: Sequence[int], block_size: int) -> list[Digest]:
 def _engine_hash(parent: Digest | None, token_ids: Sequence[int], extra: object = None) -> Digest:
     """One block's digest on the simulated engines (a block filled by decoding)."""
     return cast(Digest, chain_key(ENGINE_ROOT if parent is None else cast(int, parent), token_ids))
-
-
-def _thin(pairs: list[tuple[float, float]], most: int) -> list[tuple[float, float]]:
-    """At most `most` of the pairs, evenly spaced (for a plot)."""
-    step = max(1, math.ceil(len(pairs) / most))
-    return pairs[::step]
 
 
 def _scale(tiers: dict[str, int], cached: int) -> dict[str, int]:
