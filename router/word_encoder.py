@@ -117,7 +117,8 @@ class WordEncoder:
         for token in config.get("added_tokens") or []:
             if token.get("single_word") or token.get("lstrip") or token.get("rstrip"):
                 return None
-            added.append((token["content"], token["id"], bool(token.get("normalized")) and not token.get("special")))
+            # tokenizers' AddedVocabulary splits by this flag alone, special or not
+            added.append((token["content"], token["id"], bool(token.get("normalized"))))
         python = ascii_pattern(pattern)
         if python is None:
             return None
@@ -127,7 +128,10 @@ class WordEncoder:
             return None
         if encoder._split.groups:  # findall would return the groups, not the words
             return None
-        for sample in _SAMPLES:
+        # this tokenizer's own added tokens, among words and each other, beside the fixed samples
+        contents = [content for content, _, _ in added if content.isascii()][:512]
+        own = (" ".join(contents), "x".join(contents) + "x", "".join(f"a{c} {c}\n" for c in contents[:64]))
+        for sample in (*_SAMPLES, *own):
             if encoder.encode(sample) != tokenizer.encode(sample, add_special_tokens=False).ids:
                 return None
         encoder._words.clear()

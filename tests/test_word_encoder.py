@@ -80,6 +80,20 @@ def test_patterns_it_cannot_narrow_are_refused() -> None:
     assert ascii_pattern(r" ?\p{L}+|[^\s\p{L}]") == r" ?[A-Za-z]+|[^ \t\n\x0b\x0c\rA-Za-z]"
 
 
+@pytest.mark.parametrize("normalized", [0, 1, 2])
+def test_added_tokens_split_as_the_tokenizer_splits_them(tiny: Tokenizer, normalized: int) -> None:
+    """Special tokens marked `normalized`, and plain added tokens overlapping them, are cut where tokenizers cuts."""
+    config = json.loads(tiny.to_str())
+    config["added_tokens"][normalized]["normalized"] = True
+    config["added_tokens"].append({"id": 4000, "content": "d<|im", "single_word": False, "lstrip": False,
+                                   "rstrip": False, "normalized": True, "special": False})
+    tok = Tokenizer.from_str(json.dumps(config))
+    encoder = WordEncoder.build(tok)
+    assert encoder is not None
+    for text in ("end<|im_start|>x", "d<|im_end|> <|endoftext|>d<|im", "<|im_start|>d<|im_start|>", "d<|imd<|im"):
+        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids, text
+
+
 @pytest.mark.parametrize("change", ["prefix_space", "lstrip", "dropout", "normalizer"])
 def test_pipelines_it_does_not_reproduce_are_refused(tiny: Tokenizer, change: str) -> None:
     config = json.loads(tiny.to_str())
