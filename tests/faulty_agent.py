@@ -13,6 +13,8 @@ in turn without a restart:
   close        the connection is closed instead of answering a load
   hello_size   Hello answers a shared-memory size other than the one mapped
   protocol     Hello answers as an agent of the next protocol version (an agent upgraded alone)
+  refuse       Hello is refused as an agent of the next protocol refuses a client of this one (the connector
+               left behind: the same refusal, seen from the connector)
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from kvcore.aio import run_until_signalled
 from kvcore.config import load_config
 from tests.agent_process import AgentProcess
 
-MODES = ("ok", "short", "foreign", "extra", "garbage", "error", "hang", "close", "hello_size", "protocol")
+MODES = ("ok", "short", "foreign", "extra", "garbage", "error", "hang", "close", "hello_size", "protocol",
+         "refuse")
 HANG_S = 30.0
 
 
@@ -51,6 +54,9 @@ class FaultyTierAgent(TierAgent):
             request = request_decoder.decode(body)
         except Exception:
             return await super()._answer(conn, body, fds)
+        if isinstance(request, Hello) and mode == "refuse":
+            return ErrorReply(message=f"ValueError: the client {request.client!r} speaks protocol {request.version}, "
+                                      f"this tier agent {request.version + 1}: upgrade both")
         if isinstance(request, Load):
             if mode == "hang":
                 await asyncio.sleep(HANG_S)

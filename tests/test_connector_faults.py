@@ -154,8 +154,9 @@ def test_a_client_and_an_agent_of_different_protocols_refuse_each_other(
 FAULTS = [("short", "bad_reply", 0), ("foreign", "bad_reply", 3), ("extra", "bad_reply", 0),
           ("garbage", "agent_unavailable", 0), ("error", "agent_unavailable", 0),
           ("hang", "agent_unavailable", 0), ("close", "agent_unavailable", 0),
-          ("hello_size", "agent_unavailable", 0), ("protocol", "agent_unavailable", 0)]
-HELLO_FAULTS = ("hello_size", "protocol")  # only a new connection meets them
+          ("hello_size", "agent_unavailable", 0), ("protocol", "agent_unavailable", 0),
+          ("refuse", "agent_unavailable", 0)]
+HELLO_FAULTS = ("hello_size", "protocol", "refuse")  # only a new connection meets them
 
 
 def test_every_wrong_answer_becomes_a_counted_partial_load(tmp_path: Path, agents: list[AgentProcess],
@@ -255,6 +256,8 @@ def test_vllm_meets_every_wrong_answer_recomputes_and_counts_it(weighted_model: 
             if mode == "protocol":
                 assert "refused at Hello: the tier agent speaks protocol 3, this client 2: upgrade both" \
                     in server.log_tail(2_000_000)
+            if mode == "refuse":
+                assert "speaks protocol 2, this tier agent 3: upgrade both" in server.log_tail(2_000_000)
             seen.add(failure)
             recover()
         assert seen == {"bad_reply", "agent_unavailable"}
