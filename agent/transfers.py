@@ -14,6 +14,7 @@ once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -129,6 +130,8 @@ class TransferThread:
     def _run(self) -> None:
         if self._device is not None:
             torch.cuda.set_device(self._device)
+        else:
+            _leave_the_compute_cores()
         while True:
             with self._changed:
                 while not (self._loads or self._saves or self._stopping):
@@ -175,3 +178,19 @@ class TransferThread:
         self.save_failures.update(self.mover.save_failures)
         self.mover.load_failures.clear()
         self.mover.save_failures.clear()
+
+
+def _leave_the_compute_cores() -> None:
+    """vLLM's CPU worker binds itself, every thread it starts included, to its OpenMP cores, and reserves others
+    for the scheduler and, with a KV connector, one more core per worker for the connector's threads
+    (vllm/utils/ompmultiprocessing.py). Run the transfer thread on those (the parent process's cores that the
+    worker is not bound to) rather than beside the forward pass; unchanged where there are none."""
+    try:
+        bound = os.sched_getaffinity(0)
+        others = os.sched_getaffinity(os.getppid()) - bound
+        if others:
+            os.sched_setaffinity(0, others)  # 0: this thread only
+            log.info("kvgate connector: transfer thread on CPUs %s (the forward pass on %s)", sorted(others),
+                     sorted(bound))
+    except OSError:
+        return

@@ -6,23 +6,29 @@ Load it with
                          "kv_connector_extra_config": {"agent_socket": "/tmp/kvgate-agent.sock"}}'
 (kvgate must be importable by vLLM's Python, e.g. PYTHONPATH=<kvgate checkout>).
 
-Scheduler side: for a new request, ask the agent how many of its leading full blocks (vLLM's own block hashes,
-in KV-event form) beyond the local prefix-cache hit it holds; plan those as a synchronous load, and plan every
-block that becomes fully computed as a save. Worker side (agent/block_mover.py): the agent's shared memory is
-mapped when the caches are registered, before the first step; `start_load_kv` copies planned blocks from the agent
-(through shared memory) into the paged KV cache before the forward pass; `wait_for_save` copies newly computed
-full blocks out of the paged cache into shared memory and hands them to the agent. A block the agent cannot
-supply whole and verified -- for whatever reason, the agent gone included -- is reported through
-`get_block_ids_with_load_errors`, so vLLM recomputes it (with kv_load_failure_policy=recompute): never wrong KV,
-never an exception into the engine. A step in which any load failed (on any TP rank) saves nothing: any
-request of the step may have attended to the failed block. Blocks are kept under a layout id
-(agent/layout_key.py) that names every setting that changes what their bytes mean, the worker's TP and PP rank
-included.
+Scheduler side: for a new request, ask the agent how many of its leading full blocks (vLLM's own block hashes, in
+KV-event form) beyond the local prefix-cache hit it holds; plan those as a load, and plan every block that becomes
+fully computed as a save. Worker side (agent/block_mover.py): the agent's shared memory is mapped when the caches
+are registered, before the first step. By default transfers are asynchronous (vLLM's contract, `"async_transfers":
+true`): the step only queues them to the worker's transfer thread (agent/transfers.py), so no step waits for the
+agent; a load is answered `(tokens, True)`, vLLM parks the request in WAITING_FOR_REMOTE_KVS and schedules it once
+every worker named it in `get_finished`; a finished request whose saves may still be running is held
+(`request_finished` -> True) until the workers name it in finished_sending; a preempted request's saves are done
+before its blocks are reused (`handle_preemptions`). With `"async_transfers": false`, `start_load_kv` copies
+planned blocks in before the forward pass and `wait_for_save` copies newly computed blocks out after it. A block
+the agent cannot supply whole and verified -- for whatever reason, the agent gone included -- is reported through
+`get_block_ids_with_load_errors` (asynchronously: no later than the pass that names its request finished), so vLLM
+recomputes it (with kv_load_failure_policy=recompute): never wrong KV, never an exception into the engine. An
+asynchronous load never feeds a forward pass before it is known complete on every worker; with synchronous loads, a
+step in which any load failed (on any TP rank) saves nothing: any request of the step may have attended to the
+failed block. Blocks are kept under a layout id (agent/layout_key.py) that names every setting that changes what
+their bytes mean, the worker's TP and PP rank included.
 
 Tensors are handled generically (block dimension found from the cache's block count; index_select /
 index_copy_ per layer), so the same code serves CPU caches `[num_blocks, kv_heads, block_size, 2*head_dim]` and
-GPU caches such as `[2, num_blocks, block_size, kv_heads, head_dim]` (for GPU, the shared memory is registered
-as pinned host memory so the copies are plain DMA, and unregistered before it is unmapped: agent/host_pinning.py).
+GPU caches such as `[2, num_blocks, block_size, kv_heads, head_dim]` (for GPU, a batch goes through one contiguous
+device staging buffer and one copy to the shared memory, which is registered as pinned host memory so that copy is
+one DMA, and unregistered before it is unmapped: agent/kv_layout.py, agent/host_pinning.py).
 """
 
 from __future__ import annotations
@@ -182,7 +188,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
             except Exception:  # not initialised (single process): rank 0
                 tp_rank = pp_rank = 0
         self._layout = layout_id(vllm_config, extra, tp_rank, pp_rank)
-        self._async = bool(extra.get("async_transfers", False))
+        self._async = bool(extra.get("async_transfers", True))
         self._timeout_s = timeout
         self._staging_bytes = int(extra.get("staging_bytes", STAGING_BYTES))
         shm_bytes = int(extra.get("shm_bytes", 256 * 2**20)) if role == KVConnectorRole.WORKER else 0
@@ -201,7 +207,8 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads: dict[str, BlockTransfer] = {}
         self._saved_upto: dict[str, int] = {}  # req_id -> leading blocks already held by the agent
         self._requests: dict[str, Request] = {}
-        self._loading: set[str] = set()  # async loads not yet reported finished
+        self._loading: dict[str, set[int]] = {}  # async loads not yet reported finished: their block ids
+        self._load_failed: set[str] = set()  # requests whose async load failed: computed, never offered again
         self._saving: set[str] = set()  # requests with saves planned since their admission (async)
         self._held: list[str] = []  # finished requests whose blocks wait for their saves (async), for the next meta
         # worker side
@@ -238,7 +245,8 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # at least the last prompt token must be computed by the engine
         loadable = min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
         self._lookups[request.request_id] = (start, "")
-        if start >= loadable:
+        if start >= loadable or request.request_id in self._load_failed:
+            # (after a failed asynchronous load vLLM asks again: answering the same blocks would fail again, forever)
             return 0, False
         hashes = [event_hash(h) for h in request.block_hashes[start:loadable]]
         try:
@@ -276,7 +284,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads[req_id] = BlockTransfer(req_id, list(block_ids), hashes)
         self._saved_upto[req_id] = start + count
         if self._async:
-            self._loading.add(req_id)
+            self._loading[req_id] = set(block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvgateConnectorMetadata(loads=list(self._pending_loads.values()), held=self._held)
@@ -284,8 +292,9 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._held = []
         if self._async:
             # the blocks of a preempted request are free again: the workers finish its saves before this step
+            # (held too: preempted by a prefix-cache reset, then aborted before this step was scheduled)
             preempted = scheduler_output.preempted_req_ids or set()
-            meta.preempted = sorted(self._saving & preempted)
+            meta.preempted = sorted((self._saving | set(meta.held)) & preempted)
             self._saving -= preempted
         scheduled = scheduler_output.num_scheduled_tokens
         for new_req in scheduler_output.scheduled_new_reqs:
@@ -320,8 +329,11 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._saving.add(req_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = connector_output.invalid_block_ids or set()
+        if invalid:  # (a worker may report its failed blocks before every worker has finished the load)
+            self._load_failed.update(r for r, blocks in self._loading.items() if blocks & invalid)
         for req_id in connector_output.finished_recving or ():
-            self._loading.discard(req_id)
+            self._loading.pop(req_id, None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """With asynchronous saves planned for the request, vLLM keeps its blocks until the workers name it in
@@ -333,10 +345,11 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests.pop(req_id, None)
         saving = req_id in self._saving
         self._saving.discard(req_id)
+        self._load_failed.discard(req_id)
         if saving and req_id not in self._loading:
             self._held.append(req_id)
             return True, None
-        self._loading.discard(req_id)
+        self._loading.pop(req_id, None)
         return False, None
 
     # ==========================================================================================================

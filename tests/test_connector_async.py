@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(900)
 
 # A worker-side KvgateConnector with asynchronous transfers, driven step by step as vLLM's model runner does.
 ASYNC_SCRIPT = """
-import json, os, signal, sys, time
+import json, os, signal, sys, threading, time
 import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -93,9 +93,13 @@ os.kill(pid, signal.SIGCONT)
 deadline = time.monotonic() + 10
 while worker._circuit.is_open and time.monotonic() < deadline:
     time.sleep(0.05)
-# 6. back: a preempted request's save is done (stored) when handle_preemptions returns
+# 6. back, but slow: a preempted request's save is done (stored) when handle_preemptions returns
+os.kill(pid, signal.SIGSTOP)
 step(KvgateConnectorMetadata(saves=[BlockTransfer("q", [11, 12], [501, 502])]))
+threading.Timer(0.5, os.kill, (pid, signal.SIGCONT)).start()  # within the 1 s timeout: the save succeeds
+start = time.monotonic()
 step(KvgateConnectorMetadata(preempted=["q"]))
+out["preempt_wait_s"] = time.monotonic() - start
 with AgentClient(socket, shm_bytes=0) as client:
     out["q_stored"] = client.lookup(worker._layout, [501, 502])[0]
     out["e_stored"] = client.lookup(worker._layout, [301])[0]
@@ -126,7 +130,7 @@ def test_async_transfers_never_wait_in_the_step_and_follow_vllms_contract(
     assert max(p["s"] for p in hung) < 0.05  # no step waited for the hung agent
     assert len(hung) >= 10  # ... while the load took about a timeout
     assert out["preempt_open_s"] < 0.5 and not out["p_in_flight"]
-    assert out["q_stored"] == 2 and out["e_stored"] == 0
+    assert out["preempt_wait_s"] > 0.4 and out["q_stored"] == 2 and out["e_stored"] == 0
     assert out["stats"]["load"] == {"missing": 1, "agent_unavailable": 1}
     assert out["stats"]["save"].get("agent_unavailable", 0) >= 1
 
@@ -134,14 +138,18 @@ def test_async_transfers_never_wait_in_the_step_and_follow_vllms_contract(
 PROMPT = " ".join(f"word{i} alpha beta gamma" for i in range(120))
 
 
-def test_vllm_with_async_transfers_saves_loads_and_recomputes_identically(
-        weighted_model: Path, tmp_path: Path, subprocess_env: dict[str, str], servers: list[EngineServer],
-        agents: list[AgentProcess]) -> None:
-    """Real vLLM, asynchronous loads and saves: the blocks saved by the first request come back from the agent
-    after the engine forgets them (WAITING_FOR_REMOTE_KVS, then scheduled), with the same output and logprobs."""
+@pytest.mark.vllm
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_vllm_saves_loads_and_answers_identically_with_either_transfers(
+        asynchronous: bool, weighted_model: Path, tmp_path: Path, subprocess_env: dict[str, str],
+        servers: list[EngineServer], agents: list[AgentProcess]) -> None:
+    """Real vLLM, asynchronous (the default) or synchronous loads and saves: the blocks saved by the first request
+    come back from the agent after the engine forgets them (asynchronously: WAITING_FOR_REMOTE_KVS, then
+    scheduled), with the same output and logprobs."""
     agent = AgentProcess(tmp_path / "a", subprocess_env, "--block-size", str(BLOCK_SIZE))
     agents.append(agent)
-    vllm = start_vllm(weighted_model, tmp_path / "logs", agent.socket, connector_extra={"async_transfers": True})
+    vllm = start_vllm(weighted_model, tmp_path / "logs", agent.socket,
+                      connector_extra={"async_transfers": asynchronous})
     servers.append(vllm)
     text, logprobs, cached, prompt_tokens = replica.complete(vllm, PROMPT)
     assert cached == 0
@@ -154,4 +162,4 @@ def test_vllm_with_async_transfers_saves_loads_and_recomputes_identically(
         reset_prefix_cache(vllm)
         assert replica.complete(vllm, PROMPT) == (text, logprobs, expected, prompt_tokens)
     assert agent.metric("kvgate_agent_hits_total", tier="dram") >= 2 * expected // BLOCK_SIZE
-    assert "asynchronous transfers" in vllm.log_tail(2_000_000)
+    assert (", asynchronous transfers" if asynchronous else ", synchronous transfers") in vllm.log_tail(2_000_000)

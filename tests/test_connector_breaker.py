@@ -122,7 +122,8 @@ class Keep(logging.Handler):
 keep = Keep(logging.WARNING)
 
 def connector(role, policy):
-    extra = {"agent_socket": socket, "shm_bytes": 1 << 20, "timeout_s": 1.0, "probe_interval_s": 0.2}
+    extra = {"agent_socket": socket, "shm_bytes": 1 << 20, "timeout_s": 1.0, "probe_interval_s": 0.2,
+             "async_transfers": False}  # loads inside the step (tests/test_connector_async.py: without)
     config = EngineArgs(model=model, max_model_len=512, kv_transfer_config={
         "kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": policy,

@@ -107,7 +107,7 @@ from agent.client import AgentClient
 from agent.vllm_connector import BlockTransfer, KvgateConnector, KvgateConnectorMetadata
 
 model, socket = sys.argv[1], sys.argv[2]
-extra = {"agent_socket": socket, "shm_bytes": 1 << 20}
+extra = {"agent_socket": socket, "shm_bytes": 1 << 20, "async_transfers": False}  # loads inside the step
 config = EngineArgs(model=model, max_model_len=512, kv_transfer_config={
     "kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector", "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}).create_engine_config()
