@@ -30,6 +30,7 @@ from agent.protocol import (
     MAX_FRAME,
     PROTOCOL_VERSION,
     AgentError,
+    AgentRefused,
     BlockHash,
     ErrorReply,
     Hello,
@@ -95,16 +96,22 @@ class AgentClient:
                 self._shm = mmap.mmap(fd, self.shm_bytes)
                 self.shm = memoryview(self._shm)
             mapped = self.shm_bytes if fd is not None else 0
-            reply = self._call(Hello(shm_bytes=mapped, client=self.name, layout=self.layout,
-                                     block_bytes=self.block_bytes), fds=[fd] if fd is not None else [])
+            reply = self._call(Hello(shm_bytes=mapped, client=self.name, version=PROTOCOL_VERSION,
+                                     layout=self.layout, block_bytes=self.block_bytes),
+                               fds=[fd] if fd is not None else [])
             if not isinstance(reply, HelloReply):
-                raise AgentError(f"unexpected hello reply {reply!r}")
-            if reply.version < PROTOCOL_VERSION:
-                raise AgentError(f"the tier agent speaks protocol {reply.version}, this client {PROTOCOL_VERSION}")
+                raise AgentRefused(f"unexpected hello reply {reply!r}")
+            if reply.version != PROTOCOL_VERSION:
+                raise AgentRefused(f"the tier agent speaks protocol {reply.version}, this client "
+                                   f"{PROTOCOL_VERSION}: upgrade both")
             if reply.shm_bytes != mapped:
-                raise AgentError(f"the tier agent mapped {reply.shm_bytes} bytes of shared memory, not {mapped}")
-        except BaseException:
+                raise AgentRefused(f"the tier agent mapped {reply.shm_bytes} bytes of shared memory, not {mapped}")
+        except BaseException as exc:
             self.close()
+            if isinstance(exc, AgentRefused) and self.circuit is not None:
+                # it will not talk to this client as it is (another protocol, say: an upgrade of one side): not
+                # called again, and refused again, on every call, until a probe's Hello is accepted
+                self.circuit.trip(f"refused at Hello: {exc}")
             raise
         finally:
             if fd is not None:
@@ -166,7 +173,7 @@ class AgentClient:
                 self._unanswered(exc)
             raise AgentError(f"tier agent call failed: {exc}") from exc
         if isinstance(reply, ErrorReply):
-            raise AgentError(reply.message)
+            raise AgentRefused(reply.message)
         return reply
 
     def _unanswered(self, exc: Exception) -> None:

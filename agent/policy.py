@@ -34,6 +34,20 @@ class UseCounter:
                 self._counts.pop(old, None)
         return n
 
+    def bump_all(self, keys: list[BlockKey]) -> list[int]:
+        """`bump` each key, in order; their counts."""
+        counts = self._counts
+        limit = self.limit
+        out = []
+        for key in keys:
+            n = counts.get(key, 0) + 1
+            counts[key] = n
+            if len(counts) > limit:
+                for old in list(counts)[: limit // 2]:
+                    counts.pop(old, None)
+            out.append(n)
+        return out
+
     def get(self, key: BlockKey) -> int:
         return self._counts.get(key, 0)
 

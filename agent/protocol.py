@@ -28,12 +28,15 @@ PROTOCOL_VERSION = 2
 
 
 class Hello(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
-    """The first frame of a connection. `shm_bytes` > 0: its one passed descriptor is the client's shared memory,
-    a memfd of that size sealed against shrinking (the agent maps it; a region that could shrink under the mapping
-    would kill the agent with SIGBUS)."""
+    """The first frame of a connection; client and agent must speak the same `version` (each refuses the other's
+    otherwise: a block written under one protocol is never read under another). `shm_bytes` > 0: its one passed
+    descriptor is the client's shared memory, a memfd of that size sealed against shrinking (the agent maps it; a
+    region that could shrink under the mapping would kill the agent with SIGBUS)."""
 
     shm_bytes: int = 0
     client: str = ""
+    # the client's PROTOCOL_VERSION; absent in a Hello of the protocol-2 clients that did not send it yet
+    version: int = 2
     layout: int = 0  # nonzero: the only layout this connection stores and loads
     block_bytes: int = 0  # nonzero: the only block size this connection loads (must fit the shared memory)
 
@@ -112,6 +115,10 @@ Reply = HelloReply | LookupReply | StoreReply | LoadReply | StatsReply | ErrorRe
 
 class AgentError(Exception):
     """The agent answered with an error, or the connection to it failed."""
+
+
+class AgentRefused(AgentError):
+    """The agent answered, and the answer is no: an error reply, or a Hello it or this client cannot accept."""
 
 
 request_decoder = msgspec.msgpack.Decoder(Request)

@@ -392,6 +392,9 @@ class TierAgent:
             if isinstance(request, Hello):
                 if fds is None:
                     raise ValueError("Hello is the first frame of a connection only")
+                if request.version != PROTOCOL_VERSION:
+                    raise ValueError(f"the client {request.client!r} speaks protocol {request.version}, this "
+                                     f"tier agent {PROTOCOL_VERSION}: upgrade both")
                 if request.shm_bytes or fds:
                     if len(fds) != 1:
                         raise ValueError(f"Hello with {len(fds)} descriptors: pass exactly the shared memory's")

@@ -11,6 +11,7 @@ for the publisher; losses arrive through each tier's `on_removed`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -87,12 +88,17 @@ def build_nvme_tier(config: AgentConfig) -> Tier | None:
 class TierStore:
     """`dram` is the tier in this process's memory (stores land there, hits are promoted there, its copies feed
     the lower tiers), `nvme` the local medium, `shared` the fleet-wide one; any may be absent. `executor` runs
-    write-through and demotion in the background (a simulation passes one that runs them at once)."""
+    write-through and demotion in the background (a simulation passes one that runs them at once).
+    `chain_events`: a BlockStored per run of blocks that is a chain, as vLLM's events are; False: one per tier
+    for all the blocks one write took (parent None), for a reader that places announced blocks by their hash
+    alone, as kvgate's gateway does with the agent's: the simulation, where a demotion, whose blocks leave DRAM
+    one leaf at a time, would otherwise cost an event per block."""
 
     def __init__(self, config: AgentConfig, *, dram: Tier | None = None, nvme: Tier | None = None,
                  shared: SharedTier | None = None, background_bytes: int = 256 * 2**20,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, chain_events: bool = True) -> None:
         self.config = config
+        self.chain_events = chain_events
         self.policy = TierPolicy.from_config(config)
         self.dram = dram
         self.nvme = nvme
@@ -181,19 +187,22 @@ class TierStore:
     # -- store -----------------------------------------------------------------------------------------------
 
     def store_chain(self, layout: int, hashes: Sequence[BlockHash], payloads: Sequence[Buffer],
-                    parent: BlockHash | None = None) -> int:
-        """Store consecutive blocks of one prefix (block i's parent is block i-1); returns how many are held."""
+                    parent: BlockHash | None = None, digests: Sequence[int | None] | None = None) -> int:
+        """Store consecutive blocks of one prefix (block i's parent is block i-1); returns how many are held.
+        `digests`: the payloads' checksums where the caller knows them (else computed when a block first leaves
+        DRAM)."""
         keys: list[BlockKey] = [(layout, h) for h in hashes]
         parents: list[BlockKey | None] = [(layout, parent) if parent is not None else None, *keys[:-1]]
-        uses = [self.uses.bump(key) for key in keys]
-        items = [StoreItem(k, p, None, par) for k, p, par in zip(keys, payloads, parents, strict=True)]
+        uses = self.uses.bump_all(keys)
+        items = [StoreItem(k, p, d, par) for k, p, d, par in zip(keys, payloads, digests or [None] * len(keys),
+                                                                 parents, strict=True)]
         dram = self.dram
         if dram is None:
             return self._store_below(self.tiers, items, uses)
-        known = [dram.contains(key) for key in keys]
-        self._store_in(dram, items, known=known)
+        contains = dram.contains
+        self._write(dram, items, [contains(key) for key in keys])
         dram.touch(keys)
-        refused = [(item, n) for item, n in zip(items, uses, strict=True) if not dram.contains(item.key)]
+        refused = [(item, n) for item, n in zip(items, uses, strict=True) if not contains(item.key)]
         held = len(items) - len(refused)
         if refused:  # bigger than the whole DRAM tier
             held += self._store_below(self._below(dram), [it for it, _n in refused], [n for _it, n in refused])
@@ -236,9 +245,14 @@ class TierStore:
         below = [t.name for t in self._below(tier)]
         descent: Descent = {}
         size = 0
+        targets: dict[int, TierName | None] = {}  # by uses: the policy's answer depends on nothing else
+        uses = self.uses.get
         for key, block in removed:
-            target = None if block is None else self.policy.demote_to(below, self.uses.get(key))
-            if block is not None and target is not None:
+            if block is None:
+                continue
+            n = uses(key)
+            target = targets[n] if n in targets else targets.setdefault(n, self.policy.demote_to(below, n))
+            if target is not None:
                 descent.setdefault(target, []).append((key, block))
                 size += len(block.data)
         if descent:
@@ -250,28 +264,40 @@ class TierStore:
             stored = self._store_in(self._tier(name), [block.item(key) for key, block in blocks])
             self.flow.add(kind, name, len(stored))
 
-    def _store_in(self, tier: Tier, items: list[StoreItem], known: list[bool] | None = None) -> set[BlockKey]:
-        """Write the blocks `tier` does not hold yet (one call: a chain per write where the medium allows) and
-        announce the ones it took; the keys it holds afterwards."""
-        known = known if known is not None else [tier.contains(item.key) for item in items]
+    def _store_in(self, tier: Tier, items: list[StoreItem]) -> set[BlockKey]:
+        """Write the blocks `tier` does not hold yet and announce the ones it took; the keys it holds afterwards."""
+        contains = tier.contains
+        self._write(tier, items, [contains(item.key) for item in items])
+        return {item.key for item in items if contains(item.key)}
+
+    def _write(self, tier: Tier, items: list[StoreItem], known: list[bool]) -> None:
+        """Write the blocks not `known` to `tier` (one call: a chain per write where the medium allows) and
+        announce the ones it took."""
         fresh = [item for item, was in zip(items, known, strict=True) if not was]
         if fresh:
             started = time.perf_counter()
             tier.store_many(fresh)
             self._observe("store", tier.name, started)
-            self._announce(tier, [item for item in fresh if tier.contains(item.key)])
-        return {item.key for item in items if tier.contains(item.key)}
+            contains = tier.contains
+            self._announce(tier, [item for item in fresh if contains(item.key)])
 
     def _announce(self, tier: Tier, stored: list[StoreItem]) -> None:
         """One BlockStored per run of blocks that is a chain (each block the parent of the next)."""
+        if not stored:
+            return
+        medium, block_size, events = tier.name.medium, self.config.block_size, self.events
+        if not self.chain_events:
+            events.append(BlockStored(block_hashes=[item.key[1] for item in stored], parent_block_hash=None,
+                                      block_size=block_size, medium=medium))
+            return
+        ends = [i for i, (before, item) in enumerate(itertools.pairwise(stored), 1) if item.parent != before.key]
+        ends.append(len(stored))
         start = 0
-        for end in range(1, len(stored) + 1):
-            if end < len(stored) and stored[end].parent == stored[end - 1].key:
-                continue
+        for end in ends:
             parent = stored[start].parent
-            self.events.append(BlockStored(block_hashes=[item.key[1] for item in stored[start:end]],
-                                           parent_block_hash=parent[1] if parent else None,
-                                           block_size=self.config.block_size, medium=tier.name.medium))
+            events.append(BlockStored(block_hashes=[item.key[1] for item in stored[start:end]],
+                                      parent_block_hash=parent[1] if parent else None, block_size=block_size,
+                                      medium=medium))
             start = end
 
     # -- load ------------------------------------------------------------------------------------------------

@@ -203,10 +203,15 @@ async def run_target(target: Target, fleet: SimFleet, settings: TargetSettings, 
             row["latency"] = loadgen.latency_summary(results)
             row["fleet"] = loadgen.fleet_summary(before, after, seconds, fleet.urls)
             row["ttft_ms"] = sorted(r.ttft_s * 1e3 for r in results if r.ttft_s is not None)
+            pairs = [(r.predicted_ttft_s, r.ttft_s) for r in results
+                     if r.predicted_ttft_s is not None and r.ttft_s is not None]
+            if pairs:
+                row["ttft_prediction"] = vsim_report.prediction_summary(pairs)
             row["per_request"] = [{"start_s": r.start_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
                                    "itl_mean_s": sum(r.itl_s) / len(r.itl_s) if r.itl_s else None,
                                    "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
-                                   "cached_tokens": r.cached_tokens, "error": r.error} for r in results]
+                                   "cached_tokens": r.cached_tokens, "predicted_ttft_s": r.predicted_ttft_s,
+                                   "error": r.error} for r in results]
         except (TargetError, OSError, RuntimeError, urllib.error.URLError) as exc:
             row["error"] = str(exc)[:3000]
         finally:
@@ -301,6 +306,10 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
                 report["targets"].append(row)
         finally:
             fleet.stop()
+    # the gateway's predicted TTFT for the worker it chose (its X-Kvgate-Predicted-Ttft-Ms) against the client's
+    panels = [{**row, "title": row["name"], "observed_label": "client's TTFT (ms)"} for row in report["targets"]]
+    if vsim_report.write_prediction_plot({"results": panels}, out / "ttft_predicted.png"):
+        report["prediction_plot"] = "ttft_predicted.png"
     (out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     write_markdown(report, out / "report.md")
     write_plots(report, out)

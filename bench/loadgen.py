@@ -16,6 +16,7 @@ import orjson
 
 from bench.workloads import PromptVocabulary, WorkloadRequest
 from router.prom_text import sum_samples
+from router.proxy import PREDICTED_TTFT_HEADER
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0        # as the engine counted them (usage)
     cached_tokens: int = 0        # usage.prompt_tokens_details.cached_tokens
+    predicted_ttft_s: float | None = None  # the gateway's prediction (X-Kvgate-Predicted-Ttft-Ms), when it sent one
 
 
 def request_body(req: WorkloadRequest, vocab: PromptVocabulary, model: str, prompt_mode: str) -> bytes:
@@ -50,6 +52,9 @@ async def send_streaming(http: aiohttp.ClientSession, url: str, body: bytes, res
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result
+            predicted = resp.headers.get(PREDICTED_TTFT_HEADER)
+            if predicted is not None:
+                result.predicted_ttft_s = float(predicted) / 1e3
             async for line in resp.content:
                 if not line.startswith(b"data: {"):
                     continue

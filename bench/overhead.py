@@ -6,9 +6,11 @@ the completions API (`--api`). Routers (`--target`): kvgate's strategies (`kvgat
 for that many gateway processes) and, side by side, the Rust routers `bench compare` installs (`sglang:cache_aware`,
 `vllm-router:cache_aware`), each a process of its own in front of the same stand-in workers.
 
-Direct and routed rounds alternate, so both see the same machine noise. Per scenario: added latency p50/p99,
-requests/s, and the router's CPU time per request (its whole process tree, user + system, from /proc). The
-summary table is issue 18's: CPU µs per request and requests/s at the highest concurrency, added p50 at the lowest.
+Direct and routed rounds alternate, so both see the same machine noise; `--against REV` runs each kvgate target
+from git revision REV too, its rounds alternating with this tree's (a before/after pair in one run). Per scenario:
+added latency p50/p99, requests/s, and the router's CPU time per request (its whole process tree, user + system,
+from /proc; the median of the rounds'). The summary table is issue 18's: CPU µs per request and requests/s at the
+highest concurrency, added p50 at the lowest.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import itertools
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,11 +179,14 @@ class Router:
         stop(self.proc)
 
 
-def start_router(target: str, workers: list[str], model_dir: Path, processes: int, log_dir: Path) -> Router:
-    """`kvgate:STRATEGY`, `sglang:POLICY` or `vllm-router:POLICY`, listening on a free port."""
+def start_router(target: str, workers: list[str], model_dir: Path, processes: int, log_dir: Path,
+                 source: Path | None = None) -> Router:
+    """`kvgate:STRATEGY`, `sglang:POLICY` or `vllm-router:POLICY`, listening on a free port; `source`: run kvgate
+    from that source tree instead of this one (`--against`)."""
     kind, _, policy = target.partition(":")
+    policy = policy.partition("@")[0]
     port = free_port()
-    log = log_dir / f"{target.replace(':', '_')}.log"
+    log = log_dir / f"{target.replace(':', '_').replace('@', '_')}.log"
     env = dict(os.environ)
     with open(log, "wb") as out:
         if kind == "kvgate":
@@ -189,7 +195,9 @@ def start_router(target: str, workers: list[str], model_dir: Path, processes: in
                     *itertools.chain.from_iterable(("--worker", w) for w in workers)]
             if processes > 1:
                 argv += ["--processes", str(processes)]
-            proc = spawn_kvgate(argv, env, stdout=out, stderr=subprocess.STDOUT)
+            if source is not None:  # its modules first on the path, from its own directory
+                env["PYTHONPATH"] = str(source)
+            proc = spawn_kvgate(argv, env, stdout=out, stderr=subprocess.STDOUT, cwd=source)
         else:
             from bench.targets import ensure_peer
 
@@ -230,10 +238,12 @@ def _wait_serving(router: Router, timeout: float = 90.0) -> None:
                        f"{router.log.read_text(errors='replace')[-1500:]}")
 
 
-async def measure(router: Router, worker_urls: list[str], apis: list[str], sizes: list[int], modes: list[str],
-                  concurrencies: list[int], requests: int, rounds: int, system_prompts: int,
+async def measure(routers: list[Router], worker_urls: list[str], apis: list[str], sizes: list[int],
+                  modes: list[str], concurrencies: list[int], requests: int, rounds: int, system_prompts: int,
                   progress: Any = None) -> list[ScenarioResult]:
-    """Every scenario through one router, direct and routed rounds alternating."""
+    """Every scenario through each router, side by side: per round a direct run, then each router's, in an order
+    that alternates, so a before/after pair (`--against`) sees the same machine noise. CPU per request is each
+    round's, its median reported."""
     results = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -241,20 +251,25 @@ async def measure(router: Router, worker_urls: list[str], apis: list[str], sizes
             stream = mode == "stream"
             workload = Workload(api, chars, system_prompts, stream)
             direct_targets = [u + workload.path for u in worker_urls]
-            routed_targets = [router.url + workload.path]
             for concurrency in concurrencies:
                 n = requests if concurrency > 1 else max(100, requests // 4)
                 warm = max(system_prompts * 2, concurrency * 2)
                 await _drive(session, direct_targets, workload.bodies(warm), stream, concurrency)
-                await _drive(session, routed_targets, workload.bodies(warm), stream, concurrency)
-                direct, routed = Sample(), Sample()
-                for _ in range(rounds):
-                    d = await _drive(session, direct_targets, workload.bodies(n), stream, concurrency)
-                    bodies = workload.bodies(n)
-                    cpu0 = tree_cpu_seconds(router.proc.pid)
-                    g = await _drive(session, routed_targets, bodies, stream, concurrency)
-                    g.router_cpu_s = tree_cpu_seconds(router.proc.pid) - cpu0
-                    for total, part in ((direct, d), (routed, g)):
+                for router in routers:
+                    await _drive(session, [router.url + workload.path], workload.bodies(warm), stream, concurrency)
+                direct = Sample()
+                routed = {router.target: Sample() for router in routers}
+                cpu_per_round: dict[str, list[float]] = {router.target: [] for router in routers}
+                for i in range(rounds):
+                    parts = [(direct, await _drive(session, direct_targets, workload.bodies(n), stream, concurrency))]
+                    for router in (routers if i % 2 == 0 else routers[::-1]):
+                        bodies = workload.bodies(n)
+                        cpu0 = tree_cpu_seconds(router.proc.pid)
+                        g = await _drive(session, [router.url + workload.path], bodies, stream, concurrency)
+                        g.router_cpu_s = tree_cpu_seconds(router.proc.pid) - cpu0
+                        cpu_per_round[router.target].append(g.router_cpu_s / n * 1e6)
+                        parts.append((routed[router.target], g))
+                    for total, part in parts:
                         total.latencies_s += part.latencies_s
                         total.wall_s += part.wall_s
                         total.errors += part.errors
@@ -263,16 +278,18 @@ async def measure(router: Router, worker_urls: list[str], apis: list[str], sizes
                         progress.update()
                 total_n = n * rounds
                 dp50, dp99 = _percentile(direct.latencies_s, 0.5), _percentile(direct.latencies_s, 0.99)
-                gp50, gp99 = _percentile(routed.latencies_s, 0.5), _percentile(routed.latencies_s, 0.99)
-                results.append(ScenarioResult(
-                    target=router.target, api=api, prompt_chars=chars, mode=mode, concurrency=concurrency,
-                    requests=total_n, direct_p50_ms=dp50 * 1e3, direct_p99_ms=dp99 * 1e3,
-                    gateway_p50_ms=gp50 * 1e3, gateway_p99_ms=gp99 * 1e3,
-                    added_p50_ms=(gp50 - dp50) * 1e3, added_p99_ms=(gp99 - dp99) * 1e3,
-                    direct_rps=total_n / direct.wall_s, gateway_rps=total_n / routed.wall_s,
-                    gateway_cpu_us_per_request=routed.router_cpu_s / total_n * 1e6,
-                    errors=direct.errors + routed.errors,
-                ))
+                for router in routers:
+                    sample = routed[router.target]
+                    gp50, gp99 = _percentile(sample.latencies_s, 0.5), _percentile(sample.latencies_s, 0.99)
+                    results.append(ScenarioResult(
+                        target=router.target, api=api, prompt_chars=chars, mode=mode, concurrency=concurrency,
+                        requests=total_n, direct_p50_ms=dp50 * 1e3, direct_p99_ms=dp99 * 1e3,
+                        gateway_p50_ms=gp50 * 1e3, gateway_p99_ms=gp99 * 1e3,
+                        added_p50_ms=(gp50 - dp50) * 1e3, added_p99_ms=(gp99 - dp99) * 1e3,
+                        direct_rps=total_n / direct.wall_s, gateway_rps=total_n / sample.wall_s,
+                        gateway_cpu_us_per_request=statistics.median(cpu_per_round[router.target]),
+                        errors=direct.errors + sample.errors,
+                    ))
     return results
 
 
@@ -338,6 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time /health (every 10 ms) while kvgate targets take --stall-requests cold "
                         "prompts of this many characters, 4 at a time (0: skip)")
     parser.add_argument("--stall-requests", type=int, default=100)
+    parser.add_argument("--against", metavar="REV",
+                        help="also run each kvgate target from git revision REV (`git archive`), as "
+                        "kvgate:STRATEGY@REV, side by side with this tree's: rounds alternate between the two")
     parser.add_argument("--out", default="out/overhead.json", help="JSON results file")
 
 
@@ -368,6 +388,17 @@ def summary(results: list[ScenarioResult]) -> Iterator[str]:
                    f"{sum(r.errors for r in rows.values()):>8}")
 
 
+def _source_tree(rev: str, tmp: Path) -> Path:
+    """This repository's files at git revision `rev`, extracted under `tmp`."""
+    root = Path(__file__).resolve().parent.parent
+    tree = tmp / "against"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", rev], capture_output=True,
+                             check=True, timeout=120).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
+    return tree
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -391,21 +422,30 @@ def run(args: argparse.Namespace) -> int:
         try:
             for url in worker_urls:
                 wait_http(url + "/health")
+            baseline = _source_tree(args.against, Path(tmp)) if args.against else None
             for target in targets:
+                routers: list[Router] = []
+                variants: list[tuple[str, Path | None]] = [(target, None)]
+                if baseline is not None and target.startswith("kvgate:"):
+                    variants.append((f"{target}@{args.against}", baseline))
                 try:
-                    router = start_router(target, worker_urls, model_dir, args.processes, Path(tmp))
-                except Exception as exc:  # a peer that cannot be installed or started is reported, not fatal
-                    skipped[target] = f"{type(exc).__name__}: {str(exc)[-600:]}"
-                    print(f"{target}: skipped ({skipped[target][:200]})", file=sys.stderr)
-                    continue
-                try:
-                    results += asyncio.run(measure(router, worker_urls, apis, sizes, modes, concurrencies,
+                    for name, source in variants:
+                        try:
+                            routers.append(start_router(name, worker_urls, model_dir, args.processes, Path(tmp),
+                                                        source))
+                        except Exception as exc:  # a peer that cannot be installed or started: reported
+                            skipped[name] = f"{type(exc).__name__}: {str(exc)[-600:]}"
+                            print(f"{name}: skipped ({skipped[name][:200]})", file=sys.stderr)
+                    if not routers:
+                        continue
+                    results += asyncio.run(measure(routers, worker_urls, apis, sizes, modes, concurrencies,
                                                    args.requests, args.rounds, args.system_prompts, bar))
                     if args.stall_chars and target.startswith("kvgate:"):
                         stalls += [asyncio.run(measure_stall(router, api, args.stall_chars, args.stall_requests, 4))
-                                   for api in apis]
+                                   for router in routers for api in apis]
                 finally:
-                    router.stop()
+                    for router in routers:
+                        router.stop()
         finally:
             bar.close()
             stop(standins)

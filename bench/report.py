@@ -33,6 +33,21 @@ def headline_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def prediction_lines(report: dict[str, Any]) -> list[str]:
+    """The gateway's predicted TTFT for the chosen worker against the client's, per target that predicts."""
+    rows = [t for t in report["targets"] if t.get("ttft_prediction")]
+    if not rows:
+        return []
+    lines = ["Predicted against observed TTFT (the gateway's X-Kvgate-Predicted-Ttft-Ms for the worker it chose, "
+             "against the client's time to first token): "
+             + "; ".join(f"{t['name']} median error {_f(t['ttft_prediction']['median_abs_relative_error'], '{:.1%}')}"
+                         f" (signed {_f(t['ttft_prediction'].get('median_signed_relative_error'), '{:+.1%}')}, "
+                         f"{len(t['ttft_prediction']['pairs'])} requests)" for t in rows) + ".", ""]
+    if report.get("prediction_plot"):
+        lines += [f"![predicted vs observed TTFT]({report['prediction_plot']})", ""]
+    return lines
+
+
 def write_markdown(report: dict[str, Any], path: Path) -> None:
     w, fl, ub = report["workload"], report["fleet"], report["upper_bound"]
     load = report["load"]
@@ -61,6 +76,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         "",
         *headline_table(report),
         "",
+        *prediction_lines(report),
         "Hit rate: the replicas' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas (tokens); "
         "hit incl. tiers adds `vllm:external_prefix_cache_hits_total` (tokens loaded from the tier agents; targets "
         "named `+agent` ran on replicas with a `kvgate agent` each, docs/agent.md). "

@@ -101,7 +101,7 @@ class Target:
                 self.config["processes"] = int(self.variant[1:])
             return [sys.executable, "-m", "kvgate.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                     "--strategy", self.policy, "--model-dir", str(s.model_dir), "--block-size", str(s.block_size),
-                    "--log-level", "warning", *processes, *workers]
+                    "--predicted-ttft-header", "--log-level", "warning", *processes, *workers]
         venv = ensure_peer(self.kind)
         self.version = peer_version(self.kind)
         tuned = self.variant == "tuned"

@@ -90,12 +90,17 @@ class EngineServer:
             self.proc.wait(timeout)
 
 
+LOST_PORT = "Address already in use"  # what a server that lost a port we chose for it logs
+
+
 def _wait_healthy(server: EngineServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {server.proc.returncode} before it was healthy:\n"
-                               f"{server.log_tail()}")
+            log = server.log_tail(1_000_000)
+            reason = f" ({LOST_PORT})" if LOST_PORT in log else ""
+            raise RuntimeError(f"{server.name} exited with {server.proc.returncode} before it was healthy{reason}:\n"
+                               f"{log[-4000:]}")
         try:
             with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -112,7 +117,25 @@ def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = 
                  agent_socket: str | None = None, connector_extra: dict[str, Any] | None = None) -> EngineServer:
     """Start a real vLLM (`kind="vllm"`) or `kvgate sim` (`kind="sim"`) with the conformance flags; a real vLLM
     with `agent_socket` loads the tier agent listening there as its KV connector (agent/vllm_connector.py),
-    `connector_extra` added to its `kv_connector_extra_config`."""
+    `connector_extra` added to its `kv_connector_extra_config`. A start that lost one of its ports to another
+    process between choosing and binding it (likely on a busy machine: vLLM binds them a minute later) is retried
+    on new ports."""
+    def start() -> EngineServer:
+        return _start_engine(kind, model_dir, log_dir, hash_algo=hash_algo, timeout=timeout, extra_args=extra_args,
+                             agent_socket=agent_socket, connector_extra=connector_extra)
+
+    for _ in range(2):
+        try:
+            return start()
+        except RuntimeError as exc:
+            if LOST_PORT not in str(exc):
+                raise
+    return start()
+
+
+def _start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str, timeout: float,
+                  extra_args: list[str] | None, agent_socket: str | None,
+                  connector_extra: dict[str, Any] | None) -> EngineServer:
     port, events_port, replay_port = free_port(), free_port(), free_port()
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
                  "replay_endpoint": f"tcp://*:{replay_port}", "topic": EVENTS_TOPIC}

@@ -137,7 +137,8 @@ class VirtualReplica:
         self.index = index
         self.url = f"http://replica-{index}:8000"
         self.profile = profile
-        self.pool = BlockPool(num_blocks, block_size, None, enable_events=events)  # digests are event hashes
+        # digests are event hashes; evictions announced per allocation, not per block
+        self.pool = BlockPool(num_blocks, block_size, None, enable_events=events, removals_per_block=False)
         self.kv = KvCacheManager(self.pool, max_model_len)
         self.scheduler = Scheduler(self.kv, hasher, profile.max_num_seqs, profile.max_num_batched_tokens,
                                    max_model_len)
@@ -193,7 +194,7 @@ class FleetSimulation:
         self.kv: KvEventApplier | None = None
         self.sources = [EventSource(r.url, f"vsim://{r.index}") for r in self.replicas]
         if self.strategy.uses_kv_events:
-            self.kv = KvEventApplier(InMemoryKvIndex(), GatewayMetrics(), lambda url: MODEL)
+            self.kv = KvEventApplier(InMemoryKvIndex(), GatewayMetrics(), lambda url: MODEL, clock=lambda: self.now)
             self.strategy.attach_kv(self.kv.index, lambda url: True)
         self.tier_settings = tiers
         if tiers is not None:
@@ -240,17 +241,21 @@ class FleetSimulation:
             self._pending_events.append((replica.index, events))
             if replica.tiers is not None:
                 for event in events:
-                    if isinstance(event, BlockStored) and event.medium == GPU:
-                        parent = event.parent_block_hash
-                        replica.tiers.save([int(h) for h in event.block_hashes],
-                                           None if parent is None else int(parent))
+                    if type(event) is BlockStored and event.medium == GPU:
+                        # the engines' digests are ints, their own event hashes
+                        replica.tiers.save(cast(list[int], event.block_hashes),
+                                           cast(int | None, event.parent_block_hash))
         if replica.tiers is not None:
             tier_events = replica.tiers.events()
             if tier_events:
                 self._pending_events.append((replica.index, tier_events))
+                written: dict[str, int] = {}
                 for event in tier_events:
-                    if isinstance(event, BlockStored):
-                        self._carried(_TIER_OF_MEDIUM[event.medium or ""], "write", len(event.block_hashes))
+                    if type(event) is BlockStored:
+                        medium = event.medium or ""
+                        written[medium] = written.get(medium, 0) + len(event.block_hashes)
+                for medium, blocks in written.items():
+                    self._carried(_TIER_OF_MEDIUM[medium], "write", blocks)
                 if not replica.upkeep_due:
                     replica.upkeep_due = True
                     self._push(self.now + UPKEEP_S, "upkeep", replica)
@@ -330,10 +335,11 @@ class FleetSimulation:
             pool.free_blocks(reversed([*gpu, *fresh]))
         else:
             pool.free_blocks(reversed(gpu))
-        for code in where[:n]:
+        for code in dict.fromkeys(where[:n]):  # each tier the blocks came from, in order of first use
             tier = TierName.from_code(code).value
-            req.tier_tokens[tier] = req.tier_tokens.get(tier, 0) + self.block_size
-            self._carried(tier, "read", 1)
+            blocks = where.count(code, 0, n)
+            req.tier_tokens[tier] = req.tier_tokens.get(tier, 0) + blocks * self.block_size
+            self._carried(tier, "read", blocks)
         self._flush_events(replica)
         return seconds if n else 0.0
 
@@ -486,9 +492,7 @@ class FleetSimulation:
             out[f"ttft_ms_p{int(q * 100)}"] = None if p is None else p * 1e3
         out["e2e_ms_p50"] = (percentile(self._e2e, 0.5) or 0.0) * 1e3
         if self._predicted:
-            errors = sorted(abs(p - o) / o for p, o in self._predicted if o > 0)
-            out["ttft_prediction"] = {"median_abs_relative_error": errors[len(errors) // 2] if errors else None,
-                                      "pairs": _thin(self._predicted, PREDICTION_PAIRS)}
+            out["ttft_prediction"] = vsim_report.prediction_summary(self._predicted, PREDICTION_PAIRS)
         return out
 
 
@@ -501,12 +505,6 @@ def engine_hashes(token_ids: Sequence[int], block_size: int) -> list[Digest]:
 def _engine_hash(parent: Digest | None, token_ids: Sequence[int], extra: object = None) -> Digest:
     """One block's digest on the simulated engines (a block filled by decoding)."""
     return cast(Digest, chain_key(ENGINE_ROOT if parent is None else cast(int, parent), token_ids))
-
-
-def _thin(pairs: list[tuple[float, float]], most: int) -> list[tuple[float, float]]:
-    """At most `most` of the pairs, evenly spaced (for a plot)."""
-    step = max(1, math.ceil(len(pairs) / most))
-    return pairs[::step]
 
 
 def _scale(tiers: dict[str, int], cached: int) -> dict[str, int]:

@@ -86,6 +86,15 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
+def prediction_summary(pairs: list[tuple[float, float]], most: int = 4000) -> dict[str, Any]:
+    """Predicted against observed TTFT (seconds): the median relative error and at most `most` of the pairs."""
+    signed = sorted((p - o) / o for p, o in pairs if o > 0)
+    errors = sorted(abs(e) for e in signed)
+    step = max(1, -(-len(pairs) // most))
+    return {"median_abs_relative_error": errors[len(errors) // 2] if errors else None,
+            "median_signed_relative_error": signed[len(signed) // 2] if signed else None, "pairs": pairs[::step]}
+
+
 def write_prediction_plot(report: dict[str, Any], path: Path) -> bool:
     """Predicted TTFT on the chosen worker against the simulated one, a panel per configuration that predicts;
     False when none does."""
@@ -109,11 +118,12 @@ def write_prediction_plot(report: dict[str, Any], path: Path) -> bool:
         ax.plot([low, high], [low, high], color="tab:red", linewidth=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("simulated TTFT (ms)")
+        ax.set_xlabel(row.get("observed_label", "simulated TTFT (ms)"))
         ax.set_ylabel("predicted TTFT (ms)")
         error = row["ttft_prediction"]["median_abs_relative_error"]
-        ax.set_title(f"{row['replicas']} replicas, tiers {'on' if row['tiers'] else 'off'}, {row['strategy']}\n"
-                     f"median error {_f(error, '{:.1%}')}", fontsize=9)
+        title = row.get("title") or (
+            f"{row['replicas']} replicas, tiers {'on' if row['tiers'] else 'off'}, {row['strategy']}")
+        ax.set_title(f"{title}\n{len(pairs)} requests, median error {_f(error, '{:.1%}')}", fontsize=9)
         ax.grid(True, alpha=0.3)
     for ax in list(axes.flat)[len(rows):]:
         ax.axis("off")

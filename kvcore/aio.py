@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import signal
-from collections.abc import Coroutine
-from typing import Any
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
@@ -25,3 +29,62 @@ def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
         asyncio.run(guarded())
     else:
         uvloop.run(guarded())
+
+
+class WorkerThreads:
+    """A few threads that run CPU work off the event loop: `await threads.run(fn, *args)`.
+
+    What `loop.run_in_executor` does with less per call (measured on the gateway's tokenization, where it is paid
+    per request): a plain asyncio future and one queue put, no `concurrent.futures.Future` with its condition and
+    callbacks; the answer comes back with `call_soon_threadsafe`, which uvloop coalesces into one wake-up of the
+    loop for the results ready at once. Threads start on first use; a call cancelled meanwhile still runs, its
+    result dropped."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self._count = max(1, count)
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any],
+                                             Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        if self._closed:
+            raise RuntimeError(f"{self._name}: closed")
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._serve, name=f"{self._name}_{i}", daemon=True)
+                             for i in range(self._count)]
+            for thread in self._threads:
+                thread.start()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """Let the threads end once the work queued so far is done (they do not hold up the interpreter's exit)."""
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            loop, future, fn, args = item
+            if future.cancelled():
+                continue
+            try:
+                outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+            except BaseException as exc:  # handed to the awaiting task, as run_in_executor does
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits it
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+            del item, future, outcome
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -34,17 +33,6 @@ GPU, CPU, DISK, SHARED = "GPU", "CPU", "DISK", "SHARED"
 # included). Here they may be left out when constructing or decoding (→ None / [] / 0) but are always encoded:
 # an UNSET default is replaced in __post_init__, so the value never equals the default that omit_defaults drops.
 _SENT: Any = msgspec.UNSET
-_STORED_ALWAYS_SENT: dict[str, Callable[[], Any]] = {
-    "parent_block_hash": lambda: None, "token_ids": list, "block_size": int, "lora_id": lambda: None,
-    "medium": lambda: None, "lora_name": lambda: None,
-}
-_REMOVED_ALWAYS_SENT: dict[str, Callable[[], Any]] = {"medium": lambda: None}
-
-
-def _fill_unset(event: msgspec.Struct, defaults: dict[str, Callable[[], Any]]) -> None:
-    for name, make in defaults.items():
-        if getattr(event, name) is msgspec.UNSET:
-            setattr(event, name, make())
 
 
 class BlockStored(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, kw_only=True):
@@ -64,8 +52,19 @@ class BlockStored(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True
     ownership: str | None = None
     session_id: str | None = None
 
-    def __post_init__(self) -> None:
-        _fill_unset(self, _STORED_ALWAYS_SENT)
+    def __post_init__(self) -> None:  # one test per field, no loop: the simulator makes millions of these
+        if self.parent_block_hash is _SENT:
+            self.parent_block_hash = None
+        if self.token_ids is _SENT:
+            self.token_ids = []
+        if self.block_size is _SENT:
+            self.block_size = 0
+        if self.lora_id is _SENT:
+            self.lora_id = None
+        if self.medium is _SENT:
+            self.medium = None
+        if self.lora_name is _SENT:
+            self.lora_name = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, kw_only=True):
@@ -76,7 +75,8 @@ class BlockRemoved(msgspec.Struct, tag=True, tag_field="type", omit_defaults=Tru
     ownership: str | None = None
 
     def __post_init__(self) -> None:
-        _fill_unset(self, _REMOVED_ALWAYS_SENT)
+        if self.medium is _SENT:
+            self.medium = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, kw_only=True):

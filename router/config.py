@@ -229,6 +229,11 @@ class GatewayConfig:
     kv_resync_s: float = option(
         300.0, "kv: after missed events, seconds a worker is routed approximately before its map is trusted again"
     )
+    predicted_ttft_header: bool = option(
+        False, "answer each request the strategy predicted a time to first token for (`ttft`) with it, in "
+        "milliseconds, in an X-Kvgate-Predicted-Ttft-Ms header (kvgate bench compare's predicted-vs-observed plot); "
+        "it tells clients how loaded the fleet is, so it is off by default"
+    )
     # the traffic as a trace, for kvgate bench vsim / plan / calibrate (router/trace_recorder.py)
     record_trace: str = option(
         "", "write a trace of the traffic to this file: a JSON line per finished request (Mooncake's format plus "

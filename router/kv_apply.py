@@ -135,8 +135,11 @@ class KvEventApplier:
     """Turns each source's events into index entries under the gateway's keys."""
 
     def __init__(self, index: KvBlockIndex, metrics: GatewayMetrics, model_of: ModelOf, *, block_size: int = 0,
-                 identity_blocks: int = 1 << 19) -> None:
+                 identity_blocks: int = 1 << 19, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: what announcements wait on (`WAIT_S`); a simulation passes its virtual clock, so that its
+        results do not depend on how fast the machine runs it."""
         self.index = index
+        self._clock = clock
         self.block_size = block_size  # the gateway's; 0 = take each event's own (tests, tools)
         self._metrics = metrics
         self._model_of = model_of
@@ -411,7 +414,7 @@ class KvEventApplier:
     # --- announcements waiting for their block's name ---------------------------------------------------------
 
     def _wait(self, model: str, engine_hash: BlockHash, source: EventSource, tier: str) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._expire_waiting(now)
         waiting = self._waiting.setdefault((model, engine_hash), [])
         if any(w.source == source and w.tier == tier for w in waiting):

@@ -127,6 +127,7 @@ class InMemoryKvIndex(KvBlockIndex):
         if shared and len(ids) < len(runs):  # workers the index never heard of reach the shared tier only
             while shared_run < len(keys) and keys[shared_run] in shared:
                 shared_run += 1
+        counted: list[tuple[int, int, dict[str, int]]] = []  # (worker id, blocks, by tier) to count by tier
         for worker, run in runs.items():
             wid = self._ids.get(worker)
             if wid is None:
@@ -140,10 +141,18 @@ class InMemoryKvIndex(KvBlockIndex):
             if not lower:
                 run.by_tier = {GPU: blocks}
                 continue
-            for key in keys[:blocks]:
-                mask = self._tiers_of(key, wid)
-                tier = _cheapest(mask) if mask else SHARED
-                run.by_tier[tier] = run.by_tier.get(tier, 0) + 1
+            counted.append((wid, blocks, run.by_tier))
+        if counted:
+            # each block by the cheapest tier the worker holds it on (none of its own: the shared tier); a
+            # block's three masks are read once for all workers
+            longest = max(blocks for _wid, blocks, _by_tier in counted)
+            for i, key in enumerate(keys[:longest]):
+                on_gpu, on_cpu, on_disk = gpu.get(key, 0), cpu.get(key, 0), disk.get(key, 0)
+                for wid, blocks, by_tier in counted:
+                    if i < blocks:
+                        tier = (GPU if on_gpu >> wid & 1 else CPU if on_cpu >> wid & 1
+                                else DISK if on_disk >> wid & 1 else SHARED)
+                        by_tier[tier] = by_tier.get(tier, 0) + 1
         return runs
 
     def add(self, worker: str, keys: Iterable[BlockKey], tier: str) -> None:
@@ -151,15 +160,15 @@ class InMemoryKvIndex(KvBlockIndex):
         bit = 1 << wid
         held = self._by_worker[wid]
         masks = self._masks[tier]
-        tier_bit = _BIT[tier]
+        first, second, third = (m for t, m in self._masks.items() if t != tier)
         for key in keys:
-            before = self._tiers_of(key, wid)
-            if before & tier_bit:
+            mask = masks.get(key, 0)
+            if mask & bit:
                 continue
-            if not before:
+            if not (first.get(key, 0) | second.get(key, 0) | third.get(key, 0)) & bit:  # new to the worker
                 self._entries += 1
                 held[key] = None
-            masks[key] = masks.get(key, 0) | bit
+            masks[key] = mask | bit
         if self._entries > self.max_entries:
             self._shrink()
 
@@ -220,9 +229,3 @@ class InMemoryKvIndex(KvBlockIndex):
                 self._drop(key, wid, everything)
                 self.dropped += 1
 
-
-def _cheapest(mask: int) -> str:
-    for tier in TIERS:
-        if mask & _BIT[tier]:
-            return tier
-    raise ValueError(mask)

@@ -32,6 +32,11 @@ LOAD_GAUGES = {
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:prefix_cache_hits_total": "prefix_hits",
     "vllm:prefix_cache_queries_total": "prefix_queries",
+    # per finished request (vLLM observes these histograms when a request ends): their sums and count
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
+    "vllm:request_prefill_time_seconds_count": "prefill_requests",
+    "vllm:request_prefill_kv_computed_tokens_sum": "prefill_computed_tokens",
+    "vllm:request_prompt_tokens_sum": "prefill_prompt_tokens",
 }
 
 
@@ -56,6 +61,12 @@ class Worker:
     kv_usage: float = 0.0
     prefix_hits: float = 0.0  # tokens, the engine's own counters
     prefix_queries: float = 0.0
+    # the engine's own prefill timings, cumulative: seconds from scheduled to first token, requests, tokens computed
+    # (not cached) and prompt tokens, over the requests it finished (the `ttft` strategy learns its rate from them)
+    prefill_seconds: float = 0.0
+    prefill_requests: float = 0.0
+    prefill_computed_tokens: float = 0.0
+    prefill_prompt_tokens: float = 0.0
     models_fetched_at: float = 0.0
     load_scraped_at: float = 0.0
 

@@ -21,7 +21,6 @@ import logging
 import time
 from array import array
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import orjson
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvcore.aio import WorkerThreads
 from kvcore.config import ConfigError
 from router.block_keys import BlockKey, block_keys, root_key
 from router.config import GatewayConfig
@@ -171,7 +171,7 @@ class PromptTokens:
         self.cache = TokenCache(config.prompt_cache_bytes, config.block_size)
         if metrics is not None:
             metrics.registry.register(_PromptCacheCollector(self.cache))
-        self._executor = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="kvgate-tokenize")
+        self._threads = WorkerThreads(config.tokenizer_threads, "kvgate-tokenize")
         # a client's own chat template runs only in the sandbox, and only when the engines would run it too
         self._sandbox = TemplateSandbox(
             config.template_processes, config.template_timeout_s, sandbox_memory_bytes(config.max_body_bytes),
@@ -196,7 +196,7 @@ class PromptTokens:
             self._sandbox.start()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
 
     async def aclose(self) -> None:
         if self._sandbox is not None:
@@ -231,7 +231,7 @@ class PromptTokens:
             return found
         loading = self._loading.get(directory)
         if loading is None:
-            loading = asyncio.get_running_loop().run_in_executor(self._executor, self._load, directory)
+            loading = self._threads.run(self._load, directory)
             self._loading[directory] = loading
         result = await loading
         self._loading.pop(directory, None)
@@ -254,7 +254,6 @@ class PromptTokens:
         model) and `lora` the adapter, if any; `raw` is the request body as received. The prompt's `cache_salt`
         (as the engines get it: with `--tenant-header`, the tenant's) is the keys' namespace, as it is vLLM's."""
         started = time.perf_counter()
-        loop = asyncio.get_running_loop()
         root = root_key(model, lora, prompt.cache_salt)
         tokenizer = await self.tokenizer(model)
         # the body's size bounds the work of tokenizing it, tools and documents included
@@ -263,7 +262,7 @@ class PromptTokens:
         if isinstance(prompt, CompletionPrompt) and isinstance(prompt.prompt, list):  # exact with or without a
             ids = prompt.prompt  # tokenizer
             result = (self._from_ids(ids, root) if len(ids) < INLINE_IDS
-                      else await loop.run_in_executor(self._executor, self._from_ids, ids, root))
+                      else await self._threads.run(self._from_ids, ids, root))
         if result is None and tokenizer is not None:
             try:
                 if isinstance(prompt, ChatPrompt) and not tokenizer.chat.owns(prompt.template.get("chat_template")):
@@ -271,12 +270,12 @@ class PromptTokens:
                 elif size < INLINE_CHARS:
                     result = self.tokenize_now(tokenizer, prompt, root)
                 else:
-                    result = await loop.run_in_executor(self._executor, self.tokenize_now, tokenizer, prompt, root)
+                    result = await self._threads.run(self.tokenize_now, tokenizer, prompt, root)
             except TokenizationError as exc:
                 log.debug("tokenization failed, routing by text: %s", exc)
         if result is None:
             result = (self.text_keys(prompt, root) if size <= TEXT_INLINE_BYTES
-                      else await loop.run_in_executor(self._executor, self.text_keys, prompt, root))
+                      else await self._threads.run(self.text_keys, prompt, root))
         if self._metrics is not None:
             self._metrics.tokenize_duration.labels(result.mode).observe(time.perf_counter() - started)
         return result
@@ -288,10 +287,9 @@ class PromptTokens:
         if self._sandbox is None:
             self._count_render("untrusted")
             return None
-        loop = asyncio.get_running_loop()
         body = prompt.vllm_body()
         if raw is None:
-            raw = await loop.run_in_executor(self._executor, orjson.dumps, body)
+            raw = await self._threads.run(orjson.dumps, body)
         try:
             text = await self._sandbox.render(tokenizer.chat.state(templates=False), raw)
         except RenderFailed as exc:
@@ -299,7 +297,7 @@ class PromptTokens:
             log.debug("client chat template not rendered (%s: %s), routing by text", exc.reason, exc)
             return None
         self._count_render("ok")
-        return await loop.run_in_executor(self._executor, self.encode_now, tokenizer, text,
+        return await self._threads.run(self.encode_now, tokenizer, text,
                                           chat_adds_special_tokens(body), root)
 
     def _count_render(self, outcome: str) -> None:

@@ -44,6 +44,8 @@ CLIENT_CLOSED = "499"
 
 # which rank of a data-parallel engine serves a request (vLLM 0.32 reads it in OpenAIServing._get_data_parallel_rank)
 DP_RANK_HEADER = "X-data-parallel-rank"
+# with predicted_ttft_header: the strategy's predicted time to first token of the answer, in ms
+PREDICTED_TTFT_HEADER = "X-Kvgate-Predicted-Ttft-Ms"
 # (a worker's cache, a request's block keys, cached tokens its answer reported): what the KV index learns from answers
 Learn = Callable[[str, Sequence[int], int], None]
 
@@ -224,6 +226,8 @@ class Proxy:
                 self._metrics.retries.labels(f"status_{upstream.status}").inc()
                 raise _Retry(f"the worker answered {upstream.status}")
             headers = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
+            if cfg.predicted_ttft_header and decision.predicted_ttft_s is not None:
+                headers.append((PREDICTED_TTFT_HEADER, f"{decision.predicted_ttft_s * 1e3:.3f}"))
             try:
                 if stream and upstream.status == 200:
                     chunks = upstream.chunks()

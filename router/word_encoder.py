@@ -25,6 +25,8 @@ from tokenizers import Tokenizer
 # tokenizers' ByteLevel pre-tokenizer regex (pre_tokenizers/byte_level.rs)
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 MAX_WORDS = 1 << 16  # cached words; the cache starts over when full
+MAX_WORD_CHARS = 64  # longer words (a run of spaces, base64) are encoded every time: they rarely repeat, and a
+# client sending long unique words must not grow the cache to MAX_WORDS times their size
 _SPACE = " \\t\\n\\x0b\\x0c\\r"  # Unicode White_Space within ASCII (not \x1c-\x1f, which Python's \s includes)
 # an escape in a class, and outside one, for ASCII text
 _ESCAPES = {r"\p{L}": ("A-Za-z", "[A-Za-z]"), r"\p{N}": ("0-9", "[0-9]"), r"\s": (_SPACE, f"[{_SPACE}]"),
@@ -115,7 +117,8 @@ class WordEncoder:
         for token in config.get("added_tokens") or []:
             if token.get("single_word") or token.get("lstrip") or token.get("rstrip"):
                 return None
-            added.append((token["content"], token["id"], bool(token.get("normalized")) and not token.get("special")))
+            # tokenizers' AddedVocabulary splits by this flag alone, special or not
+            added.append((token["content"], token["id"], bool(token.get("normalized"))))
         python = ascii_pattern(pattern)
         if python is None:
             return None
@@ -125,7 +128,10 @@ class WordEncoder:
             return None
         if encoder._split.groups:  # findall would return the groups, not the words
             return None
-        for sample in _SAMPLES:
+        # this tokenizer's own added tokens, among words and each other, beside the fixed samples
+        contents = [content for content, _, _ in added if content.isascii()][:512]
+        own = (" ".join(contents), "x".join(contents) + "x", "".join(f"a{c} {c}\n" for c in contents[:64]))
+        for sample in (*_SAMPLES, *own):
             if encoder.encode(sample) != tokenizer.encode(sample, add_special_tokens=False).ids:
                 return None
         encoder._words.clear()
@@ -152,9 +158,10 @@ class WordEncoder:
                 found = words.get(word)
                 if found is None:
                     found = [token.id for token in self._model.tokenize(word.translate(translate))]
-                    if len(words) >= MAX_WORDS:
-                        words.clear()
-                    words[word] = found
+                    if len(word) <= MAX_WORD_CHARS:
+                        if len(words) >= MAX_WORDS:
+                            words.clear()
+                        words[word] = found
                 ids += found
         return ids
 

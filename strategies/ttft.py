@@ -15,8 +15,10 @@ trusted) with a scorer in seconds instead of tokens. For each eligible worker:
 
 and the lowest score wins. Each part is a class of its own below. The worker's prefill rate is learned online
 (`PrefillRate`, a `LinearFit` of each streamed answer's time to first token against the prefill tokens it
-waited for and needed), starting from `ttft_prefill_tokens_per_s` / `ttft_overhead_s`; `kvgate bench calibrate`
-fits those two, and the decode cost, from a recorded trace. Tier transfer rates are options (the agent's links).
+waited for and needed, and of the engine's own prefill histograms in its /metrics: `EngineTimings`), starting
+from `ttft_prefill_tokens_per_s` / `ttft_overhead_s`; `kvgate bench calibrate` fits those two, and the decode
+cost, from a recorded trace. Tier transfer rates are options (the agent's links). A worker over its share of
+recent requests costs `ttft_balance_s` more (`RequestShare`, bounded-load balance).
 
 The spread cost is what the choice does to the future: a copy of a prefix that lives elsewhere costs cache
 space here that something else will miss for, so it counts `ttft_spread_weight` times its prefill. A hot prefix
@@ -30,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvcore.config import option
 from kvcore.kv_events import CPU, DISK, GPU, SHARED
@@ -64,6 +66,10 @@ class TtftOptions(KvOptions):
         "it is learned")
     ttft_prior_samples: float = option(
         4.0, "ttft: weight of the three settings above against the answers they are learned from, in answers")
+    ttft_metrics_window_s: float = option(
+        10.0, "ttft: also learn each worker's prefill rate from its engine's /metrics (vLLM's request_prefill_time_"
+        "seconds, request_prefill_kv_computed_tokens and request_prompt_tokens histograms), a sample per window "
+        "of this many seconds (0: from streamed answers only)")
     ttft_half_life: float = option(
         200.0, "ttft: answers after which an old answer counts half in the learned rate")
     ttft_kv_bytes_per_token: float = option(
@@ -85,6 +91,14 @@ class TtftOptions(KvOptions):
         0.1, "ttft: predictions this close (share of the best) count as equal, when more than ttft_tie_s")
     ttft_spread_weight: float = option(
         1.0, "ttft: cost of copying a prefix held elsewhere onto one more worker, as a share of its prefill time")
+    ttft_balance_slack: float = option(
+        0.2, "ttft: a worker over (1 + this) x the fleet's mean share of recent requests takes no more until it "
+        "is back under (bounded-load balance; negative: off)")
+    ttft_balance_s: float = option(
+        0.12, "ttft: predicted seconds a worker at its balance cap costs more (the most the balance may cost a "
+        "request)")
+    ttft_balance_window: float = option(
+        300.0, "ttft: requests per worker after which an old request counts half in the shares the balance caps")
 
 
 class LinearFit:
@@ -105,16 +119,17 @@ class LinearFit:
         share = prior_weight / k
         self._prior_xx = [share * scale * scale for scale in scales]
         self._prior_xy = [share * scale * scale * p for p, scale in zip(prior, scales, strict=True)]
-        self.samples = 0
+        self.samples = 0.0
 
-    def add(self, x: Sequence[float], y: float) -> None:
-        d = self._decay
+    def add(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
+        """One sample, or `weight` samples alike (a mean over that many: it ages the others as they would)."""
+        d = self._decay ** weight
         for i in range(self.k):
-            self._xy[i] = self._xy[i] * d + x[i] * y
+            self._xy[i] = self._xy[i] * d + weight * x[i] * y
             row = self._xx[i]
             for j in range(self.k):
-                row[j] = row[j] * d + x[i] * x[j]
-        self.samples += 1
+                row[j] = row[j] * d + weight * x[i] * x[j]
+        self.samples += weight
         self.weights = self._solve()
 
     def _solve(self) -> list[float]:
@@ -164,7 +179,7 @@ class Work:
     attention: float = 0.0
 
     @classmethod
-    def of(cls, tokens: int, context: int) -> Work:
+    def of(cls, tokens: float, context: float) -> Work:
         return cls(float(tokens), tokens * (context + tokens / 2) / 1000.0)
 
     def __add__(self, other: Work) -> Work:
@@ -198,9 +213,9 @@ class PrefillRate:
         w = self.fit.weights
         return w[1] * work.tokens + w[2] * work.attention
 
-    def learn(self, work: Work, seconds: float) -> None:
+    def learn(self, work: Work, seconds: float, weight: float = 1.0) -> None:
         if seconds > 0 and math.isfinite(seconds):
-            self.fit.add((1.0, work.tokens, work.attention), seconds)
+            self.fit.add((1.0, work.tokens, work.attention), seconds, weight)
 
 
 @dataclass(frozen=True)
@@ -318,6 +333,69 @@ class EnginePressure:
         return seconds
 
 
+@dataclass(frozen=True, slots=True)
+class _PrefillTotals:
+    at: float  # when they were scraped
+    seconds: float
+    requests: float
+    computed: float
+    prompt: float
+
+    @classmethod
+    def of(cls, worker: Worker) -> _PrefillTotals:
+        return cls(worker.load_scraped_at, worker.prefill_seconds, worker.prefill_requests,
+                   worker.prefill_computed_tokens, worker.prefill_prompt_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """What an engine's metrics say of the requests it finished in a window: how many, the mean one's prefill work
+    and the prefill seconds it took."""
+
+    requests: float
+    work: Work
+    seconds: float
+
+
+class EngineTimings:
+    """Prefill samples from an engine's own metrics, which also count the answers the gateway does not see the
+    first token of (whole answers, another gateway's requests). vLLM observes, per finished request, its prefill
+    time (scheduled to first token), the tokens it computed (not cached) and its prompt tokens; the differences of
+    their sums between two scrapes at least `window_s` apart are one sample: the mean request's work (tokens
+    computed after a context of its cached tokens) and its share of the prefill seconds. Those seconds are capped at
+    the window's length: requests prefilled side by side each count every step they shared, but the engine cannot
+    have prefilled for longer than the window (when it was busy throughout, the sample is its throughput)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._last: dict[str, _PrefillTotals] = {}
+
+    def sample(self, worker: Worker) -> EngineSample | None:
+        """The sample of the window ending with the worker's last scrape, once it is long enough and requests
+        finished in it; None otherwise (and always when the engine does not export these metrics)."""
+        if self.window_s <= 0 or not worker.load_scraped_at:
+            return None
+        now = _PrefillTotals.of(worker)
+        last = self._last.get(worker.url)
+        if last is None or now.requests < last.requests or now.seconds < last.seconds:
+            self._last[worker.url] = now  # the first scrape, or the engine restarted: the window starts here
+            return None
+        elapsed = now.at - last.at
+        if elapsed < self.window_s:
+            return None
+        self._last[worker.url] = now
+        n = now.requests - last.requests
+        if n < 1:
+            return None
+        computed = max(0.0, now.computed - last.computed) / n
+        cached = max(0.0, (now.prompt - last.prompt) / n - computed)
+        seconds = min(now.seconds - last.seconds, elapsed) / n
+        return EngineSample(n, Work.of(max(1.0, computed), cached), seconds)
+
+    def forget(self, url: str) -> None:
+        self._last.pop(url, None)
+
+
 class SpreadCost:
     """Placing a prefix held elsewhere on one more worker: the cache space the copy takes there, priced as
     `ttft_spread_weight` times the prefill of the tokens copied."""
@@ -328,6 +406,38 @@ class SpreadCost:
     def seconds(self, held_here: int, held_most: int, rate: PrefillRate) -> float:
         copied = max(0, held_most - held_here)
         return self.weight * rate.seconds(Work.of(copied, held_here)) if copied else 0.0
+
+
+class RequestShare:
+    """Each worker's count of recent requests (each counts half after `window` requests per worker have been routed
+    since) and the cap of bounded-load balancing (Mirrokni et al., consistent hashing with bounded loads): a worker
+    whose count with one more request would be over (1 + `slack`) x the mean of the workers it is chosen among
+    (plus one request) takes none until the others catch up. What is cheap to place anywhere (a new session, a
+    first read of a document, a hot prefix's next copy) then goes to a worker under the cap, and a group of
+    requests that share a prefix is spread over as many copies as its traffic needs, instead of every request of
+    the group following the one worker that held the prefix first."""
+
+    def __init__(self, slack: float, window: float) -> None:
+        self.slack = slack
+        self.window = window
+        self.counts: dict[str, float] = {}
+
+    def over(self, urls: Sequence[str]) -> list[bool]:
+        """Which of these workers are at their cap (none when the balance is off)."""
+        if self.slack < 0 or len(urls) < 2:
+            return [False] * len(urls)
+        counts = [self.counts.get(u, 0.0) for u in urls]
+        cap = (1.0 + self.slack) * (sum(counts) + 1.0) / len(urls) + 1.0
+        return [c + 1.0 > cap for c in counts]
+
+    def add(self, url: str, workers: int) -> None:
+        decay = 0.5 ** (1.0 / (self.window * max(1, workers)))
+        for u in self.counts:
+            self.counts[u] *= decay
+        self.counts[url] = self.counts.get(url, 0.0) + 1.0
+
+    def forget(self, url: str) -> None:
+        self.counts.pop(url, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +466,10 @@ class TtftMetrics:
         self.rate = Gauge("kvgate_ttft_prefill_tokens_per_second",
                           "ttft: each worker's learned prefill rate (at 1,000 tokens of context)", ["worker"],
                           registry=registry)
+        self.engine_samples = Counter(
+            "kvgate_ttft_engine_prefills_learned_total",
+            "ttft: requests whose prefill time the learned rate took from the engine's /metrics", ["worker"],
+            registry=registry)
         self.overhead = Gauge("kvgate_ttft_overhead_seconds",
                               "ttft: each worker's learned time to first token besides prefill", ["worker"],
                               registry=registry)
@@ -377,12 +491,15 @@ class TtftAware(KvAware):
         self.load = LoadCost(options)
         self.pressure = EnginePressure(options)
         self.spread = SpreadCost(options)
+        self.share = RequestShare(options.ttft_balance_slack, options.ttft_balance_window)
+        self.timings = EngineTimings(options.ttft_metrics_window_s)
         self.rates: dict[str, PrefillRate] = {}
         self.fleet_rate = PrefillRate(options)  # every worker's answers
         self.queues: dict[str, PrefillQueue] = {}
         self._routed: dict[int, _Routed] = {}
         self._mean = Work()  # the prefill a request brings, on average (recent requests)
         self._ttft_metrics: TtftMetrics | None = None
+        self.balance_s = options.ttft_balance_s
         self.tie_s = options.ttft_tie_s
         self.tie_share = options.ttft_tie_share
 
@@ -427,6 +544,8 @@ class TtftAware(KvAware):
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
         self._ranks.clear()
         now = self.now
+        for worker in workers:
+            self.learn_from_engine(worker)
         keys = request.block_keys
         bs = self.balance.block_size
         prompt = max(request.prompt_tokens, len(keys) * bs)
@@ -434,8 +553,15 @@ class TtftAware(KvAware):
         held = self.holdings(keys, workers, cacheable)
         most = max(h.tokens for h in held)
         estimates = [self.estimate(w, prompt, h, now) for w, h in zip(workers, held, strict=True)]
-        scores = [e.ttft_s + self.spread.seconds(h.tokens, most, self.rate(w.url))
-                  for w, h, e in zip(workers, held, estimates, strict=True)]
+        over = self.share.over([w.url for w in workers])
+        if all(over):
+            over = [False] * len(workers)
+        # a prefix whose every holder is at its cap has more traffic than they can take: one more copy is what the
+        # balance needs, not a cost
+        spread = most > 0 and not all(o for o, h in zip(over, held, strict=True) if h.tokens == most)
+        scores = [e.ttft_s + (self.spread.seconds(h.tokens, most, self.rate(w.url)) if spread else 0.0)
+                  + (self.balance_s if o else 0.0)
+                  for w, h, e, o in zip(workers, held, estimates, over, strict=True)]
         best = min(scores)
         # within the prediction's own error the workers are as good: the least busy, then the one holding the
         # least prefix state takes it (misses spread, instead of all going to the worker whose fit is a hair
@@ -451,6 +577,7 @@ class TtftAware(KvAware):
         worker, estimate, cached = workers[pick], estimates[pick], held[pick].tokens
         reason = MISS if most == 0 else HIT if cached >= most else SPILL
         self.queue(worker.url).add(id(request), estimate.prefill, now, estimate.ttft_s)
+        self.share.add(worker.url, len(workers))
         self._routed[id(request)] = _Routed(worker.url, estimate)
         self._mean = self._mean + (estimate.prefill + self._mean.scaled(-1.0)).scaled(1 / 64)
         rank = self._ranks.get(worker.url)
@@ -459,6 +586,15 @@ class TtftAware(KvAware):
             self.pending.add(cache_name(worker.url, rank), keys)
         self.balance.record(prompt, cached)
         return Decision(worker, reason, cached, rank, estimate.ttft_s)
+
+    def learn_from_engine(self, worker: Worker) -> None:
+        """A sample from the worker's engine metrics, when a window of them is complete (`EngineTimings`)."""
+        sample = self.timings.sample(worker)
+        if sample is not None:
+            for rate in (self.own_rate(worker.url), self.fleet_rate):
+                rate.learn(sample.work, sample.seconds, weight=sample.requests)
+            if self._ttft_metrics is not None:
+                self._ttft_metrics.engine_samples.labels(worker.url).inc(sample.requests)
 
     def on_first_token(self, request: RouteRequest, decision: Decision, ttft_s: float) -> None:
         routed = self._routed.pop(id(request), None)
@@ -487,4 +623,6 @@ class TtftAware(KvAware):
         super().forget_worker(url)
         self.rates.pop(url, None)
         self.queues.pop(url, None)
+        self.share.forget(url)
+        self.timings.forget(url)
         self._routed = {k: r for k, r in self._routed.items() if r.worker != url}

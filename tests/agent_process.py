@@ -17,6 +17,10 @@ from bench.procs import stop as stop_process
 from tests.conftest import kvgate_command
 
 
+class _PortTaken(Exception):
+    pass
+
+
 class AgentProcess:
     def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str, command: list[str] | None = None,
                  file_size_limit: int | None = None, socket: str | None = None) -> None:
@@ -27,8 +31,8 @@ class AgentProcess:
         self.socket = socket or str(tmp_path / "agent.sock")
         self.log_path = tmp_path / "agent.log"  # a file, not a pipe nobody reads (which could fill and stall it)
         self.metrics_port = free_port()
-        self.cmd = [*(command or kvgate_command("agent")), "--socket-path", self.socket, "--metrics-port",
-                    str(self.metrics_port), "--metrics-host", "127.0.0.1", *flags]
+        self._command = command or kvgate_command("agent")
+        self._flags = flags
         self.env = env
         self.file_size_limit = file_size_limit
         self.proc: subprocess.Popen[bytes] | None = None
@@ -38,8 +42,24 @@ class AgentProcess:
         if self.file_size_limit is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.file_size_limit, self.file_size_limit))
 
+    @property
+    def cmd(self) -> list[str]:
+        return [*self._command, "--socket-path", self.socket, "--metrics-port", str(self.metrics_port),
+                "--metrics-host", "127.0.0.1", *self._flags]
+
     def start(self) -> None:
+        for _attempt in range(3):
+            try:
+                return self._start()
+            except _PortTaken:
+                # between a stop and this start, an outgoing connection on this machine took the metrics port
+                # as its source port (it came from the ephemeral range): the agent cannot bind it again
+                self.metrics_port = free_port()
+        self._start()
+
+    def _start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logged = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=log,
                                          preexec_fn=self._limit if self.file_size_limit is not None else None)
@@ -47,6 +67,11 @@ class AgentProcess:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                with self.log_path.open("rb") as log:
+                    log.seek(logged)
+                    this_run = log.read().decode(errors="replace")
+                if f"('127.0.0.1', {self.metrics_port}): address already in use" in this_run:
+                    raise _PortTaken
                 raise RuntimeError(f"agent exited: {self.log_path.read_text(errors='replace')[-4000:]}")
             try:
                 with AgentClient(self.socket, shm_bytes=0, timeout_s=1) as client:

@@ -13,6 +13,9 @@ in turn without a restart:
   close        the connection is closed instead of answering a load
   hello_size   Hello answers a shared-memory size other than the one mapped (and a load on a connection made
                before is closed, so the client meets that Hello: its saves may have kept a connection open)
+  protocol     Hello answers as an agent of the next protocol version (an agent upgraded alone)
+  refuse       Hello is refused as an agent of the next protocol refuses a client of this one (the connector
+               left behind: the same refusal, seen from the connector)
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from kvcore.aio import run_until_signalled
 from kvcore.config import load_config
 from tests.agent_process import AgentProcess
 
-MODES = ("ok", "short", "foreign", "extra", "garbage", "error", "hang", "close", "hello_size")
+MODES = ("ok", "short", "foreign", "extra", "garbage", "error", "hang", "close", "hello_size", "protocol",
+         "refuse")
 HANG_S = 30.0
 
 
@@ -51,6 +55,9 @@ class FaultyTierAgent(TierAgent):
             request = request_decoder.decode(body)
         except Exception:
             return await super()._answer(conn, body, fds)
+        if isinstance(request, Hello) and mode == "refuse":
+            return ErrorReply(message=f"ValueError: the client {request.client!r} speaks protocol {request.version}, "
+                                      f"this tier agent {request.version + 1}: upgrade both")
         if isinstance(request, Load):
             if mode == "hang":
                 await asyncio.sleep(HANG_S)
@@ -68,19 +75,22 @@ class FaultyTierAgent(TierAgent):
                 reply.lengths[-1] += 16
             elif mode == "extra":
                 reply.lengths.append(reply.lengths[-1])
-        if isinstance(request, Hello) and isinstance(reply, HelloReply) and mode == "hello_size":
-            reply.shm_bytes += 4096
+        if isinstance(request, Hello) and isinstance(reply, HelloReply):
+            if mode == "hello_size":
+                reply.shm_bytes += 4096
+            elif mode == "protocol":
+                reply.version += 1
         return reply
 
 
 class FaultyAgentProcess(AgentProcess):
     """The faulty agent as a test process; `set_mode` takes effect from the next request on."""
 
-    def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str) -> None:
+    def __init__(self, tmp_path: Path, env: dict[str, str], *flags: str, socket: str | None = None) -> None:
         self.mode_file = tmp_path / "mode"
         self.mode_file.parent.mkdir(parents=True, exist_ok=True)
-        self.mode_file.write_text("ok")
-        super().__init__(tmp_path, env, *flags,
+        self.mode_file.write_text("ok")  # until it is up: AgentProcess asks it, as a client of its protocol
+        super().__init__(tmp_path, env, *flags, socket=socket,
                          command=[sys.executable, "-m", "tests.faulty_agent", str(self.mode_file), "agent"])
 
     def set_mode(self, mode: str) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -23,6 +25,7 @@ import redis
 from bench.vllm_engine import BLOCK_SIZE, EngineServer
 from tests.agent_process import AgentProcess
 from tests.conftest import ValkeyServer
+from tests.faulty_agent import FaultyAgentProcess
 from tests.vllm_replica import (
     Completion,
     complete,
@@ -167,8 +170,9 @@ def test_fresh_vllm_first_request_loads_from_a_warm_agent(weighted_model: Path, 
 def test_agent_restarted_killed_disk_full_and_shared_flushed_under_a_serving_vllm(
         weighted_model: Path, tmp_path: Path, valkey: ValkeyServer, subprocess_env: dict[str, str],
         servers: list[EngineServer], agents: list[AgentProcess]) -> None:
-    """One vLLM serves throughout while its agent is restarted, killed (-9), replaced by one whose disk is full,
-    and by one whose shared tier is flushed behind its back; requests run all the while."""
+    """One vLLM serves throughout while its agent is restarted, killed (-9), replaced by one of another protocol
+    (an upgrade of one side), by one whose disk is full, and by one whose shared tier is flushed behind its back;
+    requests run all the while."""
     socket = str(tmp_path / "agent.sock")
     nvme = ("--nvme-dir", str(tmp_path / "nvme"), "--write-policy", "eager", "--no-nvme-fsync")
     agent = AgentProcess(tmp_path / "agent", subprocess_env, *nvme, "--block-size", str(BLOCK_SIZE), socket=socket)
@@ -189,10 +193,34 @@ def test_agent_restarted_killed_disk_full_and_shared_flushed_under_a_serving_vll
     assert traffic.loaded > 0
     assert_alive(server)
 
+    # upgraded alone: an agent of the next protocol takes the socket (while no request runs, so vLLM's first
+    # reconnect meets it). Each side refuses the other at Hello: vLLM runs without it -- nothing loads, nothing
+    # fails -- until it speaks vLLM's protocol again (the other side upgraded too) and a probe finds it.
+    agent.stop()
+    newer = FaultyAgentProcess(tmp_path / "agent-newer", subprocess_env, "--block-size", str(BLOCK_SIZE),
+                               socket=socket)
+    agents.append(newer)
+    newer.set_mode("protocol")
+    lookups = connector_failures(server, "lookup", "agent_unavailable")
+    traffic = Traffic(server, references)
+    traffic.start()
+    traffic.wait_for(8)
+    traffic.stop()
+    assert traffic.loaded == 0
+    assert connector_failures(server, "lookup", "agent_unavailable") > lookups
+    assert "the tier agent speaks protocol 3, this client 2: upgrade both" in server.log_tail(2_000_000)
+    newer.set_mode("ok")
+    traffic = Traffic(server, references)
+    traffic.start()
+    traffic.wait_for(12)
+    traffic.stop()
+    assert traffic.loaded > 0
+    assert_alive(server)
+    newer.stop()
+
     # a full disk: no file the agent writes may exceed 8 KiB, less than a block (one file per block, so every
     # NVMe write fails as on a full disk); a small DRAM must give blocks up. The agent never claims a block it
     # cannot serve: no load finds one missing.
-    agent.stop()
     full = AgentProcess(tmp_path / "agent-full", subprocess_env, "--nvme-dir", str(tmp_path / "nvme-full"),
                         "--nvme-layout", "files", "--write-policy", "eager", "--no-nvme-fsync",
                         "--dram-capacity", "256KiB", file_size_limit=8192, socket=socket)
@@ -228,12 +256,16 @@ def test_agent_restarted_killed_disk_full_and_shared_flushed_under_a_serving_vll
     assert_alive(server)
 
 
+@pytest.mark.timeout(900)  # four vLLM starts: 7.6 min measured on a 2-core machine at load average 9-11
 def test_two_vllms_of_two_layouts_on_one_agent(weighted_model: Path, tmp_path: Path,
                                                subprocess_env: dict[str, str], servers: list[EngineServer],
                                                agents: list[AgentProcess]) -> None:
     """Two engines serve from one agent at once, the second restarted with another block size (another layout):
-    nothing loads across layouts, each loads its own. (Engines of one layout sharing an agent, each loading what
-    the other saved: the fresh-engine case above.)"""
+    nothing loads across layouts, each loads its own. Then the second is restarted with another dtype, and then
+    as another model of the same shapes (its blocks exactly as large as the first engine's, its KV not theirs):
+    again nothing loads across -- every first answer is the engine's own computation, no agent hit, no failed
+    load -- and each loads its own once saved. (Engines of one layout sharing an agent, each loading what the
+    other saved: the fresh-engine case above.)"""
     agent = AgentProcess(tmp_path / "agent", subprocess_env, "--block-size", str(BLOCK_SIZE))
     agents.append(agent)
     one = start_vllm(weighted_model, tmp_path / "logs-1", agent.socket)
@@ -260,6 +292,31 @@ def test_two_vllms_of_two_layouts_on_one_agent(weighted_model: Path, tmp_path: P
         assert connector_failures(server, "load", "bad_reply") == 0
         assert connector_failures(server, "load", "missing") == 0
     assert_alive(one, other)
+    one.stop()
+    other.stop()
+
+    twin = tmp_path / "another-model"  # the same weights and shapes, another rotary base: other keys, same sizes
+    shutil.copytree(weighted_model, twin)
+    config = json.loads((twin / "config.json").read_text())
+    config["rope_theta"] = 500_000.0
+    (twin / "config.json").write_text(json.dumps(config))
+    for change, model, flags in (("dtype", weighted_model, ("--dtype", "float32")), ("model", twin, ())):
+        hits = agent.metric("kvgate_agent_hits_total", tier="dram")
+        server = start_vllm(model, tmp_path / f"logs-{change}", agent.socket, *flags)
+        servers.append(server)
+        own = {p: complete(server, p, MAX_TOKENS) for p in PROMPTS[:2]}
+        assert all(got.cached == 0 for got in own.values()), change  # computed: no block of the others loads
+        assert agent.metric("kvgate_agent_hits_total", tier="dram") == hits, change
+        reset_prefix_cache(server)
+        got = complete(server, PROMPTS[1], MAX_TOKENS)  # its own blocks load
+        assert got.output == own[PROMPTS[1]].output, change
+        assert got.cached == loadable_tokens(got.prompt_tokens), change
+        for reason in ("bad_reply", "missing", "agent_unavailable", "error"):
+            assert connector_failures(server, "load", reason) == 0, (change, reason)
+        if change == "model":  # the other model's outputs differ from the first's: a block crossing would show
+            assert own[PROMPTS[1]].output != references[PROMPTS[1]].output
+        assert_alive(server)
+        server.stop()
 
 
 def test_the_gateway_index_follows_the_agent_through_restart_kill_and_flush(tiny_model_dir: Path) -> None:

@@ -452,3 +452,23 @@ def test_silent_connections_do_not_hold_up_a_client(tmp_path: Path, agents: list
     finally:
         for sock in silent:
             sock.close()
+
+
+def test_a_restarted_agent_whose_metrics_port_was_taken_meanwhile_comes_up_on_another(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """Between a kill -9 and the restart, anything on the machine can take the agent's old metrics port (it came
+    from the ephemeral range, as every `free_port()` does): another test's server, or an outgoing connection's
+    source port. The agent then cannot bind it and exits; the tests' AgentProcess restarts it on another port
+    instead of failing the test."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    agent.stop(signal.SIGKILL)
+    old = agent.metrics_port
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the port's TIME_WAIT connections
+        other.bind(("127.0.0.1", old))
+        other.listen()
+        agent.start()
+        assert agent.metrics_port != old
+        assert "address already in use" in agent.log_path.read_text()
+        assert agent.metric("kvgate_agent_shm_clients") == 0

@@ -68,6 +68,14 @@ def test_short_comparison_writes_every_output(live_report: tuple[dict[str, Any],
     assert "| kvgate:kv |" in markdown and "Upper bound" in markdown and "TTFT limit" in markdown
     by_name = {t["name"]: t["fleet"]["hit_rate"] for t in report["targets"]}
     assert by_name["kvgate:kv"] > by_name["kvgate:round_robin"]
+    # the gateway's predictions (X-Kvgate-Predicted-Ttft-Ms) against the client's TTFT: `ttft` predicts, the rest not
+    predicting = [t for t in report["targets"] if t.get("ttft_prediction")]
+    assert [t["name"] for t in predicting] == ["kvgate:ttft"]
+    prediction = predicting[0]["ttft_prediction"]
+    assert len(prediction["pairs"]) == 24 and all(p > 0 and o > 0 for p, o in prediction["pairs"])
+    assert prediction["median_abs_relative_error"] is not None
+    assert (out / "ttft_predicted.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "kvgate:ttft median error" in markdown and "ttft_predicted.png" in markdown
 
 
 @pytest.mark.timeout(120)

@@ -4,9 +4,11 @@ probe, the JSON report."""
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import orjson
+import pytest
 
 from bench.overhead import Workload, add_arguments, run
 
@@ -36,3 +38,18 @@ def test_overhead_benchmark_runs_and_reports(tmp_path: Path) -> None:
                for r in report["results"])
     assert [s["api"] for s in report["health_stalls"]] == ["chat", "completions"]
     assert all(s["health_probes"] > 0 and s["errors"] == 0 for s in report["health_stalls"])
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (Path(__file__).resolve().parent.parent / ".git").exists(),
+                    reason="needs this repository's git history")
+def test_against_runs_a_revision_side_by_side(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "overhead.json"
+    args = parser.parse_args(["--target", "kvgate:round_robin", "--against", "HEAD", "--api", "completions",
+                              "--prompt-chars", "300", "--system-prompts", "4", "--requests", "20", "--rounds", "2",
+                              "--concurrency", "2", "--workers", "2", "--out", str(out)])
+    assert run(args) == 0
+    report = orjson.loads(out.read_bytes())
+    assert sorted(r["target"] for r in report["results"]) == ["kvgate:round_robin", "kvgate:round_robin@HEAD"]
+    assert all(r["errors"] == 0 and r["gateway_cpu_us_per_request"] > 0 for r in report["results"])

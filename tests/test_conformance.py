@@ -29,7 +29,9 @@ import zmq
 from bench.vllm_engine import ROOT, EngineServer, ensure_vllm_venv, start_engine
 from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
 from kvcore.vllm_hash import block_hashes, event_hash
-from router.tokenizer import ModelTokenizer
+from router.block_keys import root_key
+from router.token_cache import TokenCache
+from router.tokenizer import ModelTokenizer, chat_adds_special_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # server start-up (and a first install) count
 
@@ -350,6 +352,15 @@ def test_tokenize_equals_router_tokenizer(engine: EngineServer, tokenizer: Model
     theirs = post(engine, "/tokenize", {"model": engine.model, **body})
     assert theirs["tokens"] == ours, (tokenizer.decode(theirs["tokens"]), tokenizer.decode(ours))
     assert theirs["count"] == len(ours)
+    # the gateway's own path: the token cache and the word-cached encoder (router/word_encoder.py), whole and
+    # spliced onto a cached prompt that shares its beginning
+    text, special = ((tokenizer.chat.prompt_text(body), chat_adds_special_tokens(body)) if chat
+                     else (body["prompt"], bool(body.get("add_special_tokens", True))))
+    cache = TokenCache(1 << 20, block_size=4)
+    root = root_key(engine.model)
+    assert list(cache.encode(tokenizer, text, add_special_tokens=special, root=root).ids) == theirs["tokens"]
+    cache.encode(tokenizer, text[: len(text) // 2] + "x" * 300, add_special_tokens=special, root=root)
+    assert list(cache.encode(tokenizer, text, add_special_tokens=special, root=root).ids) == theirs["tokens"]
 
 
 @pytest.mark.parametrize("body", CHAT_BODIES[:2] + CHAT_BODIES[7:8], ids=["chat0", "chat1", "chat7"])

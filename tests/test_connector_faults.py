@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from agent.client import AgentClient
-from agent.protocol import AgentError, Load
+from agent.protocol import AgentError, AgentRefused, Load
 from bench.vllm_engine import ensure_vllm_venv
 from tests.agent_process import AgentProcess
 from tests.conftest import ROOT
@@ -111,11 +111,52 @@ def test_hello_declares_the_layout_and_block_size(
         AgentClient(agent.socket, shm_bytes=4096, block_bytes=8192).connect()
 
 
+def test_a_client_and_an_agent_of_different_protocols_refuse_each_other(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's upgrade row: a connector of another protocol is refused by the agent at Hello, an agent of
+    another protocol by the connector, each with the versions in the message, and the refusal opens the
+    client's circuit (no call until a probe's Hello is accepted); the agent keeps serving clients of its own."""
+    from agent.breaker import AgentCircuit
+    from agent.protocol import PROTOCOL_VERSION
+    from tests.faulty_agent import FaultyAgentProcess
+
+    agent = FaultyAgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    with monkeypatch.context() as patch:  # a connector one protocol ahead
+        patch.setattr("agent.client.PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
+        with pytest.raises(AgentRefused, match=f"speaks protocol {PROTOCOL_VERSION + 1}, this tier agent "
+                                               f"{PROTOCOL_VERSION}: upgrade both"):
+            AgentClient(agent.socket, shm_bytes=0, name="connector-of-tomorrow").connect()
+    assert "client refused at hello" in agent.log_path.read_text()
+    agent.set_mode("protocol")  # an agent one protocol ahead
+    circuit = AgentCircuit(lambda: AgentClient(agent.socket, shm_bytes=0).connect(), probe_interval_s=0.2)
+    client = AgentClient(agent.socket, shm_bytes=0, circuit=circuit)
+    with pytest.raises(AgentRefused, match=f"the tier agent speaks protocol {PROTOCOL_VERSION + 1}, this client "
+                                           f"{PROTOCOL_VERSION}: upgrade both"):
+        client.lookup(5, [1])
+    assert circuit.is_open and circuit.trips == 1
+    with pytest.raises(AgentError, match="not called until it does"):
+        client.lookup(5, [1])  # at once, without asking
+    time.sleep(1.0)
+    assert circuit.is_open  # every probe refused too
+    agent.set_mode("ok")  # the agent's protocol again
+    deadline = time.monotonic() + 10
+    while circuit.is_open:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.lookup(5, [1]) == (0, "")
+    client.close()
+    circuit.close()
+
+
 # what each wrong answer must come to: (mode, failure, blocks of the four asked for that still load whole)
 FAULTS = [("short", "bad_reply", 0), ("foreign", "bad_reply", 3), ("extra", "bad_reply", 0),
           ("garbage", "agent_unavailable", 0), ("error", "agent_unavailable", 0),
           ("hang", "agent_unavailable", 0), ("close", "agent_unavailable", 0),
-          ("hello_size", "agent_unavailable", 0)]
+          ("hello_size", "agent_unavailable", 0), ("protocol", "agent_unavailable", 0),
+          ("refuse", "agent_unavailable", 0)]
+HELLO_FAULTS = ("hello_size", "protocol", "refuse")  # only a new connection meets them
 
 
 def test_every_wrong_answer_becomes_a_counted_partial_load(tmp_path: Path, agents: list[AgentProcess],
@@ -132,7 +173,7 @@ def test_every_wrong_answer_becomes_a_counted_partial_load(tmp_path: Path, agent
     expected: dict[str, int] = {}
     for mode, failure, whole in FAULTS:
         agent.set_mode(mode)
-        if mode == "hello_size":
+        if mode in HELLO_FAULTS:
             probe("view_outlives_close")  # the next call connects again, and meets this Hello
         got = probe("load", hashes=hashes, blocks=[0, 1, 2, 3])
         assert got == {"loaded": whole, "failure": failure, "correct": True}, mode
@@ -151,7 +192,11 @@ def test_vllm_meets_every_wrong_answer_recomputes_and_counts_it(weighted_model: 
                                                                  subprocess_env: dict[str, str]) -> None:
     """One real vLLM on the faulty agent, one fault after another: no crash, no failed request, the output of
     recomputation every time, each failure counted by reason on vLLM's /metrics, and loading whole again after
-    each fault."""
+    each fault. An agent of another protocol (an upgrade of one side) is refused with both versions in vLLM's log.
+
+    What vLLM reports as `cached_tokens` for a request whose load failed: the tokens the connector promised when
+    the request was scheduled, recomputed or not (vLLM 0.32 records a request's cache hit once, at its first
+    scheduling, and does not revise it when blocks fail to load)."""
     from tests.faulty_agent import FaultyAgentProcess
     from tests.vllm_replica import (
         Completion,
@@ -198,17 +243,26 @@ def test_vllm_meets_every_wrong_answer_recomputes_and_counts_it(weighted_model: 
         assert reference.cached == 0
         recover()
         seen: set[str] = set()
+        cached: dict[str, tuple[int, int]] = {}  # mode -> (cached_tokens reported, tokens promised)
         for mode, failure, _whole in FAULTS:
-            if mode == "hello_size":  # only a new connection meets Hello: make the worker reconnect
+            if mode in HELLO_FAULTS:  # only a new connection meets Hello: make the worker reconnect
                 agent.set_mode("close")
                 ask()
             agent.set_mode(mode)
             before = connector_failures(server, "load", failure)
-            ask()  # the fault: recomputed, the same output
+            got = ask()  # the fault: recomputed, the same output
+            cached[mode] = (got.cached, loadable_tokens(got.prompt_tokens))
             assert connector_failures(server, "load", failure) > before, mode  # counted on vLLM's /metrics
+            if mode == "protocol":
+                assert "refused at Hello: the tier agent speaks protocol 3, this client 2: upgrade both" \
+                    in server.log_tail(2_000_000)
+            if mode == "refuse":
+                assert "speaks protocol 2, this tier agent 3: upgrade both" in server.log_tail(2_000_000)
             seen.add(failure)
             recover()
         assert seen == {"bad_reply", "agent_unavailable"}
         assert "could not be loaded (bad_reply); vLLM recomputes them" in server.log_tail(2_000_000)
+        # every failed load is still reported as cached: cached_tokens counts what was promised, not what loaded
+        assert all(reported == promised for reported, promised in cached.values()), cached
     finally:
         server.stop()

@@ -154,6 +154,13 @@ def test_a_kv_gateway_forgets_an_agents_tiers_the_moment_it_goes(tiny_model_dir:
         return (counter("kvgate_worker_predicted_cached_tokens_total") - predicted,
                 counter("kvgate_worker_reported_cached_tokens_total") - reported)
 
+    def noticed(times: int) -> None:
+        """Until the gateway has seen the agent's stream drop `times` times (moments, not ZMQ's back-off)."""
+        deadline = time.monotonic() + 10
+        while counter("kvgate_kv_state_resets_total", reason="disconnected") < times:
+            assert time.monotonic() < deadline, "the gateway did not notice that the agent went"
+            time.sleep(0.05)
+
     def agent_hits() -> float:
         with urllib.request.urlopen(agent.metrics_url, timeout=10) as response:
             text = response.read().decode()
@@ -173,7 +180,7 @@ def test_a_kv_gateway_forgets_an_agents_tiers_the_moment_it_goes(tiny_model_dir:
         assert agent_hits() > hits and reported > 0 and predicted <= reported, (predicted, reported)
 
         agent.stop(signal.SIGKILL)
-        time.sleep(0.5)
+        noticed(1)
         predicted, reported = one_round()  # the agent is down: its engine loads nothing
         assert predicted <= reported, f"predicted {predicted} cached tokens, {reported} reported (agent down)"
         time.sleep(3.0)  # down a while: ZMQ's reconnect back-off grows to its 2 s
@@ -187,10 +194,10 @@ def test_a_kv_gateway_forgets_an_agents_tiers_the_moment_it_goes(tiny_model_dir:
         assert agent_hits() > hits and predicted <= reported, (predicted, reported)
         assert predicted > reported / 2, (predicted, reported)
         agent.stop()
+        noticed(2)
         agent.start()
         predicted, reported = one_round()  # restarted, at once: empty again
         assert predicted <= reported, f"predicted {predicted} cached tokens, {reported} reported (agent restarted)"
-        assert counter("kvgate_kv_state_resets_total", reason="disconnected") == 2
         assert gateway.poll() is None
     finally:
         stop_process(gateway)

@@ -578,3 +578,31 @@ async def test_a_data_parallel_engine_is_indexed_per_rank_and_routed_with_the_ra
     finally:
         for publisher in publishers:
             await publisher.close()
+
+
+def test_announcements_wait_on_the_clock_the_applier_is_given() -> None:
+    """An announcement without token ids waits `WAIT_S` for the engine to name its block, on the applier's clock:
+    vsim passes its virtual one, so a replay does not depend on how fast the machine runs it (on the wall clock,
+    a loaded machine gave up on announcements a quiet one placed)."""
+    from router.kv_apply import WAIT_S
+
+    now = 0.0
+    applier = KvEventApplier(InMemoryKvIndex(), GatewayMetrics(), lambda url: "tiny", block_size=BS,
+                             clock=lambda: now)
+    agent = EventSource(WORKER, "vsim://agent", name="agent")
+
+    def announce(block_hash: int) -> None:
+        applier.apply(agent, [BlockStored(block_hashes=[block_hash], medium="CPU", token_ids=[], block_size=BS)])
+
+    announce(1)
+    now = WAIT_S - 1
+    announce(2)
+    time.sleep(0.01)  # wall time passing changes nothing
+    assert applier.waiting() == 2
+    now = WAIT_S + 1
+    announce(3)  # the first one gave up, the second has a second left
+    assert applier.waiting() == 2
+    applier.apply(EventSource(WORKER, "vsim://engine"), [stored([1, 2], TOKENS[:8])])
+    index = applier.index
+    assert isinstance(index, InMemoryKvIndex)
+    assert index.holds(WORKER) == {(KEYS[0], GPU), (KEYS[1], GPU), (KEYS[1], CPU)}

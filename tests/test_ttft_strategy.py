@@ -10,22 +10,27 @@ import random
 from typing import Any
 
 import aiohttp
+import orjson
 
+from bench.sim.perf_model import load_profile
 from kvcore.kv_events import CPU, DISK, GPU, SHARED
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
 from router.kv_index import InMemoryKvIndex
 from router.pool import Worker
+from router.prom_text import sum_samples
 from router.routing import RouteRequest
 from strategies import STRATEGIES, create_strategy
 from strategies.balance import HIT, MISS, SPILL
 from strategies.ttft import (
     OWN_FIT_SAMPLES,
     EnginePressure,
+    EngineTimings,
     LinearFit,
     LoadCost,
     PrefillQueue,
     PrefillRate,
+    RequestShare,
     SpreadCost,
     TtftAware,
     TtftOptions,
@@ -37,9 +42,11 @@ from tests.test_proxy_usage import HEAD, chunked, event, text_event
 
 BS = 16
 ROOT = root_key("tiny")
-# a fleet whose prefill is 10,000 tokens/s, 10 ms per request besides, no attention cost: easy sums
+# a fleet whose prefill is 10,000 tokens/s, 10 ms per request besides, no attention cost: easy sums (the balance
+# cap off: each part on its own; the balance's tests turn it on)
 OPTIONS = TtftOptions(ttft_prefill_tokens_per_s=10_000.0, ttft_overhead_s=0.01, ttft_attention_s=0.0,
-                      ttft_decode_cost_s=0.0, ttft_spread_weight=1.0, ttft_tie_share=0.0)
+                      ttft_decode_cost_s=0.0, ttft_spread_weight=1.0, ttft_tie_share=0.0, ttft_balance_slack=-1.0)
+BALANCED = dataclasses.replace(OPTIONS, ttft_balance_slack=0.2, ttft_balance_s=0.12, ttft_balance_window=300.0)
 
 
 def make(n: int = 3, options: TtftOptions = OPTIONS) -> tuple[TtftAware, list[Worker], InMemoryKvIndex, list[float]]:
@@ -151,10 +158,56 @@ def test_engine_pressure_counts_decodes_foreign_waiting_and_a_full_cache() -> No
     assert abs(pressure.seconds(worker, ours_waiting=2) - (0.003 + 0.25)) < 1e-12
 
 
+def test_an_engines_prefill_histograms_make_a_sample_per_window() -> None:
+    timings = EngineTimings(window_s=10.0)
+    worker = Worker(spec=WorkerSpec("http://w"))
+    assert timings.sample(worker) is None  # never scraped
+
+    def scraped(at: float, seconds: float, requests: float, computed: float, prompt: float) -> None:
+        worker.load_scraped_at, worker.prefill_seconds, worker.prefill_requests = at, seconds, requests
+        worker.prefill_computed_tokens, worker.prefill_prompt_tokens = computed, prompt
+
+    scraped(100.0, 5.0, 10, 20_000, 30_000)
+    assert timings.sample(worker) is None  # the window starts
+    scraped(105.0, 6.0, 14, 26_000, 40_000)
+    assert timings.sample(worker) is None  # 5 s: not yet a window
+    scraped(110.0, 7.0, 20, 32_000, 50_000)  # 10 requests: 12,000 computed of 20,000 prompt tokens, 2 s
+    sample = timings.sample(worker)
+    assert sample is not None and sample.requests == 10 and abs(sample.seconds - 0.2) < 1e-12
+    assert sample.work == Work.of(1200, 800)  # the mean request computed 1,200 tokens after 800 cached
+    scraped(120.0, 37.0, 40, 92_000, 110_000)  # 30 s of prefill in 10 s (side by side): 10 s at most
+    sample = timings.sample(worker)
+    assert sample is not None and abs(sample.seconds - 10.0 / 20) < 1e-12
+    scraped(130.0, 1.0, 2, 100, 100)  # the engine restarted: counters back near 0, a new window starts
+    assert timings.sample(worker) is None
+    scraped(140.0, 1.0, 2, 100, 100)  # a window where nothing finished: no sample
+    assert timings.sample(worker) is None
+    assert EngineTimings(window_s=0.0).sample(worker) is None  # off
+
+
 def test_a_copy_of_a_prefix_held_elsewhere_costs_its_prefill() -> None:
     spread, rate = SpreadCost(OPTIONS), PrefillRate(OPTIONS)
     assert spread.seconds(held_here=1024, held_most=1024, rate=rate) == 0.0
     assert abs(spread.seconds(held_here=0, held_most=1000, rate=rate) - 0.1) < 1e-12
+
+
+def test_a_worker_over_its_share_of_recent_requests_is_at_its_cap_and_old_requests_fade() -> None:
+    share = RequestShare(slack=0.2, window=10)
+    urls = ["a", "b", "c", "d"]
+    assert share.over(urls) == [False] * 4
+    for _ in range(3):
+        share.add("a", 4)
+    # a: 3 of 3; the cap 1.2 x (3 + 1) / 4 + 1 = 2.2: one more would be 4
+    assert share.over(urls) == [True, False, False, False]
+    for url in ("b", "c", "d") * 2:
+        share.add(url, 4)
+    assert share.over(urls) == [False] * 4
+    for _ in range(400):  # 10 requests per worker is a half-life: a's old lead is forgotten, d's new one counts
+        share.add("d", 4)
+    assert share.counts["a"] < 0.01 and share.over(urls) == [False, False, False, True]
+    assert RequestShare(slack=-1.0, window=10).over(urls) == [False] * 4  # off
+    share.forget("d")
+    assert "d" not in share.counts
 
 
 # --- the strategy ---------------------------------------------------------------------------------------------
@@ -200,6 +253,48 @@ def test_a_hot_prefix_spills_only_when_the_queue_outweighs_its_saving_and_the_co
     assert placed[first_spill].reason == SPILL
     assert first_spill == 11
     assert all(d.worker is workers[0] for d in placed[:first_spill])
+
+
+def sequential(strategy: TtftAware, workers: list[Worker], clock: list[float], prompts: list[list[int]],
+               index: InMemoryKvIndex) -> list[Any]:
+    """Each prompt routed, answered (its blocks announced by the worker chosen) and done before the next: an idle
+    fleet, where only the cache and the balance decide."""
+    decisions = []
+    for ids in prompts:
+        req = request(ids)
+        decision = strategy.choose(req, workers)
+        clock[0] += 1.0
+        strategy.on_first_token(req, decision, decision.predicted_ttft_s or 0.01)
+        index.add(decision.worker.url, req.block_keys, GPU)
+        decisions.append(decision)
+    return decisions
+
+
+def test_a_hot_prefix_is_copied_to_as_many_workers_as_its_traffic_needs() -> None:
+    """Every request shares one 1,024-token system prompt (0.1 s of prefill to copy) on an idle fleet of four: with
+    the balance off all of them follow the worker that read it first (no queue ever outweighs the copy); with it
+    each worker takes at most 1.2x the mean plus one, and the prompt is copied once per worker, not per request."""
+    system = tokens(1, 1024)
+    prompts = [system + tokens(100 + i, 32) for i in range(200)]
+    strategy, workers, index, clock = make(4)
+    alone = sequential(strategy, workers, clock, prompts, index)
+    assert {d.worker.url for d in alone} == {alone[0].worker.url}
+
+    strategy, workers, index, clock = make(4, BALANCED)
+    spread = sequential(strategy, workers, clock, prompts, index)
+    counts = [sum(d.worker is w for d in spread) for w in workers]
+    assert max(counts) / (sum(counts) / 4) <= 1.25
+    assert sum(d.reason != HIT for d in spread) == 4  # the first read and three copies
+
+
+def test_the_balance_costs_a_request_at_most_its_budget() -> None:
+    """A prefix whose copy would cost more than `ttft_balance_s` (4,096 tokens: 0.41 s against 0.12 s) stays on
+    its worker even at its cap."""
+    system = tokens(1, 4096)
+    strategy, workers, index, clock = make(4, BALANCED)
+    decisions = sequential(strategy, workers, clock, [system + tokens(100 + i, 32) for i in range(40)], index)
+    assert {d.worker.url for d in decisions} == {decisions[0].worker.url}
+    assert strategy.share.over([w.url for w in workers]) == [w is decisions[0].worker for w in workers]
 
 
 def test_misses_spread_and_the_learned_rate_follows_first_tokens() -> None:
@@ -271,3 +366,72 @@ async def test_the_gateway_reports_each_streamed_first_token(http: aiohttp.Clien
         registry = gw.gateway.metrics.registry
         assert registry.get_sample_value("kvgate_ttft_prediction_error_ratio_count") == 3
         assert not strategy._routed and strategy.queue(url).count(strategy.now) == 0
+
+
+async def test_the_prediction_is_sent_to_the_client_only_when_asked(http: aiohttp.ClientSession) -> None:
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(text_event(" a")) + chunked(event("[DONE]")) + b"0\r\n\r\n")
+
+    body = {"model": "tiny", "prompt": "hello there", "stream": True}
+    async with raw_worker(answer) as url:
+        for asked in (False, True):
+            async with running_gateway([url], strategy="ttft", predicted_ttft_header=asked) as gw:
+                await eventually(lambda: bool(gw.gateway.pool.healthy()))
+                async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+                    header = resp.headers.get("X-Kvgate-Predicted-Ttft-Ms")
+                if asked:
+                    assert header is not None and 0 < float(header) < 1000
+                else:
+                    assert header is None
+
+
+async def engine_prefill(http: aiohttp.ClientSession, url: str) -> tuple[float, float, float]:
+    """(seconds, requests, tokens computed) the engine's /metrics report of its finished requests' prefill."""
+    async with http.get(url + "/metrics") as resp:
+        totals = sum_samples(await resp.text(), ("vllm:request_prefill_time_seconds_sum",
+                                                 "vllm:request_prefill_time_seconds_count",
+                                                 "vllm:request_prefill_kv_computed_tokens_sum"))
+    return tuple(totals.values())  # type: ignore[return-value]
+
+
+async def test_the_prefill_rate_is_learned_from_a_real_engines_metrics(sim_fleet: Any,
+                                                                       http: aiohttp.ClientSession) -> None:
+    """A `kvgate sim` replica (vLLM's metrics, prefill timed by the H100 profile) behind a `ttft` gateway that
+    believes prefill is free (10 M tokens/s, no overhead). Only whole answers are asked for, so no first token is
+    ever reported to the strategy: what it learns comes from the engine's /metrics alone. Its prediction for the
+    mean request moves from ~0.2 ms to within a quarter of the prefill time the engine reported for them (on a
+    loaded machine that is slower than the profile's, so the profile is only a check of the units)."""
+    fleet = sim_fleet(1, extra_args=["--max-model-len", "4096", "--num-gpu-blocks-override", "4000"])
+    url = fleet.urls[0]
+    profile = load_profile("llama-3.1-8b-h100")
+    async with running_gateway(fleet.worker_specs, strategy="ttft", ttft_prefill_tokens_per_s=1e7,
+                               ttft_overhead_s=0.0, ttft_attention_s=0.0, ttft_metrics_window_s=0.5) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        strategy: Any = gw.gateway.strategy
+        rate = strategy.own_rate(url)
+        assert rate.overhead_s + rate.seconds(Work.of(2000, 0)) < 0.001
+        before = await engine_prefill(http, url)
+        rng = random.Random(5)
+        for i in range(200):
+            ids = [rng.randrange(1, 4000) for _ in range(rng.randrange(1000, 3000))]
+            body = {"model": "tiny", "prompt": ids, "max_tokens": 1}
+            async with http.post(gw.url + "/v1/completions", data=orjson.dumps(body),
+                                 headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200
+                await resp.read()
+            if rate.fit.samples >= 20 and i >= 20:
+                break
+        after = await engine_prefill(http, url)
+        assert rate.fit.samples >= 20 and strategy.fleet_rate.fit.samples == rate.fit.samples
+        seconds, requests, computed = (a - b for a, b in zip(after, before, strict=True))
+        mean = computed / requests
+        learned = rate.overhead_s + rate.seconds(Work.of(mean, 0))
+        assert abs(learned - seconds / requests) / (seconds / requests) < 0.25, (learned, seconds / requests)
+        profiled = profile.prefill_time(round(mean)) + profile.request_overhead_s
+        assert profiled / 2 < learned < profiled * 3, (learned, profiled)
+        registry = gw.gateway.metrics.registry
+        assert registry.get_sample_value("kvgate_ttft_engine_prefills_learned_total", {"worker": url}) == \
+            rate.fit.samples
+        assert registry.get_sample_value("kvgate_ttft_prediction_error_ratio_count") in (None, 0)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, pre_tokenizers
 
 from router.tokenizer import ModelTokenizer
-from router.word_encoder import WordEncoder, ascii_pattern
+from router.word_encoder import MAX_WORD_CHARS, WordEncoder, ascii_pattern
 
 # Llama 3's split pattern (Qwen 2's differs only in \p{N} vs \p{N}{1,3})
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -80,6 +80,20 @@ def test_patterns_it_cannot_narrow_are_refused() -> None:
     assert ascii_pattern(r" ?\p{L}+|[^\s\p{L}]") == r" ?[A-Za-z]+|[^ \t\n\x0b\x0c\rA-Za-z]"
 
 
+@pytest.mark.parametrize("normalized", [0, 1, 2])
+def test_added_tokens_split_as_the_tokenizer_splits_them(tiny: Tokenizer, normalized: int) -> None:
+    """Special tokens marked `normalized`, and plain added tokens overlapping them, are cut where tokenizers cuts."""
+    config = json.loads(tiny.to_str())
+    config["added_tokens"][normalized]["normalized"] = True
+    config["added_tokens"].append({"id": 4000, "content": "d<|im", "single_word": False, "lstrip": False,
+                                   "rstrip": False, "normalized": True, "special": False})
+    tok = Tokenizer.from_str(json.dumps(config))
+    encoder = WordEncoder.build(tok)
+    assert encoder is not None
+    for text in ("end<|im_start|>x", "d<|im_end|> <|endoftext|>d<|im", "<|im_start|>d<|im_start|>", "d<|imd<|im"):
+        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids, text
+
+
 @pytest.mark.parametrize("change", ["prefix_space", "lstrip", "dropout", "normalizer"])
 def test_pipelines_it_does_not_reproduce_are_refused(tiny: Tokenizer, change: str) -> None:
     config = json.loads(tiny.to_str())
@@ -92,3 +106,12 @@ def test_pipelines_it_does_not_reproduce_are_refused(tiny: Tokenizer, change: st
     else:
         config["normalizer"] = {"type": "Lowercase"}
     assert WordEncoder.build(Tokenizer.from_str(json.dumps(config))) is None
+
+
+def test_long_words_are_not_cached(tiny: Tokenizer) -> None:
+    """Each cached word is at most MAX_WORD_CHARS characters: unique long words cannot fill memory."""
+    encoder = WordEncoder.build(tiny)
+    assert encoder is not None
+    text = " ".join("x" * 500 + str(i) for i in range(20)) + " short words here"
+    assert encoder.encode(text) == tiny.encode(text, add_special_tokens=False).ids
+    assert encoder._words and max(map(len, encoder._words)) <= MAX_WORD_CHARS

@@ -63,52 +63,58 @@ class DramTier:
         evicted: list[Removed] = []
         held = 0
         refused: BlockKey | None = None
-        for key, payload, digest, parent in items:
-            if parent is not None and parent == refused:  # the rest of a chain the tier cannot hold whole
-                self.stats.add("refused")
-                refused = key
-                continue
-            if self._store(key, payload, digest, parent, evicted):
-                held += 1
-            else:
-                refused = key
+        with self._lock:  # once for the chain
+            for key, payload, digest, parent in items:
+                if parent is not None and parent == refused:  # the rest of a chain the tier cannot hold whole
+                    self.stats.add("refused")
+                    refused = key
+                    continue
+                if self._store_locked(key, payload, digest, parent, evicted):
+                    held += 1
+                else:
+                    refused = key
         self._report(evicted)
         return held
 
     def _store(self, key: BlockKey, payload: Buffer, digest: int | None, parent: BlockKey | None,
                evicted: list[Removed]) -> bool:
+        with self._lock:
+            return self._store_locked(key, payload, digest, parent, evicted)
+
+    def _store_locked(self, key: BlockKey, payload: Buffer, digest: int | None, parent: BlockKey | None,
+                      evicted: list[Removed]) -> bool:
         """Copy a block in, evicting least recently used leaves to make room (added to `evicted`, with their bytes);
-        a block bigger than the whole tier is refused."""
+        a block bigger than the whole tier is refused. The DRAM tier's counters are only touched under its own
+        lock."""
         size = len(payload)
         if size > self.capacity:
             self.stats.add("refused")
             return False
         if not self.prefix_order:
             parent = None
-        with self._lock:  # the DRAM tier's counters are only touched under its own lock
-            blocks = self._blocks
-            existing = blocks.get(key)
-            if existing is not None:
-                self._use_locked(key, existing)
-                return True
+        blocks = self._blocks
+        existing = blocks.get(key)
+        if existing is not None:
+            self._use_locked(key, existing)
+            return True
+        if self._used + size > self.capacity:
+            evicted += self._evict_locked(self.capacity - size, protect=parent)
             if self._used + size > self.capacity:
-                evicted += self._evict_locked(self.capacity - size, protect=parent)
-                if self._used + size > self.capacity:
-                    # what is left is this block's own ancestors (a chain longer than the tier): keep the chain's
-                    # head, which is what a lookup can use, and refuse its tail
-                    self.stats.refused += 1
-                    return False
-            block = DramBlock(bytearray(payload), None, digest)
-            if parent is not None:
-                parent_block = blocks.get(parent)
-                if parent_block is not None:
-                    parent_block.children += 1
-                    block.parent = parent
-                    block.counted_by = parent_block
-            blocks[key] = block
-            self._use_locked(key, block)
-            self._used += size
-            self.stats.stores += 1
+                # what is left is this block's own ancestors (a chain longer than the tier): keep the chain's
+                # head, which is what a lookup can use, and refuse its tail
+                self.stats.refused += 1
+                return False
+        block = DramBlock(bytearray(payload), None, digest)
+        if parent is not None:
+            parent_block = blocks.get(parent)
+            if parent_block is not None:
+                parent_block.children += 1
+                block.parent = parent
+                block.counted_by = parent_block
+        blocks[key] = block
+        self._use_locked(key, block)
+        self._used += size
+        self.stats.stores += 1
         return True
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:

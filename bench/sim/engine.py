@@ -224,3 +224,7 @@ class SimEngine:
             reason = request.finish_reason or "length"
             c.success[reason] = c.success.get(reason, 0) + 1
             c.e2e.observe(now - request.arrival_time)
+            if request.first_token_time:  # (aborted before its first token: vLLM observes a prefill of 0)
+                c.prefill.observe(request.first_token_time - request.scheduled_time)
+                c.prefill_computed.observe(request.num_prompt_tokens - max(request.num_cached_tokens, 0))
+                c.prompt.observe(request.num_prompt_tokens)

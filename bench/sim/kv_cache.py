@@ -106,9 +106,11 @@ class BlockPool:
     """All blocks of the cache, the hash → block map of cached blocks, and the events of what changed."""
 
     def __init__(self, num_blocks: int, block_size: int, event_hash: Callable[[Digest], EventHash] | None,
-                 enable_events: bool = True) -> None:
+                 enable_events: bool = True, removals_per_block: bool = True) -> None:
         """`event_hash`: a digest as events carry it; None when the digests are 64-bit ints that events carry as
-        they are (the virtual-time fleet's engines: one call less per block)."""
+        they are (the virtual-time fleet's engines: one call less per block). `removals_per_block`: a
+        `BlockRemoved` per evicted block, as vLLM sends them; False: one per allocation that evicted (the
+        virtual-time fleet, which applies them in the same order, without an event object per block)."""
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (block 0 is vLLM's null block)")
         self.num_blocks = num_blocks
@@ -121,6 +123,7 @@ class BlockPool:
         self._event_hash: Callable[[Digest], EventHash] = event_hash or _as_event_hash
         self._identity = event_hash is None
         self.enable_events = enable_events
+        self.removals_per_block = removals_per_block
         self.events: list[KvEvent] = []
 
     @property
@@ -184,12 +187,20 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot get {n} free blocks from the pool ({self.num_free_blocks} free)")
         out = []
+        evicted: list[EventHash] = []
+        popleft = self.free_queue.popleft
         for _ in range(n):
-            block = self.free_queue.popleft()
+            block = popleft()
             if block.block_hash is not None:
                 self._evict(block)
+                evicted.append(block.event_hash)
             block.ref_cnt += 1
             out.append(block)
+        if evicted and self.enable_events:
+            if self.removals_per_block:
+                self.events.extend(BlockRemoved(block_hashes=[h], medium=GPU, group_idx=0) for h in evicted)
+            else:
+                self.events.append(BlockRemoved(block_hashes=evicted, medium=GPU, group_idx=0))
         return out
 
     def _evict(self, block: KvBlock) -> None:
@@ -201,8 +212,6 @@ class BlockPool:
             if not holders:
                 del self.cached[digest]
         block.block_hash = None
-        if self.enable_events:
-            self.events.append(BlockRemoved(block_hashes=[block.event_hash], medium=GPU, group_idx=0))
 
     def touch(self, blocks: Iterable[KvBlock]) -> None:
         """Take prefix-hit blocks into use; a free one leaves the free queue (so it cannot be evicted)."""

@@ -21,6 +21,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+# vLLM's request_tokens buckets (1-2-5 up to the model length; these go to 1M)
+TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5))
 
 
 @dataclass
@@ -61,6 +63,10 @@ class EngineCounters:
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     queue: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    # observed when a request finishes, as vLLM does: scheduled to first token, tokens computed (not cached), prompt
+    prefill: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    prefill_computed: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    prompt: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
 
 
 @dataclass
@@ -143,6 +149,12 @@ class SimCollector(Collector):
         yield histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", c.e2e)
         yield histogram("vllm:request_queue_time_seconds",
                         "Histogram of time spent in WAITING phase for request.", c.queue)
+        yield histogram("vllm:request_prefill_time_seconds",
+                        "Histogram of time spent in PREFILL phase for request.", c.prefill)
+        yield histogram("vllm:request_prefill_kv_computed_tokens",
+                        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                        c.prefill_computed)
+        yield histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", c.prompt)
 
 
 def metrics_registry(collector: SimCollector) -> CollectorRegistry:

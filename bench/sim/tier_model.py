@@ -227,12 +227,14 @@ class ReplicaAgent:
         nvme = (NvmeModel(nvme_blocks, config.nvme_high_watermark, config.nvme_low_watermark)
                 if nvme_blocks > 0 else None)
         shared = FleetSharedTier(fleet, config.shared_ttl_s) if fleet.capacity > 0 else None
-        self.store = TierStore(config, dram=dram, nvme=nvme, shared=shared, executor=InlineExecutor())
+        # vsim's gateway places the agent's blocks by their hash: one event per write, not per chain
+        self.store = TierStore(config, dram=dram, nvme=nvme, shared=shared, executor=InlineExecutor(),
+                               chain_events=False)
         self._buffer = memoryview(bytearray(1))
 
     def save(self, hashes: Sequence[int], parent: int | None) -> None:
         """The connector hands the agent a chain of blocks the engine computed."""
-        self.store.store_chain(LAYOUT, hashes, [_STAND_IN] * len(hashes), parent)
+        self.store.store_chain(LAYOUT, hashes, [_STAND_IN] * len(hashes), parent, [_HELD.digest] * len(hashes))
 
     def load(self, hashes: Sequence[int]) -> str:
         """Load the leading run of `hashes` the tiers hold; the `TierName.code` of the tier each came from."""

@@ -1,0 +1,96 @@
+"""vsim's results are pinned: a fixed small conversation trace, replayed by every strategy without and with tiers
+(lazy and eager, tiers small enough that DRAM, NVMe and the shared tier all fill, demote and hit), gives exactly
+the hit rates, TTFTs, tier traffic and routing decisions recorded here. Speed work on the simulator, the agent's
+tier stack, the KV event applier or the index must leave them unchanged; a change that is meant to move them
+updates them here, saying why in its commit."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import vsim
+from bench.traces import ConversationShape, Trace, TraceSource, conversation_trace, write_trace
+from bench.workloads import PromptVocabulary
+
+SMALL_TIERS = vsim.TierSettings(dram_blocks=300, nvme_blocks=1200, shared_blocks=4000)
+CONFIGS = [(s, tiers) for tiers in ("off", "lazy", "eager") for s in ("round_robin", "least_load", "prefix", "kv")]
+
+
+def fingerprint(row: dict[str, Any], decisions: list[int]) -> dict[str, Any]:
+    """A replay's result without its wall and CPU time (floats to 9 places, far below any real change), and its
+    routing decisions, as short digests."""
+    kept = {k: v for k, v in row.items() if k not in ("wall_s", "cpu_s", "peak_rss_mb")}
+    return {"hit_rate": round(row["hit_rate"], 9), "ttft_ms_p50": round(row["ttft_ms_p50"], 6),
+            "row": _digest(_rounded(kept)), "decisions": _digest(decisions)}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 9)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def replay(trace: Path, vocab: PromptVocabulary, strategy: str, tiers: str) -> dict[str, Any]:
+    settings = None if tiers == "off" else dataclasses.replace(SMALL_TIERS, write_policy=tiers)
+    source = TraceSource(Trace(trace, report=None), vocab, block_tokens=32)
+    sim = vsim.FleetSimulation(source, strategy=strategy, replicas=4, gpu_blocks=400, tiers=settings)
+    return fingerprint(sim.run(), sim.decisions)
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("pinned") / "conv.jsonl"
+    write_trace(path, conversation_trace(ConversationShape(requests=300, duration_s=60.0, seed=3)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model_dir: Path) -> PromptVocabulary:
+    return PromptVocabulary.from_model_dir(tiny_model_dir)
+
+
+PINNED: dict[str, dict[str, Any]] = {  # measured before the speed work of issue 17
+    "round_robin off": {"hit_rate": 0.185610813, "ttft_ms_p50": 4970.091155,
+                       "row": "a5a482c3113a84a4", "decisions": "a45d4fd7da5d6d6a"},
+    "least_load off": {"hit_rate": 0.170753251, "ttft_ms_p50": 6129.334648,
+                      "row": "958f43d96d961a36", "decisions": "3963b79b3266214c"},
+    "prefix off": {"hit_rate": 0.454423975, "ttft_ms_p50": 4596.782403,
+                  "row": "bd25e7dfdcbebb7c", "decisions": "c015deffc7a7d3d6"},
+    "kv off": {"hit_rate": 0.436015093, "ttft_ms_p50": 5079.767593,
+              "row": "1182ab2b62a7d452", "decisions": "4e9346f55ca9b4b5"},
+    "round_robin lazy": {"hit_rate": 0.21547089, "ttft_ms_p50": 4978.747272,
+                        "row": "16fe57888c9e6ead", "decisions": "a45d4fd7da5d6d6a"},
+    "least_load lazy": {"hit_rate": 0.214238799, "ttft_ms_p50": 6037.73196,
+                       "row": "0b6acbd218dd9469", "decisions": "80784f8889c50a88"},
+    "prefix lazy": {"hit_rate": 0.458917482, "ttft_ms_p50": 4758.195958,
+                   "row": "8a55c1d0a975b3c8", "decisions": "c015deffc7a7d3d6"},
+    "kv lazy": {"hit_rate": 0.451452463, "ttft_ms_p50": 4915.162493,
+               "row": "876eb19fb49685ba", "decisions": "6d7ddf62c3689dbc"},
+    "round_robin eager": {"hit_rate": 0.238445754, "ttft_ms_p50": 4975.183594,
+                         "row": "094575120fe094da", "decisions": "a45d4fd7da5d6d6a"},
+    "least_load eager": {"hit_rate": 0.249027237, "ttft_ms_p50": 5329.244037,
+                        "row": "d82272c7372c0dc8", "decisions": "617ea6051a67e58e"},
+    "prefix eager": {"hit_rate": 0.514796411, "ttft_ms_p50": 4121.871288,
+                    "row": "347d1b9df626b4fe", "decisions": "e6080ec36fd5a190"},
+    "kv eager": {"hit_rate": 0.399777137, "ttft_ms_p50": 5391.414634,
+                "row": "c09c258a9a85b6de", "decisions": "6cbe478db6ca679c"},
+}
+
+
+@pytest.mark.parametrize(("strategy", "tiers"), CONFIGS)
+def test_replays_give_the_pinned_results(trace: Path, vocab: PromptVocabulary, strategy: str, tiers: str) -> None:
+    assert replay(trace, vocab, strategy, tiers) == PINNED[f"{strategy} {tiers}"]
