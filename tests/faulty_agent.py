@@ -11,11 +11,12 @@ in turn without a restart:
   error        a load is answered with an error
   hang         a load is answered after 30 s (past any client timeout)
   close        the connection is closed instead of answering a load
-  hello_size   Hello answers a shared-memory size other than the one mapped (and a load on a connection made
-               before is closed, so the client meets that Hello: its saves may have kept a connection open)
+  hello_size   Hello answers a shared-memory size other than the one mapped
   protocol     Hello answers as an agent of the next protocol version (an agent upgraded alone)
   refuse       Hello is refused as an agent of the next protocol refuses a client of this one (the connector
                left behind: the same refusal, seen from the connector)
+In the three Hello modes a load on a connection made before is closed too, so the client meets that Hello (an
+asynchronous connector's saves may have kept a connection open).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class FaultyTierAgent(TierAgent):
         if isinstance(request, Load):
             if mode == "hang":
                 await asyncio.sleep(HANG_S)
-            elif mode in ("close", "hello_size"):  # hello_size: a connection from before must say Hello again
+            elif mode in ("close", "hello_size", "protocol", "refuse"):  # Hello faults: old connections say it again
                 raise ConnectionResetError("faulty agent: closing instead of answering")
             elif mode == "garbage":
                 return Stats()  # type: ignore[return-value]  # a request's frame: not a reply
