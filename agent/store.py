@@ -261,8 +261,11 @@ class TierStore:
     def _write_down(self, descent: Descent, kind: str) -> None:
         """Background: copy blocks held in DRAM to lower tiers, a chain per write where the tier allows."""
         for name, blocks in descent.items():
-            stored = self._store_in(self._tier(name), [block.item(key) for key, block in blocks])
-            self.flow.add(kind, name, len(stored))
+            tier = self._tier(name)
+            items = [block.item(key) for key, block in blocks]
+            # counted: the blocks this write added (another write of the same blocks may have come first: a hit
+            # right after a store schedules one before the store's own write-through has run)
+            self.flow.add(kind, name, self._write(tier, items, [tier.contains(item.key) for item in items]))
 
     def _store_in(self, tier: Tier, items: list[StoreItem]) -> set[BlockKey]:
         """Write the blocks `tier` does not hold yet and announce the ones it took; the keys it holds afterwards."""
@@ -270,16 +273,19 @@ class TierStore:
         self._write(tier, items, [contains(item.key) for item in items])
         return {item.key for item in items if contains(item.key)}
 
-    def _write(self, tier: Tier, items: list[StoreItem], known: list[bool]) -> None:
+    def _write(self, tier: Tier, items: list[StoreItem], known: list[bool]) -> int:
         """Write the blocks not `known` to `tier` (one call: a chain per write where the medium allows) and
-        announce the ones it took."""
+        announce the ones it took; how many it took."""
         fresh = [item for item, was in zip(items, known, strict=True) if not was]
-        if fresh:
-            started = time.perf_counter()
-            tier.store_many(fresh)
-            self._observe("store", tier.name, started)
-            contains = tier.contains
-            self._announce(tier, [item for item in fresh if contains(item.key)])
+        if not fresh:
+            return 0
+        started = time.perf_counter()
+        tier.store_many(fresh)
+        self._observe("store", tier.name, started)
+        contains = tier.contains
+        taken = [item for item in fresh if contains(item.key)]
+        self._announce(tier, taken)
+        return len(taken)
 
     def _announce(self, tier: Tier, stored: list[StoreItem]) -> None:
         """One BlockStored per run of blocks that is a chain (each block the parent of the next)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 from agent.block import HEADER_SIZE
 from agent.config import AgentConfig
 from agent.policy import TierPolicy
-from agent.store import TierStore
+from agent.store import TierStore, build_nvme_tier
 from agent.tiers.base import TierName
 from agent.tiers.dram import DramTier
 from kvcore.kv_events import BlockRemoved, BlockStored
@@ -290,3 +292,36 @@ def test_blocks_demoted_leaf_by_leaf_are_announced_per_chain_or_per_write(chain_
     disk = [e for e in store.drain_events() if isinstance(e, BlockStored) and e.medium == "DISK"]
     assert [h for e in disk for h in e.block_hashes] == [3, 2]
     assert len(disk) == (2 if chain_events else 1)
+
+
+class HeldExecutor(Executor):
+    """Runs what is submitted only when told: background writes held back, as on a busy machine."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.held.append((fn, args))
+        return Future()
+
+    def run_held(self) -> None:
+        held, self.held = self.held, []
+        for fn, args in held:
+            fn(*args)
+
+
+def test_write_through_counts_each_block_once_when_a_hit_comes_before_the_store_write(tmp_path: Path) -> None:
+    """A hit right after an eager store schedules a second write-through of the same blocks before the first
+    has run; the second writes nothing, and counted every block again (write_through_total 20 for 10 blocks)."""
+    config = AgentConfig(dram_capacity=10 * SIZE, nvme_dir=str(tmp_path / "nvme"),
+                         nvme_capacity=100 * (SIZE + HEADER_SIZE), nvme_fsync=False, nvme_min_free=0,
+                         write_policy="eager").validate()
+    executor = HeldExecutor()
+    store = TierStore(config, dram=DramTier(config.dram_capacity), nvme=build_nvme_tier(config), executor=executor)
+    hashes = list(range(100, 110))
+    assert store.store_chain(LAYOUT, hashes, [b"x" * SIZE] * 10) == 10
+    assert store.load_chain(LAYOUT, hashes, outs(10)) == [SIZE] * 10
+    assert len(executor.held) == 2  # the store's write-through and the hit's
+    executor.run_held()
+    assert store.nvme is not None and all(store.nvme.contains((LAYOUT, h)) for h in hashes)
+    assert store.flow.write_through[TierName.NVME] == 10
