@@ -592,6 +592,12 @@ def simulate(job: VsimJob, progress: Callable[[int, float], None] | None = None)
     return sim.run()
 
 
+def print_row(line: str) -> None:
+    """A configuration's row as soon as it finished, also when stdout is a pipe (tqdm.write does not flush)."""
+    tqdm.write(line)
+    sys.stdout.flush()
+
+
 def describe_row(row: dict[str, Any]) -> str:
     t = row["hit_rate_by_tier"]
     return (f"{row['replicas']:3d} replicas {'tiers' if row['tiers'] else 'gpu  '} {row['strategy']:12s} "
@@ -627,7 +633,7 @@ def run(args: argparse.Namespace) -> int:
     outcome = run_sweep([Job(job.label, source.count, job, cost=3 if job.tiers else 1)
                          for job in jobs], simulate, processes=args.jobs,
                         show_progress=not args.no_progress,
-                        on_result=lambda i, row: tqdm.write(describe_row(row)))
+                        on_result=lambda i, row: print_row(describe_row(row)))
     wall_s = time.perf_counter() - started
     results = [outcome.results[i] for i in sorted(outcome.results)]
     vsim_report.add_gaps(results, limit)
