@@ -186,6 +186,7 @@ class FleetSimulation:
         if isinstance(balance, PrefillBalance):
             balance.random.seed(seed)
             balance.clock = lambda: self.now
+            balance.trie.clock = lambda: self.now  # a prefix expires after its TTL in virtual time
         self.replicas = [VirtualReplica(i, self.profile, block_size, blocks, self.max_model_len, _engine_hash,
                                         events=True) for i in range(replicas)]
         self.workers = [r.worker for r in self.replicas]

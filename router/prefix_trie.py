@@ -66,7 +66,7 @@ class PrefixTrie:
         self.max_path = max(64, max_nodes // 8)  # blocks of one prompt remembered
         self._step = min(TOUCH_S, ttl_s / 100) if ttl_s > 0 else 0.0
         self.ttl_s = ttl_s
-        self._clock = clock
+        self.clock = clock  # injectable: the virtual-time fleet sets its own
         self._index: dict[BlockKey, _Node] = {}
         # leaves by last use; entries go stale when a leaf is used again, gains a child or is removed
         self._leaves: list[tuple[float, BlockKey]] = []
@@ -88,7 +88,7 @@ class PrefixTrie:
         if not keys or keys[0] not in index:
             return {}
         known = longest_run(len(keys), lambda i: keys[i] in index)
-        fresh_after = self._clock() - self.ttl_s
+        fresh_after = self.clock() - self.ttl_s
         first = index[keys[0]].workers
         wanted = first.keys() if workers is None else [w for w in workers if w in first]
         out: dict[str, int] = {}
@@ -116,7 +116,7 @@ class PrefixTrie:
             return
         if len(keys) > self.max_path:
             keys = keys[: self.max_path]
-        now = self._clock()
+        now = self.clock()
         if self._step:
             now -= now % self._step
         index = self._index
@@ -211,7 +211,7 @@ class PrefixTrie:
 
     def expire(self) -> None:
         """Apply the TTL now (insertions do it as they go)."""
-        self._expire(self._clock())
+        self._expire(self.clock())
 
     def forget_worker(self, url: str) -> None:
         """Remove a worker from every node; prefixes no worker holds any more are removed with their subtrees."""
