@@ -158,8 +158,10 @@ def test_ctrl_c_writes_what_finished(tmp_path: Path, tiny_model_dir: Path) -> No
     trace = conversations(tmp_path / "c.jsonl", 400)
     cmd = sweep_command(tmp_path, tiny_model_dir, trace, "c.json", "--limit", "400", "--strategies",
                         "round_robin,kv,kv,kv", "--tiers", "off", "--jobs", "1")
+    # SIGINT as in a terminal's foreground job: a shell's background job (a CI runner's `... &`) starts with
+    # SIGINT ignored, and a child inherits that, so Ctrl-C would never reach the sweep
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 240
