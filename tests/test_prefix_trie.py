@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 from router.prefix_trie import PrefixTrie
@@ -149,3 +150,16 @@ def test_one_huge_prompt_does_not_evict_every_other_prefix() -> None:
     assert len(trie) == 925 and trie.evictions == 0
     assert trie.match(list(range(10**6, 10**6 + 5000))) == {"b": 125}
     assert all(trie.match(keys) == {"a": 20} for keys in tenants)
+
+
+def test_nodes_are_not_objects_the_cycle_collector_walks() -> None:
+    """Every full collection walks each object the cycle collector tracks, with the GIL held: the gateway's
+    `/health` waited 86-133 ms behind collections over the trie's 35,000-67,000 nodes, when each was an object."""
+    trie = PrefixTrie(max_nodes=100_000, ttl_s=600)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(100):
+        trie.insert(keys(i, 100), f"w{i % 4}")
+    gc.collect()
+    assert len(trie) == 10_000
+    assert len(gc.get_objects()) - before < 100
