@@ -7,6 +7,7 @@ updates them here, saying why in its commit."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 from pathlib import Path
@@ -108,3 +109,24 @@ def test_every_clock_a_replay_reads_is_virtual(trace: Path, vocab: PromptVocabul
     assert balance.clock() == balance.trie.clock() == 12_345.0
     if sim.kv is not None:
         assert sim.kv._clock() == 12_345.0
+
+
+@pytest.mark.parametrize(("strategy", "tiers"), [("prefix", "off"), ("kv", "lazy"), ("least_load", "eager")])
+def test_a_replay_makes_no_garbage_cycles(trace: Path, vocab: PromptVocabulary, strategy: str, tiers: str) -> None:
+    """A replay runs with the cyclic garbage collector off (bench/vsim.py: its collections cost a quarter of a
+    tiered replay's CPU time): that is only sound while a replay drops no reference cycle on its way, which would
+    then pile up for the whole trace. And the collector is on again afterwards."""
+    gc.collect()
+    gc.disable()
+    try:
+        settings = None if tiers == "off" else dataclasses.replace(SMALL_TIERS, write_policy=tiers)
+        sim = vsim.FleetSimulation(TraceSource(Trace(trace, report=None), vocab, block_tokens=32), strategy=strategy,
+                                   replicas=4, gpu_blocks=400, tiers=settings)
+        sim.run()
+        assert gc.collect() == 0  # with the simulation still alive: only what the replay dropped on the way
+    finally:
+        gc.enable()
+    sim = vsim.FleetSimulation(TraceSource(Trace(trace, report=None), vocab, block_tokens=32), strategy="round_robin",
+                               replicas=2, gpu_blocks=400)
+    sim.run()
+    assert gc.isenabled()
