@@ -41,7 +41,6 @@ SEAM_MARGIN = 16  # bytes of shared text left after the seam: what a pre-tokeniz
 OVERLAP_TOKENS = 6  # cached tokens before the seam that the window's encoding must reproduce
 _ENTRY_OVERHEAD = 400  # bytes of an entry besides its arrays and text (objects, dict and LRU slots)
 _LINK_BYTES = 100  # bytes of one link in the index (a dict slot and an int)
-_KEY_BYTES = 40  # bytes of one block key in a list (a pointer and an int)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,27 +70,37 @@ class Lookup:
         seam for one that starts like a cached one, the whole text otherwise."""
         if self.entry is None:
             return len(self.data)
-        if self.shared == len(self.data) == len(self.entry.data):
+        if self.shared == len(self.data) == len(self.entry[0]):
             return 0
         return len(self.data) - self.shared + SEAM_MARGIN + 16 * OVERLAP_TOKENS
 
 
-class _Entry:
-    """One recently encoded prompt."""
+# One recently encoded prompt: (data, seed, ids, ends, links, root, keys, size) -- its text as UTF-8; the tokenizer
+# and whether special tokens were added (what the ids depend on); the token ids (uint32); each token's end in bytes of
+# the text (uint32, 0 for special tokens added in front); the text's hash chain (uint64); the block keys' root (model,
+# adapter, namespace); the block keys (uint64); the bytes counted against the bound. A plain tuple of bytes and ints,
+# which the cycle collector stops tracking after its first pass: an object of a class (or an array, or a list) would
+# stay tracked, and every full collection walks what is tracked with the GIL held (1,783 cached prompts, each an
+# object with two arrays and two lists: 14-16 ms of CPU per collection in the gateway, the event loop stalled).
+_Entry = tuple[bytes, int, bytes, bytes, bytes, BlockKey, bytes, int]
 
-    __slots__ = ("data", "ends", "ids", "keys", "links", "root", "seed", "size")
 
-    def __init__(self, data: bytes, seed: int, ids: array[int], ends: array[int], links: list[int], root: BlockKey,
-                 keys: list[BlockKey]) -> None:
-        self.data = data  # the prompt's text as UTF-8
-        self.seed = seed  # the tokenizer and whether special tokens were added: what the ids depend on
-        self.ids = ids
-        self.ends = ends  # end of each token, in bytes of `data`; 0 for special tokens added in front
-        self.links = links
-        self.root = root  # the block keys' root (model, adapter, namespace)
-        self.keys = keys
-        self.size = (sys.getsizeof(data) + 8 * len(ids) + _LINK_BYTES * len(links) + _KEY_BYTES * len(keys)
-                     + _ENTRY_OVERHEAD)
+def _entry(data: bytes, seed: int, ids: bytes, ends: bytes, links: list[int], root: BlockKey,
+           keys: list[BlockKey]) -> _Entry:
+    size = sys.getsizeof(data) + 2 * len(ids) + _LINK_BYTES * len(links) + 8 * len(keys) + _ENTRY_OVERHEAD
+    return data, seed, ids, ends, array("Q", links).tobytes(), root, array("Q", keys).tobytes(), size
+
+
+def _u32(data: bytes) -> array[int]:
+    out = array("I")
+    out.frombytes(data)
+    return out
+
+
+def _u64(data: bytes) -> array[int]:
+    out = array("Q")
+    out.frombytes(data)
+    return out
 
 
 def _links(data: bytes, seed: int) -> list[int]:
@@ -169,25 +178,28 @@ class TokenCache:
             self.misses += 1
             return Encoded(ids, chain_keys(ids, self.block_size, root), 0)
         if entry is not None:
-            if lookup.shared == len(data) == len(entry.data):  # the same prompt again
-                keys = entry.keys if entry.root == root else chain_keys(entry.ids, self.block_size, root)
+            cached_ids, cached_ends, cached_root, cached_keys = entry[2], entry[3], entry[5], entry[6]
+            if lookup.shared == len(data) == len(entry[0]):  # the same prompt again
+                ids = _u32(cached_ids)
+                keys = (_u64(cached_keys).tolist() if cached_root == root
+                        else chain_keys(ids, self.block_size, root))
                 self.hits += 1
-                self._store(entry, data, seed, entry.ids, entry.ends, links, root, keys)
-                return Encoded(entry.ids, keys, len(entry.ids))
+                self._store(entry, _entry(data, seed, cached_ids, cached_ends, links, root, keys))
+                return Encoded(ids, keys, len(ids))
             spliced = self._splice(tokenizer, entry, data, lookup.shared)
             if spliced is not None:
                 ids, ends, kept, same = spliced
-                reused = min(same // self.block_size, len(entry.keys)) if entry.root == root else 0
-                parent = entry.keys[reused - 1] if reused else root
-                keys = entry.keys[:reused] + chain_keys(ids[reused * self.block_size:], self.block_size, parent)
+                reused = min(same // self.block_size, len(cached_keys) // 8) if cached_root == root else 0
+                keys = _u64(cached_keys[:8 * reused]).tolist()
+                keys += chain_keys(ids[reused * self.block_size:], self.block_size, keys[-1] if keys else root)
                 self.hits += 1
-                self._store(entry, data, seed, ids, ends, links, root, keys)
+                self._store(entry, _entry(data, seed, ids.tobytes(), ends.tobytes(), links, root, keys))
                 return Encoded(ids, keys, kept)
             self.seam_mismatches += 1
         ids, ends = self._encode(tokenizer, text, lookup.add_special_tokens)
         keys = chain_keys(ids, self.block_size, root)
         self.misses += 1
-        self._store(None, data, seed, ids, ends, links, root, keys)
+        self._store(None, _entry(data, seed, ids.tobytes(), ends.tobytes(), links, root, keys))
         return Encoded(ids, keys, 0)
 
     def _longest_prefix(self, data: bytes, seed: int, links: list[int]) -> tuple[_Entry, int] | None:
@@ -205,16 +217,17 @@ class TokenCache:
                 hi = mid - 1
         entry = index.get(links[lo - 1])
         start = lo * CHUNK
-        if entry is None or entry.seed != seed or entry.data[:start] != data[:start]:  # evicted meanwhile, or a
+        if entry is None or entry[1] != seed or entry[0][:start] != data[:start]:  # evicted meanwhile, or a
             return None  # hash collision
-        return entry, _common_prefix(entry.data, data, start, min(len(data), len(entry.data), start + CHUNK))
+        return entry, _common_prefix(entry[0], data, start, min(len(data), len(entry[0]), start + CHUNK))
 
     def _splice(self, tokenizer: ModelTokenizer, entry: _Entry, data: bytes,
                 shared: int) -> tuple[array[int], array[int], int, int] | None:
         """The ids of the text `data` as the cached ids up to a seam inside the `shared` prefix plus the encoding of the
         rest, with the token ends, how many ids were kept and how many leading ids are the cached ones (kept and
         verified); None when the seam does not verify."""
-        ends = entry.ends
+        cached_ids, cached_ends = entry[2], entry[3]
+        ends = memoryview(cached_ends).cast("I")
         seam = bisect_right(ends, shared - SEAM_MARGIN)  # tokens ending inside the safe part of the shared text
         start = seam - OVERLAP_TOKENS  # the window starts here: its first tokens must come out as cached
         if start < 1:
@@ -223,9 +236,9 @@ class TokenCache:
         if at == 0 or (start < len(ends) and ends[start] <= at) or (data[at] & 0xC0) == 0x80:  # in the specials
             return None  # added in front, or inside a character that spans tokens
         window, window_ends = self._encode(tokenizer, data[at:].decode("utf-8", "surrogatepass"), False, at)
-        if window[:OVERLAP_TOKENS] != entry.ids[start:seam]:
+        if window[:OVERLAP_TOKENS].tobytes() != cached_ids[4 * start:4 * seam]:
             return None
-        return entry.ids[:start] + window, ends[:start] + window_ends, start, seam
+        return _u32(cached_ids[:4 * start]) + window, _u32(cached_ends[:4 * start]) + window_ends, start, seam
 
     def _encode(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool,
                 at: int = 0) -> tuple[array[int], array[int]]:
@@ -234,28 +247,26 @@ class TokenCache:
         self.encoded_chars += len(text)
         return ids, (array("I", map(at.__add__, ends)) if at else ends)
 
-    def _store(self, hit: _Entry | None, data: bytes, seed: int, ids: array[int], ends: array[int], links: list[int],
-               root: BlockKey, keys: list[BlockKey]) -> None:
+    def _store(self, hit: _Entry | None, new: _Entry) -> None:
         """Keep the prompt just encoded as the most recent; a cached prompt it extends (a conversation's previous
         turn) is dropped, its links now name the new one."""
-        new = _Entry(data, seed, ids, ends, links, root, keys)
-        if new.size > self.max_bytes:
+        if new[7] > self.max_bytes:
             return
         with self._lock:
-            if hit is not None and id(hit) in self._entries and data.startswith(hit.data):
+            if hit is not None and id(hit) in self._entries and new[0].startswith(hit[0]):
                 self._drop(hit)
             self._entries[id(new)] = new
-            self.bytes += new.size
+            self.bytes += new[7]
             index = self._links
-            for link in links:
+            for link in _u64(new[4]):
                 index[link] = new
             while self.bytes > self.max_bytes:
                 self._drop(next(iter(self._entries.values())))
 
     def _drop(self, entry: _Entry) -> None:
         del self._entries[id(entry)]
-        self.bytes -= entry.size
+        self.bytes -= entry[7]
         index = self._links
-        for link in entry.links:
+        for link in _u64(entry[4]):
             if index.get(link) is entry:
                 del index[link]

@@ -100,7 +100,9 @@ class WordEncoder:
         self._added = [re.compile("(" + "|".join(re.escape(c) for c in sorted(group, key=len, reverse=True)) + ")")
                        for group in ([c for c, _, normalized in added if not normalized],
                                      [c for c, _, normalized in added if normalized]) if group]
-        self._words: dict[str, list[int]] = {}
+        # tuples of ints, which the cycle collector stops tracking after its first pass (lists would stay tracked,
+        # up to MAX_WORDS of them walked by every full collection with the GIL held)
+        self._words: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def build(cls, tokenizer: Tokenizer) -> WordEncoder | None:
@@ -157,7 +159,7 @@ class WordEncoder:
             for word in in_piece:
                 found = words.get(word)
                 if found is None:
-                    found = [token.id for token in self._model.tokenize(word.translate(translate))]
+                    found = tuple([token.id for token in self._model.tokenize(word.translate(translate))])
                     if len(word) <= MAX_WORD_CHARS:
                         if len(words) >= MAX_WORDS:
                             words.clear()

@@ -3,6 +3,7 @@ shapes it accepts, and refuses the shapes it cannot reproduce."""
 
 from __future__ import annotations
 
+import gc
 import json
 import string
 from pathlib import Path
@@ -115,3 +116,15 @@ def test_long_words_are_not_cached(tiny: Tokenizer) -> None:
     text = " ".join("x" * 500 + str(i) for i in range(20)) + " short words here"
     assert encoder.encode(text) == tiny.encode(text, add_special_tokens=False).ids
     assert encoder._words and max(map(len, encoder._words)) <= MAX_WORD_CHARS
+
+
+def test_cached_words_are_not_objects_the_cycle_collector_walks(tiny: Tokenizer) -> None:
+    """Up to MAX_WORDS cached words: each a list was one more object every full collection walks with the GIL held."""
+    encoder = WordEncoder.build(tiny)
+    assert encoder is not None
+    gc.collect()
+    before = len(gc.get_objects())
+    text = " ".join(f"w{i}x{i * 7919 % 10007}" for i in range(5000))
+    assert encoder.encode(text) == tiny.encode(text, add_special_tokens=False).ids
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100
