@@ -143,10 +143,15 @@ class SharedTier:
             self.stats.add("refused", len(todo))
             return 0
         expiry = self._expiry()
+        entry = (expiry, -1)
         with self._lock:
+            index = self._index
             for key, payload, _digest in todo:
-                self._index[key] = (expiry, self.seal.prefix_size + len(payload))
-                self._index.move_to_end(key)
+                size = self.seal.prefix_size + len(payload)
+                if entry[1] != size:  # one entry for a write's blocks of one size: the index can hold millions
+                    entry = (expiry, size)
+                index[key] = entry
+                index.move_to_end(key)
         self.stats.add("stores", len(todo))
         return len(items)
 
@@ -171,9 +176,11 @@ class SharedTier:
         for key, result in zip(keys, results, strict=True):
             if isinstance(result, int):
                 self.stats.add("hits")
+                size = self.seal.prefix_size + result
                 with self._lock:
                     previous = self._index.get(key)
-                    self._index[key] = (previous[0] if previous else expiry, self.seal.prefix_size + result)
+                    if previous is None or previous[1] != size:  # (an equal entry stays: no new one per hit)
+                        self._index[key] = (previous[0] if previous else expiry, size)
                 lengths.append(result)
                 continue
             self.stats.add("misses")
@@ -228,13 +235,13 @@ class SharedTier:
         except Exception as exc:
             self._failed(exc)
             return [False] * len(keys)
-        expiry = self._expiry()
+        entry = (self._expiry(), 0)
         gone: list[Removed] = []
         with self._lock:
             for key, present in zip(keys, found, strict=True):
                 if present:
                     if key not in self._index:
-                        self._index[key] = (expiry, 0)
+                        self._index[key] = entry
                 elif self._index.pop(key, None) is not None:
                     gone.append(Removed(key))
         self._report(gone)

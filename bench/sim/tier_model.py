@@ -162,11 +162,15 @@ class FleetBackend:
         self.clock = clock
         self._expiry: OrderedDict[BlockKey, float] = OrderedDict()
 
-    def put(self, key: BlockKey, ttl_s: float) -> None:
-        self._expiry[key] = self.clock() + ttl_s if ttl_s > 0 else float("inf")
-        self._expiry.move_to_end(key)
-        while len(self._expiry) > self.capacity:
-            self._expiry.popitem(last=False)
+    def put(self, keys: Iterable[BlockKey], ttl_s: float) -> None:
+        """Write blocks, each with the TTL (one expiry for them all: the store holds millions)."""
+        expiry = self.clock() + ttl_s if ttl_s > 0 else float("inf")
+        entries = self._expiry
+        for key in keys:
+            entries[key] = expiry
+            entries.move_to_end(key)
+            if len(entries) > self.capacity:
+                entries.popitem(last=False)
 
     def get(self, key: BlockKey) -> bool:
         expiry = self._expiry.get(key)
@@ -195,8 +199,7 @@ class FleetSharedTier(SharedTier):
         self.backend = backend
 
     def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
-        for key, _prefix, _payload in items:
-            self.backend.put(key, self.ttl_s)
+        self.backend.put([key for key, _prefix, _payload in items], self.ttl_s)
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
         results: list[int | Exception | None] = []
