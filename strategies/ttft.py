@@ -566,7 +566,12 @@ class TtftAware(KvAware):
         # within the prediction's own error the workers are as good: the least busy, then the one holding the
         # least prefix state takes it (misses spread, instead of all going to the worker whose fit is a hair
         # faster)
-        tied = [i for i, s in enumerate(scores) if s <= best + max(self.tie_s, self.tie_share * best)]
+        # and, unless the best is at its balance cap, of the workers holding as much of this prompt as it does: the
+        # band is no reason to give up a hit (a copy scored within it of a holder that has room is no tie)
+        first = scores.index(best)
+        band = best + max(self.tie_s, self.tie_share * best)
+        tied = [i for i, s in enumerate(scores)
+                if s <= band and (over[first] or held[i].tokens == held[first].tokens)]
         if len(tied) > 1:
             fewest = min(workers[i].outstanding for i in tied)
             tied = [i for i in tied if workers[i].outstanding == fewest]
