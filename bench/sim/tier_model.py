@@ -51,8 +51,9 @@ class InlineExecutor(Executor):
 class NvmeModel:
     """The NVMe tier of the model: exact LRU over block keys, which is what the agent's DRAM tier without prefix
     order does, kept as one ordered dict instead of a block object, a byte buffer and heap entries per block
-    (NVMe holds ten times DRAM's blocks; this is most of a tiered simulation's memory otherwise). Every block is
-    the same one-byte stand-in, so one held block stands for each one that moves down."""
+    (NVMe holds ten times DRAM's blocks; this is most of a tiered simulation's memory otherwise), keyed by the
+    block's hash alone (the simulation has one layout, `LAYOUT`: no key tuple kept per block). Every block is the
+    same one-byte stand-in, so one held block stands for each one that moves down."""
 
     name = TierName.NVME
 
@@ -62,7 +63,7 @@ class NvmeModel:
         self.low_bytes = int(capacity * low_watermark)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
-        self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # least recently used first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # block hashes, least recently used first
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
         return self.store_many([StoreItem(key, payload, digest)]) == 1
@@ -72,7 +73,7 @@ class NvmeModel:
         evicted: list[Removed] = []
         held = 0
         for item in items:
-            key = item.key
+            key = item.key[1]
             if key in lru:
                 lru.move_to_end(key)
             elif self.capacity < 1:
@@ -88,12 +89,12 @@ class NvmeModel:
         return held
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
-        if key not in self._lru:
+        if key[1] not in self._lru:
             self.stats.misses += 1
             return None
         out[:1] = _STAND_IN
         if touch:
-            self._lru.move_to_end(key)
+            self._lru.move_to_end(key[1])
         self.stats.hits += 1
         return 1
 
@@ -101,20 +102,20 @@ class NvmeModel:
         return [self.read_into(key, out, touch) for key, out in zip(keys, outs, strict=True)]
 
     def contains(self, key: BlockKey) -> bool:
-        return key in self._lru
+        return key[1] in self._lru
 
     def held(self, key: BlockKey) -> HeldBlock | None:
-        return _HELD if key in self._lru else None
+        return _HELD if key[1] in self._lru else None
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        for key in reversed(keys):
+        for _layout, key in reversed(keys):
             if key in self._lru:
                 self._lru.move_to_end(key)
 
     def delete(self, key: BlockKey) -> bool:
-        if key not in self._lru:
+        if key[1] not in self._lru:
             return False
-        del self._lru[key]
+        del self._lru[key[1]]
         self._report([Removed(key)])
         return True
 
@@ -122,7 +123,7 @@ class NvmeModel:
         return TierUsage(len(self._lru), len(self._lru), self.capacity)
 
     def block_keys(self) -> Iterable[BlockKey]:
-        return list(self._lru)
+        return [(LAYOUT, key) for key in self._lru]
 
     def above_high_watermark(self) -> bool:
         return len(self._lru) > self.high_bytes
@@ -144,7 +145,7 @@ class NvmeModel:
         evicted = []
         while len(lru) > target:
             key, _ = lru.popitem(last=False)
-            evicted.append(Removed(key, _HELD))
+            evicted.append(Removed((LAYOUT, key), _HELD))
         self.stats.evictions += len(evicted)
         return evicted
 
