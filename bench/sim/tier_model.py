@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from typing import ParamSpec, TypeVar
 
-from agent.block import BlockKey, checksum
+from agent.block import BlockHash, BlockKey, checksum
 from agent.config import AgentConfig
 from agent.store import TierStore
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
@@ -63,7 +63,7 @@ class NvmeModel:
         self.low_bytes = int(capacity * low_watermark)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
-        self._lru: OrderedDict[int, None] = OrderedDict()  # block hashes, least recently used first
+        self._lru: OrderedDict[BlockHash, None] = OrderedDict()  # block hashes, least recently used first
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
         return self.store_many([StoreItem(key, payload, digest)]) == 1
