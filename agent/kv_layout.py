@@ -10,7 +10,8 @@ device: every layer's blocks are gathered there by device-side copies, then a si
 to the host rows (one DMA when the rows are pinned, as the agent's shared memory is), and loads the reverse --
 instead of one small strided device<->host copy per layer (what `bench/gpu_copy.py` measures). Caches in host
 memory are copied straight into the rows, which already are one contiguous buffer in plain memory: a staging
-buffer there would only add a copy.
+buffer there would only add a copy. A run of consecutive block ids (vLLM hands out a request's blocks mostly so) is
+one slice of each layer and is copied as such; only scattered ids are gathered by index first (a second pass).
 """
 
 from __future__ import annotations
@@ -48,37 +49,87 @@ def describe_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list
     return layers
 
 
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """`(row, first block id, length)` of each run of consecutive block ids: vLLM hands out a request's blocks
+    mostly in runs, and a run is one slice of each layer, copied without gathering it first."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            runs.append((start, block_ids[start], i - start))
+            start = i
+    return runs
+
+
+# at most this many runs per block are copied run by run; more scattered ids are gathered with one index per layer
+# (a copy per run costs more than the gather's extra pass once runs are short)
+RUN_COPY_MAX_FRACTION = 0.25
+
+
+def _layer_rows(layer: CacheLayer, rows: torch.Tensor, offset: int) -> torch.Tensor:
+    """`rows`' columns of this layer, typed and shaped as the layer's blocks: `[n, *block_shape]`."""
+    n = rows.shape[0]
+    return rows[:, offset: offset + layer.block_bytes].view(layer.tensor.dtype).view(n, *layer.block_shape)
+
+
+def _by_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]] | None:
+    runs = block_runs(block_ids)
+    return runs if len(runs) <= max(1, int(len(block_ids) * RUN_COPY_MAX_FRACTION)) else None
+
+
 def gather_blocks(layers: list[CacheLayer], block_ids: Sequence[int], rows: torch.Tensor) -> None:
-    """Copy blocks out of the caches into `rows` (uint8, `[len(block_ids), block_bytes]`), one copy per layer."""
+    """Copy blocks out of the caches into `rows` (uint8, `[len(block_ids), block_bytes]`): per layer, one copy
+    per run of consecutive ids straight into the rows, or (ids too scattered) one gather and one copy."""
     n = len(block_ids)
+    runs = _by_runs(block_ids)
     offset = 0
     indexes: dict[torch.device, torch.Tensor] = {}
     for layer in layers:
         device = layer.tensor.device
+        # device-side (staging) copies are stream-ordered; a copy to the host returns once it is done
+        non_blocking = rows.device == device
+        if runs is not None:
+            out = _layer_rows(layer, rows, offset)
+            for row, first, length in runs:
+                src = layer.tensor.narrow(layer.block_dim, first, length)
+                if layer.block_dim != 0:
+                    src = src.movedim(layer.block_dim, 0)
+                out[row: row + length].copy_(src, non_blocking=non_blocking)
+            offset += layer.block_bytes
+            continue
         if device not in indexes:
             indexes[device] = torch.tensor(list(block_ids), dtype=torch.long, device=device)
         src = layer.tensor.index_select(layer.block_dim, indexes[device])
         if layer.block_dim != 0:
             src = src.movedim(layer.block_dim, 0)
-        # device-side (staging) copies are stream-ordered; a copy to the host returns once it is done
         rows[:, offset: offset + layer.block_bytes].copy_(src.reshape(n, -1).view(torch.uint8),
-                                                          non_blocking=rows.device == device)
+                                                          non_blocking=non_blocking)
         offset += layer.block_bytes
 
 
 def scatter_blocks(layers: list[CacheLayer], block_ids: Sequence[int], rows: torch.Tensor) -> None:
-    """Copy `rows` (as written by `gather_blocks`) into the caches at these block ids, one copy per layer."""
-    n = len(block_ids)
+    """Copy `rows` (as written by `gather_blocks`) into the caches at these block ids: per layer, one copy per
+    run of consecutive ids, or (ids too scattered) one indexed copy."""
+    runs = _by_runs(block_ids)
     offset = 0
     indexes: dict[torch.device, torch.Tensor] = {}
     for layer in layers:
         device = layer.tensor.device
+        non_blocking = rows.device == device
+        src = _layer_rows(layer, rows, offset)
+        if runs is not None:
+            for row, first, length in runs:
+                dst = layer.tensor.narrow(layer.block_dim, first, length)
+                if layer.block_dim != 0:
+                    dst = dst.movedim(layer.block_dim, 0)
+                dst.copy_(src[row: row + length], non_blocking=non_blocking)
+            offset += layer.block_bytes
+            continue
         if device not in indexes:
             indexes[device] = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-        src = rows[:, offset: offset + layer.block_bytes].view(layer.tensor.dtype).view(n, *layer.block_shape)
         if layer.block_dim != 0:
             src = src.movedim(0, layer.block_dim)
-        src = src.to(device, non_blocking=rows.device == device)
+        src = src.to(device, non_blocking=non_blocking)
         layer.tensor.index_copy_(layer.block_dim, indexes[device], src)
         offset += layer.block_bytes
 

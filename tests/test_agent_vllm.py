@@ -96,6 +96,7 @@ def test_vllm_loads_saved_blocks_from_every_tier(weighted_model: Path, tmp_path:
 
 KV_LAYOUT_SCRIPT = """
 import torch
+from agent import kv_layout
 from agent.kv_layout import BlockCopier, describe_layers, gather_blocks, scatter_blocks
 
 devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -127,6 +128,23 @@ for device in devices:
                 for a, b in ((5, 40), (17, 41), (3, 0)):
                     assert torch.equal(src.select(bd, a), dst.select(bd, b)), (device, name, key, a, way)
                 assert dst.select(bd, 1).abs().sum() == 0  # nothing else written
+        # runs of consecutive ids are copied slice by slice: the same bytes as the gather, in and out
+        ids, to = [*range(5, 13), 30], [*range(40, 48), 2]
+        assert kv_layout.block_runs(ids) == [(0, 5, 8), (8, 30, 1)] and kv_layout._by_runs(ids) is not None
+        by_runs = torch.zeros((9, block_bytes), dtype=torch.uint8)
+        gather_blocks(layers, ids, by_runs)
+        fresh = {k: torch.zeros_like(v) for k, v in caches.items()}
+        scatter_blocks(describe_layers(fresh, 64), to, by_runs)
+        fraction, kv_layout.RUN_COPY_MAX_FRACTION = kv_layout.RUN_COPY_MAX_FRACTION, 0.0  # the gather, always
+        gathered = torch.zeros((9, block_bytes), dtype=torch.uint8)
+        gather_blocks(layers, ids, gathered)
+        kv_layout.RUN_COPY_MAX_FRACTION = fraction
+        assert torch.equal(by_runs, gathered)
+        bd = 0 if name == "cpu" else 1
+        for key in caches:
+            for a, b in zip(ids, to):
+                assert torch.equal(caches[key].select(bd, a), fresh[key].select(bd, b)), (device, name, key, a)
+            assert fresh[key].select(bd, 48).abs().sum() == 0 and fresh[key].select(bd, 39).abs().sum() == 0
 print("ok", devices)
 """
 
