@@ -47,6 +47,7 @@ class DramTier:
         self._leaves: list[tuple[int, BlockKey]] = []
         self._ticks = itertools.count()
         self._used = 0
+        self._unentered: DramBlock | None = None  # see _store_locked
         self._lock = threading.Lock()
 
     # -- interface -------------------------------------------------------------------------------------------
@@ -59,20 +60,33 @@ class DramTier:
         return held
 
     def store_many(self, items: Sequence[StoreItem]) -> int:
-        """Copy blocks in; what is evicted for them is reported once, so it can move down together."""
+        """Copy blocks in; what is evicted for them is reported once, so it can move down together.
+
+        A new block whose child is the next item is not entered as a leaf (that entry would be stale as soon as
+        the child is in): it is entered afterwards only if it is still a leaf then. Storing the child cannot
+        evict it either way (the parent of the block being stored is spared)."""
         evicted: list[Removed] = []
         held = 0
         refused: BlockKey | None = None
+        last = len(items) - 1
+        deferred: tuple[DramBlock, BlockKey] | None = None  # the block stored just before, without its leaf entry
         with self._lock:  # once for the chain
-            for key, payload, digest, parent in items:
+            for i, (key, payload, digest, parent) in enumerate(items):
                 if parent is not None and parent == refused:  # the rest of a chain the tier cannot hold whole
                     self.stats.add("refused")
                     refused = key
-                    continue
-                if self._store_locked(key, payload, digest, parent, evicted):
+                elif self._store_locked(key, payload, digest, parent, evicted,
+                                        leaf=i == last or items[i + 1].parent != key or not self.prefix_order):
                     held += 1
                 else:
                     refused = key
+                if deferred is not None:
+                    block, block_key = deferred
+                    if block.children == 0 and self._blocks.get(block_key) is block:
+                        heapq.heappush(self._leaves, (block.used, block_key))
+                    deferred = None
+                if self._unentered is not None:
+                    deferred, self._unentered = (self._unentered, key), None
         self._report(evicted)
         return held
 
@@ -82,10 +96,10 @@ class DramTier:
             return self._store_locked(key, payload, digest, parent, evicted)
 
     def _store_locked(self, key: BlockKey, payload: Buffer, digest: int | None, parent: BlockKey | None,
-                      evicted: list[Removed]) -> bool:
+                      evicted: list[Removed], leaf: bool = True) -> bool:
         """Copy a block in, evicting least recently used leaves to make room (added to `evicted`, with their bytes);
         a block bigger than the whole tier is refused. The DRAM tier's counters are only touched under its own
-        lock."""
+        lock. `leaf=False`: a new block is not entered as a leaf, and left in `_unentered` for the caller."""
         size = len(payload)
         if size > self.capacity:
             self.stats.add("refused")
@@ -112,7 +126,11 @@ class DramTier:
                 block.parent = parent
                 block.counted_by = parent_block
         blocks[key] = block
-        self._use_locked(key, block)
+        if leaf:
+            self._use_locked(key, block)
+        else:
+            block.used = next(self._ticks)
+            self._unentered = block
         self._used += size
         self.stats.stores += 1
         return True
