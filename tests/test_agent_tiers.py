@@ -109,6 +109,18 @@ def test_dram_parent_outlives_children() -> None:
             assert tier.contains(block.parent)
 
 
+def test_dram_chain_parent_stays_evictable_when_its_child_was_held_already() -> None:
+    """A chain's block is entered as a leaf only once the next block is known not to become its child: here the
+    child was held already (stored before as a chain of its own), so the parent stays a leaf, the least recently
+    used one, and is what room is made from."""
+    tier = DramTier(capacity=2000)
+    tier.store(key(1), payload(1))
+    assert tier.store_many([StoreItem(key(0), payload(0)), StoreItem(key(1), payload(1), None, key(0))]) == 2
+    tier.store(key(2), payload(2))
+    assert not tier.contains(key(0))
+    assert tier.contains(key(1)) and tier.contains(key(2))
+
+
 def test_dram_eviction_does_not_walk_past_old_parents() -> None:
     """The heads of prefixes whose rest was saved in a later step (the engine kept the head) are older than their
     children, so they pile up at the old end of the LRU order; finding the least recently used leaf must not walk
