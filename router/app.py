@@ -152,7 +152,7 @@ class Gateway:
         if self.prompts is None or api.prompt is None:
             return RouteRequest(model, api.path, headers)
         base, lora = workers[0].key_names(model) if workers else (model, None)  # every eligible worker lists it
-        found = await self.prompts.keys(api.prompt, base, lora=lora, raw=raw)
+        found = await self.prompts.keys(api.prompt, base, lora=lora, raw=raw, alone=self.admission.requests <= 1)
         return RouteRequest(model, api.path, headers, found.token_ids, found.block_keys, found.prompt_tokens)
 
     @property

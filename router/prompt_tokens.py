@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # text mode: one "token" is this many characters, one block is block_size of them
 INLINE_CHARS = 2048  # bodies shorter than this are tokenized on the event loop (the thread hop costs more)
+# ... and bodies up to this size when no other request is in flight: the hop then lets the loop do nothing meanwhile
+# and costs two thread wake-ups on the request's path; the longest such body keeps the loop about a millisecond
+ALONE_INLINE_BYTES = 16 * 1024
 TEXT_INLINE_BYTES = 64 * 1024  # text mode (a hash per 64 characters) runs on the loop up to this body size
 INLINE_IDS = 16384  # token-id prompts shorter than this are hashed on the event loop
 TOKENS, TEXT = "tokens", "text"
@@ -249,10 +252,11 @@ class PromptTokens:
         return tokenizer
 
     async def keys(self, prompt: Prompt, model: str, lora: str | None = None,
-                   raw: bytes | None = None) -> PromptKeys:
+                   raw: bytes | None = None, alone: bool = False) -> PromptKeys:
         """Token ids and block keys of a request's prompt. `model` names the tokenizer (a LoRA adapter's base
-        model) and `lora` the adapter, if any; `raw` is the request body as received. The prompt's `cache_salt`
-        (as the engines get it: with `--tenant-header`, the tenant's) is the keys' namespace, as it is vLLM's."""
+        model) and `lora` the adapter, if any; `raw` is the request body as received; `alone`: no other request is
+        in flight. The prompt's `cache_salt` (as the engines get it: with `--tenant-header`, the tenant's) is the
+        keys' namespace, as it is vLLM's."""
         started = time.perf_counter()
         root = root_key(model, lora, prompt.cache_salt)
         tokenizer = await self.tokenizer(model)
@@ -267,7 +271,7 @@ class PromptTokens:
             try:
                 if isinstance(prompt, ChatPrompt) and not tokenizer.chat.owns(prompt.template.get("chat_template")):
                     result = await self._with_client_template(tokenizer, prompt, raw, root)
-                elif size < INLINE_CHARS:
+                elif size < INLINE_CHARS or (alone and size <= ALONE_INLINE_BYTES):
                     result = self.tokenize_now(tokenizer, prompt, root)
                 else:
                     result = await self._threads.run(self.tokenize_now, tokenizer, prompt, root)

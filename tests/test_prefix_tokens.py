@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from router.config import GatewayConfig, WorkerSpec
 from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.prompt_tokens import (
+    ALONE_INLINE_BYTES,
     INLINE_CHARS,
     TEXT,
     TOKENS,
@@ -273,3 +275,30 @@ async def test_next_turn_reuses_the_block_keys_of_the_previous_turn(tiny_model_d
     assert third.token_ids is not None
     assert third.block_keys == block_keys(third.token_ids, 16, root_key("tiny"))
     prompts.close()
+
+
+async def test_a_request_alone_is_tokenized_on_the_event_loop(tiny_model_dir: Path) -> None:
+    """With no other request in flight, the hop to a tokenizer thread leaves the loop idle and puts two thread
+    wake-ups on the request's path (one client, 4,000-character prompts, alternating rounds at load 6-7: CPU per
+    request lower in 7 of 9 pairs, e.g. prefix chat 900 -> 717 us, added p50 0.97 -> 0.78 ms); with others in
+    flight the thread keeps the loop free for them, and a body over ALONE_INLINE_BYTES always goes there."""
+    on: list[int] = []
+
+    class Recording(PromptTokens):
+        def tokenize_now(self, *args: Any) -> Any:
+            on.append(threading.get_ident())
+            return super().tokenize_now(*args)
+
+    prompts = Recording(GatewayConfig(model_dir=[str(tiny_model_dir)], block_size=16), GatewayMetrics())
+    loop_thread = threading.get_ident()
+    try:
+        for content, alone, inline in ((words(1, 600), True, True), (words(1, 600), False, False),
+                                       (words(2, 4000), True, False)):
+            body = {"model": "tiny", "messages": [{"role": "system", "content": content},
+                                                  {"role": "user", "content": "hi"}]}
+            raw = orjson.dumps(body)
+            assert len(raw) > INLINE_CHARS and (len(raw) <= ALONE_INLINE_BYTES) == (len(content) < 10_000)
+            await prompts.keys(prompt(CHAT, body), "tiny", raw=raw, alone=alone)
+            assert (on[-1] == loop_thread) == inline
+    finally:
+        prompts.close()
