@@ -1,7 +1,9 @@
 """The tier agent process: the local block API on a Unix socket, KV events, Prometheus metrics, upkeep tasks.
 
-Lookups are answered on the event loop from local state (sub-millisecond, no I/O). Stores and loads run on a
-thread pool because NVMe and shared-tier I/O blocks; block bytes move through the client's shared memory, which
+Lookups are answered on the event loop from local state (sub-millisecond, no I/O), and so are small stores that
+only copy into DRAM (what DRAM pushes out moves down in the background): handing such a copy to a thread and back
+cost more CPU than the copy. Other stores and all loads run on a thread pool because NVMe and shared-tier I/O
+blocks; block bytes move through the client's shared memory, which
 this process maps once per connection: the descriptor of a memfd sealed against shrinking, passed with the
 connection's first frame (so no file permission stands between a client and the agent, and no client can make
 the mapping fault).
@@ -56,6 +58,14 @@ from kvcore.kv_events import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
+
+# a Store of at most this many bytes is copied into DRAM on the event loop (about 0.1-0.5 ms: what the loop may be
+# held for) rather than handed to the request pool and back
+INLINE_STORE_BYTES = 2 * 2**20
+
+
+def request_bytes(request: Store) -> int:
+    return sum(request.lengths) + sum(len(d) for d in request.data)
 
 _SEALED = fcntl.F_SEAL_SHRINK  # what a client's shared memory must be sealed with before it is mapped
 
@@ -386,6 +396,8 @@ class TierAgent:
             if isinstance(request, Lookup):
                 return await self._lookup(request)
             if isinstance(request, Store):
+                if self.store.dram is not None and request_bytes(request) <= INLINE_STORE_BYTES:
+                    return await self._store_inline(conn, request)
                 return await loop.run_in_executor(self._pool, self._store, conn, request)
             if isinstance(request, Load):
                 return await loop.run_in_executor(self._pool, self._load, conn, request)
@@ -427,7 +439,7 @@ class TierAgent:
                 self.store.probe_shared_in_background(request.layout, rest)
         return LookupReply(count=count, where=where)
 
-    def _store(self, conn: Connection, request: Store) -> StoreReply:
+    def _payloads(self, conn: Connection, request: Store) -> list[Any]:
         conn.check(request.layout)
         if request.data:
             payloads: list[Any] = list(request.data)
@@ -436,12 +448,34 @@ class TierAgent:
         if len(payloads) != len(request.hashes):
             raise ValueError(f"{len(request.hashes)} hashes but {len(payloads)} blocks")
         self.metrics.bytes_stored.inc(sum(len(p) for p in payloads))
+        return payloads
+
+    @staticmethod
+    def _release(payloads: list[Any]) -> None:
+        for p in payloads:
+            if isinstance(p, memoryview):
+                p.release()
+
+    def _store(self, conn: Connection, request: Store) -> StoreReply:
+        payloads = self._payloads(conn, request)
         try:
             stored = self.store.store_chain(request.layout, request.hashes, payloads, request.parent)
         finally:
-            for p in payloads:
-                if isinstance(p, memoryview):
-                    p.release()
+            self._release(payloads)
+        return StoreReply(stored=stored)
+
+    async def _store_inline(self, conn: Connection, request: Store) -> StoreReply:
+        """A small store with a DRAM tier: the copy into DRAM on the event loop (handing it to a thread and back
+        cost more CPU than the copy); only blocks DRAM refuses (bigger than the whole tier) go to the request
+        pool, to be written below."""
+        payloads = self._payloads(conn, request)
+        try:
+            stored, refused = self.store.store_in_memory(request.layout, request.hashes, payloads, request.parent)
+            if refused:
+                stored += await asyncio.get_running_loop().run_in_executor(self._pool, self.store.store_refused,
+                                                                           refused)
+        finally:
+            self._release(payloads)
         return StoreReply(stored=stored)
 
     def _load(self, conn: Connection, request: Load) -> LoadReply:

@@ -39,6 +39,9 @@ LatencyObserver = Callable[[str, TierName, float], None]
 # blocks held in DRAM on their way to a lower tier
 Descent = dict[TierName, list[tuple[BlockKey, HeldBlock]]]
 
+# blocks the DRAM tier refused, with their use counts, on their way to the tiers below it
+Refused = list[tuple[StoreItem, int]]
+
 
 def _lower_tier_counts() -> dict[TierName, int]:
     return {TierName.NVME: 0, TierName.SHARED: 0}
@@ -191,24 +194,43 @@ class TierStore:
         """Store consecutive blocks of one prefix (block i's parent is block i-1); returns how many are held.
         `digests`: the payloads' checksums where the caller knows them (else computed when a block first leaves
         DRAM)."""
+        if self.dram is None:
+            _keys, items, uses = self._chain(layout, hashes, payloads, parent, digests)
+            return self._store_below(self.tiers, items, uses)
+        held, refused = self.store_in_memory(layout, hashes, payloads, parent, digests)
+        return held + self.store_refused(refused)
+
+    def store_in_memory(self, layout: int, hashes: Sequence[BlockHash], payloads: Sequence[Buffer],
+                        parent: BlockHash | None = None,
+                        digests: Sequence[int | None] | None = None) -> tuple[int, Refused]:
+        """The part of `store_chain` that waits for no medium (there must be a DRAM tier): copy the chain into DRAM
+        (what that pushes out, and eager write-through, move down in the background); how many blocks DRAM holds,
+        and the blocks it refused (bigger than the whole tier), for `store_refused` -- while their payloads last."""
+        assert self.dram is not None
+        dram = self.dram
+        keys, items, uses = self._chain(layout, hashes, payloads, parent, digests)
+        contains = dram.contains
+        self._write(dram, items, [contains(key) for key in keys])
+        dram.touch(keys)
+        refused = [(item, n) for item, n in zip(items, uses, strict=True) if not contains(item.key)]
+        if self.policy.eager:  # every block, not just new ones: a block stored again may now be admitted below
+            self._write_through(dram, list(zip(keys, uses, strict=True)))
+        return len(items) - len(refused), refused
+
+    def store_refused(self, refused: Refused) -> int:
+        """Write blocks DRAM refused to the tiers below it now; how many they hold."""
+        if not refused or self.dram is None:
+            return 0
+        return self._store_below(self._below(self.dram), [it for it, _n in refused], [n for _it, n in refused])
+
+    def _chain(self, layout: int, hashes: Sequence[BlockHash], payloads: Sequence[Buffer], parent: BlockHash | None,
+               digests: Sequence[int | None] | None) -> tuple[list[BlockKey], list[StoreItem], list[int]]:
         keys: list[BlockKey] = [(layout, h) for h in hashes]
         parents: list[BlockKey | None] = [(layout, parent) if parent is not None else None, *keys[:-1]]
         uses = self.uses.bump_all(keys)
         items = [StoreItem(k, p, d, par) for k, p, d, par in zip(keys, payloads, digests or [None] * len(keys),
                                                                  parents, strict=True)]
-        dram = self.dram
-        if dram is None:
-            return self._store_below(self.tiers, items, uses)
-        contains = dram.contains
-        self._write(dram, items, [contains(key) for key in keys])
-        dram.touch(keys)
-        refused = [(item, n) for item, n in zip(items, uses, strict=True) if not contains(item.key)]
-        held = len(items) - len(refused)
-        if refused:  # bigger than the whole DRAM tier
-            held += self._store_below(self._below(dram), [it for it, _n in refused], [n for _it, n in refused])
-        if self.policy.eager:  # every block, not just new ones: a block stored again may now be admitted below
-            self._write_through(dram, list(zip(keys, uses, strict=True)))
-        return held
+        return keys, items, uses
 
     def _store_below(self, tiers: list[Tier], items: list[StoreItem], uses: list[int]) -> int:
         """No DRAM tier (or blocks bigger than it): write to the lower tiers now, each block to the first that

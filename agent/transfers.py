@@ -13,6 +13,7 @@ once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -28,6 +29,8 @@ import torch
 from agent.block_mover import BlockMover, Failure, LoadResult
 
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
+
+THREAD_NAME = "kvgate-xfer"  # the transfer thread's OS name (at most 15 characters)
 
 
 @dataclass
@@ -63,7 +66,7 @@ class TransferThread:
         device = mover.copier.device
         self._device = device if device.type == "cuda" else None
         self._stream: Any = torch.cuda.Stream(device) if self._device is not None else None
-        self._thread = threading.Thread(target=self._run, name="kvgate-transfers", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     # -- the step's side -------------------------------------------------------------------------------------
@@ -128,6 +131,7 @@ class TransferThread:
     # -- the thread ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        _name_native_thread(THREAD_NAME)
         if self._device is not None:
             torch.cuda.set_device(self._device)
         else:
@@ -178,6 +182,16 @@ class TransferThread:
         self.save_failures.update(self.mover.save_failures)
         self.mover.load_failures.clear()
         self.mover.save_failures.clear()
+
+
+def _name_native_thread(name: str) -> None:
+    """Name the OS thread (/proc/PID/task/TID/comm, top -H), so its CPU time can be told from the engine's
+    (bench/connector_throughput.py does); Python names only its own thread object."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        return
 
 
 def _leave_the_compute_cores() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.make_model import write_model
-from bench.overhead import tree_cpu_seconds
+from bench.overhead import named_threads_cpu_seconds, tree_cpu_seconds
 from bench.sim.launch import AgentSettings, agent_process
 from bench.vllm_engine import BLOCK_SIZE, MODEL_NAME, EngineServer, start_engine
 
@@ -38,11 +38,18 @@ def _complete(url: str, prompt: str, max_tokens: int) -> tuple[int, int]:
     return int(usage["prompt_tokens"]), int(usage["completion_tokens"])
 
 
+TRANSFER_THREAD = "kvgate-xfer"  # the connector's transfer thread names itself so (agent/transfers.py, THREAD_NAME)
+
+
 def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tuple[int, ...] = ()) -> dict[str, float]:
     """`args.requests` unique prompts through `args.concurrency` clients; requests/s, tokens/s and the CPU time
-    the server (and `pids`: its agent) used per request -- which the machine's other load does not inflate."""
+    the server (and `pids`: its agent) used per request, and of that the connector's own: its transfer thread and
+    the agent. The server's total is inflated by vLLM's busy-waiting (its engine core and worker poll with
+    sched_yield while the other works) by as much as the machine leaves free; the connector's threads do not
+    poll, so their share is what the connector costs."""
     assert server.proc is not None
     server_cpu = tree_cpu_seconds(server.proc.pid)
+    transfer_cpu = named_threads_cpu_seconds(server.proc.pid, TRANSFER_THREAD)
     agent_cpu = sum(tree_cpu_seconds(pid) for pid in pids)
     words = " ".join(f"w{i} alpha beta gamma" for i in range(args.prompt_words))
     prompts = [f"{salt} request {i} {words}" for i in range(args.requests)]
@@ -51,6 +58,7 @@ def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tu
         usages = list(pool.map(lambda p: _complete(server.url, p, args.max_tokens), prompts))
     seconds = time.monotonic() - start
     server_cpu = tree_cpu_seconds(server.proc.pid) - server_cpu
+    transfer_cpu = named_threads_cpu_seconds(server.proc.pid, TRANSFER_THREAD) - transfer_cpu
     agent_cpu = sum(tree_cpu_seconds(pid) for pid in pids) - agent_cpu
     prompt_tokens = sum(u[0] for u in usages)
     completion_tokens = sum(u[1] for u in usages)
@@ -58,7 +66,8 @@ def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tu
             "tokens_per_s": (prompt_tokens + completion_tokens) / seconds, "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "cpu_ms_per_request": 1000 * (server_cpu + agent_cpu) / len(prompts),
-            "agent_cpu_ms_per_request": 1000 * agent_cpu / len(prompts)}
+            "agent_cpu_ms_per_request": 1000 * agent_cpu / len(prompts),
+            "transfer_cpu_ms_per_request": 1000 * transfer_cpu / len(prompts)}
 
 
 def _agent_metric(port: int, name: str) -> float:
@@ -117,11 +126,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# CPU per request (server tree, plus the agent with the connector): without {cpu['without']:.1f} ms")
     for mode in modes:
         agent_cpu = statistics.median(r["agent_cpu_ms_per_request"] for r in results[mode])
+        transfer_cpu = statistics.median(r["transfer_cpu_ms_per_request"] for r in results[mode])
         # each round's ratio to the plain replica's round just before it: the machine's load drifts less within one
         pairs = [w["tokens_per_s"] / o["tokens_per_s"] for w, o in zip(results[mode], results["without"], strict=True)]
         print(f"# {mode} / without: {median[mode] / median['without']:.3f} (median tokens/s), paired rounds "
               f"median {statistics.median(pairs):.3f} ({', '.join(f'{p:.2f}' for p in pairs)}); CPU per request "
-              f"{cpu[mode]:.1f} ms (the agent {agent_cpu:.1f} ms of it), without / {mode} "
+              f"{cpu[mode]:.1f} ms (the agent {agent_cpu:.1f} ms of it, the transfer thread {transfer_cpu:.1f} ms), "
+              f"without / {mode} "
               f"{cpu['without'] / cpu[mode]:.3f} (the throughput ratio on a machine where the replica has the CPUs "
               f"to itself)")
 

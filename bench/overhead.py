@@ -166,6 +166,26 @@ def tree_cpu_seconds(pid: int) -> float:
     return total / CLOCK_TICKS
 
 
+def named_threads_cpu_seconds(pid: int, name: str) -> float:
+    """User + system CPU time of the threads called `name` in a process and every process below it."""
+    total = 0
+    for p in _descendants(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if stat[stat.index("(") + 1: stat.rindex(")")] == name:
+                fields = stat.rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+    return total / CLOCK_TICKS
+
+
 @dataclass
 class Router:
     """One router process in front of the stand-ins."""

@@ -325,3 +325,19 @@ def test_write_through_counts_each_block_once_when_a_hit_comes_before_the_store_
     executor.run_held()
     assert store.nvme is not None and all(store.nvme.contains((LAYOUT, h)) for h in hashes)
     assert store.flow.write_through[TierName.NVME] == 10
+
+
+
+def test_the_in_memory_part_of_a_store_writes_no_medium(tmp_path: Path) -> None:
+    """What the agent's event loop does itself (`store_in_memory`): a chain longer than the DRAM tier keeps its head
+    in DRAM and hands back its tail, which reaches NVMe only through `store_refused` (the request pool's part)."""
+    store = make_store(tmp_path, dram_capacity=3 * SIZE, shared_backend="none", write_policy="eager")
+    held, refused = store.store_in_memory(LAYOUT, list(range(6)), [payload(i) for i in range(6)])
+    assert held == 3 and [item.key[1] for item, _uses in refused] == [3, 4, 5]
+    assert store.lookup(LAYOUT, list(range(6))) == (3, "CCC")
+    assert store.store_refused(refused) == 3
+    store.drain()
+    assert store.lookup(LAYOUT, list(range(6))) == (6, "CCCDDD")
+    loaded = outs(6)
+    assert store.load_chain(LAYOUT, list(range(6)), loaded) == [SIZE] * 6
+    assert [bytes(b) for b in loaded] == [payload(i) for i in range(6)]
