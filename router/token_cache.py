@@ -41,6 +41,7 @@ SEAM_MARGIN = 16  # bytes of shared text left after the seam: what a pre-tokeniz
 OVERLAP_TOKENS = 6  # cached tokens before the seam that the window's encoding must reproduce
 _ENTRY_OVERHEAD = 400  # bytes of an entry besides its arrays and text (objects, dict and LRU slots)
 _LINK_BYTES = 100  # bytes of one link in the index (a dict slot and an int)
+_KEY_BYTES = 40  # bytes of one block key in a tuple (a pointer and an int)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,28 +78,22 @@ class Lookup:
 
 # One recently encoded prompt: (data, seed, ids, ends, links, root, keys, size) -- its text as UTF-8; the tokenizer
 # and whether special tokens were added (what the ids depend on); the token ids (uint32); each token's end in bytes of
-# the text (uint32, 0 for special tokens added in front); the text's hash chain (uint64); the block keys' root (model,
-# adapter, namespace); the block keys (uint64); the bytes counted against the bound. A plain tuple of bytes and ints,
-# which the cycle collector stops tracking after its first pass: an object of a class (or an array, or a list) would
+# the text (uint32, 0 for special tokens added in front); the text's hash chain; the block keys' root (model, adapter,
+# namespace); the block keys; the bytes counted against the bound. Plain tuples of bytes and ints, which the cycle
+# collector stops tracking after its first pass: an object of a class (or an array, or a list) would
 # stay tracked, and every full collection walks what is tracked with the GIL held (1,783 cached prompts, each an
 # object with two arrays and two lists: 14-16 ms of CPU per collection in the gateway, the event loop stalled).
-_Entry = tuple[bytes, int, bytes, bytes, bytes, BlockKey, bytes, int]
+_Entry = tuple[bytes, int, bytes, bytes, tuple[int, ...], BlockKey, tuple[BlockKey, ...], int]
 
 
 def _entry(data: bytes, seed: int, ids: bytes, ends: bytes, links: list[int], root: BlockKey,
            keys: list[BlockKey]) -> _Entry:
-    size = sys.getsizeof(data) + 2 * len(ids) + _LINK_BYTES * len(links) + 8 * len(keys) + _ENTRY_OVERHEAD
-    return data, seed, ids, ends, array("Q", links).tobytes(), root, array("Q", keys).tobytes(), size
+    size = sys.getsizeof(data) + 2 * len(ids) + _LINK_BYTES * len(links) + _KEY_BYTES * len(keys) + _ENTRY_OVERHEAD
+    return data, seed, ids, ends, tuple(links), root, tuple(keys), size
 
 
 def _u32(data: bytes) -> array[int]:
     out = array("I")
-    out.frombytes(data)
-    return out
-
-
-def _u64(data: bytes) -> array[int]:
-    out = array("Q")
     out.frombytes(data)
     return out
 
@@ -181,7 +176,7 @@ class TokenCache:
             cached_ids, cached_ends, cached_root, cached_keys = entry[2], entry[3], entry[5], entry[6]
             if lookup.shared == len(data) == len(entry[0]):  # the same prompt again
                 ids = _u32(cached_ids)
-                keys = (_u64(cached_keys).tolist() if cached_root == root
+                keys = (list(cached_keys) if cached_root == root
                         else chain_keys(ids, self.block_size, root))
                 self.hits += 1
                 self._store(entry, _entry(data, seed, cached_ids, cached_ends, links, root, keys))
@@ -189,8 +184,8 @@ class TokenCache:
             spliced = self._splice(tokenizer, entry, data, lookup.shared)
             if spliced is not None:
                 ids, ends, kept, same = spliced
-                reused = min(same // self.block_size, len(cached_keys) // 8) if cached_root == root else 0
-                keys = _u64(cached_keys[:8 * reused]).tolist()
+                reused = min(same // self.block_size, len(cached_keys)) if cached_root == root else 0
+                keys = list(cached_keys[:reused])
                 keys += chain_keys(ids[reused * self.block_size:], self.block_size, keys[-1] if keys else root)
                 self.hits += 1
                 self._store(entry, _entry(data, seed, ids.tobytes(), ends.tobytes(), links, root, keys))
@@ -258,7 +253,7 @@ class TokenCache:
             self._entries[id(new)] = new
             self.bytes += new[7]
             index = self._links
-            for link in _u64(new[4]):
+            for link in new[4]:
                 index[link] = new
             while self.bytes > self.max_bytes:
                 self._drop(next(iter(self._entries.values())))
@@ -267,6 +262,6 @@ class TokenCache:
         del self._entries[id(entry)]
         self.bytes -= entry[7]
         index = self._links
-        for link in _u64(entry[4]):
+        for link in entry[4]:
             if index.get(link) is entry:
                 del index[link]
