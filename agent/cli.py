@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 
 from agent.config import ENV_PREFIX, AgentConfig
@@ -11,6 +12,11 @@ from kvcore.aio import run_until_signalled
 from kvcore.config import ConfigError, add_config_arguments, describe, load_config
 
 log = logging.getLogger(__name__)
+
+# The agent holds a few objects per block (hundreds of thousands), long-lived, and allocates a few more per block
+# stored; at Python's default first threshold (700) its collector ran every couple of stores and cost a quarter of
+# the CPU of a store (36 blocks: 0.22 -> 0.16 ms in process). Cycles are rare here; they are still collected.
+GC_THRESHOLDS = (50_000, 20, 100)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,5 +30,6 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     log.info("tier agent config: %s", describe(config, hide=("shared_secret",)))
+    gc.set_threshold(*GC_THRESHOLDS)
     run_until_signalled(TierAgent(config).serve_forever())
     return 0
