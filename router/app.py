@@ -304,6 +304,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                            outcome=entry.outcome if entry is not None else None)
 
 
+GC_YOUNG_THRESHOLD = 2000  # allocations between young collections in a serving process (Python's default: 700)
 PARSE_INLINE_BYTES = 64 * 1024  # bodies larger than this are parsed in a thread
 
 
@@ -466,6 +467,9 @@ async def run_gateway(config: GatewayConfig, strategy: Strategy, process: Gatewa
         # what start-up made (modules, the app, the strategy) lives as long as the process: out of the cycle
         # collector's sight, or each full collection walks it with the GIL held (60,000 objects, 30-150 ms)
         gc.freeze()
+        # a young collection every 2,000 allocations, not 700: most of a request's objects are gone by then
+        # (collector CPU at c64 about 35 -> 18 us per request, its longest pause the same, 3-4 ms)
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
         await asyncio.Event().wait()
 
 
