@@ -188,14 +188,30 @@ class BlockPool:
             raise ValueError(f"cannot get {n} free blocks from the pool ({self.num_free_blocks} free)")
         out = []
         evicted: list[EventHash] = []
-        popleft = self.free_queue.popleft
+        queue = self.free_queue
+        cached = self.cached
+        # the queue's popleft and `_evict`, inline: this runs for every block a prefill computes
+        head = queue._head
         for _ in range(n):
-            block = popleft()
-            if block.block_hash is not None:
-                self._evict(block)
+            block = head.next_free
+            assert block is not None and block is not queue._tail
+            nxt = block.next_free
+            assert nxt is not None
+            head.next_free = nxt
+            nxt.prev_free = head
+            block.prev_free = block.next_free = None
+            digest = block.block_hash
+            if digest is not None:
+                holders = cached.get(digest)
+                if holders is not None:
+                    holders.pop(block.block_id, None)
+                    if not holders:
+                        del cached[digest]
+                block.block_hash = None
                 evicted.append(block.event_hash)
             block.ref_cnt += 1
             out.append(block)
+        queue.num_free_blocks -= n
         if evicted and self.enable_events:
             if self.removals_per_block:
                 self.events.extend(BlockRemoved(block_hashes=[h], medium=GPU, group_idx=0) for h in evicted)
@@ -222,10 +238,21 @@ class BlockPool:
 
     def free_blocks(self, ordered: Iterable[KvBlock]) -> None:
         """Release blocks in eviction order: the first one freed is the first one evicted."""
-        for block in ordered:
+        queue = self.free_queue
+        tail = queue._tail
+        null = self.null_block
+        freed = 0
+        for block in ordered:  # the queue's append, inline: this runs for every block of every request
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and block is not self.null_block:
-                self.free_queue.append(block)
+            if block.ref_cnt == 0 and block is not null:
+                last = tail.prev_free
+                assert last is not None
+                last.next_free = block
+                block.prev_free = last
+                block.next_free = tail
+                tail.prev_free = block
+                freed += 1
+        queue.num_free_blocks += freed
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use, as vLLM does."""
