@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--prompt-words", type=int, default=120, help="~4 tokens each")
+    parser.add_argument("--prompt-words", type=int, default=120, help="about 10 tokens each")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--modes", default="async,sync", help="connector modes to run beside the plain replica")
     args = parser.parse_args(argv)
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
             agent.stop()
     median = {name: statistics.median(r["tokens_per_s"] for r in rows) for name, rows in results.items()}
     median_rps = {name: statistics.median(r["requests_per_s"] for r in rows) for name, rows in results.items()}
-    print(f"# {args.rounds} interleaved rounds of {args.requests} unique prompts (~{4 * args.prompt_words} tokens, "
+    prompt = statistics.mean(r["prompt_tokens"] for rows in results.values() for r in rows) / args.requests
+    print(f"# {args.rounds} interleaved rounds of {args.requests} unique prompts ({prompt:.0f} tokens, "
           f"{args.max_tokens} generated), {args.concurrency} clients; agent bytes stored: {stored / 2**20:.1f} MiB")
     for name in results:
         print(f"# {name:<8} connector: median {median[name]:8.1f} tokens/s, {median_rps[name]:6.2f} requests/s")
