@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, cast
 
 from agent.block import BlockHash, BlockKey, checksum
 from agent.config import AgentConfig
+from agent.policy import UseCounter
 from agent.store import TierStore
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 from agent.tiers.dram import DramTier
@@ -222,6 +223,21 @@ class FleetSharedTier(SharedTier):
         return self.backend.keys()
 
 
+class HashUseCounter(UseCounter):
+    """The agent's use counter keyed by block hash alone (the simulation has one layout): the same counts and the
+    same forgetting, without keeping a (layout, hash) tuple alive per counted block (up to 262,144 per replica,
+    most of them no longer in any tier)."""
+
+    def bump(self, key: BlockKey) -> int:
+        return super().bump(cast(BlockKey, key[1]))
+
+    def bump_all(self, keys: list[BlockKey]) -> list[int]:
+        return super().bump_all(cast(list[BlockKey], [key[1] for key in keys]))
+
+    def get(self, key: BlockKey) -> int:
+        return self._counts.get(cast(BlockKey, key[1]), 0)
+
+
 class ReplicaAgent:
     """One replica's tier agent: the agent's `TierStore` over the model's tiers."""
 
@@ -234,6 +250,7 @@ class ReplicaAgent:
         # vsim's gateway places the agent's blocks by their hash: one event per write, not per chain
         self.store = TierStore(config, dram=dram, nvme=nvme, shared=shared, executor=InlineExecutor(),
                                chain_events=False)
+        self.store.uses = HashUseCounter()
         self._buffer = memoryview(bytearray(1))
 
     def save(self, hashes: Sequence[int], parent: int | None) -> None:
