@@ -132,10 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         pairs = [w["tokens_per_s"] / o["tokens_per_s"] for w, o in zip(results[mode], results["without"], strict=True)]
         print(f"# {mode} / without: {median[mode] / median['without']:.3f} (median tokens/s), paired rounds "
               f"median {statistics.median(pairs):.3f} ({', '.join(f'{p:.2f}' for p in pairs)}); CPU per request "
-              f"{cpu[mode]:.1f} ms (the agent {agent_cpu:.1f} ms of it, the transfer thread {transfer_cpu:.1f} ms), "
-              f"without / {mode} "
-              f"{cpu['without'] / cpu[mode]:.3f} (the throughput ratio on a machine where the replica has the CPUs "
-              f"to itself)")
+              f"{cpu[mode]:.1f} ms (the agent {agent_cpu:.1f} ms of it, the transfer thread {transfer_cpu:.1f} ms); "
+              f"the connector's own CPU is {(agent_cpu + transfer_cpu) / cpu['without']:.1%} of the plain replica's "
+              f"(the totals include vLLM's busy-waiting, which grows with the CPU the machine leaves free)")
 
 
 if __name__ == "__main__":
