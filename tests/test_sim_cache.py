@@ -239,3 +239,21 @@ def test_a_new_request_is_admitted_only_if_its_whole_prompt_fits() -> None:
     s.update_from_output(out, 0.0)
     run_until_idle(s)
     assert "big" not in s.requests   # admitted and finished once the holder was done
+
+
+def test_a_hash_held_by_two_blocks_is_found_until_both_are_evicted() -> None:
+    """Two requests that computed the same block before either was cached each cache it: the pool finds the first
+    block to get the hash, then, once that one is evicted, the other; the hash is gone with the last one."""
+    pool = BlockPool(3, BS, event_hash)  # the null block and these two
+    [h] = hashes([1, 2, 3, 4])
+    first, second = pool.get_new_blocks(2)
+    pool.cache_full_blocks([first], [h], 0, 1, [1, 2, 3, 4])
+    pool.cache_full_blocks([second], [h], 0, 1, [1, 2, 3, 4])
+    assert pool.get_cached_block(h) is first
+    assert pool.cached_hashes() == {event_hash(h): 2}
+    pool.free_blocks([first, second])
+    [reused] = pool.get_new_blocks(1)  # the head of the free queue: `first` is evicted
+    assert reused is first and pool.get_cached_block(h) is second
+    assert pool.cached_hashes() == {event_hash(h): 1}
+    pool.get_new_blocks(1)
+    assert pool.get_cached_block(h) is None and pool.cached_hashes() == {}

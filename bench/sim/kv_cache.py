@@ -118,8 +118,9 @@ class BlockPool:
         self.blocks = [KvBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.null_block = self.free_queue.popleft()
-        # a hash can be held by several blocks when two requests computed the same block before either was cached
-        self.cached: dict[Digest, dict[int, KvBlock]] = {}
+        # hash -> the block holding it, or (rarely: two requests computed the same block before either was cached)
+        # the blocks holding it by id, in the order they got it; a map per cached block cost 224 bytes each
+        self.cached: dict[Digest, KvBlock | dict[int, KvBlock]] = {}
         self._event_hash: Callable[[Digest], EventHash] = event_hash or _as_event_hash
         self._identity = event_hash is None
         self.enable_events = enable_events
@@ -137,9 +138,9 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: Digest) -> KvBlock | None:
         holders = self.cached.get(block_hash)
-        if not holders:
-            return None
-        return next(iter(holders.values()))
+        if holders is None or type(holders) is KvBlock:
+            return holders
+        return next(iter(holders.values()))  # type: ignore[union-attr]
 
     def cache_full_blocks(self, blocks: Sequence[KvBlock], block_hashes: Sequence[Digest], num_cached: int,
                           num_full: int, token_ids: Sequence[int],
@@ -166,9 +167,11 @@ class BlockPool:
             block.event_hash = event
             holders = cached.get(digest)
             if holders is None:
-                cached[digest] = {block.block_id: block}
+                cached[digest] = block
+            elif type(holders) is KvBlock:
+                cached[digest] = {holders.block_id: holders, block.block_id: block}
             else:
-                holders[block.block_id] = block
+                holders[block.block_id] = block  # type: ignore[index]
             new_hashes.append(event)
         if self.enable_events and new_hashes:
             bs = self.block_size
@@ -189,8 +192,7 @@ class BlockPool:
         out = []
         evicted: list[EventHash] = []
         queue = self.free_queue
-        cached = self.cached
-        # the queue's popleft and `_evict`, inline: this runs for every block a prefill computes
+        # the queue's popleft, inline: this runs for every block a prefill computes
         head = queue._head
         for _ in range(n):
             block = head.next_free
@@ -200,14 +202,8 @@ class BlockPool:
             head.next_free = nxt
             nxt.prev_free = head
             block.prev_free = block.next_free = None
-            digest = block.block_hash
-            if digest is not None:
-                holders = cached.get(digest)
-                if holders is not None:
-                    holders.pop(block.block_id, None)
-                    if not holders:
-                        del cached[digest]
-                block.block_hash = None
+            if block.block_hash is not None:
+                self._evict(block)
                 evicted.append(block.event_hash)
             block.ref_cnt += 1
             out.append(block)
@@ -223,9 +219,13 @@ class BlockPool:
         digest = block.block_hash
         assert digest is not None
         holders = self.cached.get(digest)
-        if holders is not None:
+        if holders is block:
+            del self.cached[digest]
+        elif isinstance(holders, dict):
             holders.pop(block.block_id, None)
-            if not holders:
+            if len(holders) == 1:  # one holder left: the block itself again
+                self.cached[digest] = next(iter(holders.values()))
+            elif not holders:
                 del self.cached[digest]
         block.block_hash = None
 
@@ -271,7 +271,8 @@ class BlockPool:
 
     def cached_hashes(self) -> dict[EventHash, int]:
         """Every cached block hash (as events carry it) → how many blocks hold it."""
-        return {self._event_hash(d): len(holders) for d, holders in self.cached.items()}
+        return {self._event_hash(d): 1 if type(holders) is KvBlock else len(holders)  # type: ignore[arg-type]
+                for d, holders in self.cached.items()}
 
     def free_order(self) -> list[int]:
         """Block ids in the order they would be reused (the head is evicted first)."""
