@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby, repeat
+from operator import mul, or_
 
 from kvcore.kv_events import CPU, DISK, GPU, SHARED
 from router.block_keys import BlockKey
@@ -107,14 +109,17 @@ class InMemoryKvIndex(KvBlockIndex):
             return runs
         ends: dict[int, int] = {}
         live = wanted
-        for i, key in enumerate(keys):
-            held = gpu.get(key, 0)
-            if lower:
-                held |= cpu.get(key, 0) | disk.get(key, 0)
-                if key in shared:
-                    held = wanted
-            held &= live
-            if held != live:
+        # per block, the workers holding it on any tier (all of them where it is in the shared tier): a lazy chain
+        # of C maps, so the Python loop below does one test per block and stops where the last run ends
+        masks: Iterator[int] = map(gpu.get, keys, repeat(0))
+        if lower:
+            masks = map(or_, masks, map(cpu.get, keys, repeat(0)))
+            masks = map(or_, masks, map(disk.get, keys, repeat(0)))
+            if shared:
+                masks = map(or_, masks, map(mul, map(shared.__contains__, keys), repeat(wanted)))
+        for i, held in enumerate(masks):
+            if held & live != live:
+                held &= live
                 gone = live & ~held
                 while gone:
                     low = gone & -gone
@@ -143,16 +148,22 @@ class InMemoryKvIndex(KvBlockIndex):
                 continue
             counted.append((wid, blocks, run.by_tier))
         if counted:
-            # each block by the cheapest tier the worker holds it on (none of its own: the shared tier); a
-            # block's three masks are read once for all workers
-            longest = max(blocks for _wid, blocks, _by_tier in counted)
-            for i, key in enumerate(keys[:longest]):
-                on_gpu, on_cpu, on_disk = gpu.get(key, 0), cpu.get(key, 0), disk.get(key, 0)
+            # each block by the cheapest tier the worker holds it on (none of its own: the shared tier). A
+            # prompt's blocks come in runs held alike (a system prompt, then a question): the three masks are read
+            # in one C pass, and each run of equal masks is counted once for all workers
+            head = keys[: max(blocks for _wid, blocks, _by_tier in counted)]
+            start = 0
+            for (on_gpu, on_cpu, on_disk), same in groupby(zip(map(gpu.get, head, repeat(0)),
+                                                              map(cpu.get, head, repeat(0)),
+                                                              map(disk.get, head, repeat(0)), strict=True)):
+                end = start + len(list(same))
                 for wid, blocks, by_tier in counted:
-                    if i < blocks:
+                    n = min(blocks, end) - start
+                    if n > 0:
                         tier = (GPU if on_gpu >> wid & 1 else CPU if on_cpu >> wid & 1
                                 else DISK if on_disk >> wid & 1 else SHARED)
-                        by_tier[tier] = by_tier.get(tier, 0) + 1
+                        by_tier[tier] = by_tier.get(tier, 0) + n
+                start = end
         return runs
 
     def add(self, worker: str, keys: Iterable[BlockKey], tier: str) -> None:

@@ -24,13 +24,13 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 
 from prometheus_client import CollectorRegistry
 
 from kvcore.config import option
 from kvcore.kv_events import CPU, DISK, GPU, SHARED
-from router.block_keys import longest_run
-from router.config import GatewayConfig
+from router.config import GatewayConfig, WorkerSpec
 from router.kv_index import KvBlockIndex
 from router.kv_transport import cache_name
 from router.pool import Worker
@@ -74,6 +74,7 @@ class KvAware(Strategy):
         self.index: KvBlockIndex | None = None
         self._trusted: Callable[[str], bool] = lambda url: False
         self._ranks: dict[str, int | None] = {}  # this decision's best rank per data-parallel worker
+        self._spec_caches: dict[str, tuple[WorkerSpec, list[tuple[int | None, str]]]] = {}  # url -> (spec, caches)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         self.balance.register_metrics(registry)
@@ -112,38 +113,55 @@ class KvAware(Strategy):
         if not keys:
             return [Holding() for _ in workers]
         bs = self.balance.block_size
-        caches = {w.url: w.spec.caches() for w in workers}
-        known = [cache for w in workers for _, cache in caches[w.url] if self._trusted(cache)]
+        trusted = self._trusted
+        caches = [self._caches_of(w) for w in workers]
+        known = [cache for worker_caches in caches for _, cache in worker_caches if trusted(cache)]
         runs = self.index.lookup(keys, known) if self.index is not None and known else {}
         guessed = self.balance.trie.match(keys)
+        pending = self.pending
+        saving = self.saving
         out: list[Holding] = []
-        for worker in workers:
-            # where the prefix was sent before keeps a weaker pull: it keeps a group on one worker when the
-            # engines have evicted it everywhere, instead of scattering copies of it over the fleet
-            affinity = self.affinity * min(guessed.get(worker.url, 0) * bs, cacheable)
-            best: tuple[float, Holding] | None = None  # (tokens saved, holding) of its best cache
-            for rank, cache in caches[worker.url]:
-                run = runs.get(cache)
-                if run is None:
-                    continue
-                fresh = self.pending.match(keys, cache)
-                if fresh > run.blocks:  # routed there just now: count the blocks its events will announce
-                    blocks, by_tier = fresh, {**run.by_tier, GPU: run.by_tier.get(GPU, 0) + fresh - run.blocks}
-                else:
-                    blocks, by_tier = run.blocks, run.by_tier
-                tokens = min(blocks * bs, cacheable)
-                weight = sum(self.saving[tier] * n for tier, n in by_tier.items()) / blocks if blocks else 0.0
-                if best is None or tokens * weight > best[0]:
-                    best = (tokens * weight, Holding(tokens, _tokens_by_tier(by_tier, bs, cacheable), rank,
-                                                     tokens * weight, affinity))
+        for worker, worker_caches in zip(workers, caches, strict=True):
+            url = worker.url
+            best: Holding | None = None  # the holding of its best cache (most tokens saved)
+            if runs:
+                # where the prefix was sent before keeps a weaker pull: it keeps a group on one worker when the
+                # engines have evicted it everywhere, instead of scattering copies of it over the fleet
+                affinity = self.affinity * min(guessed.get(url, 0) * bs, cacheable)
+                for rank, cache in worker_caches:
+                    run = runs.get(cache)
+                    if run is None:
+                        continue
+                    fresh = pending.match(keys, cache)
+                    if fresh > run.blocks:  # routed there just now: count the blocks its events will announce
+                        blocks, by_tier = fresh, {**run.by_tier, GPU: run.by_tier.get(GPU, 0) + fresh - run.blocks}
+                    else:
+                        blocks, by_tier = run.blocks, run.by_tier
+                    tokens = min(blocks * bs, cacheable)
+                    weight = 0.0
+                    if blocks:
+                        for tier, n in by_tier.items():
+                            weight += saving[tier] * n
+                        weight /= blocks
+                    if best is None or tokens * weight > best.saved:
+                        best = Holding(tokens, _tokens_by_tier(by_tier, bs, cacheable), rank, tokens * weight,
+                                       affinity)
             if best is None:  # no trustworthy events: the approximate trie, as `prefix` does
-                blocks = max(guessed.get(worker.url, 0), self.pending.match(keys, worker.url))
+                blocks = max(guessed.get(url, 0), pending.match(keys, url))
                 tokens = min(blocks * bs, cacheable)
                 out.append(Holding(tokens, {GPU: tokens} if tokens else {}, saved=float(tokens), trusted=False))
                 continue
-            self._ranks[worker.url] = best[1].rank
-            out.append(best[1])
+            self._ranks[url] = best.rank
+            out.append(best)
         return out
+
+    def _caches_of(self, worker: Worker) -> Sequence[tuple[int | None, str]]:
+        """The worker's caches (`WorkerSpec.caches`), built once per spec rather than once per request."""
+        spec = worker.spec
+        known = self._spec_caches.get(worker.url)
+        if known is None or known[0] is not spec:
+            known = self._spec_caches[worker.url] = (spec, spec.caches())
+        return known[1]
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
         if request.block_keys:
@@ -154,9 +172,10 @@ class KvAware(Strategy):
     def forget_worker(self, url: str) -> None:
         self.balance.forget_worker(url)
         self.pending.forget_worker(url)
+        self._spec_caches.pop(url, None)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 3x, and one is built per worker per request
 class Holding:
     """The leading prompt tokens one worker holds for a request: in all, and by tier (GPU / CPU / DISK / SHARED,
     the lowest tiers trimmed first where the run is longer than the cacheable prompt); the data-parallel rank
@@ -171,6 +190,8 @@ class Holding:
     trusted: bool = True
 
 
+_MINUS_ONE = (-1).__add__
+_NOT_POSITIVE = (1).__gt__
 _TRIM_ORDER = (SHARED, DISK, CPU, GPU)  # a run is GPU first, then the tiers it is loaded from
 
 
@@ -210,18 +231,25 @@ class PendingBlocks:
         counts = self._by_worker.get(worker)
         if counts is None:
             return
-        for key in keys:
-            left = counts.get(key, 0) - 1
-            if left > 0:
-                counts[key] = left
-            else:
-                counts.pop(key, None)
+        # one C pass to take one off each key's count, then a Python step only per key that drops to nothing
+        left = list(map(_MINUS_ONE, map(counts.get, keys, repeat(0))))
+        dict.update(counts, zip(keys, left, strict=True))
+        for key in compress(keys, map(_NOT_POSITIVE, left)):
+            counts.pop(key, None)
 
     def match(self, keys: Sequence[int], worker: str) -> int:
         counts = self._by_worker.get(worker)
-        if not counts:
+        if not counts or not keys or keys[0] not in counts:
             return 0
-        return longest_run(len(keys), lambda i: keys[i] in counts)
+        # `longest_run` written out: a callback per probe would cost more than the search does
+        lo, hi = 1, len(keys)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in counts:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def forget_worker(self, worker: str) -> None:
         """Forget a worker's blocks, each data-parallel rank's too."""
