@@ -24,7 +24,6 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
 
 from prometheus_client import CollectorRegistry
 
@@ -190,8 +189,6 @@ class Holding:
     trusted: bool = True
 
 
-_MINUS_ONE = (-1).__add__
-_NOT_POSITIVE = (1).__gt__
 _TRIM_ORDER = (SHARED, DISK, CPU, GPU)  # a run is GPU first, then the tiers it is loaded from
 
 
@@ -231,11 +228,12 @@ class PendingBlocks:
         counts = self._by_worker.get(worker)
         if counts is None:
             return
-        # one C pass to take one off each key's count, then a Python step only per key that drops to nothing
-        left = list(map(_MINUS_ONE, map(counts.get, keys, repeat(0))))
-        dict.update(counts, zip(keys, left, strict=True))
-        for key in compress(keys, map(_NOT_POSITIVE, left)):
-            counts.pop(key, None)
+        for key in keys:
+            left = counts.get(key, 0) - 1
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)  # not `del`: Counter's __delitem__ is Python
 
     def match(self, keys: Sequence[int], worker: str) -> int:
         counts = self._by_worker.get(worker)
