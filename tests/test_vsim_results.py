@@ -116,7 +116,9 @@ def test_a_replay_makes_no_garbage_cycles(trace: Path, vocab: PromptVocabulary, 
     """A replay runs with the cyclic garbage collector off (bench/vsim.py: its collections cost a quarter of a
     tiered replay's CPU time): that is only sound while a replay drops no reference cycle on its way, which would
     then pile up for the whole trace. And the collector is on again afterwards."""
-    gc.collect()
+    for _ in range(10):  # what earlier tests left: finalizers and weakref callbacks free more for the next pass
+        if gc.collect() == 0:
+            break
     gc.disable()
     try:
         settings = None if tiers == "off" else dataclasses.replace(SMALL_TIERS, write_policy=tiers)
