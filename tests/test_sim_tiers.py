@@ -4,7 +4,10 @@ stand-in bytes, the fleet's shared store and its TTL on the virtual clock, and t
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from typing import Any
+
+import pytest
 
 from agent.block import checksum
 from agent.config import AgentConfig
@@ -78,9 +81,12 @@ def test_admission_by_reuse_keeps_one_off_blocks_out_of_the_lower_tiers() -> Non
     assert stored["DISK"] == [1] and stored["SHARED"] == [1]
 
 
-def test_the_nvme_model_is_the_dram_tier_without_prefix_order() -> None:
-    """The simulator's slim NVMe model (an ordered dict of keys) answers, evicts and hands down exactly as the
-    agent's DRAM tier without prefix order, the exact LRU it stands for, under a random mix of operations."""
+@pytest.mark.parametrize("longest", [8, 150])
+def test_the_nvme_model_is_the_dram_tier_without_prefix_order(longest: int) -> None:
+    """The simulator's slim NVMe model (a dict of keys in use order) answers, evicts and hands down exactly as the
+    agent's DRAM tier without prefix order, the exact LRU it stands for, under a random mix of operations; chains
+    of up to 150 blocks into 50 make one write evict more than a run of `OldestFirst` and evict blocks it wrote
+    or touched itself."""
     rng = random.Random(7)
     slim, full = NvmeModel(50, 0.9, 0.6), DramTier(50, 0.9, 0.6, prefix_order=False)
     removed: dict[str, list[Any]] = {"slim": [], "full": []}
@@ -90,7 +96,7 @@ def test_the_nvme_model_is_the_dram_tier_without_prefix_order() -> None:
                                                         for x in r])
     out = memoryview(bytearray(1))
     for _ in range(3000):
-        keys = [(0, rng.randrange(120)) for _ in range(rng.randint(1, 8))]
+        keys = [(0, rng.randrange(120 if longest < 50 else 400)) for _ in range(rng.randint(1, longest))]
         op = rng.random()
         if op < 0.4:
             items = [StoreItem(k, b"\x00", checksum(b"\x00"), (0, 999)) for k in keys]
@@ -112,3 +118,35 @@ def test_the_nvme_model_is_the_dram_tier_without_prefix_order() -> None:
                                                                                 key=lambda k: full._blocks[k].used)
     assert removed["slim"] == removed["full"] and sum(map(len, removed["full"])) > 500
     assert vars(slim.stats) | {"lock": None} == vars(full.stats) | {"lock": None}
+
+
+def test_the_fleet_store_is_an_exact_lru() -> None:
+    """The fleet's store (a dict of block hashes in use order) keeps, expires and forgets blocks exactly as an
+    ordered dict with a bound does, also when one write pushes out more blocks than a run of `OldestFirst`."""
+    rng = random.Random(11)
+    clock = Clock()
+    fleet = FleetBackend(capacity=100, clock=clock)
+    reference: OrderedDict[int, float] = OrderedDict()
+    for _ in range(4000):
+        clock.now += rng.random()
+        keys = [(0, rng.randrange(500)) for _ in range(rng.randint(1, 250))]
+        op = rng.random()
+        if op < 0.4:
+            fleet.put(keys, 30.0)
+            for _layout, h in keys:
+                reference[h] = clock.now + 30.0
+                reference.move_to_end(h)
+                if len(reference) > 100:
+                    reference.popitem(last=False)
+        elif op < 0.8:
+            for key in keys:
+                expiry = reference.get(key[1])
+                live = expiry is not None and expiry > clock.now
+                if live:
+                    reference.move_to_end(key[1])
+                assert fleet.get(key) == live
+        elif op < 0.9:
+            fleet.delete(keys[0])
+            reference.pop(keys[0][1], None)
+        assert [fleet.has(k) for k in keys] == [reference.get(k[1], 0.0) > clock.now for k in keys]
+        assert list(fleet.keys()) == [(0, h) for h, expiry in reference.items() if expiry > clock.now]
