@@ -127,6 +127,9 @@ class VRequest:
     arrival: float = 0.0
     replica: int = -1
     ttft: float | None = None
+    # what it waited for before its first step: the engine's step in progress when it was admitted (0 on an
+    # idle replica), and its whole wait from arrival (tier loads and the requests ahead included)
+    step_wait: float = 0.0
     tier_tokens: dict[str, int] = field(default_factory=dict)
     route: RouteRequest | None = None
     decision: Decision | None = None
@@ -145,6 +148,7 @@ class VirtualReplica:
                                    max_model_len)
         self.worker = Worker(spec=WorkerSpec(self.url), healthy=True, models=frozenset({MODEL}))
         self.busy = False
+        self.step_end = 0.0  # when the step in progress ends (while busy)
         self.out: Any = None
         self.tiers: ReplicaAgent | None = None
         self.upkeep_due = False
@@ -220,6 +224,8 @@ class FleetSimulation:
         self._done = 0
         # what finished requests leave behind
         self._ttft = array("d")
+        self._wait = array("d")       # arrival to first scheduled step, per request
+        self._step_wait = array("d")  # of it, the step in progress when the request was admitted
         self._predicted: list[tuple[float, float]] = []  # (predicted, observed) TTFT, where the strategy predicts
         self._e2e = array("d")
         self._query_tokens = 0
@@ -304,6 +310,7 @@ class FleetSimulation:
         sim = SimRequest(str(req.index), req.token_ids, req.max_tokens, [5] * 8,
                          engine_hashes(req.token_ids, self.block_size), self.now)
         sim.listener = None
+        sim.scheduled_time = -1.0  # not yet: set by the first step that schedules it
         delay = 0.0
         if replica.tiers is not None:
             delay = self._load_from_tiers(replica, sim, req)
@@ -347,6 +354,7 @@ class FleetSimulation:
 
     def _admit(self, replica: VirtualReplica, sim: SimRequest, req: VRequest) -> None:
         sim.arrival_time = req.arrival
+        req.step_wait = replica.step_end - self.now if replica.busy else 0.0
         replica.scheduler.add_request(sim)
         self._by_id[sim.request_id] = req
         if not replica.busy:
@@ -360,8 +368,13 @@ class FleetSimulation:
             return
         replica.busy = True
         replica.out = out
+        now = self.now
+        for c in out.chunks:
+            if c.request.scheduled_time < 0:
+                c.request.scheduled_time = now
         duration = self.profile.step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks])
-        self._push(self.now + duration, "step", replica)
+        replica.step_end = now + duration
+        self._push(replica.step_end, "step", replica)
 
     def _step_done(self, replica: VirtualReplica) -> None:
         sampled, finished = replica.scheduler.update_from_output(replica.out, self.now)
@@ -369,6 +382,8 @@ class FleetSimulation:
             req = self._by_id[sim.request_id]
             if len(sim.output_token_ids) == 1:
                 req.ttft = self.now - req.arrival + self.profile.request_overhead_s
+                self._wait.append(sim.scheduled_time - req.arrival)
+                self._step_wait.append(req.step_wait)
                 assert req.route is not None and req.decision is not None
                 self.strategy.on_first_token(req.route, req.decision, req.ttft)
                 if req.decision.predicted_ttft_s is not None:
@@ -506,6 +521,13 @@ class FleetSimulation:
         for q in (0.5, 0.9, 0.99):
             p = percentile(ttft, q)
             out[f"ttft_ms_p{int(q * 100)}"] = None if p is None else p * 1e3
+        # the wait before a request's first step, and of it the engine's step in progress: a busy engine takes a
+        # new request at its next step, which no router choosing among busy replicas avoids (the TTFT limit has
+        # an idle replica)
+        for name, values in (("wait", self._wait), ("step_wait", self._step_wait)):
+            for q in (0.5, 0.9):
+                p = percentile(values, q)
+                out[f"{name}_ms_p{int(q * 100)}"] = None if p is None else p * 1e3
         out["e2e_ms_p50"] = (percentile(self._e2e, 0.5) or 0.0) * 1e3
         if self._predicted:
             out["ttft_prediction"] = vsim_report.prediction_summary(self._predicted, PREDICTION_PAIRS)
@@ -619,7 +641,9 @@ def describe_row(row: dict[str, Any]) -> str:
     return (f"{row['replicas']:3d} replicas {'tiers' if row['tiers'] else 'gpu  '} {row['strategy']:12s} "
             f"hit {row['hit_rate']:.3f} (gpu {t['gpu']:.3f} dram {t['dram']:.3f} nvme {t['nvme']:.3f} "
             f"shared {t['shared']:.3f})  TTFT p50 {row['ttft_ms_p50']:.0f} p90 {row['ttft_ms_p90']:.0f} "
-            f"p99 {row['ttft_ms_p99']:.0f} ms  imbalance {row['request_imbalance']:.2f}  [{row['wall_s']:.0f} s wall, "
+            f"p99 {row['ttft_ms_p99']:.0f} ms  first step after p50 {row.get('wait_ms_p50') or 0:.1f} ms (step in "
+            f"progress {row.get('step_wait_ms_p50') or 0:.1f})  imbalance {row['request_imbalance']:.2f}  "
+            f"[{row['wall_s']:.0f} s wall, "
             f"{row.get('cpu_s', 0):.0f} s CPU, {row.get('peak_rss_mb', 0):.0f} MB]")
 
 

@@ -58,8 +58,9 @@ def table(report: dict[str, Any]) -> list[str]:
     """The Markdown table: a row per configuration, then the limit."""
     limit = report["ttft_limit"]
     lines = ["| replicas | tiers | strategy | hit rate (of bound) | TTFT p50 / p90 ms | "
-             "speedup over round_robin p50 / p90 | gap closed p50 / p90 | req imbalance | prediction error (median) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "speedup over round_robin p50 / p90 | gap closed p50 / p90 | first step after p50 / p90 ms (step in "
+             "progress p50) | req imbalance | prediction error (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     bound = report["upper_bound"]
     for r in report["results"]:
         s, g = r.get("ttft_speedup_over_round_robin", {}), r.get("ttft_gap_closed", {})
@@ -68,10 +69,12 @@ def table(report: dict[str, Any]) -> list[str]:
             f"| {r['replicas']} | {'on' if r['tiers'] else 'off'} | {r['strategy']} | {r['hit_rate']:.3f} "
             f"({_f(r['hit_rate'] / bound if bound else None, '{:.0%}')}) | {_f(r['ttft_ms_p50'], '{:.0f}')} / "
             f"{_f(r['ttft_ms_p90'], '{:.0f}')} | {_f(s.get('p50'), '{:.2f}')} / {_f(s.get('p90'), '{:.2f}')} | "
-            f"{_f(g.get('p50'), '{:.0%}')} / {_f(g.get('p90'), '{:.0%}')} | {_f(r['request_imbalance'], '{:.2f}')} | "
+            f"{_f(g.get('p50'), '{:.0%}')} / {_f(g.get('p90'), '{:.0%}')} | {_f(r.get('wait_ms_p50'), '{:.1f}')} / "
+            f"{_f(r.get('wait_ms_p90'), '{:.1f}')} ({_f(r.get('step_wait_ms_p50'), '{:.1f}')}) | "
+            f"{_f(r['request_imbalance'], '{:.2f}')} | "
             f"{_f(pred, '{:.1%}')} |")
     lines.append(f"| | | **limit** | {bound:.3f} (100%) | {_f(limit['ttft_ms_p50'], '{:.0f}')} / "
-                 f"{_f(limit['ttft_ms_p90'], '{:.0f}')} | | 100% / 100% | | |")
+                 f"{_f(limit['ttft_ms_p90'], '{:.0f}')} | | 100% / 100% | 0 / 0 | | |")
     return lines
 
 
@@ -80,7 +83,10 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     lines = [f"# kvgate bench vsim — {w['name']}", "", f"Command: `{report.get('command', '')}`  ",
              f"Workload parameters: `{w['params']}`; profile `{report['profile']}`. TTFT in model time. *limit*: "
              "each request's prefill alone with the ideal single-cache hit (bench/vsim_report.py). *gap closed*: "
-             "(round_robin - strategy) / (round_robin - limit).", "", *table(report), "",
+             "(round_robin - strategy) / (round_robin - limit). *first step after*: arrival to the request's first "
+             "engine step (tier loads, requests ahead, and the step in progress when it was admitted: a busy engine "
+             "takes a new request at its next step, which the limit's idle replica does not make it wait for).", "",
+             *table(report), "",
              f"![predicted vs simulated TTFT]({report['prediction_plot']})" if report.get("prediction_plot")
              else "", ""]
     path.write_text("\n".join(lines))

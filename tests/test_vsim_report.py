@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import compare, vsim_report
+from bench.loadgen import percentile
 from bench.sim.perf_model import PROFILES
 from bench.vsim import FleetSimulation, TierSettings
-from bench.workloads import IdealCache, PromptVocabulary, ideal_hit_rate
+from bench.workloads import IdealCache, PromptVocabulary, Workload, WorkloadRequest, ideal_hit_rate
 from tests.test_bench_compare import compare_args
 
 
@@ -56,3 +57,22 @@ def test_vsim_records_ttft_predictions_and_plots_them(tiny_model_dir: Path, tmp_
     vsim_report.write_markdown(report, tmp_path / "r.md")
     text = (tmp_path / "r.md").read_text()
     assert "| 2 | on | ttft |" in text and "**limit**" in text and "p.png" in text
+
+
+def test_rows_report_the_wait_before_each_requests_first_step(tiny_model_dir: Path) -> None:
+    """A request admitted while its replica runs a step waits for the rest of that step (a busy engine takes new
+    requests at its next step); one admitted to an idle replica waits for nothing. The TTFT limit leaves that wait
+    out, so the rows say how much of each strategy's TTFT it is."""
+    vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
+    profile = PROFILES["llama-3.1-8b-h100"]
+    first = WorkloadRequest(list(range(100, 4196)), 1, arrival_s=0.0)
+    step = profile.prefill_time(4096, 0)  # the first request's one prefill step
+    second = WorkloadRequest(list(range(10, 74)), 1, arrival_s=step / 4)
+    alone = WorkloadRequest(list(range(20, 84)), 1, arrival_s=10.0)
+    workload = Workload("two", [first, second, alone])
+    row = FleetSimulation(workload, vocab, strategy="round_robin", replicas=1, gpu_blocks=2000).run()
+    waits = sorted([0.0, 0.0, step * 3 / 4])
+    assert abs(row["step_wait_ms_p90"] / (percentile(waits, 0.9) * 1e3) - 1) < 0.01
+    assert row["step_wait_ms_p50"] == 0.0 and row["wait_ms_p50"] == 0.0
+    assert abs(row["wait_ms_p90"] - row["step_wait_ms_p90"]) < 1e-6
+    assert row["ttft_ms_p99"] > (step * 3 / 4 + profile.prefill_time(64, 0)) * 1e3 * 0.99
