@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from agent.block import BlockKey
 from agent.config import AgentConfig
@@ -30,9 +31,13 @@ class UseCounter:
         n = self._counts.get(key, 0) + 1
         self._counts[key] = n
         if len(self._counts) > self.limit:
-            for old in list(self._counts)[: self.limit // 2]:
-                self._counts.pop(old, None)
+            self._forget()
         return n
+
+    def _forget(self) -> None:
+        """Forget the oldest half, into a new dict: one the old half was popped from keeps its full-size table
+        (twice the memory, with a simulation's eight replicas 80 MB)."""
+        self._counts = dict(islice(self._counts.items(), self.limit // 2, None))
 
     def bump_all(self, keys: list[BlockKey]) -> list[int]:
         """`bump` each key, in order; their counts."""
@@ -43,8 +48,8 @@ class UseCounter:
             n = counts.get(key, 0) + 1
             counts[key] = n
             if len(counts) > limit:
-                for old in list(counts)[: limit // 2]:
-                    counts.pop(old, None)
+                self._forget()
+                counts = self._counts
             out.append(n)
         return out
 

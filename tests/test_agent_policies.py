@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import pytest
 
 from agent.block import HEADER_SIZE
 from agent.config import AgentConfig
-from agent.policy import TierPolicy
+from agent.policy import TierPolicy, UseCounter
 from agent.store import TierStore, build_nvme_tier
 from agent.tiers.base import TierName
 from agent.tiers.dram import DramTier
@@ -341,3 +342,23 @@ def test_the_in_memory_part_of_a_store_writes_no_medium(tmp_path: Path) -> None:
     loaded = outs(6)
     assert store.load_chain(LAYOUT, list(range(6)), loaded) == [SIZE] * 6
     assert [bytes(b) for b in loaded] == [payload(i) for i in range(6)]
+
+
+def test_the_use_counter_forgets_its_oldest_half_when_full() -> None:
+    """Past its limit the counter keeps the newer half of the blocks it counts (by first count), one at a time
+    and in a chain alike, with their counts."""
+    rng = random.Random(3)
+    one, chains = UseCounter(limit=10), UseCounter(limit=10)
+    reference: dict[tuple[int, int], int] = {}
+    for _ in range(300):
+        keys = [(0, rng.randrange(40)) for _ in range(rng.randint(1, 6))]
+        expected = []
+        for key in keys:
+            reference[key] = reference.get(key, 0) + 1
+            expected.append(reference[key])
+            if len(reference) > 10:
+                for old in list(reference)[:5]:
+                    del reference[old]
+        assert [one.bump(k) for k in keys] == expected and chains.bump_all(keys) == expected
+        assert [one.get(k) for k in reference] == list(reference.values()) == [chains.get(k) for k in reference]
+        assert len(one._counts) == len(chains._counts) == len(reference)

@@ -13,7 +13,7 @@ from agent.block import checksum
 from agent.config import AgentConfig
 from agent.tiers.base import StoreItem
 from agent.tiers.dram import DramTier
-from bench.sim.tier_model import FleetBackend, NvmeModel, ReplicaAgent
+from bench.sim.tier_model import FleetBackend, HashKeyedIndex, NvmeModel, OldestFirst, ReplicaAgent
 from kvcore.kv_events import BlockRemoved, BlockStored
 
 
@@ -150,3 +150,42 @@ def test_the_fleet_store_is_an_exact_lru() -> None:
             reference.pop(keys[0][1], None)
         assert [fleet.has(k) for k in keys] == [reference.get(k[1], 0.0) > clock.now for k in keys]
         assert list(fleet.keys()) == [(0, h) for h, expiry in reference.items() if expiry > clock.now]
+
+
+@pytest.mark.parametrize(("run", "forget_after"), [(64, 4096), (3, 5)])
+def test_the_hash_keyed_shared_index_is_an_ordered_dict(monkeypatch: pytest.MonkeyPatch, run: int,
+                                                        forget_after: int) -> None:
+    """Each replica's shared-tier index in the simulation (a dict of hashes in use order) answers, orders and
+    gives up its oldest entries exactly as the ordered dict of block keys it stands for, under a random mix of the
+    operations the shared tier uses (short runs of `OldestFirst` and an early reset exercised too)."""
+    monkeypatch.setattr(OldestFirst, "RUN", run)
+    monkeypatch.setattr(OldestFirst, "FORGET_AFTER", forget_after)
+    rng = random.Random(5)
+    index = HashKeyedIndex()
+    reference: OrderedDict[tuple[int, int], tuple[float, int]] = OrderedDict()
+    for step in range(20000):
+        key = (0, rng.randrange(300))
+        value = (float(step), rng.randrange(3))
+        op = rng.random()
+        if op < 0.35:
+            index[key] = value
+            reference[key] = value
+        elif op < 0.5:
+            if key in reference:
+                index.move_to_end(key)
+                reference.move_to_end(key)
+        elif op < 0.65:
+            assert index.pop(key, None) == reference.pop(key, None)
+        elif op < 0.7 and key in reference:
+            del index[key]
+            del reference[key]
+        elif op < 0.85:
+            for _ in range(rng.randrange(4)):
+                if not reference:
+                    break
+                assert index.popitem(last=False) == reference.popitem(last=False)
+        oldest = index.first()
+        assert oldest == (next(iter(reference.items())) if reference else None)
+        assert (key in index) == (key in reference) and index.get(key) == reference.get(key)
+        assert len(index) == len(reference)
+    assert list(index.items()) == list(reference.items()) and list(index) == list(reference)
