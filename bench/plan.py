@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{source.name}: {source.count} requests, {bound.query_tokens:,} prompt tokens, ideal single-cache hit "
           f"rate {bound.hit_rate:.3f}; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
     started = time.perf_counter()
-    outcome = run_sweep([Job(p.label(), source.count, job, cost=3 if job.tiers else 1)  # tiers: 2-3x the time
+    outcome = run_sweep([Job(p.label(), source.count, job, cost=job.cost)
                          for p, job in zip(points, jobs, strict=True)], simulate,
                         processes=args.jobs, show_progress=not args.no_progress,
                         on_result=lambda i, row: tqdm.write(f"{points[i].label()}: {summary_line(row)}"))

@@ -600,6 +600,19 @@ class VsimJob:
     def label(self) -> str:
         return f"{self.replicas} replicas {'tiers' if self.tiers else 'gpu'} {self.strategy}"
 
+    @property
+    def cost(self) -> float:
+        """What the configuration takes relative to others, for a sweep to start the costliest first: CPU seconds
+        of the whole conversation trace at 8 replicas (README, 'What a replay costs'), per replica."""
+        gpu, tiered = RELATIVE_COST.get(self.strategy, (100.0, 200.0))
+        return (tiered if self.tiers else gpu) * self.replicas / 8
+
+
+# CPU seconds a configuration took on the conversation trace at 8 replicas, without and with tiers (50250bc):
+# with tiers round_robin and least_load cost four times as much, prefix and kv two
+RELATIVE_COST = {"round_robin": (46.0, 182.0), "least_load": (45.0, 181.0), "prefix": (65.0, 114.0),
+                 "kv": (99.0, 215.0)}
+
 
 def request_source(args: argparse.Namespace, vocab: PromptVocabulary, report: TextIO | None = None) -> RequestSource:
     """The workload the options name, as a stream: a trace is read as it is replayed; a generated workload is
@@ -669,10 +682,8 @@ def run(args: argparse.Namespace) -> int:
           f"{bound.hit_rate:.3f}, TTFT limit p50 {limit['ttft_ms_p50'] or 0:.0f} p90 {limit['ttft_ms_p90'] or 0:.0f} "
           f"ms; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
     started = time.perf_counter()
-    # with tiers a configuration takes two to three times as long (measured on the conversation trace)
-    outcome = run_sweep([Job(job.label, source.count, job, cost=3 if job.tiers else 1)
-                         for job in jobs], simulate, processes=args.jobs,
-                        show_progress=not args.no_progress,
+    outcome = run_sweep([Job(job.label, source.count, job, cost=job.cost) for job in jobs], simulate,
+                        processes=args.jobs, show_progress=not args.no_progress,
                         on_result=lambda i, row: print_row(describe_row(row)))
     wall_s = time.perf_counter() - started
     results = [outcome.results[i] for i in sorted(outcome.results)]
