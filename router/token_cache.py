@@ -238,9 +238,9 @@ class TokenCache:
     def _encode(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool,
                 at: int = 0) -> tuple[array[int], array[int]]:
         """Ids and token ends (in bytes of a text in which `text` starts at byte `at`)."""
-        ids, ends = tokenizer.encode_with_ends(text, add_special_tokens=add_special_tokens)
+        ids, ends = tokenizer.encode_with_ends(text, add_special_tokens=add_special_tokens, offset=at)
         self.encoded_chars += len(text)
-        return ids, (array("I", map(at.__add__, ends)) if at else ends)
+        return ids, ends
 
     def _store(self, hit: _Entry | None, new: _Entry) -> None:
         """Keep the prompt just encoded as the most recent; a cached prompt it extends (a conversation's previous

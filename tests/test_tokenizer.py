@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from router.tokenizer import ModelTokenizer, TokenizationError
+from router.tokenizer import ModelTokenizer, TokenizationError, _parse_message
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +131,17 @@ def test_encoding_releases_the_gil(tok: ModelTokenizer) -> None:
         thread.join(5)
     # held for the whole call, the spinner would get at most a switch interval or two (5 ms each)
     assert during > rate * 0.05, (during, rate)
+
+
+@settings(max_examples=300, deadline=None)
+@given(role=st.sampled_from(["system", "user", "assistant", "tool", "developer", "other"]),
+       content=st.one_of(st.text(max_size=40), st.just("x-anthropic-billing-header: cc\nrest"),
+                         st.just("x-anthropic-billing-header")),
+       content_format=st.sampled_from(["string", "openai"]))
+def test_a_plain_message_is_parsed_as_the_general_path_parses_it(role: str, content: str,
+                                                                 content_format: str) -> None:
+    """`_parse_message` takes a shortcut for a message of a role and its text; `name: None` (ignored) sends the
+    same message down the general path, which must agree."""
+    plain = _parse_message({"role": role, "content": content}, content_format)
+    general = _parse_message({"role": role, "content": content, "name": None}, content_format)
+    assert plain == general
