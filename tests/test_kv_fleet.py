@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,34 +106,44 @@ async def test_gateway_restart_recovers_the_map_from_replay(
 
 async def fleet_hit_rate(
     http: aiohttp.ClientSession, specs: list[str], urls: list[str], strategy: str, model_dir: Path,
+    seeds: Sequence[int] = (1, 2),
 ) -> tuple[float, float]:
-    """Two gateways behind one (simulated) L4 balancer, each taking every other request: 12 system prompts of
-    ~14 blocks with Zipf popularity, 480 requests 4 at a time, over replicas whose caches hold about 3 each.
+    """Two gateways behind one (simulated) L4 balancer, each taking every other request: 24 system prompts of
+    ~7 blocks with Zipf popularity (s = 0.8), 480 requests 4 at a time, over replicas whose caches hold about 6
+    each (the fleet about 20 of the 24). One such run per seed, each with fresh gateways and empty caches.
 
     Returns the fleet hit rate from the replicas' counters, and how far the first gateway's predicted cached
-    tokens overshoot what the engines reported (predicted / actual - 1)."""
-    rng = random.Random(1)
-    systems = [words(random.Random(300 + g), 100) for g in range(12)]
-    weights = [1 / (g + 1) ** 1.1 for g in range(12)]
-    for url in urls:
-        async with http.post(url + "/reset_prefix_cache") as resp:
-            assert resp.status == 200
-    before = await prefix_cache_counters(http, urls)
+    tokens overshoot what the engines reported (predicted / actual - 1), both over all the runs.
+
+    Many groups with a flat tail, and more than one run: where two `prefix` gateways place a group is a matter of
+    luck that then sticks for the run. With 12 groups and s = 1.1 the few hottest decided the result, and `prefix`'s
+    hit rate swung by 0.10 from run to run (kv - prefix measured -0.01 to 0.16; a fresh-clone CI run failed the
+    margin with 0.660 against 0.654)."""
+    systems = [words(random.Random(300 + g), 50) for g in range(24)]
+    weights = [1 / (g + 1) ** 0.8 for g in range(24)]
     settings: dict[str, Any] = {"strategy": strategy, "model_dir": [str(model_dir)], "block_size": 16}
-    async with running_gateway(specs, **settings) as gw1, running_gateway(specs, **settings) as gw2:
-        if strategy == "kv":
-            await eventually(lambda: all(g.gateway.kv_events.trusted(u)  # type: ignore[union-attr]
-                                         for g in (gw1, gw2) for u in urls))
-        bodies = [chat(rng, rng.choices(systems, weights)[0], 4) for _ in range(480)]
-        for i in range(0, len(bodies), 4):
-            await asyncio.gather(*(send(http, (gw1, gw2)[(i + j) % 2].url, body)
-                                   for j, body in enumerate(bodies[i:i + 4])))
-        registry = gw1.gateway.metrics.registry
-        predicted = registry.get_sample_value("kvgate_usage_predicted_cached_tokens_total", {"strategy": strategy})
-        actual = registry.get_sample_value("kvgate_actual_cached_tokens_total", {"strategy": strategy})
-    after = await prefix_cache_counters(http, urls)
-    hits, queries = after[0] - before[0], after[1] - before[1]
-    return hits / queries, (predicted or 0.0) / max(actual or 0.0, 1.0) - 1
+    hits = queries = predicted = actual = 0.0
+    for seed in seeds:
+        rng = random.Random(seed)
+        for url in urls:
+            async with http.post(url + "/reset_prefix_cache") as resp:
+                assert resp.status == 200
+        before = await prefix_cache_counters(http, urls)
+        async with running_gateway(specs, **settings) as gw1, running_gateway(specs, **settings) as gw2:
+            if strategy == "kv":
+                await eventually(lambda: all(g.gateway.kv_events.trusted(u)  # type: ignore[union-attr]
+                                             for g in (gw1, gw2) for u in urls))
+            bodies = [chat(rng, rng.choices(systems, weights)[0], 4) for _ in range(480)]
+            for i in range(0, len(bodies), 4):
+                await asyncio.gather(*(send(http, (gw1, gw2)[(i + j) % 2].url, body)
+                                       for j, body in enumerate(bodies[i:i + 4])))
+            registry = gw1.gateway.metrics.registry
+            labels = {"strategy": strategy}
+            predicted += registry.get_sample_value("kvgate_usage_predicted_cached_tokens_total", labels) or 0.0
+            actual += registry.get_sample_value("kvgate_actual_cached_tokens_total", labels) or 0.0
+        after = await prefix_cache_counters(http, urls)
+        hits, queries = hits + after[0] - before[0], queries + after[1] - before[1]
+    return hits / queries, predicted / max(actual, 1.0) - 1
 
 
 @pytest.mark.timeout(300)
