@@ -26,6 +26,12 @@ def free_port() -> int:
         return port
 
 
+def guarded(cmd: list[str]) -> list[str]:
+    """`cmd` under bench/orphan_guard.py, which ends the command's process group if this process dies without
+    stopping it (start it with `start_new_session=True`, stop it with `os.killpg`)."""
+    return [sys.executable, str(Path(__file__).with_name("orphan_guard.py")), str(os.getpid()), *cmd]
+
+
 def spawn_kvgate(args: list[str], env: Mapping[str, str] | None = None, **kw: Any) -> subprocess.Popen[bytes]:
     """Start `kvgate ARGS...` with this interpreter (so it works from a venv without activation)."""
     return subprocess.Popen([sys.executable, "-m", "kvgate.cli", *args], env=dict(env or os.environ), **kw)

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.procs import free_port, spawn_valkey
+from bench.procs import free_port, guarded, spawn_valkey
 from bench.procs import stop as stop_process
 from bench.sim.launch import AgentSettings, SimAgentProcess, agent_process
 
@@ -169,7 +169,7 @@ def _start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str, 
     log_path = log_dir / f"{kind}-{hash_algo}.log"
     started = time.monotonic()
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(log_dir),
+        proc = subprocess.Popen(guarded(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(log_dir),
                                 start_new_session=True)
     server = EngineServer(kind, hash_algo, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events_port}",
                           f"tcp://127.0.0.1:{replay_port}", model_dir, proc, log_path, 0.0)

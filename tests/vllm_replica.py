@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.procs import free_port
+from bench.procs import free_port, guarded
 from bench.vllm_engine import BLOCK_SIZE, EngineServer, _wait_healthy, ensure_vllm_venv
 from tests.conftest import ROOT
 
@@ -50,7 +50,7 @@ def start_vllm(model_dir: Path, log_dir: Path, agent_socket: str | None, *extra:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(log_dir),
+        proc = subprocess.Popen(guarded(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(log_dir),
                                 start_new_session=True)
     server = EngineServer("vllm", "sha256", f"http://127.0.0.1:{port}", "", "", model_dir, proc, log_path, 0.0,
                           block_size=block_size)
