@@ -144,11 +144,14 @@ class KvAware(Strategy):
                         weight /= blocks
                     if best is None or tokens * weight > best.saved:
                         best = Holding(tokens, _tokens_by_tier(by_tier, bs, cacheable), rank, tokens * weight,
-                                       affinity)
+                                       affinity, computed=min(run.blocks * bs, cacheable))
             if best is None:  # no trustworthy events: the approximate trie, as `prefix` does
                 blocks = max(guessed.get(url, 0), pending.match(keys, url))
                 tokens = min(blocks * bs, cacheable)
-                out.append(Holding(tokens, {GPU: tokens} if tokens else {}, saved=float(tokens), trusted=False))
+                # a worker whose events are trusted announced none of it: only requests in flight put it there
+                announced = any(trusted(cache) for _, cache in worker_caches)
+                out.append(Holding(tokens, {GPU: tokens} if tokens else {}, saved=float(tokens), trusted=False,
+                                   computed=0 if announced else tokens))
                 continue
             self._ranks[url] = best.rank
             out.append(best)
@@ -179,7 +182,9 @@ class Holding:
     """The leading prompt tokens one worker holds for a request: in all, and by tier (GPU / CPU / DISK / SHARED,
     the lowest tiers trimmed first where the run is longer than the cacheable prompt); the data-parallel rank
     that holds them; the prefill tokens that saves at `kv`'s tier costs; the affinity pull of past routing;
-    whether the KV events said so (else: the trie)."""
+    whether the KV events said so (else: the trie); of the tokens, those the worker is known to have computed
+    (its events announced them, or, without events, the trie says they were sent there), not only routed there
+    by requests still in flight."""
 
     tokens: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
@@ -187,6 +192,7 @@ class Holding:
     saved: float = 0.0
     affinity: float = 0.0
     trusted: bool = True
+    computed: int = 0
 
 
 _TRIM_ORDER = (SHARED, DISK, CPU, GPU)  # a run is GPU first, then the tiers it is loaded from

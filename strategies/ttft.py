@@ -556,9 +556,17 @@ class TtftAware(KvAware):
         over = self.share.over([w.url for w in workers])
         if all(over):
             over = [False] * len(workers)
+        holders = [i for i, h in enumerate(held) if h.tokens == most] if most > 0 else []
+        if holders and all(held[i].computed < most for i in holders):
+            # the prefix is still being computed where it was sent (only requests in flight put it there): another
+            # copy now computes it twice at once and takes cache space; the balance has nothing to spread yet (its
+            # holders may be at their caps only because a burst's first few requests cannot spread evenly), so
+            # the request waits for that prefill unless the queue there outweighs recomputing it plus the copy
+            for i in holders:
+                over[i] = False
         # a prefix whose every holder is at its cap has more traffic than they can take: one more copy is what the
         # balance needs, not a cost
-        spread = most > 0 and not all(o for o, h in zip(over, held, strict=True) if h.tokens == most)
+        spread = bool(holders) and not all(over[i] for i in holders)
         scores = [e.ttft_s + (self.spread.seconds(h.tokens, most, self.rate(w.url)) if spread else 0.0)
                   + (self.balance_s if o else 0.0)
                   for w, h, e, o in zip(workers, held, estimates, over, strict=True)]

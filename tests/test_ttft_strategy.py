@@ -313,6 +313,30 @@ def test_a_holder_at_its_cap_shares_the_tie_band_with_the_workers_that_would_cop
     assert max(counts) <= 1.25 * len(prompts) / len(workers), counts
 
 
+def test_a_prefix_still_being_computed_is_not_copied_for_the_balance() -> None:
+    """A burst's second request of a new 512-token prefix (0.05 s to compute, less than the balance's 0.12 s) finds
+    its only holder still computing it and at its cap (two requests routed, one of them there: with four workers
+    the first few cannot spread evenly). Live, on the tenants workload, such a request was sent to compute the
+    prefix a second time elsewhere, and the copy evicted another tenant. It waits for that prefill now; once the
+    holder's events announce the prefix and the holder is over its share, the balance copies it as before."""
+    strategy, workers, index, clock = make(4, BALANCED)
+    prefix = tokens(1, 512)
+    first = request(prefix + tokens(100, 32))
+    placed = strategy.choose(first, workers)
+    holder = placed.worker
+    other = strategy.choose(request(tokens(2, 544)), workers).worker
+    assert other is not holder
+    assert strategy.share.over([w.url for w in workers])[workers.index(holder)]  # at its cap
+    second = strategy.choose(request(prefix + tokens(101, 32)), workers)
+    assert second.worker is holder and second.reason == HIT
+
+    clock[0] += 0.1
+    strategy.on_first_token(first, placed, 0.06)
+    index.add(holder.url, first.block_keys, GPU)
+    third = strategy.choose(request(prefix + tokens(102, 32)), workers)
+    assert third.worker is not holder and third.reason == SPILL
+
+
 def test_the_balance_costs_a_request_at_most_its_budget() -> None:
     """A prefix whose copy would cost more than `ttft_balance_s` (4,096 tokens: 0.41 s against 0.12 s) stays on
     its worker even at its cap."""
