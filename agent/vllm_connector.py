@@ -55,6 +55,7 @@ from agent.breaker import AgentCircuit
 from agent.client import AgentClient
 from agent.kv_layout import STAGING_BYTES, describe_layers
 from agent.layout_key import KvLayout
+from agent.lookups import LookupTooSlow, SchedulerLookups
 from agent.protocol import AgentError
 from agent.transfers import LoadJob, SaveJob, TransferThread
 
@@ -202,6 +203,12 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
                         "THE TIER AGENT CANNOT DELIVER FAILS (agent restarted or down, a block evicted or corrupt); "
                         "set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config", policy)
         self._last_agent_error = 0.0
+        # the scheduler's lookups run in a thread of their own, so that no step waits for the agent longer than
+        # lookup_wait_ms (all of that step's lookups together; vLLM asks again for a request not answered yet)
+        self._lookup_thread = SchedulerLookups(
+            functools.partial(self._lookup, probe_ms=self._probe_ms),
+            wait_s=float(extra.get("lookup_wait_ms", 1.0)) / 1000,
+            give_up_s=float(extra.get("lookup_give_up_ms", 1000.0)) / 1000)
         # scheduler side
         self._lookups: dict[str, tuple[int, str]] = {}  # req_id -> (first block index asked, where string)
         self._pending_loads: dict[str, BlockTransfer] = {}
@@ -230,7 +237,9 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return False if self._async else bool(super().requires_kv_delivery)
 
     def _agent_failed(self, what: str, exc: Exception) -> None:
-        self._stats.count(what, "agent_unavailable" if isinstance(exc, AgentError) else "error")
+        reason = ("slow" if isinstance(exc, LookupTooSlow) else "agent_unavailable" if isinstance(exc, AgentError)
+                  else "error")
+        self._stats.count(what, reason)
         now = time.monotonic()
         if now - self._last_agent_error > 10:
             log.warning("kvgate agent unavailable during %s (continuing without it): %s", what, exc)
@@ -240,20 +249,33 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # scheduler side
     # ==========================================================================================================
 
+    def _lookup(self, hashes: Sequence[int], probe_ms: int) -> tuple[int, str]:
+        """One lookup, in the lookup thread (the only user of the scheduler's client)."""
+        return self._client.lookup(self._layout, hashes, probe_ms=probe_ms)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         start = num_computed_tokens // self._block_size
         # at least the last prompt token must be computed by the engine
         loadable = min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
         self._lookups[request.request_id] = (start, "")
-        if start >= loadable or request.request_id in self._load_failed:
+        if (start >= loadable or request.request_id in self._load_failed
+                or getattr(request, "skip_reading_prefix_cache", False)):
             # (after a failed asynchronous load vLLM asks again: answering the same blocks would fail again, forever)
+            self._lookup_thread.forget(request.request_id)
+            return 0, False
+        if self._circuit.is_open:  # the agent is not answering: no lookup, no wait (vLLM computes)
+            self._lookup_thread.forget(request.request_id)
+            self._agent_failed("lookup", AgentError(f"{self._circuit.name} did not answer: not asked until it does"))
             return 0, False
         hashes = [event_hash(h) for h in request.block_hashes[start:loadable]]
         try:
-            count, where = self._client.lookup(self._layout, hashes, probe_ms=self._probe_ms)
-        except Exception as exc:  # AgentError, or anything else: the agent's trouble never stops the engine
+            answer = self._lookup_thread.answer(request.request_id, (start, loadable - start), hashes)
+        except Exception as exc:  # AgentError, LookupTooSlow, anything: the agent's trouble never stops the engine
             self._agent_failed("lookup", exc)
             return 0, False
+        if answer is None:  # asked, not answered yet: vLLM skips the request this step and asks again
+            return None, False
+        count, where = answer
         self._lookups[request.request_id] = (start, where[:count])
         log.debug("kvgate lookup %s: %d local, %d of %d asked held by the agent (%s)", request.request_id, start,
                   count, len(hashes), where[:count])
@@ -287,6 +309,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._loading[req_id] = set(block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._lookup_thread.next_step()
         meta = KvgateConnectorMetadata(loads=list(self._pending_loads.values()), held=self._held)
         self._pending_loads.clear()
         self._held = []
@@ -339,6 +362,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """With asynchronous saves planned for the request, vLLM keeps its blocks until the workers name it in
         finished_sending (a request aborted during its load is held by vLLM itself until the load is done)."""
         req_id = request.request_id
+        self._lookup_thread.forget(req_id)
         self._lookups.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
         self._saved_upto.pop(req_id, None)
@@ -514,6 +538,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._circuit.close()
+        self._lookup_thread.close()
         if self._transfers is not None:
             self._transfers.close()
         if self._mover is not None:

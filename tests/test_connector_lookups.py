@@ -1,0 +1,178 @@
+"""The scheduler's lookups never hold up a step: vLLM's scheduler asks the connector about each waiting request,
+and the connector answers from a lookup thread -- the agent's answer if it comes within `lookup_wait_ms` (shared
+by the whole step), otherwise None ("ask again next step", vLLM's contract), and 0 (compute) once the request has
+waited `lookup_give_up_ms` or the agent's circuit is open. The real KvgateConnector's scheduler half, vLLM's own
+Request objects and block hashes, and a real agent process over its socket, SIGSTOPped and resumed."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from bench.make_model import write_model
+from bench.vllm_engine import BLOCK_SIZE, EngineServer
+from tests import vllm_replica as replica
+from tests.agent_process import AgentProcess
+from tests.test_connector_integrity import run_in_vllm
+from tests.vllm_replica import reset_prefix_cache, start_vllm
+
+pytestmark = pytest.mark.timeout(600)
+
+SCHEDULER_SCRIPT = """
+import json, os, signal, sys, time
+from vllm.engine.arg_utils import EngineArgs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.request import Request
+from agent.client import AgentClient
+from agent.vllm_connector import KvgateConnector, event_hash
+
+model, socket, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+extra = {"agent_socket": socket, "timeout_s": 2.0, "probe_interval_s": 0.2, "lookup_wait_ms": 1.0,
+         "lookup_give_up_ms": 500}
+config = EngineArgs(model=model, max_model_len=512, kv_transfer_config={
+    "kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector", "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}).create_engine_config()
+sched = KvgateConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(32, [], []))
+bs = config.cache_config.block_size
+hash_fn = get_hash_fn_by_name("sha256")
+init_none_hash(hash_fn)
+hasher = get_request_block_hasher(bs, hash_fn)
+
+def request(name, blocks):
+    tokens = [(sum(map(ord, name)) * 7919 + j) % 30000 for j in range(blocks * bs + 3)]
+    return Request(name, tokens, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+
+def step(requests):
+    # one scheduler step: the connector is asked about each waiting request, then builds the step's metadata
+    start = time.monotonic()
+    answers = [sched.get_num_new_matched_tokens(r, 0)[0] for r in requests]
+    sched.build_connector_meta(SchedulerOutput.make_empty())
+    return time.monotonic() - start, answers
+
+def until_answered(requests, limit_s=10.0):
+    # steps until no answer is None (vLLM skips such a request and asks again): every step's time and answers
+    steps, deadline = [], time.monotonic() + limit_s
+    while True:
+        took, answers = step(requests)
+        steps.append({"s": took, "answers": answers})
+        if None not in answers or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.002)
+
+a, b = request("a", 8), request("b", 6)
+with AgentClient(socket, shm_bytes=0) as client:  # the agent holds a's first 5 blocks and b's first 2
+    client.store(sched._layout, [event_hash(h) for h in a.block_hashes[:5]], [bytes(64)] * 5)
+    client.store(sched._layout, [event_hash(h) for h in b.block_hashes[:2]], [bytes(64)] * 2)
+out = {"bs": bs}
+# 1. a healthy agent: both answered, each from the start of the hashes asked
+out["healthy"] = until_answered([a, b])
+# 2. the agent hangs: no step waits for it; its lookups answer None, then 0 (given up at 0.5 s), and once the
+#    first one times out (2 s) the circuit is open and lookups answer 0 at once
+os.kill(pid, signal.SIGSTOP)
+hung = [request(f"h{i}", 4) for i in range(3)]
+start = time.monotonic()
+out["hung"] = until_answered(hung)
+out["hung_s"] = time.monotonic() - start
+deadline = time.monotonic() + 5
+while not sched._circuit.is_open and time.monotonic() < deadline:
+    out["hung"] += until_answered([request(f"x{len(out['hung'])}", 4)])
+out["open"] = sched._circuit.is_open
+out["while_open"] = until_answered([a, b])
+os.kill(pid, signal.SIGCONT)
+deadline = time.monotonic() + 10
+while sched._circuit.is_open and time.monotonic() < deadline:
+    time.sleep(0.05)
+# 3. back: answered again; a request that went away while asked leaves nothing behind
+out["back"] = until_answered([a, b])
+c = request("c", 4)
+step([c])
+sched.request_finished(c, [])
+out["left_behind"] = sched._lookup_thread.waiting
+stats = sched.get_kv_connector_stats()
+out["stats"] = stats.data if stats is not None else {}
+sched.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_scheduler_lookups_never_wait_for_the_agent(tmp_path: Path, agents: list[AgentProcess],
+                                                    subprocess_env: dict[str, str]) -> None:
+    """Before, a lookup was a round trip inside the scheduler's step: a hung agent stopped the engine (every
+    running request) for a timeout (2 s here)."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "4MiB")
+    agents.append(agent)
+    assert agent.proc is not None
+    model = tmp_path / "model"
+    write_model(model)
+    out = run_in_vllm(SCHEDULER_SCRIPT, str(model), agent.socket, str(agent.proc.pid))
+    bs = out["bs"]
+    for phase in ("healthy", "back"):
+        assert out[phase][-1]["answers"] == [5 * bs, 2 * bs], out[phase]
+    hung = out["hung"]
+    assert max(s["s"] for s in hung) < 0.1, hung  # the bound is 1 ms a step; the rest is this machine's load
+    assert all(answer in (None, 0) for s in hung for answer in s["answers"])
+    assert hung[0]["answers"] == [None, None, None]  # not known yet: vLLM asks again next step
+    assert out["hung_s"] >= 0.45  # ... until given up after 0.5 s (and no answer came)
+    assert out["open"]
+    assert out["while_open"][0]["answers"] == [0, 0] and out["while_open"][0]["s"] < 0.1  # no lookup at all
+    assert out["left_behind"] == 0
+    assert out["stats"]["lookup"].get("agent_unavailable", 0) >= 2  # timed out once, then the circuit was open
+    assert out["stats"]["lookup"].get("slow", 0) >= 3  # the three hung requests given up
+
+
+SYSTEM = " ".join(f"rule{i} keep answers short and exact" for i in range(40))  # a prefix of several blocks
+
+
+def prompt(i: int, words: int) -> str:
+    return SYSTEM + " " + " ".join(f"q{i}w{j} delta" for j in range(words))
+
+
+def complete_all(server: EngineServer, prompts: list[str]) -> list[replica.Completion]:
+    """The prompts sent at once (vLLM batches them, four at a time here, over many steps)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: replica.complete(server, p, max_tokens=12), prompts))
+
+
+@pytest.mark.vllm
+def test_vllm_many_requests_over_many_steps_with_lookups_answered_late(
+        weighted_model: Path, tmp_path: Path, subprocess_env: dict[str, str], servers: list[EngineServer],
+        agents: list[AgentProcess]) -> None:
+    """Real vLLM whose scheduler never waits for a lookup (`lookup_wait_ms: 0`: every request is first answered
+    "not known yet" and asked again on a later step), eight requests at a time over many steps with loads and
+    saves interleaved: six that were answered before and whose blocks come back from the agent (a shared prefix and
+    their own tails) beside two new ones sharing the prefix, whose new blocks are saved in the same steps. Every
+    repeated answer is identical, every loadable token is cached, and the new requests' saved blocks load back
+    into identical answers."""
+    agent = AgentProcess(tmp_path / "a", subprocess_env, "--block-size", str(BLOCK_SIZE))
+    agents.append(agent)
+    vllm = start_vllm(weighted_model, tmp_path / "logs", agent.socket, connector_extra={"lookup_wait_ms": 0})
+    servers.append(vllm)
+    old = [prompt(i, 10 + 17 * i) for i in range(6)]
+    first = complete_all(vllm, old)
+    wanted = replica.loadable_tokens(first[-1].prompt_tokens) // BLOCK_SIZE
+    deadline = time.monotonic() + 60
+    while agent.metric("kvgate_agent_tier_blocks", tier="dram") < wanted:
+        assert time.monotonic() < deadline, "the saves never reached the agent"
+        time.sleep(0.1)
+    reset_prefix_cache(vllm)
+    new = [prompt(10 + i, 30 + 9 * i) for i in range(2)]
+    second = complete_all(vllm, [*old, *new])
+    for before, again in zip(first, second[:6], strict=True):
+        assert again.output == before.output
+        assert again.cached == replica.loadable_tokens(again.prompt_tokens)
+    assert all(c.cached > 0 for c in second[6:])  # the shared prefix, from the agent or the engine's own cache
+    reset_prefix_cache(vllm)  # (refused until the saves of finished requests are done)
+    third = complete_all(vllm, new)
+    for before, again in zip(second[6:], third, strict=True):
+        assert again.output == before.output
+        assert again.cached == replica.loadable_tokens(again.prompt_tokens)
+    assert "kvgate_connector_failures_total{" not in replica.metrics(vllm)  # no lookup, load or save failed
+
