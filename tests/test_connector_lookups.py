@@ -6,7 +6,12 @@ Request objects and block hashes, and a real agent process over its socket, SIGS
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -176,3 +181,53 @@ def test_vllm_many_requests_over_many_steps_with_lookups_answered_late(
         assert again.cached == replica.loadable_tokens(again.prompt_tokens)
     assert "kvgate_connector_failures_total{" not in replica.metrics(vllm)  # no lookup, load or save failed
 
+def stream_gaps(server: EngineServer, prompt_text: str, max_tokens: int, started: threading.Event,
+                gaps: list[tuple[float, float]]) -> None:
+    """Stream a greedy completion; record (time, seconds since the previous chunk) for every chunk."""
+    body = {"model": "tiny", "prompt": prompt_text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        last = time.monotonic()
+        for line in response:
+            if not line.startswith(b"data:"):
+                continue
+            now = time.monotonic()
+            gaps.append((now, now - last))
+            last = now
+            started.set()
+
+
+@pytest.mark.vllm
+def test_vllm_keeps_decoding_while_a_new_requests_lookup_hangs(
+        weighted_model: Path, tmp_path: Path, subprocess_env: dict[str, str], servers: list[EngineServer],
+        agents: list[AgentProcess]) -> None:
+    """A request arrives while the agent is hung (SIGSTOPped): before, the scheduler's lookup for it waited a
+    timeout (3 s here) inside the step, and every running request stopped for that long; now the running request
+    keeps decoding and the new one is computed once its lookup gives up or times out."""
+    agent = AgentProcess(tmp_path / "a", subprocess_env, "--block-size", str(BLOCK_SIZE))
+    agents.append(agent)
+    assert agent.proc is not None
+    vllm = start_vllm(weighted_model, tmp_path / "logs", agent.socket,
+                      connector_extra={"timeout_s": 3.0, "probe_interval_s": 0.3, "lookup_give_up_ms": 10_000})
+    servers.append(vllm)
+    replica.complete(vllm, "warm up")  # (vLLM compiles its logprobs sampler on the first request that asks: 4 s)
+    gaps: list[tuple[float, float]] = []
+    started = threading.Event()
+    runner = threading.Thread(target=stream_gaps, args=(vllm, "count with me", 1500, started, gaps))
+    runner.start()
+    assert started.wait(120)
+    time.sleep(0.5)
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    try:
+        hung_at = time.monotonic()
+        late = replica.complete(vllm, prompt(99, 20))  # its lookup: none within 3 s, so computed
+        answered_s = time.monotonic() - hung_at
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+    runner.join(300)
+    assert late.cached == 0 and answered_s >= 2.5
+    during = [gap for at, gap in gaps if hung_at <= at <= hung_at + answered_s]
+    assert len(during) > 10, gaps[-5:]
+    assert max(during) < 1.0, sorted(during)[-5:]  # before: one gap of about 3 s (the lookup's timeout)
