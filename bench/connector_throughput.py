@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.make_model import write_model
-from bench.overhead import named_threads_cpu_seconds, tree_cpu_seconds
+from bench.overhead import _descendants, named_threads_cpu_seconds, tree_cpu_seconds
 from bench.sim.launch import AgentSettings, agent_process
 from bench.vllm_engine import BLOCK_SIZE, MODEL_NAME, EngineServer, start_engine
 
@@ -82,6 +82,42 @@ def _agent_metric(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0].split("{")[0] == name)
+
+
+def pin_off_the_workers(server_pids: list[int], other_pids: list[int]) -> list[int]:
+    """Move every thread of these process trees that may run anywhere onto the CPUs no vLLM worker is bound to, this
+    process too (the load generator): vLLM's CPU worker binds itself to its OpenMP cores and reserves the others
+    (VLLM_CPU_NUM_OF_RESERVED_CPU) but leaves its API server and engine core free to run there, where the engine
+    core's busy-waiting for the worker then takes the forward pass's core. Returns the CPUs used ([] if none)."""
+    everywhere = os.sched_getaffinity(0)
+    threads = [(pid, int(tid)) for root in [*server_pids, *other_pids] for pid in _descendants(root)
+               for tid in _tasks(pid)]
+    bound: set[int] = set()
+    for _pid, tid in threads:
+        try:
+            cpus = os.sched_getaffinity(tid)
+        except OSError:
+            continue
+        if cpus != everywhere:
+            bound |= cpus
+    free = everywhere - bound
+    if not bound or not free:
+        return []
+    for _pid, tid in threads:
+        try:
+            if os.sched_getaffinity(tid) == everywhere:
+                os.sched_setaffinity(tid, free)
+        except OSError:
+            continue
+    os.sched_setaffinity(0, free)
+    return sorted(free)
+
+
+def _tasks(pid: int) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
 
 
 SLOW_MODE = 1.4  # a round over this many times the run's fastest seconds per request ran in the slow mode
@@ -152,12 +188,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--modes", default="async", help="connector modes to run beside the plain replica")
     parser.add_argument("--out", type=Path, default=None, help="write every round and the summary here (JSON)")
+    parser.add_argument("--settle-s", type=float, default=1.5,
+                        help="pause between rounds: vLLM's engine core busy-waits for 1 s after its last step")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="leave vLLM's API servers, engine cores, the agent and the load generator unpinned")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or not set(modes) <= {"async", "sync"}:
         parser.error("--modes takes async and/or sync")
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"  # as the connector's server has it: same cores for both
     rows: list[dict[str, Any]] = []
+    pinned: list[int] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-connector-throughput-") as tmp:
         work = Path(tmp)
         model = work / "model"
@@ -173,9 +214,15 @@ def main(argv: list[str] | None = None) -> None:
                                              connector_extra={"async_transfers": mode == "async"})
             for name, server in servers.items():  # warm-up
                 saturate(server, f"warm-{name}", argparse.Namespace(**{**vars(args), "requests": 8}))
+            if not args.no_pin:
+                pinned = pin_off_the_workers([s.proc.pid for s in servers.values() if s.proc is not None],
+                                             [agent.pid] if agent.pid is not None else [])
+            print(f"# API servers, engine cores, agent and load generator pinned to CPUs {pinned}" if pinned
+                  else "# nothing pinned", flush=True)
             half_len = 1 + len(modes)
             for i, name in enumerate(round_order(modes, args.cycles)):
                 pids = (agent.pid,) if name != "without" and agent.pid is not None else ()
+                time.sleep(args.settle_s)
                 load_1m = os.getloadavg()[0]
                 row = {"round": i, "half": i // half_len, "connector": name, "requests": args.requests,
                        "load_1m": load_1m, **saturate(servers[name], f"r{i}-{name}", args, pids)}
@@ -208,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
               f"pairs; pairs whose two rounds ran in the same mode: {same}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rows,
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "pinned": pinned,
+                                        "rounds": rows,
                                         "summary": summary}, indent=1))
 
 

@@ -1,0 +1,44 @@
+"""bench/connector_throughput.py's method: ABBA order, pairs within a half-cycle, the bootstrap interval, the speed
+modes (the servers themselves are run by the bench, not here: minutes of vLLM)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.connector_throughput import bootstrap_median_ci, paired_ratios, round_order, summarize
+
+
+def rows_of(seconds: list[float], modes: list[str], cycles: int) -> list[dict[str, Any]]:
+    order = round_order(modes, cycles)
+    assert len(order) == len(seconds)
+    return [{"round": i, "half": i // (1 + len(modes)), "connector": name, "requests": 16, "load_1m": 1.0 + i,
+             "seconds": s, "tokens_per_s": 16_000 / s, "cpu_ms_per_request": 50.0, "agent_cpu_ms_per_request": 2.0,
+             "transfer_cpu_ms_per_request": 1.0} for i, (name, s) in enumerate(zip(order, seconds, strict=True))]
+
+
+def test_rounds_run_abba_so_a_drift_cancels() -> None:
+    assert round_order(["async"], 2) == ["without", "async", "async", "without"] * 2
+    assert round_order(["async", "sync"], 1) == ["without", "async", "sync", "sync", "async", "without"]
+
+
+def test_pairs_are_taken_within_a_half_cycle_and_modes_are_counted() -> None:
+    # the machine slows down linearly; the connector costs nothing: every pair is close to 1 either way round
+    drift = [1.0 + 0.01 * i for i in range(8)]
+    summary = summarize(rows_of(drift, ["async"], 2), ["async"])
+    ratios = summary["async"]["paired_ratios"]
+    assert len(ratios) == 4 and all(0.98 < r < 1.02 for r in ratios)
+    low, high = summary["async"]["paired_ratio_ci95"]
+    assert low <= summary["async"]["paired_ratio_median"] <= high
+    assert summary["load_average"] == [1.0, 8.0]
+    # one plain round in the slow mode: counted, and its pair left out of the same-mode figure
+    slow = rows_of([1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0], ["async"], 2)
+    summary = summarize(slow, ["async"])
+    assert summary["without"]["slow_mode_rounds"] == 1 and summary["async"]["slow_mode_rounds"] == 0
+    assert sorted(paired_ratios(slow, "async")) == [1.0, 1.0, 1.0, 2.0]
+    assert summary["async"]["paired_ratios_same_mode"] == [1.0, 1.0, 1.0]
+
+
+def test_the_interval_widens_with_scatter() -> None:
+    tight = bootstrap_median_ci([0.97, 0.98, 0.99, 1.0, 0.98, 0.99])
+    wide = bootstrap_median_ci([0.5, 1.0, 2.0, 0.6, 1.9, 1.0])
+    assert tight[1] - tight[0] < 0.05 < wide[1] - wide[0]
