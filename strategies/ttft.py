@@ -48,6 +48,13 @@ LOWER_TIERS = (CPU, DISK, SHARED)
 # half-life's default); switching after 20 judged workers by young, noisy fits (RAG at 100/s, 8 replicas: TTFT p90
 # 114 ms; own fits from the first answer 60; after 200, 51; the fleet's alone 47)
 OWN_FIT_SAMPLES = 200
+# a first token that took more than this many times what the fit predicted is learned as this many times: one
+# stall of the gateway's own machine (first tokens of 1.2-1.5 s where 0.13 s was predicted, live at load 12) made
+# the least-squares fit explain small prefills by a large overhead and price prefill tokens at nothing, and every
+# tenant then looked as cheap to recompute as to hit (`kvgate bench compare` tenants: hit rate 0.363 of 0.888). A
+# worker that really got slower is still followed, by up to this factor per round of answers; the engine's own
+# prefill timings (`EngineTimings`) are not capped.
+OUTLIER_RATIO = 5.0
 ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -212,6 +219,10 @@ class PrefillRate:
     def seconds(self, work: Work) -> float:
         w = self.fit.weights
         return w[1] * work.tokens + w[2] * work.attention
+
+    def predict(self, work: Work) -> float:
+        """Time to first token for this prefill work: the overhead and its prefill."""
+        return self.overhead_s + self.seconds(work)
 
     def learn(self, work: Work, seconds: float, weight: float = 1.0) -> None:
         if seconds > 0 and math.isfinite(seconds):
@@ -615,9 +626,11 @@ class TtftAware(KvAware):
             return
         self.queue(routed.worker).done(id(request), self.now)
         e = routed.estimate
-        # the observed time less the parts that are not the worker's prefill: what its prefill model must explain
+        # the observed time less the parts that are not the worker's prefill: what its prefill model must explain,
+        # at most OUTLIER_RATIO times what the fit predicts for it (a stalled gateway, not the worker)
+        observed = ttft_s - e.load_s - e.pressure_s
         for rate in (self.own_rate(routed.worker), self.fleet_rate):
-            rate.learn(e.queued + e.prefill, ttft_s - e.load_s - e.pressure_s)
+            rate.learn(e.queued + e.prefill, min(observed, OUTLIER_RATIO * rate.predict(e.queued + e.prefill)))
         rate = self.rate(routed.worker)
         metrics = self._ttft_metrics
         if metrics is not None:

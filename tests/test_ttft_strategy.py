@@ -372,6 +372,32 @@ def test_misses_spread_and_the_learned_rate_follows_first_tokens() -> None:
     assert before > 0.1 and abs(again.predicted_ttft_s - 0.035) < 0.3 * 0.035
 
 
+def test_a_stall_of_the_gateway_does_not_teach_that_prefill_is_free() -> None:
+    """Answers as the fit predicts them (hits of a 2,048-token prefix and 2,112-token misses), then a stall: 15 hits
+    whose first tokens took 1.3 s (live, at load 12, the gateway's machine stalled so). Learned whole, the stall made
+    the fit's overhead large and its price of a prefill token about nothing, so a miss looked as cheap as a hit and
+    the tenants scattered (hit rate 0.363 of 0.888). Each answer counts at most OUTLIER_RATIO times its prediction:
+    a miss stays dearer than a hit by most of its prefill."""
+    strategy, workers, index, clock = make(2)
+    prefix = tokens(1, 2048)
+    index.add(workers[0].url, block_keys(prefix, BS, ROOT), GPU)
+
+    def answer(ids: list[int], seconds: float | None = None) -> None:
+        req = request(ids)
+        decision = strategy.choose(req, workers)
+        clock[0] += 1.0
+        strategy.on_first_token(req, decision, seconds if seconds is not None else decision.predicted_ttft_s or 0.0)
+
+    for i in range(30):
+        answer(prefix + tokens(100 + i, 64))
+        answer(tokens(1000 + i, 2112))
+    for i in range(15):
+        answer(prefix + tokens(200 + i, 64), 1.3)
+    rate = strategy.fleet_rate
+    hit, miss = rate.seconds(Work.of(64, 2048)), rate.seconds(Work.of(2112, 0))
+    assert miss - hit > 0.5 * 0.2048, (hit, miss)
+
+
 def test_a_worker_without_answers_of_its_own_is_judged_by_the_fleets_fit() -> None:
     """Worker 1 answers four times faster than the prior says; worker 0 never answered. Judged by its prior, worker
     0 would never be chosen (and never learn); judged by the fleet's fit, it takes misses as soon as worker 1 is
