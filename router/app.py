@@ -270,13 +270,21 @@ async def _read_body(request: web.Request, limit: int, admitted: Admitted | None
         # aiohttp's empty payload is one object shared by every request, and its iter_chunks() ends only the first
         # time it is used: iterated again, it yields b"" forever without waiting, freezing the event loop
         return b""
+    content = request.content
+    if content.is_eof():  # all of it arrived with the headers (as small bodies do): nothing to wait for or time
+        data = content.read_nowait()
+        if len(data) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(data))
+        if admitted is not None:
+            admitted.hold(len(data))
+        return data
     seconds = request.app[GATEWAY].config.body_timeout_s
     chunks: list[bytes] = []
     size = 0
     try:
         async with asyncio.timeout(seconds):
             # the pieces as they arrived (iter_any would join the buffered ones into a new bytes each time)
-            async for chunk, _ in request.content.iter_chunks():
+            async for chunk, _ in content.iter_chunks():
                 size += len(chunk)
                 if size > limit:
                     raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)

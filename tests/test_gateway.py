@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
 from bench.procs import free_port, stop, wait_for_port
@@ -325,6 +326,32 @@ async def test_slow_body_times_out_with_408_and_gateway_keeps_serving(http: aioh
         head = await asyncio.wait_for(reader.read(4096), 5)
         writer.close()
         assert head.startswith(b"HTTP/1.1 408") and b"body_timeout" in head
+        assert (await post(http, gw.url + "/v1/completions", COMPLETION))[0] == 200
+
+
+async def test_a_body_that_arrived_whole_is_read_at_once_and_still_bounded(http: aiohttp.ClientSession) -> None:
+    """A body that came in with its headers is taken from the buffer without arming the body timeout; a chunked one
+    (no Content-Length to refuse it by) over `max_body_bytes` is still a 413, one under it reaches the worker."""
+    async with running_standin() as worker, running_gateway([worker.url], max_body_bytes=10_000) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+
+        async def send_chunked(body: bytes) -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(body):x}\r\n".encode() + body
+                         + b"\r\n0\r\n\r\n")  # all of it in one write
+            await writer.drain()
+            head = await asyncio.wait_for(reader.read(65536), 5)
+            writer.close()
+            return head
+
+        big = b'{"model": "tiny", "prompt": "' + b"x" * 20_000 + b'"}'
+        head = await send_chunked(big)
+        assert head.startswith(b"HTTP/1.1 413") and b"body_too_large" in head, head[:200]
+        assert worker.stats.requests == 0
+        head = await send_chunked(orjson.dumps({**COMPLETION, "prompt": "y" * 5_000}))
+        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+        assert worker.stats.requests == 1
         assert (await post(http, gw.url + "/v1/completions", COMPLETION))[0] == 200
 
 
