@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import cast
@@ -156,6 +157,19 @@ class _Connection(asyncio.Protocol):
         self.transport.write(payload)
 
 
+@functools.lru_cache(maxsize=256)
+def _split(url: str) -> tuple[str, str, int, str, str]:
+    """A request URL's scheme, host, port, request target and Host header, parsed once per URL: the gateway sends
+    the same few (a worker's generation endpoints) over and over, and `urlsplit` with its `hostname` and `port`
+    is Python-level work on every call."""
+    parts = urlsplit(url)
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    return (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80), target,
+            parts.netloc)
+
+
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
@@ -228,14 +242,10 @@ class UpstreamPool:
         read_timeout: float | None = None,
     ) -> UpstreamResponse:
         """Send a request and wait for the response headers (callers bound that wait with asyncio.timeout)."""
-        parts = urlsplit(url)
-        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-        if parts.scheme != "http":
-            raise UpstreamConnectError(f"only http:// workers are supported, not {parts.scheme}://")
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        lines = [f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"]
+        scheme, host, port, target, netloc = _split(url)
+        if scheme != "http":
+            raise UpstreamConnectError(f"only http:// workers are supported, not {scheme}://")
+        lines = [f"{method} {target} HTTP/1.1\r\nHost: {netloc}\r\n"]
         lines += [f"{name}: {value}\r\n" for name, value in headers]
         if body is not None or method in ("POST", "PUT", "PATCH"):
             lines.append(f"Content-Length: {len(body or b'')}\r\n")

@@ -119,3 +119,28 @@ async def test_read_timeout_on_silence_and_slot_released(pool: UpstreamPool) -> 
             with pytest.raises(TimeoutError):
                 await resp.read()
             resp.close()
+
+
+async def test_request_line_and_host_header_per_url(pool: UpstreamPool) -> None:
+    """The request target (path and query) and the Host header are each URL's own, though a URL is parsed once and
+    remembered."""
+    heads: list[bytes] = []
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                heads.append(await read_request(reader))
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with raw_server(reply) as url:
+        for path in ("/v1/models?a=1", "/v1/models?a=2", "/v1/models", "", "/v1/models?a=1"):
+            assert await pool.fetch(url + path, 2.0) == (200, b"ok")
+        with pytest.raises(UpstreamConnectError):
+            await pool.request("GET", url.replace("http://", "https://") + "/x")
+    netloc = url.removeprefix("http://").encode()
+    assert [h.split(b"\r\n")[:2] for h in heads] == [
+        [b"GET " + target + b" HTTP/1.1", b"Host: " + netloc]
+        for target in (b"/v1/models?a=1", b"/v1/models?a=2", b"/v1/models", b"/", b"/v1/models?a=1")]
