@@ -102,7 +102,7 @@ class Gateway:
         self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream,
                             self.kv_events.learn if self.kv_events is not None else None)
         if self.prompts is not None:
-            self.prompts.start()
+            await self.prompts.start()
         await self._pool.start()
         if cfg.discover:
             self._discovery = WorkerDiscovery(cfg, self._pool, self.metrics)

@@ -17,6 +17,7 @@ characters per token) and those are chained like token blocks. Token-id prompts 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from array import array
@@ -193,10 +194,17 @@ class PromptTokens:
         """Forget every cached prompt (benchmarks measure cold costs with it)."""
         self.cache.clear()
 
-    def start(self) -> None:
-        """Start what runs beside the event loop (the template sandbox's processes)."""
+    async def start(self) -> None:
+        """Start what runs beside the event loop (the template sandbox's processes), and load the configured
+        models' tokenizers: the first requests would otherwise wait for the load (tens of milliseconds for a
+        small tokenizer on a busy machine, a second for a large one), and a cold burst's tail with them."""
         if self._sandbox is not None:
             self._sandbox.start()
+        directories = {str(resolve_model_dir(directory, name)) for name, directory in self._named.items()}
+        if self._default is not None:
+            with contextlib.suppress(ConfigError):  # a hub root: its models are found when a request names one
+                directories.add(str(resolve_model_dir(self._default)))
+        await asyncio.gather(*map(self._tokenizer_in, sorted(directories)))
 
     def close(self) -> None:
         self._threads.close()
@@ -229,6 +237,9 @@ class PromptTokens:
         directory = self._directory(model)
         if directory is None or directory in self._failed:
             return None
+        return await self._tokenizer_in(directory)
+
+    async def _tokenizer_in(self, directory: str) -> ModelTokenizer | None:
         found = self._tokenizers.get(directory)
         if found is not None:
             return found
