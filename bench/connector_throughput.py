@@ -92,10 +92,10 @@ def pin_off_the_workers(server_pids: list[int], other_pids: list[int]) -> list[i
     everywhere = os.sched_getaffinity(0)
     threads = [(pid, int(tid)) for root in [*server_pids, *other_pids] for pid in _descendants(root)
                for tid in _tasks(pid)]
-    bound: set[int] = set()
-    for _pid, tid in threads:
+    bound: set[int] = set()  # the workers' cores: processes bound as a whole (not a thread that moved itself off
+    for pid in {pid for pid, _tid in threads}:  # them, as the connector's transfer thread does)
         try:
-            cpus = os.sched_getaffinity(tid)
+            cpus = os.sched_getaffinity(pid)
         except OSError:
             continue
         if cpus != everywhere:
@@ -111,6 +111,19 @@ def pin_off_the_workers(server_pids: list[int], other_pids: list[int]) -> list[i
             continue
     os.sched_setaffinity(0, free)
     return sorted(free)
+
+
+def affinities(roots: list[int]) -> dict[str, list[int]]:
+    """The CPUs each process of these trees may run on (its main thread's), by `comm-pid`."""
+    found: dict[str, list[int]] = {}
+    for root in roots:
+        for pid in _descendants(root):
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    found[f"{f.read().strip()}-{pid}"] = sorted(os.sched_getaffinity(pid))
+            except OSError:
+                continue
+    return found
 
 
 def _tasks(pid: int) -> list[str]:
@@ -219,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                                              [agent.pid] if agent.pid is not None else [])
             print(f"# API servers, engine cores, agent and load generator pinned to CPUs {pinned}" if pinned
                   else "# nothing pinned", flush=True)
+            print(f"# CPUs by process: {affinities([s.proc.pid for s in servers.values() if s.proc is not None])}",
+                  flush=True)
             half_len = 1 + len(modes)
             for i, name in enumerate(round_order(modes, args.cycles)):
                 pids = (agent.pid,) if name != "without" and agent.pid is not None else ()
