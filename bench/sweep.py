@@ -34,8 +34,8 @@ _reports: Any = None  # the queue a configuration's process reports to (set in e
 @dataclass(frozen=True)
 class Job(Generic[J]):
     """One configuration: a label for its bar, how many requests it replays, and what the runner needs; `cost`,
-    what it is expected to take relative to the others (the costliest start first, so no process is left with a
-    long one at the end while the others idle)."""
+    what it is expected to take relative to the others (with more than one process the costliest start first, so
+    no process is left with a long one at the end while the others idle)."""
 
     label: str
     total: int
@@ -99,7 +99,9 @@ def run_sweep(jobs: Sequence[Job[J]], runner: Callable[[J, Progress], dict[str, 
     states = [_State() for _ in jobs]
     lines = _ProgressLines(jobs, states) if show_progress and not tty else None
     pool = ctx.Pool(max(1, processes), initializer=_init_process, initargs=(reports,), maxtasksperchild=1)
-    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].cost)  # stable: equal costs keep their order
+    # beside others, the costliest first (stable: equal costs keep their order); alone, the order changes no wall
+    # time, and the configurations run, report and can be interrupted in the order they were asked for
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].cost) if processes > 1 else range(len(jobs))
     pending = {i: pool.apply_async(_call, (runner, i, jobs[i].spec)) for i in order}
     memory = _TreeMemory()
     try:

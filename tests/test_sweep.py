@@ -1,0 +1,33 @@
+"""bench/sweep.py's order: alone, configurations run as asked; beside others, the costliest start first."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.sweep import Job, Progress, run_sweep
+
+
+def sleeper(seconds: float, progress: Progress) -> dict[str, Any]:
+    started = time.time()
+    time.sleep(seconds)
+    progress(1, seconds, final=True)
+    return {"started": started}
+
+
+def test_one_process_runs_the_configurations_in_the_order_asked() -> None:
+    """A sweep's results arrive (and a Ctrl-C keeps them) in the order of the command line, whatever their cost:
+    ordering by cost made `--jobs 1` run `kv` before the `round_robin` asked for first."""
+    jobs = [Job(f"job {i}", 1, 0.05, cost=cost) for i, cost in enumerate((1.0, 5.0, 3.0))]
+    finished: list[int] = []
+    outcome = run_sweep(jobs, sleeper, processes=1, show_progress=False, on_result=lambda i, _row: finished.append(i))
+    assert finished == [0, 1, 2]
+    assert [outcome.results[i]["started"] for i in range(3)] == sorted(outcome.results[i]["started"] for i in range(3))
+
+
+def test_two_processes_start_the_costliest_first() -> None:
+    jobs = [Job(f"job {i}", 1, 0.5, cost=cost) for i, cost in enumerate((1.0, 5.0, 3.0))]
+    outcome = run_sweep(jobs, sleeper, processes=2, show_progress=False)
+    started = {i: outcome.results[i]["started"] for i in range(3)}
+    # the cheapest waited for one of the others to finish (in the order asked, it would have started at once)
+    assert started[0] >= min(started[1], started[2]) + 0.45, started
