@@ -51,6 +51,10 @@ MAX_BATCH_BYTES = 4 * 2**20  # a bigger payload is dropped undecoded (decoding i
 # gap repairs allowed: a burst of REPLAY_BURST, then one per REPLAY_EVERY_S (a flood must not become a replay storm)
 REPLAY_BURST = 5
 REPLAY_EVERY_S = 1.0
+# a (re)connection's replay request that timed out is tried again after these pauses: it is what tells a restarted
+# publisher from a reconnected one, and brings what was said while no one listened; a publisher just started on a
+# busy machine may miss the first request's timeout, and with no traffic nothing else would tell
+RECONCILE_RETRIES_S = (0.5, 1.0)
 YIELD_AFTER_S = 0.005  # applying lets the event loop run at least this often
 
 
@@ -153,10 +157,16 @@ class StreamRecovery:
         while disconnected, and notice a publisher that restarted (its history is not ours)."""
         if self._replay is None:
             return  # the live stream decides (a late start is marked partial)
-        try:
-            batches = await self._fetch(0)
-        except _Gap:
-            return
+        retries = iter(RECONCILE_RETRIES_S)
+        while True:
+            try:
+                batches = await self._fetch(0)
+                break
+            except _Gap:
+                pause = next(retries, None)
+                if pause is None:
+                    return  # the live stream decides
+                await asyncio.sleep(pause)
         expected = self.expected
         if expected is not None and not self._same_history(batches):
             self._reset("publisher_restart", partial=False)

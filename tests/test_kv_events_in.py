@@ -42,11 +42,19 @@ KEYS = block_keys(TOKENS, BS, ROOT)
 class Publisher:
     """A vLLM-style publisher whose every message the test controls: PUB for batches, ROUTER for replay."""
 
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, ports: tuple[int, int] | None = None, drop_replays: int = 0) -> None:
+        """`ports`: (events, replay) to bind, as a restarted publisher does; `drop_replays`: replay requests to
+        leave unanswered first (a publisher too busy to answer in time)."""
         self.pub = ctx.socket(zmq.PUB)
-        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = ctx.socket(zmq.ROUTER)
-        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        if ports is None:
+            self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            self.port, self.replay_port = ports
+            _bind(self.pub, self.port)
+            _bind(self.router, self.replay_port)
+        self.drop_replays = drop_replays
         self.buffer: dict[int, bytes] = {}
         self.seq = 0
         self.task = asyncio.get_running_loop().create_task(self._serve_replay())
@@ -71,6 +79,9 @@ class Publisher:
     async def _serve_replay(self) -> None:
         while True:
             identity, _, start = await self.router.recv_multipart()
+            if self.drop_replays:
+                self.drop_replays -= 1
+                continue
             first = int.from_bytes(start, "big")
             for seq in sorted(self.buffer):
                 if seq >= first:
@@ -81,6 +92,19 @@ class Publisher:
         self.task.cancel()
         self.pub.close(0)
         self.router.close(0)
+
+
+def _bind(sock: zmq.asyncio.Socket, port: int) -> None:
+    """Bind a port a closed socket held: ZMQ lets it go in its I/O thread, a moment after `close`."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 @asynccontextmanager
@@ -256,6 +280,34 @@ async def test_publisher_restart_and_late_gateway_start() -> None:
                                         reason="publisher_restart") == 1)
         await eventually(lambda: held(hub) == {(KEYS[0], GPU)})
         assert hub.trusted(WORKER)
+
+
+async def test_a_restart_is_noticed_when_the_first_replay_request_goes_unanswered() -> None:
+    """A publisher restarted on a busy machine may not answer the reconnection's replay request in time: the request
+    is tried again, so the restart is noticed (and what it said before the gateway reconnected is applied) with no
+    live batch to tell. (One unanswered request used to leave the old picture in place until traffic came.)"""
+    ctx = zmq.asyncio.Context()
+    publisher = Publisher(ctx)
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny", replay_timeout_s=0.3)
+    try:
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        await publisher.send([stored([1, 2], TOKENS[:8])])
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU), (KEYS[1], GPU)})
+        ports = publisher.port, publisher.replay_port
+        publisher.close()
+        publisher = Publisher(ctx, ports, drop_replays=1)
+        await publisher.send([stored([3], TOKENS[:4])], deliver=False)  # said before the gateway reconnected
+        await eventually(lambda: metric(metrics, "kvgate_kv_state_resets_total", worker=WORKER,
+                                        reason="publisher_restart") == 1)
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU)})
+        assert metric(metrics, "kvgate_kv_event_replays_total", worker=WORKER, outcome="timeout") == 1
+        assert hub.trusted(WORKER)
+    finally:
+        await asyncio.wait_for(hub.close(), 3)
+        publisher.close()
+        ctx.destroy(0)
 
 
 async def test_index_bound_and_entry_size() -> None:
