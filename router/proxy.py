@@ -225,7 +225,7 @@ class Proxy:
                 self._metrics.requests.labels(model_label, worker.url, str(upstream.status)).inc()
                 self._metrics.retries.labels(f"status_{upstream.status}").inc()
                 raise _Retry(f"the worker answered {upstream.status}")
-            headers = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
+            headers = end_to_end(upstream.headers)
             if cfg.predicted_ttft_header and decision.predicted_ttft_s is not None:
                 headers.append((PREDICTED_TTFT_HEADER, f"{decision.predicted_ttft_s * 1e3:.3f}"))
             try:
@@ -343,6 +343,16 @@ class SseWatch:
     @property
     def ended_with_done(self) -> bool:
         return (self._line.strip() or self._last) in SSE_DONE
+
+
+def end_to_end(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A worker's response headers that describe the answer: not the hop-by-hop ones, nor those its `Connection`
+    header names (RFC 9110 7.6.1: they describe its connection to the gateway)."""
+    dropped = DROPPED_RESPONSE_HEADERS
+    for k, v in headers:
+        if k.lower() == "connection":
+            dropped = dropped.union(name.strip().lower() for name in v.split(","))
+    return [(k, v) for k, v in headers if k.lower() not in dropped]
 
 
 def _is_event_stream(headers: Sequence[tuple[str, str]]) -> bool:

@@ -51,14 +51,18 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
 
 
 @asynccontextmanager
-async def raw_worker(answer: Answer) -> AsyncIterator[str]:
+async def raw_worker(answer: Answer, heads: list[bytes] | None = None) -> AsyncIterator[str]:
     """A worker written on raw sockets: `/health`, `/v1/models` and `/metrics` answer as vLLM's do (keep-alive);
-    any other request is answered by `answer(writer)`, after which the connection is closed."""
+    any other request is answered by `answer(writer)`, after which the connection is closed. Every request head
+    it reads is appended to `heads`, if given."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
-                path = (await read_request(reader)).split(b" ", 2)[1]
+                head = await read_request(reader)
+                if heads is not None:
+                    heads.append(head)
+                path = head.split(b" ", 2)[1]
                 if path == b"/health":
                     writer.write(_reply("200 OK", b""))
                 elif path == b"/v1/models":

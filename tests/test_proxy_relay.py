@@ -1,0 +1,141 @@
+"""The proxy past the first byte and its header handling: what a client's request carries to a worker, what a
+worker's answer carries back, and what a worker that goes quiet mid-answer does to the client and the gateway.
+Real gateway, raw-socket workers on loopback that record what they were sent."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.abuse_servers import raw_worker
+from tests.conftest import eventually, running_gateway
+
+COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+CHUNK = b'data: {"choices": [{"index": 0, "text": " t0"}]}\n\n'
+BODY = b'{"choices": [{"index": 0, "text": "hi"}]}'
+
+
+def answering(reply: bytes, then: Callable[[asyncio.StreamWriter], Awaitable[None]] | None = None,
+              ) -> Callable[[asyncio.StreamWriter], Awaitable[None]]:
+    """A worker's answer to a generation request: `reply`, then whatever `then` does."""
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(reply)
+        await writer.drain()
+        if then is not None:
+            await then(writer)
+
+    return answer
+
+
+def _reply(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers)
+    return f"HTTP/1.1 {status}\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+async def _metrics(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url + "/metrics") as resp:
+        return await resp.text()
+
+
+# --- headers ------------------------------------------------------------------------------------------------------
+
+
+async def test_hop_by_hop_response_headers_stay_at_the_gateway_end_to_end_ones_pass(
+        http: aiohttp.ClientSession) -> None:
+    """RFC 9110 7.6.1: the hop-by-hop headers, and any header the worker's `Connection` names, describe its
+    connection to the gateway, not the answer; the rest (request ids, timing, repeated headers) reaches the client."""
+    reply = _reply("200 OK", [
+        ("Content-Type", "application/json"), ("Connection", "keep-alive, X-Worker-Hop"), ("X-Worker-Hop", "secret"),
+        ("Keep-Alive", "timeout=5"), ("Proxy-Authenticate", "Basic"), ("Upgrade", "h2c"), ("Server", "worker/1.0"),
+        ("X-Request-Id", "req-42"), ("openai-processing-ms", "12"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
+    ], BODY)
+    async with (raw_worker(answering(reply)) as worker, running_gateway([worker]) as gw,
+                http.post(gw.url + "/v1/completions", json=COMPLETION) as resp):
+        assert resp.status == 200 and await resp.read() == BODY
+        names = {k.lower() for k in resp.headers}
+        assert resp.headers["X-Request-Id"] == "req-42" and resp.headers["openai-processing-ms"] == "12"
+        assert resp.headers.getall("Set-Cookie") == ["a=1", "b=2"]
+        assert resp.headers["Content-Length"] == str(len(BODY))
+        for hop in ("x-worker-hop", "keep-alive", "proxy-authenticate", "upgrade"):
+            assert hop not in names, hop
+        assert resp.headers.get("Server", "") != "worker/1.0"
+
+
+async def test_only_end_to_end_request_headers_reach_the_worker(http: aiohttp.ClientSession) -> None:
+    """Cookies, proxy credentials, the client's own hop-by-hop headers and a client's choice of data-parallel rank
+    stay at the gateway; request ids and trace context reach the worker, whose Host is its own."""
+    heads: list[bytes] = []
+
+    reply = _reply("200 OK", [("Content-Type", "application/json")], BODY)
+    async with raw_worker(answering(reply), heads=heads) as worker, running_gateway([worker]) as gw:
+        sent = {"Cookie": "session=abc", "Proxy-Authorization": "Basic eA==", "X-Client-Hop": "x",
+                "Connection": "keep-alive, X-Client-Hop", "X-data-parallel-rank": "3", "X-Request-Id": "req-7",
+                "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+        async with http.post(gw.url + "/v1/completions", json=COMPLETION, headers=sent) as resp:
+            assert resp.status == 200
+    generation = [h for h in heads if h.startswith(b"POST ")]
+    assert len(generation) == 1
+    lines = generation[0].decode().split("\r\n")
+    got = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    assert got["host"] == worker.removeprefix("http://")
+    assert got["x-request-id"] == "req-7" and got["traceparent"] == sent["traceparent"]
+    for private in ("cookie", "proxy-authorization", "x-client-hop", "x-data-parallel-rank"):
+        assert private not in got, private
+
+
+# --- after the first byte -----------------------------------------------------------------------------------------
+
+
+async def _silence(writer: asyncio.StreamWriter) -> None:
+    await asyncio.sleep(30)
+
+
+async def test_a_stream_that_goes_quiet_after_its_first_chunk_is_cut_within_the_read_timeout(
+        http: aiohttp.ClientSession) -> None:
+    """Nothing retries once a byte reached the client: a worker silent after its first chunk costs the client
+    `read_timeout_s`, then a broken stream (never a clean end that passes a short answer off as whole); the gateway
+    counts a 502, releases the worker and keeps serving."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    first = b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK)
+    async with (raw_worker(answering(head + first, _silence)) as worker,
+                running_gateway([worker], read_timeout_s=0.5) as gw):
+        started = time.monotonic()
+        async with http.post(gw.url + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+            assert resp.status == 200
+            assert await resp.content.readany() == CHUNK
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+        # the silence began after the first chunk; the worker would hold the stream open for 30 s
+        assert 0.5 <= time.monotonic() - started < 5.0
+        pooled = gw.gateway.pool.all()[0]
+        await eventually(lambda: pooled.in_flight == 0)
+        assert pooled.last_error is not None and "stream broke" in pooled.last_error
+        assert 'kvgate_requests_total{model="tiny",status="502"' in await _metrics(http, gw.url)
+        async with http.get(gw.url + "/health") as health:
+            assert health.status == 200
+
+
+async def test_a_whole_answer_that_goes_quiet_mid_body_is_a_504(http: aiohttp.ClientSession) -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+    async with (raw_worker(answering(head + b'{"choices": [', _silence)) as worker,
+                running_gateway([worker], read_timeout_s=0.5) as gw):
+        async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
+            body = orjson.loads(await resp.read())
+            assert resp.status == 504 and body["error"]["code"] == "upstream_timeout"
+        await eventually(lambda: gw.gateway.pool.all()[0].in_flight == 0)
+
+
+async def test_an_error_answered_to_a_stream_request_is_relayed_whole(http: aiohttp.ClientSession) -> None:
+    """A worker that refuses a streaming request answers JSON, not events: the client gets its status and body."""
+    error = b'{"error": {"message": "max_tokens is too large", "type": "BadRequestError", "code": 400}}'
+    reply = _reply("400 Bad Request", [("Content-Type", "application/json")], error)
+    async with (raw_worker(answering(reply)) as worker, running_gateway([worker]) as gw,
+                http.post(gw.url + "/v1/completions", json={**COMPLETION, "stream": True}) as resp):
+        assert resp.status == 400 and await resp.read() == error
+        assert resp.headers["Content-Type"] == "application/json"
