@@ -136,15 +136,18 @@ class KvAware(Strategy):
                         blocks, by_tier = fresh, {**run.by_tier, GPU: run.by_tier.get(GPU, 0) + fresh - run.blocks}
                     else:
                         blocks, by_tier = run.blocks, run.by_tier
-                    tokens = min(blocks * bs, cacheable)
-                    weight = 0.0
-                    if blocks:
-                        for tier, n in by_tier.items():
-                            weight += saving[tier] * n
-                        weight /= blocks
-                    if best is None or tokens * weight > best.saved:
-                        best = Holding(tokens, _tokens_by_tier(by_tier, bs, cacheable), rank, tokens * weight,
-                                       affinity, computed=min(run.blocks * bs, cacheable))
+                    # what it saves: each cacheable block at its tier's share (a run longer than the cacheable
+                    # prompt is trimmed from its lowest tiers, so they are what does not count)
+                    trimmed = blocks * bs > cacheable
+                    tiers = _tokens_by_tier(by_tier, bs, cacheable) if trimmed else None
+                    saved = 0.0
+                    for tier, n in (tiers or by_tier).items():
+                        saved += saving[tier] * n
+                    if not trimmed:
+                        saved *= bs
+                    if best is None or saved > best.saved:
+                        best = Holding(min(blocks * bs, cacheable), tiers or _tokens_by_tier(by_tier, bs, cacheable),
+                                       rank, saved, affinity, computed=min(run.blocks * bs, cacheable))
             if best is None:  # no trustworthy events: the approximate trie, as `prefix` does
                 blocks = max(guessed.get(url, 0), pending.match(keys, url))
                 tokens = min(blocks * bs, cacheable)

@@ -1,0 +1,151 @@
+"""`kv`'s own scoring, decision by decision: what each tier's blocks save, that only the leading run counts, how
+requests in flight stand in for KV events not yet arrived, how untrusted workers fall back to the trie, and which
+data-parallel rank a decision names. The strategy as `kvgate serve` assembles it, over the real in-process index."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from kvcore.kv_events import CPU, DISK, GPU, SHARED
+from kvgate.serve import assemble
+from router.config import WorkerSpec
+from router.kv_index import InMemoryKvIndex
+from router.kv_transport import cache_name
+from router.pool import Worker
+from router.routing import RouteRequest
+from strategies.kv import KvAware
+
+BS = 16
+A, B = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
+KEYS = list(range(1000, 1012))  # twelve blocks' keys (chained in the gateway; any distinct ints here)
+
+
+def strategy(workers: Sequence[str], *, trusted: Sequence[str] | None = None,
+             **options: Any) -> tuple[KvAware, InMemoryKvIndex, list[Worker]]:
+    """`kv` with an empty index whose event streams are trusted for `trusted` caches (default: every worker)."""
+    specs = [WorkerSpec.parse(w) for w in workers]
+    _, kv = assemble({"strategy": "kv", "block_size": BS, "worker": specs, **options})
+    assert isinstance(kv, KvAware)
+    kv.balance.random.seed(0)
+    index = InMemoryKvIndex()
+    allowed = None if trusted is None else set(trusted)
+    kv.attach_kv(index, lambda cache: allowed is None or cache.split("#")[0] in allowed)
+    pool = [Worker(spec, models=frozenset({"m"}), healthy=True) for spec in specs]
+    return kv, index, pool
+
+
+def request(blocks: int = 10, extra: int = 8) -> RouteRequest:
+    """A prompt of `blocks` full blocks and `extra` more tokens (so every full block is cacheable)."""
+    tokens = blocks * BS + extra
+    return RouteRequest("m", "/v1/completions", token_ids=list(range(tokens)), block_keys=KEYS[:blocks],
+                        prompt_tokens=tokens)
+
+
+@pytest.mark.parametrize(("tier", "cost", "winner"), [
+    (CPU, 0.1, A), (CPU, 0.5, B), (DISK, 0.25, A), (DISK, 0.5, B),
+])
+def test_each_tier_saves_its_share_of_a_recompute(tier: str, cost: float, winner: str) -> None:
+    """A holds 8 blocks on a lower tier, B 6 on its GPU: A saves 8 * (1 - cost) blocks of prefill, B 6."""
+    option: dict[str, Any] = {{CPU: "kv_cost_cpu", DISK: "kv_cost_disk"}[tier]: cost}
+    kv, index, pool = strategy([A, B], **option)
+    index.add(A, KEYS[:8], tier)
+    index.add(B, KEYS[:6], GPU)
+    decision = kv.choose(request(), pool)
+    assert decision.worker.url == winner
+    assert decision.predicted_cached_tokens == (8 if winner == A else 6) * BS
+
+
+def test_the_fleet_shared_tier_saves_on_every_worker() -> None:
+    kv, index, pool = strategy([A, B], kv_cost_shared=0.4)
+    index.add(A, KEYS[:10], SHARED)
+    [a, b] = kv.holdings(KEYS[:10], pool, 10 * BS)
+    assert a.by_tier == b.by_tier == {SHARED: 10 * BS}
+    assert a.saved == b.saved == pytest.approx(10 * BS * 0.6)
+
+
+def test_only_the_leading_run_counts() -> None:
+    """Blocks after a gap are no prefix hit: A holds all but the first block, B the first three."""
+    kv, index, pool = strategy([A, B])
+    index.add(A, KEYS[1:10], GPU)
+    index.add(B, KEYS[:3], GPU)
+    [a, b] = kv.holdings(KEYS[:10], pool, 10 * BS)
+    assert (a.tokens, b.tokens) == (0, 3 * BS)
+    decision = kv.choose(request(), pool)
+    assert (decision.worker.url, decision.predicted_cached_tokens, decision.reason) == (B, 3 * BS, "hit")
+
+
+def test_a_run_longer_than_the_cacheable_prompt_saves_what_its_cacheable_part_saves() -> None:
+    """vLLM computes a prompt's last token, so of a prompt of exactly ten blocks nine can hit. Held: nine blocks
+    on the GPU and the tenth only in the shared tier. The shared block is trimmed, and the nine save all their
+    prefill (the average over all ten blocks' tiers had it 4% lower)."""
+    kv, index, pool = strategy([A], kv_cost_shared=0.4, kv_cost_cpu=0.1)
+    index.add(A, KEYS[:9], GPU)
+    index.add(A, KEYS[9:10], SHARED)
+    [a] = kv.holdings(KEYS[:10], pool, 9 * BS)
+    assert a.tokens == 9 * BS and a.by_tier == {GPU: 9 * BS}
+    assert a.saved == pytest.approx(9 * BS)
+    index.add(A, KEYS[:7], CPU)  # a trimmed run over several tiers: each block at its own tier
+    index.remove(A, KEYS[:7], GPU)
+    [a] = kv.holdings(KEYS[:10], pool, 9 * BS)
+    assert a.by_tier == {CPU: 7 * BS, GPU: 2 * BS}
+    assert a.saved == pytest.approx(7 * BS * 0.9 + 2 * BS)
+
+
+async def test_requests_in_flight_stand_in_for_events_until_the_grace_ends() -> None:
+    """A burst with a new prefix stays on one worker before its KV events arrive; once the requests finished and
+    the grace passed with no event, only the index speaks (nothing cached), and the trie's affinity keeps the
+    group's next request where the group went."""
+    kv, _, pool = strategy([A, B], kv_pending_grace_s=0.05)
+    first = kv.choose(request(), pool)
+    assert first.predicted_cached_tokens == 0 and first.reason == "miss"
+    second = kv.choose(request(), pool)
+    assert second.worker is first.worker and second.predicted_cached_tokens == 10 * BS
+    for decision in (first, second):
+        kv.on_finished(request(), decision)
+    [held] = [h for w, h in zip(pool, kv.holdings(KEYS[:10], pool, 10 * BS), strict=True) if w is first.worker]
+    assert held.tokens == 10 * BS  # within the grace
+    await asyncio.sleep(0.2)
+    third = kv.choose(request(), pool)
+    assert third.worker is first.worker and third.predicted_cached_tokens == 0
+
+
+def test_an_untrusted_worker_is_judged_by_the_trie_a_trusted_one_by_its_events() -> None:
+    """B's event stream cannot be trusted (a gap the replay did not repair): the prefix once sent there counts
+    as cached. A trusted worker the same prefix was sent to, whose events never announced it, does not."""
+    kv, _, pool = strategy([A, B], trusted=[A])
+    kv.balance.trie.insert(KEYS[:10], B)
+    decision = kv.choose(request(), pool)
+    assert (decision.worker.url, decision.predicted_cached_tokens) == (B, 10 * BS)
+
+    kv, _, pool = strategy([A, B], trusted=[A, B])
+    kv.balance.trie.insert(KEYS[:10], B)
+    [_, b] = kv.holdings(KEYS[:10], pool, 10 * BS)
+    assert b.tokens == 0 and b.affinity == pytest.approx(kv.affinity * 10 * BS)
+
+
+def test_a_data_parallel_engine_is_judged_by_its_best_rank_and_the_decision_names_it() -> None:
+    dp = A + ";dp_ranks=4"
+    kv, index, pool = strategy([dp, B])
+    index.add(cache_name(A, 1), KEYS[:4], GPU)
+    index.add(cache_name(A, 2), KEYS[:9], GPU)
+    index.add(B, KEYS[:6], GPU)
+    decision = kv.choose(request(), pool)
+    assert (decision.worker.url, decision.dp_rank, decision.predicted_cached_tokens) == (A, 2, 9 * BS)
+    assert kv.choose(request(), [pool[1]]).dp_rank is None
+
+
+def test_a_hot_prefix_spills_when_the_queue_outweighs_the_saving() -> None:
+    """Both saving and queue are in prefill tokens: A holds the prefix, but with enough requests outstanding there
+    the prefill saved no longer pays for the wait, and B (a miss) wins."""
+    kv, index, pool = strategy([A, B], prefix_request_cost_tokens=128.0, prefix_prefill_weight=2.0)
+    index.add(A, KEYS[:10], GPU)
+    a = pool[0]
+    a.in_flight = 2  # 256 tokens of queue against 2 * 160 saved: stays
+    assert kv.choose(request(), pool).worker is a
+    a.in_flight = 4  # 512 against 320: spills
+    decision = kv.choose(request(), pool)
+    assert decision.worker.url == B and decision.reason == "spill"
