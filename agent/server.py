@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 # a Store of at most this many bytes is copied into DRAM on the event loop (about 0.1-0.5 ms: what the loop may be
 # held for) rather than handed to the request pool and back
 INLINE_STORE_BYTES = 2 * 2**20
+INLINE_LOAD_BYTES = MAX_FRAME // 2  # an inline load's blocks, at most: its answer must fit one frame
 
 
 def request_bytes(request: Store) -> int:
@@ -481,6 +482,11 @@ class TierAgent:
     def _load(self, conn: Connection, request: Load) -> LoadReply:
         conn.check(request.layout, request.block_bytes)
         inline = not request.offsets
+        if request.block_bytes <= 0:
+            raise ValueError(f"blocks of {request.block_bytes} bytes")
+        if inline and len(request.hashes) * request.block_bytes > INLINE_LOAD_BYTES:
+            raise ValueError(f"{len(request.hashes)} blocks of {request.block_bytes} bytes do not fit an inline "
+                             f"answer ({INLINE_LOAD_BYTES} bytes at most): pass shared memory")
         if inline:
             buffers = [memoryview(bytearray(request.block_bytes)) for _ in request.hashes]
         else:

@@ -286,6 +286,50 @@ def test_the_agent_maps_only_sealed_client_memory(tmp_path: Path, agents: list[A
     assert agent.metric("kvgate_agent_request_errors_total", op="hello") == 2
 
 
+HOSTILE_FRAMES: list[tuple[str, dict[str, Any]]] = [
+    ("inline load of blocks no index can hold", {"op": "load", "layout": LAYOUT, "hashes": [1], "block_bytes": 2**62}),
+    ("inline load whose answer no frame can carry",
+     {"op": "load", "layout": LAYOUT, "hashes": list(range(4096)), "block_bytes": 2**26}),
+    ("negative block size", {"op": "load", "layout": LAYOUT, "hashes": [1], "block_bytes": -1}),
+    ("shared-memory load without shared memory",
+     {"op": "load", "layout": LAYOUT, "hashes": [1], "block_bytes": BLOCK, "offsets": [0]}),
+    ("offsets that do not match the hashes",
+     {"op": "load", "layout": LAYOUT, "hashes": [1, 2], "block_bytes": BLOCK, "offsets": [0]}),
+    ("shared-memory store without shared memory",
+     {"op": "store", "layout": LAYOUT, "hashes": [1], "offsets": [0], "lengths": [BLOCK]}),
+    ("blocks that do not match the hashes", {"op": "store", "layout": LAYOUT, "hashes": [1, 2], "data": [b"x"]}),
+    ("a hash of the wrong type", {"op": "lookup", "layout": LAYOUT, "hashes": [1.5]}),
+    ("a layout of the wrong type", {"op": "lookup", "layout": "x", "hashes": [1]}),
+    ("a second hello", {"op": "hello"}),
+    ("an unknown operation", {"op": "format_disk"}),
+    ("no operation", {"layout": LAYOUT}),
+]
+
+
+def test_hostile_frames_are_answered_with_an_error_on_a_connection_that_keeps_serving(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """Every malformed or hostile request gets an error reply (never a dropped connection, a crash or a huge
+    allocation), is counted, and the same connection then stores and loads as before."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    with connect(agent.socket) as sock:
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        for what, message in HOSTILE_FRAMES:
+            reply = raw_call(sock, message)
+            assert reply["op"] == "error" and reply["message"], (what, reply)
+        garbage = b"\xc1\xff not msgpack"
+        sock.sendall(FRAME.pack(len(garbage)) + garbage)
+        (size,) = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))
+        assert msgspec.msgpack.decode(sock.recv(size, socket.MSG_WAITALL))["op"] == "error"
+        assert raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [7], "data": [content(7)]})["stored"] == 1
+        assert raw_call(sock, {"op": "load", "layout": LAYOUT, "hashes": [7], "block_bytes": BLOCK}) == {
+            "op": "load", "lengths": [BLOCK], "data": [content(7)]}
+    errors = agent.metrics()
+    assert sum(float(line.split()[-1]) for line in errors.splitlines()
+               if line.startswith("kvgate_agent_request_errors_total{")) == len(HOSTILE_FRAMES) + 1
+    assert agent.proc is not None and agent.proc.poll() is None
+
+
 def test_a_client_shrinking_its_shared_memory_cannot_kill_the_agent(tmp_path: Path, agents: list[AgentProcess],
                                                                     subprocess_env: dict[str, str]) -> None:
     """Issue 14: a client truncating its /dev/shm file after Hello made the agent's next copy into the mapping
