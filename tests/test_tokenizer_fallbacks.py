@@ -1,0 +1,98 @@
+"""The tokenizer's fallbacks: where the gateway cannot reproduce vLLM's ids for a request (a template that refuses
+it, a tokenizer without a chat template), that request alone is routed by its text, labelled as such, and still
+answered; what the tokenizer can reproduce stays exact, and a refused request leaves no trace in the cache that
+serves the next one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from router.block_keys import block_keys, root_key
+from router.config import GatewayConfig
+from router.metrics import GatewayMetrics
+from router.prompt_tokens import TEXT, TOKENS, PromptTokens
+from router.requests import read_payload
+from router.tokenizer import ModelTokenizer
+from tests.conftest import running_gateway, running_standin
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+# refuses a conversation that opens with a system message, as some models' templates do
+STRICT = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+          "{{ bos_token }}{% for m in messages %}"
+          "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def model_with_template(source: Path, target: Path, template: str | None) -> Path:
+    """A copy of the tiny model whose tokenizer has `template` as its chat template (None: none at all)."""
+    shutil.copytree(source, target)
+    config_path = target / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if template is None:
+        config.pop("chat_template", None)
+    else:
+        config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    return target
+
+
+async def keys_of(prompts: PromptTokens, path: str, body: dict[str, Any]) -> Any:
+    found = read_payload(path, {"model": "tiny", **body}, model_required=False).prompt
+    assert found is not None
+    return await prompts.keys(found, "tiny")
+
+
+async def test_a_chat_the_template_refuses_is_routed_by_text_and_the_next_is_exact_again(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = model_with_template(tiny_model_dir, tmp_path / "strict", STRICT)
+    prompts = PromptTokens(GatewayConfig(model_dir=[str(model)], block_size=16), GatewayMetrics())
+    reference = ModelTokenizer(model)
+    question = [{"role": "user", "content": "what is the capital of France? " * 20}]
+    refused = [{"role": "system", "content": "You are terse. " * 20}, *question]
+    try:
+        for _ in range(2):  # alternating: a refusal caches nothing the exact path then reuses
+            by_text = await keys_of(prompts, CHAT, {"messages": refused})
+            assert by_text.mode == TEXT and by_text.token_ids is None and by_text.block_keys
+            exact = await keys_of(prompts, CHAT, {"messages": question})
+            expected = reference.prompt_ids({"messages": question}, chat=True)
+            assert exact.mode == TOKENS and list(exact.token_ids) == expected
+            assert exact.block_keys == block_keys(expected, 16, root_key("tiny"))
+    finally:
+        prompts.close()
+
+
+async def test_a_tokenizer_without_a_chat_template_keeps_completions_exact(tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    model = model_with_template(tiny_model_dir, tmp_path / "base", None)
+    prompts = PromptTokens(GatewayConfig(model_dir=[str(model)], block_size=16), GatewayMetrics())
+    text = "the quick brown fox jumps over the lazy dog " * 10
+    try:
+        chat = await keys_of(prompts, CHAT, {"messages": [{"role": "user", "content": text}]})
+        assert chat.mode == TEXT and chat.token_ids is None
+        completion = await keys_of(prompts, COMPLETIONS, {"prompt": text})
+        expected = ModelTokenizer(model).encode(text, add_special_tokens=True)
+        assert completion.mode == TOKENS and list(completion.token_ids) == expected
+    finally:
+        prompts.close()
+
+
+async def test_the_gateway_answers_a_refused_chat_and_labels_it_text(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = model_with_template(tiny_model_dir, tmp_path / "strict", STRICT)
+    system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    async with (running_standin() as worker,
+                running_gateway([worker.url], strategy="prefix", model_dir=[f"tiny={model}"]) as gw,
+                aiohttp.ClientSession() as http):
+        for messages in (system, system[1:]):
+            async with http.post(gw.url + CHAT, json={"model": "tiny", "messages": messages}) as resp:
+                assert resp.status == 200
+        async with http.get(gw.url + "/metrics") as resp:
+            metrics = await resp.text()
+    counts = {mode: float(line.split()[-1]) for mode in (TEXT, TOKENS) for line in metrics.splitlines()
+              if line.startswith(f'kvgate_tokenize_duration_seconds_count{{mode="{mode}"}}')}
+    assert counts == {TEXT: 1.0, TOKENS: 1.0}
