@@ -110,10 +110,16 @@ class ContentIdentity:
         keys = self._by_model.get(model)
         return keys.get(engine_hash) if keys else None
 
-    def put(self, model: str, engine_hash: BlockHash, key: BlockKey) -> None:
+    def names(self, model: str) -> OrderedDict[BlockHash, BlockKey]:
+        """The model's map, oldest first (created empty if it has none): for a caller that puts many at once, as
+        `put` does, and keeps it within `max_blocks`."""
         keys = self._by_model.get(model)
         if keys is None:
             keys = self._by_model[model] = OrderedDict()
+        return keys
+
+    def put(self, model: str, engine_hash: BlockHash, key: BlockKey) -> None:
+        keys = self.names(model)
         if engine_hash in keys:
             keys.move_to_end(engine_hash)  # re-inserted: the newest again
         keys[engine_hash] = key
@@ -360,17 +366,37 @@ class KvEventApplier:
                 return
             tokens = event.token_ids[start * size:(start + len(hashes)) * size]
             learned = self._learned.get(source) if tier == GPU else None
+            # per block, `identity.put`, `_hold` and `_place_waiting` written out: this loop runs for every block
+            # an engine computes
+            names = self.identity.names(model)
+            most = self.identity.max_blocks
+            keys = held.tiers.get(tier)
+            if keys is None:
+                keys = held.tiers[tier] = {}
+            extra = held.extra
+            waiting = self._waiting
             for engine_hash, key in zip(hashes, block_keys(tokens, size, parent), strict=True):
-                self.identity.put(model, engine_hash, key)
-                if _hold(held, engine_hash, tier, key, counted):
+                if engine_hash in names:
+                    names.move_to_end(engine_hash)  # re-inserted: the newest again
+                names[engine_hash] = key
+                if len(names) > most:
+                    names.popitem(last=False)
+                if engine_hash not in keys:
+                    keys[engine_hash] = key
                     new_keys.append(key)
+                elif counted:
+                    extra[(engine_hash, tier)] = extra.get((engine_hash, tier), 0) + 1
                 if learned:
                     learned.pop(key, None)  # announced now: its removal will be too
-                self._place_waiting(model, engine_hash, key)
+                if waiting:
+                    self._place_waiting(model, engine_hash, key)
         else:
             # an agent or offload tier announcing blocks the engine named (or will name) with their tokens
+            names = self.identity.names(model)
             for engine_hash in hashes:
-                known = self._key_of(model, worker, engine_hash)
+                known = names.get(engine_hash)
+                if known is None:
+                    known = self._key_of(model, worker, engine_hash)
                 if known is None:
                     self._wait(model, engine_hash, source, tier)
                 elif _hold(held, engine_hash, tier, known, counted):

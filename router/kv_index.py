@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import math
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, repeat
@@ -66,6 +67,20 @@ class KvBlockIndex(abc.ABC):
         """(block, worker) pairs held."""
 
 
+class _Arrivals:
+    """The order a worker got its blocks in (for dropping its oldest, and forgetting it), as a log of 64-bit keys:
+    8 bytes per block, not a dict entry (a map per worker of every block it holds cost 40-70 bytes per (block,
+    worker) pair, the index's largest part). A key is appended each time it becomes new to the worker; its last
+    appearance is its place (the place an insertion-ordered dict would give it), and appearances of keys the
+    worker no longer holds are stale. The log is rewritten without them once they make up half of it."""
+
+    __slots__ = ("held", "keys")
+
+    def __init__(self) -> None:
+        self.keys = array("Q")  # block keys are 64-bit (xxh3_64)
+        self.held = 0  # blocks the worker holds: the log's live appearances
+
+
 class InMemoryKvIndex(KvBlockIndex):
     """The index in this process. Workers get small ids; for each tier, each block key held there maps to a bit
     mask of the workers holding it (so a lookup is a few integer operations per block, and a block costs one
@@ -75,6 +90,8 @@ class InMemoryKvIndex(KvBlockIndex):
     their removal events the gateway can no longer be sure of them anyway.
     """
 
+    STALE_SLACK = 4096  # stale log entries a worker's log may hold beyond as many as it has live ones
+
     def __init__(self, max_entries: int = 10_000_000) -> None:
         self.max_entries = max_entries
         self._ids: dict[str, int] = {}
@@ -82,7 +99,7 @@ class InMemoryKvIndex(KvBlockIndex):
         # tier -> key -> bit mask of worker ids holding it there
         self._masks: dict[str, dict[BlockKey, int]] = {tier: {} for tier in TIERS}
         self._gpu, self._cpu, self._disk, self._shared = (self._masks[t] for t in TIERS)
-        self._by_worker: dict[int, dict[BlockKey, None]] = {}  # insertion-ordered: oldest first
+        self._arrivals: dict[int, _Arrivals] = {}
         self._entries = 0
         self.dropped = 0
 
@@ -91,7 +108,7 @@ class InMemoryKvIndex(KvBlockIndex):
         if wid is None:
             wid = self._free_ids.pop() if self._free_ids else len(self._ids)
             self._ids[worker] = wid
-            self._by_worker[wid] = {}
+            self._arrivals[wid] = _Arrivals()
         return wid
 
     def _tiers_of(self, key: BlockKey, wid: int) -> int:
@@ -169,7 +186,9 @@ class InMemoryKvIndex(KvBlockIndex):
     def add(self, worker: str, keys: Iterable[BlockKey], tier: str) -> None:
         wid = self._id(worker)
         bit = 1 << wid
-        held = self._by_worker[wid]
+        arrivals = self._arrivals[wid]
+        log = arrivals.keys
+        before = len(log)
         masks = self._masks[tier]
         first, second, third = (m for t, m in self._masks.items() if t != tier)
         for key in keys:
@@ -177,9 +196,14 @@ class InMemoryKvIndex(KvBlockIndex):
             if mask & bit:
                 continue
             if not (first.get(key, 0) | second.get(key, 0) | third.get(key, 0)) & bit:  # new to the worker
-                self._entries += 1
-                held[key] = None
+                log.append(key)
             masks[key] = mask | bit
+        new = len(log) - before
+        if new:
+            self._entries += new
+            arrivals.held += new
+            if len(log) > 2 * arrivals.held + self.STALE_SLACK:
+                arrivals.keys = array("Q", self._held_in_order(wid))
         if self._entries > self.max_entries:
             self._shrink()
 
@@ -187,8 +211,24 @@ class InMemoryKvIndex(KvBlockIndex):
         wid = self._ids.get(worker)
         if wid is None:
             return
+        # `_drop` for one tier, inline: evictions remove a block per call, the largest share of an index's updates
+        bit = 1 << wid
+        masks = self._masks[tier]
+        first, second, third = (m for t, m in self._masks.items() if t != tier)
+        gone = 0
         for key in keys:
-            self._drop(key, wid, _BIT[tier])
+            mask = masks.get(key, 0)
+            if not mask & bit:
+                continue
+            if mask == bit:
+                del masks[key]
+            else:
+                masks[key] = mask ^ bit
+            if not (first.get(key, 0) | second.get(key, 0) | third.get(key, 0)) & bit:  # the worker's last tier
+                gone += 1
+        if gone:
+            self._entries -= gone
+            self._arrivals[wid].held -= gone
 
     def _drop(self, key: BlockKey, wid: int, tier_bits: int) -> None:
         """Take `tier_bits` of `key` away from worker `wid`."""
@@ -205,16 +245,31 @@ class InMemoryKvIndex(KvBlockIndex):
                     del masks[key]
         if not before & ~tier_bits:
             self._entries -= 1
-            self._by_worker[wid].pop(key, None)
+            self._arrivals[wid].held -= 1
+
+    def _held_in_order(self, wid: int) -> list[BlockKey]:
+        """The blocks worker `wid` holds, oldest first: the last appearance in its log of each one it holds."""
+        bit = 1 << wid
+        gpu, cpu, disk, shared = self._gpu, self._cpu, self._disk, self._shared
+        seen: set[BlockKey] = set()
+        out: list[BlockKey] = []
+        for key in reversed(self._arrivals[wid].keys):
+            if key in seen:
+                continue
+            seen.add(key)
+            if (gpu.get(key, 0) | cpu.get(key, 0) | disk.get(key, 0) | shared.get(key, 0)) & bit:
+                out.append(key)
+        out.reverse()
+        return out
 
     def clear(self, worker: str) -> None:
         wid = self._ids.pop(worker, None)
         if wid is None:
             return
         everything = sum(_BIT.values())
-        for key in list(self._by_worker[wid]):
+        for key in self._arrivals[wid].keys:  # a stale appearance is dropped as a block it does not hold: skipped
             self._drop(key, wid, everything)
-        del self._by_worker[wid]
+        del self._arrivals[wid]
         self._free_ids.append(wid)
 
     def holds(self, worker: str) -> set[tuple[BlockKey, str]]:
@@ -223,7 +278,7 @@ class InMemoryKvIndex(KvBlockIndex):
         if wid is None:
             return set()
         out: set[tuple[BlockKey, str]] = set()
-        for key in self._by_worker[wid]:
+        for key in self._held_in_order(wid):
             mask = self._tiers_of(key, wid)
             out.update((key, tier) for tier in TIERS if mask & _BIT[tier])
         return out
@@ -235,8 +290,9 @@ class InMemoryKvIndex(KvBlockIndex):
         """Drop each worker's oldest blocks (insertion order), in proportion, until 10% below the bound."""
         everything = sum(_BIT.values())
         share = 1 - int(self.max_entries * 0.9) / self._entries
-        for wid, keys in list(self._by_worker.items()):
-            for key in list(keys)[: math.ceil(len(keys) * share)]:
+        for wid in list(self._arrivals):
+            keys = self._held_in_order(wid)
+            for key in keys[: math.ceil(len(keys) * share)]:
                 self._drop(key, wid, everything)
                 self.dropped += 1
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from router.block_keys import BlockKey, longest_run
@@ -41,7 +41,11 @@ class PrefixTrie:
     workers sent it with when), not an object of its own: dicts holding only numbers and strings are not tracked by
     Python's cycle collector, an object per node would be, and every full collection walks all tracked objects with
     the GIL held (35,000-67,000 nodes after 100 prompts of 32,000 characters cost 86-133 ms per collection, the
-    event loop stalled meanwhile)."""
+    event loop stalled meanwhile).
+
+    Most nodes were only ever sent to one worker (routing by prefix keeps a prefix in one place): such a node's
+    workers are that worker's URL alone, its time the node's last use, and a dict of URL -> time only once a
+    second worker is sent it (a one-entry dict cost 200 bytes per node, half of a trie's memory)."""
 
     def __init__(self, max_nodes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if max_nodes < 1:
@@ -54,7 +58,8 @@ class PrefixTrie:
         self._parent: dict[BlockKey, BlockKey | None] = {}  # every node; None for a first block
         self._children: dict[BlockKey, int] = {}
         self._used: dict[BlockKey, float] = {}  # last sent to any worker
-        self._workers: dict[BlockKey, dict[str, float]] = {}  # url -> last sent
+        # the workers sent each node: the URL of the only one (last sent: the node's `_used`), or url -> last sent
+        self._workers: dict[BlockKey, str | dict[str, float]] = {}
         # leaves by last use; entries go stale when a leaf is used again, gains a child or is removed
         self._leaves: list[tuple[float, BlockKey]] = []
         self._worker_nodes: dict[str, int] = {}
@@ -76,9 +81,13 @@ class PrefixTrie:
             return {}
         known = longest_run(len(keys), lambda i: keys[i] in index)
         fresh_after = self.clock() - self.ttl_s
-        sent_to = self._workers
+        sent_to, used = self._workers, self._used
         first = sent_to[keys[0]]
-        wanted = first.keys() if workers is None else [w for w in workers if w in first]
+        if isinstance(first, str):
+            wanted: Iterable[str] = [first] if workers is None or first in workers else []
+            first = {first: used[keys[0]]}
+        else:
+            wanted = first.keys() if workers is None else [w for w in workers if w in first]
         out: dict[str, int] = {}
         for url in wanted:
             if first[url] < fresh_after:
@@ -87,7 +96,9 @@ class PrefixTrie:
             lo, hi = 1, known  # blocks sent to `url` lately: at least the first, at most every known one
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                sent = sent_to[keys[mid - 1]].get(url)
+                key = keys[mid - 1]
+                entry = sent_to[key]
+                sent = (used[key] if entry == url else None) if isinstance(entry, str) else entry.get(url)
                 if sent is not None and sent >= fresh_after:
                     lo = mid
                 else:
@@ -125,12 +136,20 @@ class PrefixTrie:
         counts, parents, used, sent_to = self._worker_nodes, self._parent, self._used, self._workers
         while node is not None:
             workers = sent_to[node]
-            sent = workers.get(worker)
-            if sent is not None and sent >= now:
-                return
-            if sent is None:
-                counts[worker] = counts.get(worker, 0) + 1
-            workers[worker] = now
+            if isinstance(workers, str):
+                if workers == worker:
+                    if used[node] >= now:
+                        return
+                else:  # a second worker: the node gets a dict, the first one's time its last use
+                    counts[worker] = counts.get(worker, 0) + 1
+                    sent_to[node] = {workers: used[node], worker: now}
+            else:
+                sent = workers.get(worker)
+                if sent is not None and sent >= now:
+                    return
+                if sent is None:
+                    counts[worker] = counts.get(worker, 0) + 1
+                workers[worker] = now
             used[node] = now
             node = parents[node]
 
@@ -147,7 +166,7 @@ class PrefixTrie:
             parents[key] = node
             children[key] = 1  # the next one; the deepest gets 0 below
             used[key] = now
-            sent_to[key] = {worker: now}
+            sent_to[key] = worker
             node = key
         assert node is not None
         children[node] = 0
@@ -185,8 +204,12 @@ class PrefixTrie:
         counts = self._worker_nodes
         for gone in removed:  # the whole subtree of the last one: each had one child, the one removed before
             del parents[gone], children[gone], used[gone]
-            for url in sent_to.pop(gone):
-                counts[url] -= 1
+            workers = sent_to.pop(gone)
+            if isinstance(workers, str):
+                counts[workers] -= 1
+            else:
+                for url in workers:
+                    counts[url] -= 1
         if above is not None:
             children[above] -= 1
             if children[above] == 0:
@@ -208,11 +231,14 @@ class PrefixTrie:
     def forget_worker(self, url: str) -> None:
         """Remove a worker from every node; prefixes no worker holds any more are removed with their subtrees."""
         sent_to, parents, children = self._workers, self._parent, self._children
-        emptied = [key for key, workers in sent_to.items() if workers.pop(url, None) is not None and not workers]
+        # a node left with one worker keeps its dict: its last use may be the forgotten worker's time
+        emptied = [key for key, workers in sent_to.items()
+                   if (workers == url if isinstance(workers, str) else workers.pop(url, None) is not None and not workers)]
         self._worker_nodes.pop(url, None)
         # a node's workers include its descendants': an emptied node's subtree is emptied; the top of one has a
         # parent still held (or none)
-        tops = [parent for key in emptied if (parent := parents[key]) is not None and sent_to[parent]]
+        gone = set(emptied)
+        tops = [parent for key in emptied if (parent := parents[key]) is not None and parent not in gone]
         for key in emptied:
             del parents[key], children[key], self._used[key], sent_to[key]
         for parent in tops:
@@ -242,13 +268,18 @@ class PrefixTrie:
         for key, parent in parents.items():
             if parent is not None:
                 assert parent in parents, "a node whose parent is gone"
-                assert set(sent_to[key]) <= set(sent_to[parent])
+                assert self._sent(key).keys() <= self._sent(parent).keys()
                 assert used[key] <= used[parent]
                 counts[parent] = counts.get(parent, 0) + 1
         for key, count in self._children.items():
             assert count == counts.get(key, 0), "child count out of step"
         held: dict[str, int] = {}
-        for workers in sent_to.values():
-            for url in workers:
+        for key in sent_to:
+            for url in self._sent(key):
                 held[url] = held.get(url, 0) + 1
         assert held == {url: n for url, n in self._worker_nodes.items() if n}, "worker node counts out of step"
+
+    def _sent(self, key: BlockKey) -> dict[str, float]:
+        """The workers sent node `key`, with when each last was (for checks)."""
+        workers = self._workers[key]
+        return {workers: self._used[key]} if isinstance(workers, str) else dict(workers)

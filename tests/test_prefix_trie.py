@@ -163,3 +163,57 @@ def test_nodes_are_not_objects_the_cycle_collector_walks() -> None:
     gc.collect()
     assert len(trie) == 10_000
     assert len(gc.get_objects()) - before < 100
+
+
+def test_match_equals_a_naive_model_of_what_each_worker_was_sent() -> None:
+    """Nodes sent to one worker keep its URL, not a dict: every answer still equals the definition (per worker,
+    the longest prefix sent to it within the TTL), through second workers, repeats and forgotten workers."""
+    clock = Clock()
+    trie = PrefixTrie(max_nodes=1_000_000, ttl_s=40, clock=clock)
+    rng = random.Random(3)
+    bases = [keys(i, 12) for i in range(6)]
+    sent: dict[tuple[int, ...], dict[str, float]] = {}  # prefix -> worker -> last sent
+    for step in range(3000):
+        clock.now += rng.random() * 2
+        prompt = rng.choice(bases)[: rng.randrange(1, 13)]
+        if rng.random() < 0.6:
+            worker = f"w{rng.randrange(4)}"
+            trie.insert(prompt, worker)
+            now = clock.now - clock.now % 0.4  # the trie's step: a hundredth of the TTL
+            for n in range(1, len(prompt) + 1):
+                sent.setdefault(tuple(prompt[:n]), {})[worker] = now
+        if step % 400 == 399:
+            gone = f"w{rng.randrange(4)}"
+            trie.forget_worker(gone)
+            for workers in sent.values():
+                workers.pop(gone, None)
+        fresh_after = clock.now - 40
+        expect: dict[str, int] = {}
+        for n in range(1, len(prompt) + 1):
+            for worker, at in sent.get(tuple(prompt[:n]), {}).items():
+                if at >= fresh_after and expect.get(worker, 0) == n - 1:
+                    expect[worker] = n
+        assert trie.match(prompt) == expect, step
+        asked = ["w1", "w3", "nobody"]
+        assert trie.match(prompt, workers=asked) == {w: n for w, n in expect.items() if w in asked}
+        if step % 100 == 0:
+            trie.check()
+    assert any(type(workers) is dict for workers in trie._workers.values())  # second workers were seen
+    trie.check()
+
+
+def test_a_node_sent_to_one_worker_costs_no_dict() -> None:
+    import tracemalloc
+
+    trie = PrefixTrie(max_nodes=100_000, ttl_s=600)
+    prompts = [keys(i, 100) for i in range(100)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, prompt in enumerate(prompts):
+            trie.insert(prompt, f"http://replica-{i % 4}:8000")
+        per_node = (tracemalloc.get_traced_memory()[0] - before) / len(trie)
+    finally:
+        tracemalloc.stop()
+    assert len(trie) == 10_000
+    assert per_node < 200, per_node  # four dict entries and the leaf heap: 119 bytes here; with a dict per node, 302
