@@ -25,7 +25,9 @@ class Admission:
         self.max_bytes = max_bytes
         self.requests = 0
         self.bytes = 0
-        self._metrics = metrics
+        # read when scraped: nothing per request
+        metrics.requests_in_flight.set_function(lambda: self.requests)
+        metrics.request_bytes_in_flight.set_function(lambda: self.bytes)
 
     def admit(self, declared_bytes: int) -> Admitted:
         """A slot for one request whose body declares `declared_bytes` (0 when unknown, as for chunked uploads:
@@ -34,7 +36,6 @@ class Admission:
             raise overloaded(f"the gateway is at its limit of {self.max_requests} requests in flight; retry shortly")
         self._check(declared_bytes)
         self.requests += 1
-        self._metrics.requests_in_flight.set(self.requests)
         return Admitted(self, declared_bytes)
 
     def _check(self, extra: int) -> None:
@@ -44,12 +45,10 @@ class Admission:
 
     def _hold(self, extra: int) -> None:
         self.bytes += extra
-        self._metrics.request_bytes_in_flight.set(self.bytes)
 
     def _leave(self, held: int) -> None:
         self.requests -= 1
         self._hold(-held)
-        self._metrics.requests_in_flight.set(self.requests)
 
 
 class Admitted:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from bisect import bisect_left
 from typing import Any
 
 import prometheus_client
@@ -34,7 +35,15 @@ class Gauge(_BoundChildren, prometheus_client.Gauge):
 
 
 class Histogram(_BoundChildren, prometheus_client.Histogram):
-    pass
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        """prometheus_client's `observe`, its bucket found by bisection instead of a Python loop over the bounds
+        (the request path observes a few histograms per request)."""
+        if exemplar is not None or amount != amount:  # an exemplar, or NaN (counted in no bucket): the original
+            super().observe(amount, exemplar)
+            return
+        self._raise_if_not_observable()  # type: ignore[no-untyped-call]
+        self._sum.inc(amount)
+        self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)  # the first bound >= amount (+Inf last)
 
 
 class GatewayMetrics:
@@ -51,7 +60,8 @@ class GatewayMetrics:
             "kvgate_rejected_requests", "Requests answered by the gateway itself with an error, by status and code",
             ["status", "code"], registry=r,
         )
-        # admission and connections (router/admission.py, router/listener.py)
+        # admission and connections (router/admission.py, router/listener.py); the admission's two gauges are read
+        # when scraped (`set_function`), never set per request
         self.requests_in_flight = Gauge(
             "kvgate_requests_in_flight", "Proxied requests in flight, against max_in_flight_requests", registry=r,
         )
@@ -74,7 +84,7 @@ class GatewayMetrics:
             "kvgate_time_to_first_byte_seconds", "Time from request arrival to the first body byte from the worker",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
-        self.in_flight = Gauge(
+        self.in_flight = Gauge(  # read when scraped, as above
             "kvgate_worker_in_flight_requests", "Requests the gateway has outstanding on each worker",
             ["worker"], registry=r,
         )

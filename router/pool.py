@@ -211,7 +211,7 @@ class WorkerPool:
                 del self._workers[spec.url]  # all or nothing: no half-added worker
                 raise
         self._metrics.healthy.labels(spec.url).set(0)
-        self._metrics.in_flight.labels(spec.url).set(0)
+        self._metrics.in_flight.labels(spec.url).set_function(lambda: worker.in_flight)  # read when scraped
         if self._running:
             self._start_task(worker)
         return worker
@@ -262,15 +262,11 @@ class WorkerPool:
     def acquire(self, worker: Worker) -> None:
         worker.in_flight += 1
         worker.routed += 1
-        self._metrics.in_flight.labels(worker.url).set(worker.in_flight)
 
     def release(self, worker: Worker) -> None:
         worker.in_flight -= 1
-        if worker.draining:
-            if worker.in_flight == 0 and worker.url in self._idle:
-                self._idle[worker.url].set()
-        else:
-            self._metrics.in_flight.labels(worker.url).set(worker.in_flight)
+        if worker.draining and worker.in_flight == 0 and worker.url in self._idle:
+            self._idle[worker.url].set()
 
     def report_connection_error(self, worker: Worker, error: str) -> None:
         """A live request could not reach the worker: eject it now; the probe re-admits it when it recovers."""

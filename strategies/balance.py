@@ -123,6 +123,7 @@ class PrefillBalance:
         self._match_ratio = metrics.match_ratio.labels(self.strategy)
         self._routed_tokens = metrics.routed_prompt_tokens.labels(self.strategy)
         self._predicted_tokens = metrics.predicted_cached_tokens.labels(self.strategy)
+        metrics.trie_nodes.set_function(lambda: len(self.trie))  # read when scraped
 
     def _queue(self, url: str) -> PrefillQueue:
         queue = self._queues.get(url)
@@ -171,7 +172,7 @@ class PrefillBalance:
         return cached, [float(c) for c in cached]
 
     def record(self, prompt: int, predicted: int) -> None:
-        """Count one decision in the metrics (prompt and predicted cached tokens) and the trie's size."""
+        """Count one decision in the metrics (prompt and predicted cached tokens) and the trie's removals."""
         metrics = self._metrics
         if metrics is None:
             return
@@ -180,7 +181,6 @@ class PrefillBalance:
             self._routed_tokens.inc(prompt)
             self._predicted_tokens.inc(predicted)
         trie = self.trie
-        metrics.trie_nodes.set(len(trie))
         if trie.evictions != self._evictions:
             metrics.trie_evictions.labels("capacity").inc(trie.evictions - self._evictions)
             self._evictions = trie.evictions
@@ -191,5 +191,3 @@ class PrefillBalance:
     def forget_worker(self, url: str) -> None:
         self.trie.forget_worker(url)
         self._queues.pop(url, None)
-        if self._metrics is not None:
-            self._metrics.trie_nodes.set(len(self.trie))
