@@ -378,14 +378,15 @@ class FleetSimulation:
 
     def _step_done(self, replica: VirtualReplica) -> None:
         sampled, finished = replica.scheduler.update_from_output(replica.out, self.now)
+        strategy = self.strategy
         for sim in sampled:
             req = self._by_id[sim.request_id]
+            assert req.route is not None and req.decision is not None
             if len(sim.output_token_ids) == 1:
                 req.ttft = self.now - req.arrival + self.profile.request_overhead_s
                 self._wait.append(sim.scheduled_time - req.arrival)
                 self._step_wait.append(req.step_wait)
-                assert req.route is not None and req.decision is not None
-                self.strategy.on_first_token(req.route, req.decision, req.ttft)
+                strategy.on_first_token(req.route, req.decision, req.ttft)
                 if req.decision.predicted_ttft_s is not None:
                     self._predicted.append((req.decision.predicted_ttft_s, req.ttft))
                 cached = max(sim.num_cached_tokens, 0)
@@ -393,6 +394,8 @@ class FleetSimulation:
                 req.tier_tokens["gpu"] = max(0, cached - loaded)
                 if cached < loaded:  # loaded blocks were evicted again before the request was scheduled
                     req.tier_tokens = {"gpu": 0, **_scale(req.tier_tokens, cached)}
+            # every token a step samples is a streamed chunk, relayed at the step's end (the gateway's per-chunk hook)
+            strategy.on_chunk(req.route, req.decision, len(sim.output_token_ids) == 1)
         for sim in finished:
             req = self._by_id.pop(sim.request_id)
             self._finished(req)

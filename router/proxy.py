@@ -264,7 +264,10 @@ class Proxy:
         upstream, worker, label = stream.upstream, stream.worker, stream.model_label
         ttfb = time.perf_counter() - started
         self._metrics.ttfb.labels(label).observe(ttfb)
-        self._strategy.on_first_token(stream.route, stream.decision, ttfb)
+        strategy, route, decision = self._strategy, stream.route, stream.decision
+        strategy.on_first_token(route, decision, ttfb)
+        if stream.first:
+            strategy.on_chunk(route, decision, True)
         response = web.StreamResponse(status=upstream.status, headers=stream.headers)
         status = str(upstream.status)
         seen = SseWatch()
@@ -277,6 +280,7 @@ class Proxy:
                     await response.write(stream.first)
                     delivered = seen.ended_with_done
                 async for chunk in stream.chunks:
+                    strategy.on_chunk(route, decision, False)  # as it arrived: the worker's step timing
                     seen.feed(chunk)
                     await response.write(chunk)
                     delivered = seen.ended_with_done

@@ -83,6 +83,11 @@ class Strategy(abc.ABC):
         """Called when a streamed answer's first chunk came from the chosen worker, `ttft_s` seconds after the
         request arrived (a whole answer's first byte comes only once it is generated: no call for those)."""
 
+    def on_chunk(self, request: RouteRequest, decision: Decision, first: bool) -> None:  # noqa: B027
+        """Called as each chunk of a streamed answer arrives from the chosen worker, the `first` one included
+        (after `on_first_token`). An engine step ends with a token for every request running there, so the
+        arrival times of the chunks relayed from one worker show its steps."""
+
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once the attempt on the chosen worker ended (answered, failed or cancelled)."""
 

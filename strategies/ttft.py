@@ -5,6 +5,8 @@ trusted) with a scorer in seconds instead of tokens. For each eligible worker:
 
     predicted TTFT = overhead                        the fit's intercept: HTTP, tokenizing, scheduling
                    + queue wait                      prefill tokens ahead of it there, at the worker's rate
+                   + step in progress                the rest of the engine step running there beyond that
+                                                     wait, from the step timing its relayed streams show
                    + load or recompute, per tier     GPU free; DRAM / NVMe / shared: the cheaper of reading the
                                                      run at the tier's transfer rate and recomputing it
                    + prefill of the uncached tokens  at the worker's rate
@@ -17,7 +19,8 @@ and the lowest score wins. Each part is a class of its own below. The worker's p
 (`PrefillRate`, a `LinearFit` of each streamed answer's time to first token against the prefill tokens it
 waited for and needed, and of the engine's own prefill histograms in its /metrics: `EngineTimings`), starting
 from `ttft_prefill_tokens_per_s` / `ttft_overhead_s`; `kvgate bench calibrate` fits those two, and the decode
-cost, from a recorded trace. Tier transfer rates are options (the agent's links). A worker over its share of
+cost, from a recorded trace. Each worker's engine steps (`StepClock`) are learned from the chunks the gateway
+relays from it (`on_chunk`). Tier transfer rates are options (the agent's links). A worker over its share of
 recent requests costs `ttft_balance_s` more (`RequestShare`, bounded-load balance).
 
 The spread cost is what the choice does to the future: a copy of a prefix that lives elsewhere costs cache
@@ -28,7 +31,7 @@ therefore stays on its worker until the queue there outweighs the prefill it sav
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,6 +58,13 @@ OWN_FIT_SAMPLES = 200
 # worker that really got slower is still followed, by up to this factor per round of answers; the engine's own
 # prefill timings (`EngineTimings`) are not capped.
 OUTLIER_RATIO = 5.0
+# step durations a worker's `StepClock` keeps: enough to hold a few of the long steps (a prefill batched in) among
+# the decode steps
+STEP_SAMPLES = 64
+# streams a `StepClock` remembers before it forgets those silent for STREAM_SILENCE_S (or two of its longest steps):
+# it is not told when a stream ends
+STREAMS_KEPT = 64
+STREAM_SILENCE_S = 1.0
 ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -104,6 +114,11 @@ class TtftOptions(KvOptions):
     ttft_balance_s: float = option(
         0.12, "ttft: predicted seconds a worker at its balance cap costs more (the most the balance may cost a "
         "request)")
+    ttft_step_phase: bool = option(
+        True, "ttft: add the expected rest of the engine step in progress on each worker, learned from the arrival "
+        "times of the chunks streamed from it")
+    ttft_step_jitter_s: float = option(
+        0.001, "ttft: chunks from one worker this close (seconds) come from one engine step")
     ttft_balance_window: float = option(
         300.0, "ttft: requests per worker after which an old request counts half in the shares the balance caps")
 
@@ -322,6 +337,72 @@ class PrefillQueue:
         return total
 
 
+class StepClock:
+    """One worker's engine steps as the streams relayed from it show them. A step ends with a token for every
+    request running there, so the chunks of the worker's running streams arrive in batches, one per step: a chunk
+    more than `jitter_s` (or a quarter of the shortest recent step) after the first of the latest batch starts the
+    next one (a step boundary), and the time since the same stream's previous chunk is that step's duration (one per
+    batch is kept). A step whose batch brings a stream's first chunk computed a prefill: the gateway's queue of
+    requests without their first token accounts for those, so their durations are kept apart (`prefill_steps`)
+    from the others' (`durations`: decodes, and prefills the gateway did not see begin).
+
+    While requests decode there, the engine is in a step that began at the latest boundary; the rest of it is
+    expected to be the mean of d - elapsed over the recent durations d longer than what has elapsed, a step past
+    every such duration is judged by the prefill steps', and one past those too is about to end."""
+
+    def __init__(self, jitter_s: float, samples: int = STEP_SAMPLES) -> None:
+        self.jitter_s = jitter_s
+        self.durations: deque[float] = deque(maxlen=samples)
+        self.prefill_steps: deque[float] = deque(maxlen=samples)
+        self.boundary = -math.inf  # the first chunk of the latest batch
+        self._duration: float | None = None  # the latest batch's duration, once a stream has shown it
+        self._prefilled = False  # the latest batch brought a stream's first chunk
+        self._streams: dict[int, float] = {}  # per stream (request identity), its last chunk
+        self._mean = 0.0
+        self._shortest = 0.0
+        self._longest = 0.0
+
+    def chunk(self, key: int, at: float, first: bool) -> None:
+        """A chunk of the stream `key` (the request's identity, which a later request may have once this one has
+        ended) arrived at `at`; `first`: the stream's first."""
+        merge = max(self.jitter_s, 0.25 * self._shortest)
+        if at - self.boundary > merge:
+            self._close_batch()
+            self.boundary, self._duration, self._prefilled = at, None, False
+            if len(self._streams) > STREAMS_KEPT:  # those silent for long have ended
+                horizon = at - max(STREAM_SILENCE_S, 2 * self._longest)
+                self._streams = {k: t for k, t in self._streams.items() if t >= horizon}
+        last = self._streams.get(key)
+        self._streams[key] = at
+        if first:
+            self._prefilled = True
+        elif last is not None and self._duration is None and at - last > merge:
+            self._duration = at - last
+
+    def _close_batch(self) -> None:
+        if self._duration is None:
+            return
+        if self._prefilled:
+            self.prefill_steps.append(self._duration)
+            return
+        self.durations.append(self._duration)
+        self._mean = sum(self.durations) / len(self.durations)
+        self._shortest = min(self.durations)
+        self._longest = max(self.durations)
+
+    def rest(self, now: float) -> float:
+        """Expected seconds until the step in progress ends, for an engine decoding since the latest boundary; 0
+        before any duration is known."""
+        elapsed = max(0.0, now - self.boundary)
+        if elapsed <= self._shortest and self.durations:
+            return self._mean - elapsed
+        for durations in (self.durations, self.prefill_steps):
+            longer = [d for d in durations if d > elapsed]
+            if longer:
+                return sum(longer) / len(longer) - elapsed
+        return 0.0
+
+
 class EnginePressure:
     """What the engine's own metrics add: requests waiting there that the gateway did not send (another
     gateway's, preempted ones) at the fleet's mean prefill per request; requests decoding there, each a share
@@ -457,6 +538,7 @@ class Estimate:
 
     overhead_s: float
     queue_s: float
+    step_s: float
     load_s: float
     prefill_s: float
     pressure_s: float
@@ -465,7 +547,7 @@ class Estimate:
 
     @property
     def ttft_s(self) -> float:
-        return self.overhead_s + self.queue_s + self.load_s + self.prefill_s + self.pressure_s
+        return self.overhead_s + self.queue_s + self.step_s + self.load_s + self.prefill_s + self.pressure_s
 
 
 class TtftMetrics:
@@ -507,6 +589,8 @@ class TtftAware(KvAware):
         self.rates: dict[str, PrefillRate] = {}
         self.fleet_rate = PrefillRate(options)  # every worker's answers
         self.queues: dict[str, PrefillQueue] = {}
+        self.steps: dict[str, StepClock] = {}
+        self.step_phase = options.ttft_step_phase
         self._routed: dict[int, _Routed] = {}
         self._mean = Work()  # the prefill a request brings, on average (recent requests)
         self._ttft_metrics: TtftMetrics | None = None
@@ -549,7 +633,14 @@ class TtftAware(KvAware):
         prefill = Work.of(max(1, prompt - context), context)
         ours = queue.count(now)
         queued = queue.ahead(now, rate) + self.pressure.foreign(worker, ours, self._mean)
-        return Estimate(rate.overhead_s, rate.seconds(queued), load_s, rate.seconds(prefill),
+        queue_s = rate.seconds(queued)
+        step_s = 0.0
+        steps = self.steps.get(worker.url)
+        if steps is not None and worker.in_flight > ours:
+            # requests decode there, so the engine is in a step: this request joins the next one, after the rest
+            # of this one beyond what it waits anyway (the queue ahead of it, its tier loads)
+            step_s = max(0.0, steps.rest(now) - queue_s - load_s)
+        return Estimate(rate.overhead_s, queue_s, step_s, load_s, rate.seconds(prefill),
                         self.pressure.seconds(worker, ours), queued, prefill)
 
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
@@ -628,7 +719,7 @@ class TtftAware(KvAware):
         e = routed.estimate
         # the observed time less the parts that are not the worker's prefill: what its prefill model must explain,
         # at most OUTLIER_RATIO times what the fit predicts for it (a stalled gateway, not the worker)
-        observed = ttft_s - e.load_s - e.pressure_s
+        observed = ttft_s - e.load_s - e.step_s - e.pressure_s
         for rate in (self.own_rate(routed.worker), self.fleet_rate):
             rate.learn(e.queued + e.prefill, min(observed, OUTLIER_RATIO * rate.predict(e.queued + e.prefill)))
         rate = self.rate(routed.worker)
@@ -638,6 +729,14 @@ class TtftAware(KvAware):
                 metrics.error.observe((e.ttft_s - ttft_s) / ttft_s)
             metrics.rate.labels(routed.worker).set(rate.tokens_per_s)
             metrics.overhead.labels(routed.worker).set(rate.overhead_s)
+
+    def on_chunk(self, request: RouteRequest, decision: Decision, first: bool) -> None:
+        if self.step_phase:
+            url = decision.worker.url
+            steps = self.steps.get(url)
+            if steps is None:
+                steps = self.steps[url] = StepClock(self.ttft_options.ttft_step_jitter_s)
+            steps.chunk(id(request), self.now, first)
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
         routed = self._routed.pop(id(request), None)
@@ -649,6 +748,7 @@ class TtftAware(KvAware):
         super().forget_worker(url)
         self.rates.pop(url, None)
         self.queues.pop(url, None)
+        self.steps.pop(url, None)
         self.share.forget(url)
         self.timings.forget(url)
         self._routed = {k: r for k, r in self._routed.items() if r.worker != url}

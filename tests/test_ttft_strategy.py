@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import random
 from typing import Any
 
@@ -19,7 +20,7 @@ from router.config import GatewayConfig, WorkerSpec
 from router.kv_index import InMemoryKvIndex
 from router.pool import Worker
 from router.prom_text import sum_samples
-from router.routing import RouteRequest
+from router.routing import Decision, RouteRequest
 from strategies import STRATEGIES, create_strategy
 from strategies.balance import HIT, MISS, SPILL
 from strategies.ttft import (
@@ -32,6 +33,7 @@ from strategies.ttft import (
     PrefillRate,
     RequestShare,
     SpreadCost,
+    StepClock,
     TtftAware,
     TtftOptions,
     Work,
@@ -156,6 +158,107 @@ def test_engine_pressure_counts_decodes_foreign_waiting_and_a_full_cache() -> No
     assert pressure.foreign(worker, 2, Work(100.0, 0.0)).tokens == 100.0  # one waiting there is not ours
     worker.kv_usage = 0.95
     assert abs(pressure.seconds(worker, ours_waiting=2) - (0.003 + 0.25)) < 1e-12
+
+
+def test_the_step_clock_finds_the_engines_steps_in_its_streams_chunks() -> None:
+    """Three streams on one worker, an engine step every 10 ms (one of 100 ms: a long prefill the gateway did not
+    send), each step's chunks arriving within 0.3 ms of each other: each step's boundary is its first chunk and its
+    duration is known once per step; the rest of the step in progress is what the durations longer than the time
+    elapsed leave. A step that brought a stream's first token computed a prefill the gateway's queue counts: it is
+    kept apart."""
+    clock = StepClock(jitter_s=0.001)
+    assert clock.rest(0.0) == 0.0  # nothing known yet
+    t = 0.0
+    ends = []
+    for step in range(12):
+        t += 0.1 if step == 6 else 0.01
+        ends.append(t)
+        for stream in (1, 2, 3):
+            clock.chunk(stream, t + 0.0001 * (stream - 1), first=step == 0)
+        if step == 11:
+            clock.chunk(3, t + 0.0004, first=False)  # its usage chunk and `[DONE]`, after its last token: the same step
+    assert clock.boundary == ends[-1]
+    # the first batch has no earlier chunk of its streams; the latest one's duration is kept once it is complete
+    assert sorted(round(d, 6) for d in clock.durations) == [0.01] * 9 + [0.1]
+    assert not clock.prefill_steps
+    # 4 ms in, every step is longer: the mean one's rest (a decode step's 6 ms, and one in ten the long one's 96)
+    assert abs(clock.rest(ends[-1] + 0.004) - (0.19 / 10 - 0.004)) < 1e-9
+    assert abs(clock.rest(ends[-1] + 0.03) - 0.07) < 1e-9  # 30 ms in, it is the long kind: 70 ms to go
+    assert clock.rest(ends[-1] + 0.2) == 0.0               # longer than any: about to end
+    # stream 4's first token comes with stream 1's next: a prefill step, kept apart once the next step begins
+    t = ends[-1] + 0.0101
+    clock.chunk(4, t, first=True)
+    clock.chunk(1, t + 0.0001, first=False)
+    clock.chunk(1, t + 0.02, first=False)
+    assert len(clock.durations) == 11 and [round(d, 6) for d in clock.prefill_steps] == [0.0102]
+    assert abs(clock.rest(t + 0.02 + 0.0101) - (0.1 - 0.0101)) < 1e-9  # the prefill step is not among them
+
+
+def test_a_stream_that_begins_is_not_taken_for_an_ended_one_of_the_same_identity() -> None:
+    """The gateway keys streams by their request's identity, which a later request may have once one has ended
+    (its key stays until forgotten): its first chunk is a prefill step's, not a step since the old one's last."""
+    clock = StepClock(jitter_s=0.001)
+    for step in range(5):
+        clock.chunk(1, 0.01 * step, first=step == 0)
+        clock.chunk(2, 0.01 * step, first=step == 0)
+    clock.chunk(2, 0.5, first=False)
+    clock.chunk(1, 0.5, first=True)  # a new request, with an ended one's identity
+    clock.chunk(2, 0.51, first=False)
+    # the 0.46 s since stream 2's last chunk was a prefill step's (stream 1 began in it), not a decode step
+    assert [round(d, 6) for d in clock.prefill_steps] == [0.46]
+    assert len(clock.durations) == 4 and all(abs(d - 0.01) < 1e-9 for d in clock.durations)
+
+
+def test_the_step_clock_learns_through_chunks_of_one_step_further_apart_than_its_jitter() -> None:
+    """Live, the chunks of one step can reach the gateway some milliseconds apart (a loaded machine): two streams
+    whose chunks come 3 ms apart in every 30 ms step, against a jitter of 1 ms. Durations are learned all the same,
+    and once they are, a step's chunks are one batch again: the boundary is its first chunk."""
+    clock = StepClock(jitter_s=0.001)
+    for step in range(1, 20):
+        clock.chunk(1, 0.03 * step, first=step == 1)
+        clock.chunk(2, 0.03 * step + 0.003, first=step == 1)
+    assert len(clock.durations) == 18 and all(abs(d - 0.03) < 1e-9 for d in clock.durations)
+    assert abs(clock.boundary - 0.03 * 19) < 1e-9
+
+
+def step_streams(strategy: TtftAware, worker: Worker, ends: list[float], clock: list[float]) -> None:
+    """Two streams on `worker` relayed a chunk at the end of each of these engine steps."""
+    streams = [(request(tokens(900 + i, 8)), Decision(worker, HIT)) for i in range(2)]
+    for end in ends:
+        clock[0] = end
+        for req, decision in streams:
+            strategy.on_chunk(req, decision, end == ends[0])
+
+
+def test_a_worker_whose_step_has_just_begun_waits_its_rest() -> None:
+    """Two workers, each with a request decoding. Worker 0 holds the first 320 tokens of the prompt (32 ms of
+    prefill saved) but its steps take 150 ms (long prompts decoding), and one has just begun; worker 1's steps
+    take 10 ms and its step in progress ends in 1 ms. Without the step phase worker 0 takes it by its hit; with
+    it the request goes where its first step comes 149 ms sooner, and the prediction carries the wait."""
+    chosen = {}
+    for phase in (False, True):
+        strategy, workers, index, clock = make(2, dataclasses.replace(OPTIONS, ttft_step_phase=phase))
+        prefix = tokens(1, 320)
+        index.add(workers[0].url, block_keys(prefix, BS, ROOT), GPU)
+        step_streams(strategy, workers[0], [1000.0 + 0.15 * i for i in range(6)], clock)
+        step_streams(strategy, workers[1], [1000.0 + 0.01 * i for i in range(76)], clock)
+        for worker in workers:
+            worker.in_flight = 2
+        clock[0] = 1000.75 + 0.009  # worker 0's last step began at 1000.75, worker 1's at 1000.75 too
+        assert phase == bool(strategy.steps)
+        decision = strategy.choose(request(prefix + tokens(2, 64)), workers)
+        chosen[phase] = decision
+    assert chosen[False].worker.url.endswith(":9000") and chosen[False].reason == HIT
+    assert chosen[True].worker.url.endswith(":9001")
+    # worker 1: 10 ms overhead + 38.4 ms of prefill (384 tokens) + the 1 ms left of its step
+    assert chosen[True].predicted_ttft_s is not None and abs(chosen[True].predicted_ttft_s - 0.0494) < 1e-6
+    strategy, workers, _, clock = make(2)
+    step_streams(strategy, workers[0], [1000.0 + 0.15 * i for i in range(6)], clock)
+    workers[0].in_flight = 2
+    clock[0] = 1000.75 + 0.05
+    assert abs(strategy.estimate(workers[0], 100, strategy.holdings([], workers, 0)[0], clock[0]).step_s - 0.1) < 1e-9
+    workers[0].in_flight = 0  # nothing running there: the engine is idle, no step in progress
+    assert strategy.estimate(workers[0], 100, strategy.holdings([], workers, 0)[0], clock[0]).step_s == 0.0
 
 
 def test_an_engines_prefill_histograms_make_a_sample_per_window() -> None:
@@ -513,3 +616,103 @@ async def test_the_prefill_rate_is_learned_from_a_real_engines_metrics(sim_fleet
         assert registry.get_sample_value("kvgate_ttft_engine_prefills_learned_total", {"worker": url}) == \
             rate.fit.samples
         assert registry.get_sample_value("kvgate_ttft_prediction_error_ratio_count") in (None, 0)
+
+
+class Ticker:
+    """An engine's steps stood in for: one every `step_s` (on absolute times), each open stream sending a chunk at
+    each step's end; the times the steps ended are kept."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.ends: list[float] = []
+        self._tick = asyncio.Event()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for k in itertools.count(1):
+            await asyncio.sleep(max(0.0, start + k * self.step_s - loop.time()))
+            self.ends.append(loop.time())
+            tick, self._tick = self._tick, asyncio.Event()
+            tick.set()
+
+    async def stream(self, writer: asyncio.StreamWriter, tokens: int) -> None:
+        writer.write(HEAD)
+        await writer.drain()
+        for _ in range(tokens):
+            await self._tick.wait()
+            writer.write(chunked(text_event(" a")))
+            await writer.drain()
+        writer.write(chunked(event("[DONE]")) + b"0\r\n\r\n")
+
+
+async def test_the_gateway_learns_a_workers_steps_from_the_chunks_it_relays(http: aiohttp.ClientSession) -> None:
+    """A worker on loopback whose streams each send a chunk at the end of every 40 ms step; three streams at once
+    through a `ttft` gateway: the worker's step clock learns the steps' duration (against the intervals the worker
+    really kept, on a loaded machine) and its latest boundary is the latest step's end. The hook is the proxy's:
+    without a call per relayed chunk, nothing would be learned."""
+    ticker = Ticker(0.04)
+    ticking = asyncio.create_task(ticker.run())
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        await ticker.stream(writer, 15)
+
+    try:
+        async with raw_worker(answer) as url, running_gateway([url], strategy="ttft") as gw:
+            await eventually(lambda: bool(gw.gateway.pool.healthy()))
+            strategy: Any = gw.gateway.strategy
+
+            async def one() -> None:
+                body = {"model": "tiny", "prompt": "hello there", "stream": True}
+                async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+
+            await asyncio.gather(*(one() for _ in range(3)))
+            steps = strategy.steps[url]
+            kept = sorted(b - a for a, b in itertools.pairwise(ticker.ends))
+            learned = sorted(steps.durations)
+            assert len(learned) >= 10
+            median, kept_median = learned[len(learned) // 2], kept[len(kept) // 2]
+            assert abs(median - kept_median) < 0.2 * kept_median, (learned, kept)
+            # the latest boundary is when a step's chunks reached the gateway: after that step's end, not by much
+            assert min(steps.boundary - end for end in ticker.ends if end <= steps.boundary) < 0.02
+    finally:
+        ticking.cancel()
+
+
+async def inter_token_latency(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    async with http.get(url + "/metrics") as resp:
+        totals = sum_samples(await resp.text(), ("vllm:inter_token_latency_seconds_sum",
+                                                 "vllm:inter_token_latency_seconds_count"))
+    return tuple(totals.values())  # type: ignore[return-value]
+
+
+async def test_the_step_clock_agrees_with_a_simulated_engines_own_step_timing(
+        sim_fleet: Any, http: aiohttp.ClientSession) -> None:
+    """A `kvgate sim` replica (the H100 profile's step times, slowed 4x so a step is some 30 ms) streams four
+    answers at once through a `ttft` gateway: the mean step duration the gateway learned from the chunks it relayed
+    is the engine's own mean inter-token latency (vLLM's histogram in its /metrics), within a quarter."""
+    fleet = sim_fleet(1, speedup=0.25, extra_args=["--max-model-len", "4096"])
+    url = fleet.urls[0]
+    async with running_gateway(fleet.worker_specs, strategy="ttft") as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        strategy: Any = gw.gateway.strategy
+        before = await inter_token_latency(http, url)
+        rng = random.Random(7)
+
+        async def one() -> None:
+            ids = [rng.randrange(1, 4000) for _ in range(200)]
+            body = {"model": "tiny", "prompt": ids, "max_tokens": 24, "stream": True, "ignore_eos": True}
+            async with http.post(gw.url + "/v1/completions", data=orjson.dumps(body),
+                                 headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200
+                await resp.read()
+
+        await asyncio.gather(*(one() for _ in range(4)))
+        seconds, count = (a - b for a, b in zip(await inter_token_latency(http, url), before, strict=True))
+        steps = strategy.steps[url]
+        assert count > 0 and len(steps.durations) >= 10
+        engine = seconds / count
+        learned = sum(steps.durations) / len(steps.durations)
+        assert abs(learned - engine) < 0.25 * engine, (learned, engine, list(steps.durations))

@@ -4,6 +4,7 @@ the limit, and the `ttft` strategy's predictions recorded beside the simulated T
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from bench import compare, vsim_report
 from bench.loadgen import percentile
@@ -76,3 +77,30 @@ def test_rows_report_the_wait_before_each_requests_first_step(tiny_model_dir: Pa
     assert row["step_wait_ms_p50"] == 0.0 and row["wait_ms_p50"] == 0.0
     assert abs(row["wait_ms_p90"] - row["step_wait_ms_p90"]) < 1e-6
     assert row["ttft_ms_p99"] > (step * 3 / 4 + profile.prefill_time(64, 0)) * 1e3 * 0.99
+
+
+class RecordingSimulation(FleetSimulation):
+    """Keeps the duration of every engine step it runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_durations: list[float] = []
+
+    def _step(self, replica: Any) -> None:
+        super()._step(replica)
+        if replica.busy and replica.step_end > self.now:
+            self.step_durations.append(replica.step_end - self.now)
+
+
+def test_the_virtual_fleet_relays_a_chunk_per_sampled_token_at_its_steps_end(tiny_model_dir: Path) -> None:
+    """vsim runs the gateway's strategies, so what the gateway learns from the chunks it relays must come from the
+    virtual engines too: each token a step samples reaches the strategy's per-chunk hook at that step's end, and
+    `ttft`'s step clock learns exactly the steps the replica ran."""
+    vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
+    requests = [WorkloadRequest(list(range(100 + 64 * i, 164 + 64 * i)), 20, arrival_s=0.001 * i) for i in range(3)]
+    sim = RecordingSimulation(Workload("three", requests), vocab, strategy="ttft", replicas=1, gpu_blocks=2000)
+    sim.run()
+    clock = sim.strategy.steps[sim.replicas[0].url]  # type: ignore[attr-defined]
+    assert len(clock.durations) >= 15
+    for learned in clock.durations:
+        assert min(abs(learned - d) for d in sim.step_durations) < 1e-9, (learned, sim.step_durations)
