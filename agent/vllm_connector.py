@@ -215,6 +215,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._saved_upto: dict[str, int] = {}  # req_id -> leading blocks already held by the agent
         self._requests: dict[str, Request] = {}
         self._loading: dict[str, set[int]] = {}  # async loads not yet reported finished: their block ids
+        self._loaded: dict[str, tuple[int, list[int]]] = {}  # req_id -> (first block index, block ids) of its load
         self._load_failed: set[str] = set()  # requests whose async load failed: computed, never offered again
         self._saving: set[str] = set()  # requests with saves planned since their admission (async)
         self._held: list[str] = []  # finished requests whose blocks wait for their saves (async), for the next meta
@@ -304,6 +305,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         block_ids = blocks.get_block_ids()[0][start: start + count]
         hashes = [event_hash(h) for h in request.block_hashes[start: start + count]]
         self._pending_loads[req_id] = BlockTransfer(req_id, list(block_ids), hashes)
+        self._loaded[req_id] = (start, list(block_ids))
         self._saved_upto[req_id] = start + count
         if self._async:
             self._loading[req_id] = set(block_ids)
@@ -355,6 +357,14 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         invalid = connector_output.invalid_block_ids or set()
         if invalid:  # (a worker may report its failed blocks before every worker has finished the load)
             self._load_failed.update(r for r, blocks in self._loading.items() if blocks & invalid)
+            for req_id, (start, block_ids) in self._loaded.items():
+                failed = next((i for i, b in enumerate(block_ids) if b in invalid), None)
+                if failed is not None and req_id in self._saved_upto:
+                    # vLLM computes the request again from its first failed block: save from there, since the
+                    # agent lacks that block for at least one worker (with tensor parallelism, the scheduler's
+                    # lookup saw the first rank's copy; a rank whose copy is gone fails the same load forever
+                    # unless its recomputed blocks are saved)
+                    self._saved_upto[req_id] = min(self._saved_upto[req_id], start + failed)
         for req_id in connector_output.finished_recving or ():
             self._loading.pop(req_id, None)
 
@@ -366,6 +376,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookups.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
         self._saved_upto.pop(req_id, None)
+        self._loaded.pop(req_id, None)
         self._requests.pop(req_id, None)
         saving = req_id in self._saving
         self._saving.discard(req_id)

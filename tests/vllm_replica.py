@@ -29,9 +29,10 @@ class Completion(NamedTuple):
 
 def start_vllm(model_dir: Path, log_dir: Path, agent_socket: str | None, *extra: str,
                block_size: int = BLOCK_SIZE, timeout: float = 300,
-               connector_extra: dict[str, Any] | None = None) -> EngineServer:
+               connector_extra: dict[str, Any] | None = None,
+               env_extra: dict[str, str] | None = None) -> EngineServer:
     """vLLM with the kvgate connector on `agent_socket` (None: no connector, same flags and environment);
-    `connector_extra` adds to the connector's `kv_connector_extra_config`."""
+    `connector_extra` adds to the connector's `kv_connector_extra_config`, `env_extra` to vLLM's environment."""
     port = free_port()
     cmd = [str(ensure_vllm_venv()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
@@ -47,6 +48,7 @@ def start_vllm(model_dir: Path, log_dir: Path, agent_socket: str | None, *extra:
     env.update(PYTHONPATH=str(ROOT), PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="auto", VLLM_SERVER_DEV_MODE="1",
                VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env.update(env_extra or {})
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
     with log_path.open("wb") as log:

