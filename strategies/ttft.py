@@ -390,6 +390,11 @@ class StepClock:
         self._shortest = min(self.durations)
         self._longest = max(self.durations)
 
+    @property
+    def mean_s(self) -> float:
+        """The mean recent step (0 before one is known)."""
+        return self._mean
+
     def rest(self, now: float) -> float:
         """Expected seconds until the step in progress ends, for an engine decoding since the latest boundary; 0
         before any duration is known."""
@@ -566,6 +571,9 @@ class TtftMetrics:
         self.overhead = Gauge("kvgate_ttft_overhead_seconds",
                               "ttft: each worker's learned time to first token besides prefill", ["worker"],
                               registry=registry)
+        self.step = Gauge("kvgate_ttft_step_seconds",
+                          "ttft: each worker's mean engine step (without prefills the gateway sent) as the chunks "
+                          "relayed from it show", ["worker"], registry=registry)
 
 
 @dataclass(slots=True)
@@ -736,6 +744,8 @@ class TtftAware(KvAware):
             steps = self.steps.get(url)
             if steps is None:
                 steps = self.steps[url] = StepClock(self.ttft_options.ttft_step_jitter_s)
+                if self._ttft_metrics is not None:  # read when scraped
+                    self._ttft_metrics.step.labels(url).set_function(lambda: steps.mean_s)
             steps.chunk(id(request), self.now, first)
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
@@ -748,7 +758,8 @@ class TtftAware(KvAware):
         super().forget_worker(url)
         self.rates.pop(url, None)
         self.queues.pop(url, None)
-        self.steps.pop(url, None)
+        if self.steps.pop(url, None) is not None and self._ttft_metrics is not None:
+            self._ttft_metrics.step.remove(url)
         self.share.forget(url)
         self.timings.forget(url)
         self._routed = {k: r for k, r in self._routed.items() if r.worker != url}

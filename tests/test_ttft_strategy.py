@@ -677,6 +677,8 @@ async def test_the_gateway_learns_a_workers_steps_from_the_chunks_it_relays(http
             assert abs(median - kept_median) < 0.2 * kept_median, (learned, kept)
             # the latest boundary is when a step's chunks reached the gateway: after that step's end, not by much
             assert min(steps.boundary - end for end in ticker.ends if end <= steps.boundary) < 0.02
+            registry = gw.gateway.metrics.registry
+            assert registry.get_sample_value("kvgate_ttft_step_seconds", {"worker": url}) == steps.mean_s > 0
     finally:
         ticking.cancel()
 
