@@ -190,6 +190,8 @@ class Gateway:
             await self.prompts.aclose()
         if self._pool is not None:
             await self._pool.stop()
+        if self._proxy is not None:
+            self._proxy.close()
         if self.kv_events is not None:
             await self.kv_events.close()
         if self._upstream is not None:

@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from router.config import GatewayConfig
+from router.deadlines import Deadlines
 from router.errors import GatewayError
 from router.kv_transport import cache_name
 from router.metrics import GatewayMetrics
@@ -104,6 +105,10 @@ class Proxy:
         self._metrics = metrics
         self._upstream = upstream
         self._learn = learn
+        self.deadlines = Deadlines()  # the requests' timeouts, without an event-loop timer each
+
+    def close(self) -> None:
+        self.deadlines.close()
 
     async def forward(
         self, request: web.Request, route: RouteRequest, body: bytes | None, *, stream: bool, started: float,
@@ -127,7 +132,7 @@ class Proxy:
             self._pool.acquire(worker)
             try:
                 try:
-                    async with asyncio.timeout_at(deadline):
+                    with self.deadlines.at(deadline):
                         answer = await self._attempt(request, route, decision, body, stream, started, outcome)
                 except TimeoutError:
                     self._metrics.requests.labels(route.model or "", worker.url, "504").inc()
@@ -208,7 +213,7 @@ class Proxy:
         # a streamed answer's headers come at once; a whole answer's only when the generation is done
         headers_timeout = cfg.ttfb_timeout_s if stream else cfg.response_timeout_s
         try:
-            async with asyncio.timeout(headers_timeout):
+            with self.deadlines.after(headers_timeout):
                 upstream = await self._upstream.request(
                     request.method, worker.url + request.rel_url.raw_path_qs,
                     self._upstream_headers(request, decision), body, read_timeout=cfg.read_timeout_s,
@@ -273,7 +278,7 @@ class Proxy:
         seen = SseWatch()
         delivered = False  # the client was sent the stream's final `data: [DONE]`: closing after it is no 499
         try:
-            async with asyncio.timeout_at(deadline):
+            with self.deadlines.at(deadline):
                 await response.prepare(request)
                 if stream.first:
                     seen.feed(stream.first)

@@ -17,7 +17,7 @@ import pytest
 from bench.procs import free_port, stop, wait_for_port
 from bench.standin import StandinBehaviour
 from kvgate.serve import assemble
-from router.app import GC_YOUNG_THRESHOLD, run_gateway
+from router.app import GATEWAY, GC_YOUNG_THRESHOLD, run_gateway
 from router.config import WorkerSpec
 from tests.conftest import eventually, kvgate_command, running_gateway, running_standin
 
@@ -183,8 +183,11 @@ async def test_no_healthy_worker_502_and_504(http: aiohttp.ClientSession) -> Non
         w1.behaviour.fail_status = w2.behaviour.fail_status = 0
         # a worker that does not answer in time: 504
         w1.behaviour.first_token_delay_s = w2.behaviour.first_token_delay_s = 2.0
+        started = time.monotonic()
         status, body = await post(http, url, COMPLETION)
         assert status == 504 and body["error"]["code"] == "upstream_timeout"
+        assert time.monotonic() - started < 1.5  # response_timeout_s 0.5, swept every 50 ms (router/deadlines.py)
+        assert len(gw.app[GATEWAY].proxy.deadlines) == 0  # every request's deadlines disarmed
         w1.behaviour.first_token_delay_s = w2.behaviour.first_token_delay_s = 0.0
         # health probes fail everywhere: workers are ejected, 503 with Retry-After
         w1.behaviour.healthy = w2.behaviour.healthy = False
