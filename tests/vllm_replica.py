@@ -30,13 +30,15 @@ class Completion(NamedTuple):
 def start_vllm(model_dir: Path, log_dir: Path, agent_socket: str | None, *extra: str,
                block_size: int = BLOCK_SIZE, timeout: float = 300,
                connector_extra: dict[str, Any] | None = None,
-               env_extra: dict[str, str] | None = None) -> EngineServer:
+               env_extra: dict[str, str] | None = None, enforce_eager: bool = True) -> EngineServer:
     """vLLM with the kvgate connector on `agent_socket` (None: no connector, same flags and environment);
-    `connector_extra` adds to the connector's `kv_connector_extra_config`, `env_extra` to vLLM's environment."""
+    `connector_extra` adds to the connector's `kv_connector_extra_config`, `env_extra` to vLLM's environment;
+    `enforce_eager=False` lets vLLM compile the model (and warm it up)."""
     port = free_port()
     cmd = [str(ensure_vllm_venv()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-           "--load-format", "safetensors", "--block-size", str(block_size), "--max-model-len", "2048",
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+           *(["--enforce-eager"] if enforce_eager else []), "--load-format", "safetensors", "--block-size",
+           str(block_size), "--max-model-len", "2048",
            "--max-num-seqs", "4", "--num-gpu-blocks-override", "128", "--enable-prompt-tokens-details", *extra]
     if agent_socket is not None:
         connector = {"kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector",
