@@ -70,7 +70,7 @@ class KvBlockIndex(abc.ABC):
 class _Arrivals:
     """The order a worker got its blocks in (for dropping its oldest, and forgetting it), as a log of 64-bit keys:
     8 bytes per block, not a dict entry (a map per worker of every block it holds cost 40-70 bytes per (block,
-    worker) pair, the index's largest part). A key is appended each time it becomes new to the worker; its last
+    worker) pair). A key is appended each time it becomes new to the worker; its last
     appearance is its place (the place an insertion-ordered dict would give it), and appearances of keys the
     worker no longer holds are stale. The log is rewritten without them once they make up half of it."""
 

@@ -233,7 +233,8 @@ class PrefixTrie:
         sent_to, parents, children = self._workers, self._parent, self._children
         # a node left with one worker keeps its dict: its last use may be the forgotten worker's time
         emptied = [key for key, workers in sent_to.items()
-                   if (workers == url if isinstance(workers, str) else workers.pop(url, None) is not None and not workers)]
+                   if (workers == url if isinstance(workers, str)
+                       else workers.pop(url, None) is not None and not workers)]
         self._worker_nodes.pop(url, None)
         # a node's workers include its descendants': an emptied node's subtree is emptied; the top of one has a
         # parent still held (or none)
