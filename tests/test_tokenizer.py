@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.tokenizer import ModelTokenizer, TokenizationError, _parse_message
+from router.tokenizer import ChatRenderer, ModelTokenizer, TokenizationError, _compile, _parse_message
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +145,14 @@ def test_a_plain_message_is_parsed_as_the_general_path_parses_it(role: str, cont
     plain = _parse_message({"role": role, "content": content}, content_format)
     general = _parse_message({"role": role, "content": content, "name": None}, content_format)
     assert plain == general
+
+
+def test_compiled_templates_hold_their_globals_flat() -> None:
+    """Every render copies a template's globals into its context: a plain dict of them, not jinja's ChainMap over
+    the environment's (looked up key by key in Python, 16 us of a 41 us chat render), with every global there."""
+    compiled, _, _ = _compile("{{ raise_exception is defined }} {{ strftime_now('%Y') | length }} "
+                              "{% set ns = namespace(x=1) %}{{ ns.x }} {{ range(2) | list }} {{ x | default(3) }}")
+    assert type(compiled.globals) is dict
+    assert compiled.render() == "True 4 1 [0, 1] 3"
+    with pytest.raises(TokenizationError, match="rejected"):  # raise_exception, through the renderer
+        ChatRenderer({}, {"default": "{{ raise_exception('no') }}"}).render_chat([{"role": "user", "content": "x"}])
