@@ -47,7 +47,7 @@ def test_against_runs_a_revision_side_by_side(tmp_path: Path) -> None:
     add_arguments(parser)
     out = tmp_path / "overhead.json"
     args = parser.parse_args(["--target", "kvgate:round_robin", "--against", "HEAD", "--api", "completions",
-                              "--prompt-chars", "300", "--system-prompts", "4", "--requests", "20", "--rounds", "2",
+                              "--prompt-chars", "300", "--system-prompts", "4", "--requests", "100", "--rounds", "2",
                               "--concurrency", "2", "--workers", "2", "--out", str(out)])
     assert run(args) == 0
     report = orjson.loads(out.read_bytes())
