@@ -24,6 +24,7 @@ step that made them, plus `--event-delay-s`), the sim's engine lag.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import heapq
 import itertools
@@ -54,6 +55,7 @@ from bench.sim.tier_model import UPKEEP_S, FleetBackend, ReplicaAgent
 from bench.sweep import Job, run_sweep
 from bench.traces import Trace, TraceError, TraceSource
 from bench.workloads import PromptVocabulary, RequestSource, Workload, WorkloadSource
+from kvcore.config import ConfigError, load_config
 from kvcore.kv_events import GPU, BlockStored, KvEvent
 from kvcore.vllm_hash import BlockHasher, Digest
 from kvgate.serve import assemble
@@ -65,6 +67,7 @@ from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.routing import Decision, RouteRequest
+from strategies import strategy_class
 from strategies.balance import PrefillBalance
 from strategies.kv import KvAware
 
@@ -563,7 +566,9 @@ def _scale(tiers: dict[str, int], cached: int) -> dict[str, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bench.compare import DEFAULT_TRACE, add_workload_arguments
 
-    parser.add_argument("--strategies", default="round_robin,least_load,prefix,kv,ttft")
+    parser.add_argument("--strategies", default="round_robin,least_load,prefix,kv,ttft",
+                        help="comma-separated; a strategy may name settings of its own for its rows, side by side "
+                             "with others: ttft:ttft_tie_s=0.0005:ttft_step_phase=false")
     parser.add_argument("--replicas", default="8,16", help="comma-separated fleet sizes")
     parser.add_argument("--profile", default="llama-3.1-8b-h100",
                         help=f"one of {', '.join(sorted(PROFILES))}, or a calibrated profile's JSON file "
@@ -604,10 +609,14 @@ class VsimJob:
         return f"{self.replicas} replicas {'tiers' if self.tiers else 'gpu'} {self.strategy}"
 
     @property
+    def strategy_name(self) -> str:
+        return strategy_variant(self.strategy)[0]
+
+    @property
     def cost(self) -> float:
         """What the configuration takes relative to others, for a sweep to start the costliest first: CPU seconds
         of the whole conversation trace at 8 replicas (README, 'What a replay costs'), per replica."""
-        gpu, tiered = RELATIVE_COST.get(self.strategy, (100.0, 200.0))
+        gpu, tiered = RELATIVE_COST.get(self.strategy_name, (100.0, 200.0))
         return (tiered if self.tiers else gpu) * self.replicas / 8
 
 
@@ -615,6 +624,23 @@ class VsimJob:
 # with tiers round_robin and least_load cost four times as much, prefix and kv two
 RELATIVE_COST = {"round_robin": (46.0, 182.0), "least_load": (45.0, 181.0), "prefix": (65.0, 114.0),
                  "kv": (99.0, 215.0)}
+
+
+def strategy_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """`--strategies`' entry: a strategy's name and the settings of its own the entry gives it, typed as its
+    `Options` declare them (`ttft:ttft_tie_s=0.0005:ttft_step_phase=false`); ConfigError for an unknown strategy
+    or setting, or a malformed value."""
+    name, *pairs = spec.split(":")
+    options = strategy_class(name).Options
+    known = {f.name for f in dataclasses.fields(options)}
+    raw: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in known:
+            raise ConfigError(f"{spec}: {pair!r} is not one of {name}'s settings as name=value")
+        raw[key] = value
+    typed = load_config(options, "", argparse.Namespace(**raw), environ={})
+    return name, {key: getattr(typed, key) for key in raw}
 
 
 def request_source(args: argparse.Namespace, vocab: PromptVocabulary, report: TextIO | None = None) -> RequestSource:
@@ -639,11 +665,14 @@ def simulate(job: VsimJob, progress: Callable[[int, float], None] | None = None)
 
     args = argparse.Namespace(**job.workload)
     source = request_source(args, PromptVocabulary.from_model_dir(_model_dir(args)))
-    sim = FleetSimulation(source, strategy=job.strategy, replicas=job.replicas, profile=job.profile,
+    name, own = strategy_variant(job.strategy)
+    sim = FleetSimulation(source, strategy=name, replicas=job.replicas, profile=job.profile,
                           block_size=job.block_size, gpu_blocks=job.gpu_blocks, tiers=job.tiers,
-                          concurrency=job.concurrency, seed=args.seed, config_overrides=job.config_overrides,
-                          progress=progress)
-    return sim.run()
+                          concurrency=job.concurrency, seed=args.seed,
+                          config_overrides={**own, **job.config_overrides}, progress=progress)
+    row = sim.run()
+    row["strategy"] = job.strategy  # a variant's row is named by its whole entry
+    return row
 
 
 def print_row(line: str) -> None:
@@ -668,8 +697,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         load_profile(args.profile)
+        for spec in args.strategies.split(","):
+            strategy_variant(spec)
         source = request_source(args, PromptVocabulary.from_model_dir(_model_dir(args)), report=sys.stderr)
-    except (TraceError, ValueError) as exc:
+    except (TraceError, ValueError) as exc:  # ConfigError is a ValueError
         print(f"kvgate bench vsim: {exc}", file=sys.stderr)
         return 2
     bound = source.ideal(args.block_size)

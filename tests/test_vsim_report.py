@@ -3,14 +3,21 @@ the limit, and the `ttft` strategy's predictions recorded beside the simulated T
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from bench import compare, vsim_report
+import orjson
+import pytest
+
+from bench import compare, vsim, vsim_report
 from bench.loadgen import percentile
 from bench.sim.perf_model import PROFILES
+from bench.traces import ConversationShape, conversation_trace, write_trace
 from bench.vsim import FleetSimulation, TierSettings
 from bench.workloads import IdealCache, PromptVocabulary, Workload, WorkloadRequest, ideal_hit_rate
+from kvcore.config import ConfigError
 from tests.test_bench_compare import compare_args
 
 
@@ -104,3 +111,29 @@ def test_the_virtual_fleet_relays_a_chunk_per_sampled_token_at_its_steps_end(tin
     assert len(clock.durations) >= 15
     for learned in clock.durations:
         assert min(abs(learned - d) for d in sim.step_durations) < 1e-9, (learned, sim.step_durations)
+
+
+def test_a_strategy_entry_may_give_its_rows_settings_of_their_own(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`--strategies ttft,ttft:ttft_step_phase=false:ttft_tie_s=0.0005` runs both side by side in one sweep, each
+    row named by its whole entry; the settings are typed as the strategy's `Options` declare them, and one it does
+    not have is refused before anything runs."""
+    assert vsim.strategy_variant("ttft") == ("ttft", {})
+    assert vsim.strategy_variant("ttft:ttft_step_phase=false:ttft_tie_s=0.0005") == (
+        "ttft", {"ttft_step_phase": False, "ttft_tie_s": 0.0005})
+    for bad in ("ttft:ttft_nothing=1", "kv:ttft_tie_s=0.1", "ttft:ttft_tie_s", "ttft:ttft_tie_s=soon", "nope"):
+        with pytest.raises(ConfigError):
+            vsim.strategy_variant(bad)
+    trace = tmp_path / "c.jsonl"
+    write_trace(trace, conversation_trace(ConversationShape(requests=60, duration_s=20.0, seed=3)))
+    command = [sys.executable, "-m", "kvgate.cli", "bench", "vsim", "--trace", str(trace), "--model-dir",
+               str(tiny_model_dir), "--replicas", "2", "--gpu-blocks", "100", "--block-tokens", "64", "--tiers",
+               "off", "--no-progress", "--out", str(tmp_path / "v.json"), "--strategies"]
+    refused = subprocess.run([*command, "round_robin,ttft:ttft_nothing=1"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "ttft_nothing" in refused.stderr and "Traceback" not in refused.stderr
+    subprocess.run([*command, "ttft,ttft:ttft_step_phase=false"], check=True, capture_output=True, timeout=240)
+    rows = orjson.loads((tmp_path / "v.json").read_bytes())["results"]
+    assert [r["strategy"] for r in rows] == ["ttft", "ttft:ttft_step_phase=false"]
+    assert all(r["completed"] == 60 for r in rows)
+    # the step phase is in the first row's predictions only: they differ
+    assert rows[0]["ttft_prediction"] != rows[1]["ttft_prediction"]
