@@ -549,6 +549,7 @@ class Estimate:
     pressure_s: float
     queued: Work
     prefill: Work
+    rank: int | None = None  # the data-parallel rank it is for (None: the worker is not a data-parallel engine)
 
     @property
     def ttft_s(self) -> float:
@@ -573,7 +574,8 @@ class TtftMetrics:
                               registry=registry)
         self.step = Gauge("kvgate_ttft_step_seconds",
                           "ttft: each worker's mean engine step (without prefills the gateway sent) as the chunks "
-                          "relayed from it show", ["worker"], registry=registry)
+                          "relayed from it show (a data-parallel engine's per rank: worker#dpN)", ["worker"],
+                          registry=registry)
 
 
 @dataclass(slots=True)
@@ -597,7 +599,13 @@ class TtftAware(KvAware):
         self.rates: dict[str, PrefillRate] = {}
         self.fleet_rate = PrefillRate(options)  # every worker's answers
         self.queues: dict[str, PrefillQueue] = {}
+        # per engine (a data-parallel engine's per rank, by cache name: each rank runs steps of its own)
         self.steps: dict[str, StepClock] = {}
+        # per data-parallel rank, the gateway's requests routed there (in flight), and of them those past their
+        # first token (decoding): the worker's own counts are the whole engine's
+        self._rank_in_flight: dict[str, int] = {}
+        self._rank_decoding: dict[str, int] = {}
+        self._decoding_on: dict[int, str] = {}  # request identity -> its rank's cache, once it decodes
         self.step_phase = options.ttft_step_phase
         self._routed: dict[int, _Routed] = {}
         self._mean = Work()  # the prefill a request brings, on average (recent requests)
@@ -634,7 +642,9 @@ class TtftAware(KvAware):
         return queue
 
     def estimate(self, worker: Worker, prompt: int, held: Holding, now: float) -> Estimate:
-        """The predicted time to first token of a `prompt`-token request on `worker`, which holds `held`."""
+        """The predicted time to first token of a `prompt`-token request on `worker`, which holds `held` (on
+        `held.rank` of a data-parallel engine; where no rank holds any of it, on the rank whose step ends
+        soonest)."""
         rate, queue = self.rate(worker.url), self.queue(worker.url)
         load_s, recompute = self.load.plan(held.by_tier, rate)
         context = held.tokens - recompute
@@ -642,14 +652,37 @@ class TtftAware(KvAware):
         ours = queue.count(now)
         queued = queue.ahead(now, rate) + self.pressure.foreign(worker, ours, self._mean)
         queue_s = rate.seconds(queued)
-        step_s = 0.0
-        steps = self.steps.get(worker.url)
-        if steps is not None and worker.in_flight > ours:
-            # requests decode there, so the engine is in a step: this request joins the next one, after the rest
-            # of this one beyond what it waits anyway (the queue ahead of it, its tier loads)
-            step_s = max(0.0, steps.rest(now) - queue_s - load_s)
+        rank = held.rank
+        if worker.spec.dp_ranks > 1 and (rank is None or not held.tokens):  # no rank holds any of it
+            rank = self._soonest_rank(worker, now)
+        # the rest of the step in progress: only while requests decode there (else the engine is idle)
+        rest = self.step_rest(worker.url, rank, now) if (
+            self._rank_decoding.get(cache_name(worker.url, rank), 0) > 0 if rank is not None
+            else worker.in_flight > ours) else 0.0
+        # this request joins the next step, after the rest of this one beyond what it waits anyway (the queue
+        # ahead of it, its tier loads)
+        step_s = max(0.0, rest - queue_s - load_s)
         return Estimate(rate.overhead_s, queue_s, step_s, load_s, rate.seconds(prefill),
-                        self.pressure.seconds(worker, ours), queued, prefill)
+                        self.pressure.seconds(worker, ours), queued, prefill, rank)
+
+    def step_rest(self, url: str, rank: int | None, now: float) -> float:
+        """The expected rest of the engine step in progress on the worker (its data-parallel rank), for an engine
+        that is decoding; 0 while its steps are not known."""
+        steps = self.steps.get(cache_name(url, rank))
+        return steps.rest(now) if steps is not None else 0.0
+
+    def _soonest_rank(self, worker: Worker, now: float) -> int:
+        """Of a data-parallel engine's ranks, the one a request holding nothing there starts soonest on: an idle
+        one (nothing of the gateway's decoding), else the one whose step in progress ends soonest; then the one
+        with the fewest of the gateway's requests, then the lowest."""
+        url = worker.url
+
+        def wait(rank: int) -> tuple[float, int, int]:
+            cache = cache_name(url, rank)
+            rest = self.step_rest(url, rank, now) if self._rank_decoding.get(cache, 0) > 0 else 0.0
+            return rest, self._rank_in_flight.get(cache, 0), rank
+
+        return min(range(worker.spec.dp_ranks), key=wait)
 
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
         self._ranks.clear()
@@ -698,12 +731,15 @@ class TtftAware(KvAware):
             tied = [i for i in tied if self.balance.trie.worker_nodes(workers[i].url) == least_state]
         pick = tied[0] if len(tied) == 1 else self.balance.random.choice(tied)
         worker, estimate, cached = workers[pick], estimates[pick], held[pick].tokens
+        rank = estimate.rank
         reason = MISS if most == 0 else HIT if cached >= most else SPILL
         self.queue(worker.url).add(id(request), estimate.prefill, now, estimate.ttft_s)
         self.share.add(worker.url, len(workers))
         self._routed[id(request)] = _Routed(worker.url, estimate)
         self._mean = self._mean + (estimate.prefill + self._mean.scaled(-1.0)).scaled(1 / 64)
-        rank = self._ranks.get(worker.url)
+        if rank is not None:
+            cache = cache_name(worker.url, rank)
+            self._rank_in_flight[cache] = self._rank_in_flight.get(cache, 0) + 1
         if keys:
             self.balance.trie.insert(keys, worker.url)
             self.pending.add(cache_name(worker.url, rank), keys)
@@ -720,6 +756,9 @@ class TtftAware(KvAware):
                 self._ttft_metrics.engine_samples.labels(worker.url).inc(sample.requests)
 
     def on_first_token(self, request: RouteRequest, decision: Decision, ttft_s: float) -> None:
+        if decision.dp_rank is not None:  # it decodes on that rank now
+            cache = self._decoding_on[id(request)] = cache_name(decision.worker.url, decision.dp_rank)
+            self._rank_decoding[cache] = self._rank_decoding.get(cache, 0) + 1
         routed = self._routed.pop(id(request), None)
         if routed is None:
             return
@@ -740,26 +779,40 @@ class TtftAware(KvAware):
 
     def on_chunk(self, request: RouteRequest, decision: Decision, first: bool) -> None:
         if self.step_phase:
-            url = decision.worker.url
-            steps = self.steps.get(url)
+            # a data-parallel engine's ranks step each on their own: a clock per rank (the decision names it)
+            cache = cache_name(decision.worker.url, decision.dp_rank)
+            steps = self.steps.get(cache)
             if steps is None:
-                steps = self.steps[url] = StepClock(self.ttft_options.ttft_step_jitter_s)
+                steps = self.steps[cache] = StepClock(self.ttft_options.ttft_step_jitter_s)
                 if self._ttft_metrics is not None:  # read when scraped
-                    self._ttft_metrics.step.labels(url).set_function(lambda: steps.mean_s)
+                    self._ttft_metrics.step.labels(cache).set_function(lambda: steps.mean_s)
             steps.chunk(id(request), self.now, first)
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
         routed = self._routed.pop(id(request), None)
         if routed is not None:
             self.queue(routed.worker).done(id(request), self.now)
+        if decision.dp_rank is not None:
+            cache = cache_name(decision.worker.url, decision.dp_rank)
+            if cache in self._rank_in_flight:
+                self._rank_in_flight[cache] = max(0, self._rank_in_flight[cache] - 1)
+            decoded_on = self._decoding_on.pop(id(request), None)
+            if decoded_on is not None and decoded_on in self._rank_decoding:
+                self._rank_decoding[decoded_on] = max(0, self._rank_decoding[decoded_on] - 1)
         super().on_finished(request, decision)
 
     def forget_worker(self, url: str) -> None:
         super().forget_worker(url)
         self.rates.pop(url, None)
         self.queues.pop(url, None)
-        if self.steps.pop(url, None) is not None and self._ttft_metrics is not None:
-            self._ttft_metrics.step.remove(url)
+        for cache in [c for c in self.steps if c == url or c.startswith(url + "#dp")]:
+            del self.steps[cache]
+            if self._ttft_metrics is not None:
+                self._ttft_metrics.step.remove(cache)
+        for counts in (self._rank_in_flight, self._rank_decoding):
+            for cache in [c for c in counts if c.startswith(url + "#dp")]:
+                del counts[cache]
+        self._decoding_on = {k: c for k, c in self._decoding_on.items() if not c.startswith(url + "#dp")}
         self.share.forget(url)
         self.timings.forget(url)
         self._routed = {k: r for k, r in self._routed.items() if r.worker != url}

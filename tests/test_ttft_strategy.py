@@ -18,6 +18,7 @@ from kvcore.kv_events import CPU, DISK, GPU, SHARED
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
 from router.kv_index import InMemoryKvIndex
+from router.kv_transport import cache_name
 from router.pool import Worker
 from router.prom_text import sum_samples
 from router.routing import Decision, RouteRequest
@@ -259,6 +260,44 @@ def test_a_worker_whose_step_has_just_begun_waits_its_rest() -> None:
     assert abs(strategy.estimate(workers[0], 100, strategy.holdings([], workers, 0)[0], clock[0]).step_s - 0.1) < 1e-9
     workers[0].in_flight = 0  # nothing running there: the engine is idle, no step in progress
     assert strategy.estimate(workers[0], 100, strategy.holdings([], workers, 0)[0], clock[0]).step_s == 0.0
+
+
+def test_a_data_parallel_engine_has_a_step_clock_per_rank() -> None:
+    """A data-parallel engine's ranks each run steps of their own, and their streams' chunks reach the gateway
+    interleaved: rank 0's steps take 150 ms, rank 1's 10 ms, out of phase. Each rank's clock learns its own steps
+    exactly; a request the engine holds nothing of is sent to the rank whose step ends soonest (named in the
+    decision), and one held on rank 0 waits the rest of rank 0's step."""
+    strategy, _, index, clock = make(0)
+    worker = Worker(spec=WorkerSpec("http://127.0.0.1:9100", dp_ranks=2), healthy=True, models=frozenset({"tiny"}))
+    streams = [(request(tokens(900 + i, 8)), Decision(worker, HIT, dp_rank=i // 2)) for i in range(4)]
+    for req, decision in streams:  # each decodes on its rank
+        strategy.on_first_token(req, decision, 0.02)
+    chunks = sorted([(1000.0 + 0.15 * i, 0) for i in range(6)] + [(1000.0033 + 0.01 * i, 1) for i in range(76)])
+    started = set()
+    for at, rank in chunks:
+        clock[0] = at
+        for req, decision in streams[2 * rank: 2 * rank + 2]:
+            strategy.on_chunk(req, decision, rank not in started)
+        started.add(rank)
+    worker.in_flight = 4
+    assert sorted(strategy.steps) == [cache_name(worker.url, 0), cache_name(worker.url, 1)]
+    assert all(abs(d - 0.15) < 1e-9 for d in strategy.steps[cache_name(worker.url, 0)].durations)
+    assert all(abs(d - 0.01) < 1e-9 for d in strategy.steps[cache_name(worker.url, 1)].durations)
+    clock[0] = 1000.75 + 0.009  # rank 0's step began at 1000.75 (141 ms to go), rank 1's at 1000.7533 (4.3 ms)
+    miss = strategy.choose(request(tokens(2, 64)), [worker])
+    assert miss.dp_rank == 1
+    # 10 ms overhead + 6.4 ms of prefill (64 tokens) + the 4.3 ms left of rank 1's step
+    assert miss.predicted_ttft_s is not None and abs(miss.predicted_ttft_s - 0.0207) < 1e-6
+    prefix = tokens(1, 320)
+    index.add(cache_name(worker.url, 0), block_keys(prefix, BS, ROOT), GPU)
+    hit = strategy.choose(request(prefix + tokens(3, 64)), [worker])
+    assert hit.dp_rank == 0 and hit.predicted_ttft_s is not None
+    assert abs(hit.predicted_ttft_s - (0.01 + 0.0064 + 0.141)) < 1e-6
+    for req, decision in streams[:2]:  # rank 0's requests end: it is idle, its step no longer counts
+        strategy.on_finished(req, decision)
+    assert strategy.choose(request(tokens(4, 64)), [worker]).dp_rank == 0
+    strategy.forget_worker(worker.url)
+    assert not strategy.steps
 
 
 def test_an_engines_prefill_histograms_make_a_sample_per_window() -> None:
