@@ -149,3 +149,53 @@ def test_a_hot_prefix_spills_when_the_queue_outweighs_the_saving() -> None:
     a.in_flight = 4  # 512 against 320: spills
     decision = kv.choose(request(), pool)
     assert decision.worker.url == B and decision.reason == "spill"
+
+
+def test_pending_blocks_are_the_multiset_of_the_runs_in_flight() -> None:
+    """`PendingBlocks` against a plain multiset of runs: random chained runs added and discarded (later, in any
+    order), caches forgotten with runs still in flight (their discards, coming later, change nothing, unless the
+    same run is in flight on the cache again), and enough traffic to rebuild the counters several times."""
+    import random
+    from collections import Counter
+
+    from router.block_keys import longest_run
+    from strategies.kv import PendingBlocks
+
+    rng = random.Random(7)
+    pending = PendingBlocks()
+    pending.COMPACT_MIN = 64
+    reference: dict[str, Counter[int]] = {}
+    epoch = {cache: 0 for cache in ("http://a", "http://b", "http://b#dp1")}
+    prefixes = [[rng.getrandbits(63) for _ in range(rng.randint(1, 12))] for _ in range(20)]
+    in_flight: list[tuple[str, list[int], int]] = []
+    caches = ["http://a", "http://b", "http://b#dp1"]
+    for step in range(6000):
+        roll = rng.random()
+        if roll < 0.5 or not in_flight:
+            cache = rng.choice(caches)
+            keys = rng.choice(prefixes)[: rng.randint(1, 12)] + [rng.getrandbits(63) for _ in range(rng.randint(0, 3))]
+            pending.add(cache, keys)
+            reference.setdefault(cache, Counter()).update(keys)
+            in_flight.append((cache, keys, epoch[cache]))
+        elif roll < 0.995:
+            cache, keys, added_in = in_flight.pop(rng.randrange(len(in_flight)))
+            pending.discard(cache, keys)
+            # a run added before its cache was forgotten changes nothing, unless the same run is in flight again
+            same = [i for i, (c, k, e) in enumerate(in_flight) if c == cache and k == keys and e == epoch[cache]]
+            if added_in == epoch[cache] or same:
+                if added_in != epoch[cache]:  # stands for the one in flight, whose own discard then changes nothing
+                    c, k, _ = in_flight[same[0]]
+                    in_flight[same[0]] = (c, k, -1)
+                reference[cache].subtract(keys)
+        else:
+            pending.forget_worker("http://b")
+            for cache in ("http://b", "http://b#dp1"):
+                reference.pop(cache, None)
+                epoch[cache] += 1
+        if step % 50 == 0 or step > 5900:
+            for cache in caches:
+                want = {k: n for k, n in reference.get(cache, Counter()).items() if n > 0}
+                assert pending.pending(cache) == want, step
+                for prefix in prefixes:  # the binary search over the multiset, as before the two counters
+                    held = longest_run(len(prefix), lambda i, p=prefix, w=want: p[i] in w) if prefix[0] in want else 0
+                    assert pending.match(prefix, cache) == held
