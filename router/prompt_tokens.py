@@ -52,7 +52,9 @@ INLINE_IDS = 16384  # token-id prompts shorter than this are hashed on the event
 TOKENS, TEXT = "tokens", "text"
 
 
-@dataclass(frozen=True, slots=True)
+# not frozen (this one and those below): one of each is built per request, and a frozen dataclass's __init__ costs
+# 3x (960 against 270 ns, six fields)
+@dataclass(slots=True)
 class PromptKeys:
     """A prompt as the router sees it."""
 

@@ -22,7 +22,9 @@ CHAT_TEMPLATE_FIELDS = ("tools", "documents", "chat_template", "chat_template_kw
                         "add_generation_prompt", "continue_final_message", "add_special_tokens")
 
 
-@dataclass(frozen=True, slots=True)
+# not frozen (this one and those below): one of each is built per request, and a frozen dataclass's __init__ costs
+# 3x (960 against 270 ns, six fields)
+@dataclass(slots=True)
 class CompletionPrompt:
     """A `/v1/completions` prompt: text or token ids (a batch is routed by its first prompt)."""
 
@@ -35,7 +37,7 @@ class CompletionPrompt:
         return {"prompt": self.prompt, "add_special_tokens": self.add_special_tokens}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChatPrompt:
     """A `/v1/chat/completions` prompt: the messages and the chat-template settings sent with them."""
 
@@ -59,7 +61,7 @@ class LargePrompt:
     cache_salt: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ApiRequest:
     """A request body as the gateway reads it: its model, whether it streams, and its prompt (on the two
     generation endpoints)."""

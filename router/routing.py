@@ -16,7 +16,9 @@ from router.kv_index import KvBlockIndex
 from router.pool import Worker
 
 
-@dataclass(frozen=True, slots=True)
+# not frozen (this one and those below): one of each is built per request, and a frozen dataclass's __init__ costs
+# 3x (960 against 270 ns, six fields)
+@dataclass(slots=True)
 class RouteRequest:
     """What a strategy may look at, built once per request: its model and path, its headers and, for strategies
     that read prompts, the prompt's token ids, block keys and length."""
@@ -29,7 +31,7 @@ class RouteRequest:
     prompt_tokens: int = 0  # the prompt's length in tokens (estimated in text mode); 0 when not tokenized
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """The chosen worker, a short reason (a metric label) and the prefix tokens expected to be cached there; for a
     data-parallel engine, the rank to serve it (sent as vLLM's `X-data-parallel-rank`), if the strategy chose one;

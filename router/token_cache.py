@@ -44,7 +44,9 @@ _LINK_BYTES = 100  # bytes of one link in the index (a dict slot and an int)
 _KEY_BYTES = 40  # bytes of one block key in a tuple (a pointer and an int)
 
 
-@dataclass(frozen=True, slots=True)
+# not frozen (this one and those below): one of each is built per request, and a frozen dataclass's __init__ costs
+# 3x (960 against 270 ns, six fields)
+@dataclass(slots=True)
 class Encoded:
     """A prompt's token ids (uint32) and the chained keys of its full blocks under one root."""
 
@@ -53,7 +55,7 @@ class Encoded:
     reused_tokens: int  # ids taken from the cache rather than the tokenizer
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Lookup:
     """A prompt's text and the cached prompt sharing the longest prefix with it (`TokenCache.lookup`)."""
 
