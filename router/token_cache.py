@@ -13,8 +13,10 @@ encoded from there, and the encoding of that window must reproduce the cached id
 (or there is too little shared text to leave a window) the whole prompt is encoded. The result is identical to
 encoding the whole prompt (tests/test_token_cache.py checks it as a property, against `ModelTokenizer.encode`).
 
-Token ends come from `ModelTokenizer.encode_with_ends` (for byte-level BPE tokenizers, a table of each token's
-bytes rather than the tokenizer's offsets, which cost more than encoding).
+Token ends come from `ModelTokenizer.encode_with_some_ends` (for byte-level BPE tokenizers, a table of each token's
+bytes rather than the tokenizer's offsets, which cost more than encoding). Where the table's sums are exact by
+construction (ASCII text through the word cache) they are left out, and summed only when a later prompt's seam
+falls among them, only as far as it needs: most of a prompt's tail is never spliced at.
 
 The cache is bounded in bytes (`prompt_cache_bytes`): text, ids, token ends, links and block keys, counted per
 prompt, least recently used first out.
@@ -27,6 +29,7 @@ import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -79,12 +82,13 @@ class Lookup:
 
 
 # One recently encoded prompt: (data, seed, ids, ends, links, root, keys, size) -- its text as UTF-8; the tokenizer
-# and whether special tokens were added (what the ids depend on); the token ids (uint32); each token's end in bytes of
-# the text (uint32, 0 for special tokens added in front); the text's hash chain; the block keys' root (model, adapter,
-# namespace); the block keys; the bytes counted against the bound. Plain tuples of bytes and ints, which the cycle
-# collector stops tracking after its first pass: an object of a class (or an array, or a list) would
-# stay tracked, and every full collection walks what is tracked with the GIL held (1,783 cached prompts, each an
-# object with two arrays and two lists: 14-16 ms of CPU per collection in the gateway, the event loop stalled).
+# and whether special tokens were added (what the ids depend on); the token ids (uint32); the first tokens' ends in
+# bytes of the text (uint32, 0 for special tokens added in front; the others' are the byte table's sums); the text's
+# hash chain; the block keys' root (model, adapter, namespace); the block keys; the bytes counted against the bound.
+# Plain tuples of bytes and ints, which the cycle collector stops tracking after its first pass: an object of a class
+# (or an array, or a list) would stay tracked, and every full collection walks what is tracked with the GIL held
+# (1,783 cached prompts, each an object with two arrays and two lists: 14-16 ms of CPU per collection in the gateway,
+# the event loop stalled).
 _Entry = tuple[bytes, int, bytes, bytes, tuple[int, ...], BlockKey, tuple[BlockKey, ...], int]
 
 
@@ -221,11 +225,18 @@ class TokenCache:
     def _splice(self, tokenizer: ModelTokenizer, entry: _Entry, data: bytes,
                 shared: int) -> tuple[array[int], array[int], int, int] | None:
         """The ids of the text `data` as the cached ids up to a seam inside the `shared` prefix plus the encoding of the
-        rest, with the token ends, how many ids were kept and how many leading ids are the cached ones (kept and
-        verified); None when the seam does not verify."""
+        rest, with the token ends known, how many ids were kept and how many leading ids are the cached ones (kept
+        and verified); None when the seam does not verify."""
         cached_ids, cached_ends = entry[2], entry[3]
-        ends = memoryview(cached_ends).cast("I")
-        seam = bisect_right(ends, shared - SEAM_MARGIN)  # tokens ending inside the safe part of the shared text
+        limit = shared - SEAM_MARGIN
+        ends: Sequence[int] = memoryview(cached_ends).cast("I")
+        seam = bisect_right(ends, limit)  # tokens ending inside the safe part of the shared text
+        if seam == len(ends) and len(cached_ends) < len(cached_ids):  # it may lie among the ends not summed yet
+            ends = _u32(cached_ends)
+            tokenizer.more_ends(ends, memoryview(cached_ids).cast("I"), limit)
+            if 4 * len(ends) == len(cached_ids) and ends[-1] != len(entry[0]):
+                return None  # the table's sums do not come out at the text's length: never splice at them
+            seam = bisect_right(ends, limit)
         start = seam - OVERLAP_TOKENS  # the window starts here: its first tokens must come out as cached
         if start < 1:
             return None
@@ -235,12 +246,14 @@ class TokenCache:
         window, window_ends = self._encode(tokenizer, data[at:].decode("utf-8", "surrogatepass"), False, at)
         if window[:OVERLAP_TOKENS].tobytes() != cached_ids[4 * start:4 * seam]:
             return None
-        return _u32(cached_ids[:4 * start]) + window, _u32(cached_ends[:4 * start]) + window_ends, start, seam
+        kept_ends = ends[:start] if isinstance(ends, array) else _u32(cached_ends[:4 * start])
+        return _u32(cached_ids[:4 * start]) + window, kept_ends + window_ends, start, seam
 
     def _encode(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool,
                 at: int = 0) -> tuple[array[int], array[int]]:
-        """Ids and token ends (in bytes of a text in which `text` starts at byte `at`)."""
-        ids, ends = tokenizer.encode_with_ends(text, add_special_tokens=add_special_tokens, offset=at)
+        """Ids and the token ends known (in bytes of a text in which `text` starts at byte `at`): those of the first
+        ids, the rest left to `ModelTokenizer.more_ends`."""
+        ids, ends = tokenizer.encode_with_some_ends(text, add_special_tokens=add_special_tokens, offset=at)
         self.encoded_chars += len(text)
         return ids, ends
 

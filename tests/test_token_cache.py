@@ -7,6 +7,7 @@ import gc
 import random
 import sys
 import tracemalloc
+from array import array
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,34 @@ def test_a_small_cache_under_churn_stays_exact_and_bounded(tok: ModelTokenizer,
     for head, tail in prompts:
         check(cache, tok, heads[head] + tail)
         assert cache.bytes <= cache.max_bytes
+
+
+ascii_piece = st.one_of(st.sampled_from([f for f in FRAGMENTS if f.isascii()]), st.text("ab \n\t.1<|>'", max_size=30))
+ascii_texts = st.lists(ascii_piece, max_size=40).map("".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(ascii_texts, min_size=2, max_size=12), special=st.booleans())
+def test_ends_summed_only_when_a_seam_needs_them_stay_exact(tok: ModelTokenizer, turns: list[str],
+                                                            special: bool) -> None:
+    """ASCII prompts keep only the ends a seam has needed so far (the rest follow from the byte table): a
+    conversation growing turn by turn, each prompt parting from the last inside its tail, and a prompt parting
+    from the first one's, give the whole text's ids; every cached prompt's ends, completed, are the tokenizer's."""
+    cache = TokenCache(1 << 22, block_size=4)
+    head = words(9, 60).replace("é", "e")
+    text = head
+    for turn in turns:
+        text += turn
+        check(cache, tok, text, special)
+        check(cache, tok, text[: len(head) + len(turn) // 2] + turn[::-1], special)
+    for entry in cache._entries.values():
+        data, ids = entry[0], memoryview(entry[2]).cast("I")
+        ends = array("I", entry[3])
+        assert len(ends) <= len(ids)
+        tok.more_ends(ends, ids, len(data))
+        with_specials = entry[1] == tok.cache_seed(True)
+        assert list(ends) == list(tok.encode_with_ends(data.decode(), add_special_tokens=with_specials)[1])
+    assert cache.hits > 0
 
 
 def test_awkward_conversations_give_whole_text_ids(tok: ModelTokenizer) -> None:
