@@ -20,9 +20,22 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from router.block_keys import BlockKey, longest_run
+from router.block_keys import BlockKey
 
 TOUCH_S = 1.0  # step of the times kept (a node touched in the current step is not touched again)
+
+
+def _known_run(keys: Sequence[BlockKey], index: dict[BlockKey, BlockKey | None]) -> int:
+    """How many leading keys are nodes, the first one known to be: `longest_run` written out (a callback per probe
+    cost more than the search)."""
+    lo, hi = 1, len(keys)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] in index:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +92,7 @@ class PrefixTrie:
         index = self._parent
         if not keys or keys[0] not in index:
             return {}
-        known = longest_run(len(keys), lambda i: keys[i] in index)
+        known = _known_run(keys, index)
         fresh_after = self.clock() - self.ttl_s
         sent_to, used = self._workers, self._used
         first = sent_to[keys[0]]
@@ -119,7 +132,7 @@ class PrefixTrie:
         if self._step:
             now -= now % self._step
         index = self._parent
-        depth = longest_run(len(keys), lambda i: keys[i] in index) if keys[0] in index else 0
+        depth = _known_run(keys, index) if keys[0] in index else 0
         node = keys[depth - 1] if depth else None
         self._touch(node, worker, now)
         if depth < len(keys):

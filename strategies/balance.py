@@ -131,10 +131,6 @@ class PrefillBalance:
             queue = self._queues[url] = PrefillQueue(self._drain_rate)
         return queue
 
-    def score(self, worker: Worker, uncached_tokens: int, now: float) -> float:
-        return (self.prefill_weight * uncached_tokens + self._queue(worker.url).level(now)
-                + self.request_cost * worker.outstanding)
-
     def choose(self, request: RouteRequest, workers: Sequence[Worker], predict: Prediction) -> Decision:
         now = self.clock()
         keys = request.block_keys
@@ -143,7 +139,10 @@ class PrefillBalance:
         # vLLM always computes a prompt's last token, so a fully cached prompt still hits one block short
         cacheable = ((prompt - 1) // bs) * bs if prompt > 0 else 0
         cached, saved = predict(keys, workers, cacheable)
-        scores = [self.score(w, prompt - round(v), now) for w, v in zip(workers, saved, strict=True)]
+        # each worker's score (the module's docstring), written out: a method call per worker cost more than the sum
+        weight, cost, queues = self.prefill_weight, self.request_cost, self._queues
+        scores = [weight * (prompt - round(v)) + (queues.get(w.url) or self._queue(w.url)).level(now)
+                  + cost * w.outstanding for w, v in zip(workers, saved, strict=True)]
         best = min(scores)
         tied = [i for i, s in enumerate(scores) if s <= best + 1e-9]
         if len(tied) > 1:

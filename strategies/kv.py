@@ -152,7 +152,7 @@ class KvAware(Strategy):
                 blocks = max(guessed.get(url, 0), pending.match(keys, url))
                 tokens = min(blocks * bs, cacheable)
                 # a worker whose events are trusted announced none of it: only requests in flight put it there
-                announced = any(trusted(cache) for _, cache in worker_caches)
+                announced = bool(known) and any(cache in known for _, cache in worker_caches)
                 out.append(Holding(tokens, {GPU: tokens} if tokens else {}, saved=float(tokens), trusted=False,
                                    computed=0 if announced else tokens))
                 continue
