@@ -174,6 +174,7 @@ class PromptTokens:
         self._loading: dict[str, asyncio.Future[ModelTokenizer | None]] = {}
         self._failed: set[str] = set()
         self._directories: dict[str, str | None] = {}  # model -> resolved directory, or None for text mode
+        self._ready: dict[str, ModelTokenizer] = {}  # model -> its loaded tokenizer: no coroutine per request
         self.cache = TokenCache(config.prompt_cache_bytes, config.block_size)
         if metrics is not None:
             metrics.registry.register(_PromptCacheCollector(self.cache))
@@ -239,7 +240,10 @@ class PromptTokens:
         directory = self._directory(model)
         if directory is None or directory in self._failed:
             return None
-        return await self._tokenizer_in(directory)
+        tokenizer = await self._tokenizer_in(directory)
+        if tokenizer is not None:
+            self._ready[model] = tokenizer
+        return tokenizer
 
     async def _tokenizer_in(self, directory: str) -> ModelTokenizer | None:
         found = self._tokenizers.get(directory)
@@ -272,7 +276,9 @@ class PromptTokens:
         keys' namespace, as it is vLLM's."""
         started = time.perf_counter()
         root = root_key(model, lora, prompt.cache_salt)
-        tokenizer = await self.tokenizer(model)
+        tokenizer = self._ready.get(model)
+        if tokenizer is None:
+            tokenizer = await self.tokenizer(model)
         # the body's size bounds the work of tokenizing it, tools and documents included
         size = len(raw) if raw is not None else _text_size(prompt)
         result: PromptKeys | None = None
