@@ -208,13 +208,18 @@ class ChatRenderer:
         `max_chars` is stopped with a TokenizationError."""
         if continue_final_message and add_generation_prompt:
             raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        user_kwargs = dict(chat_template_kwargs or {})
-        if bad := {"chat_template", "tokenize"} & user_kwargs.keys():
-            raise TokenizationError(f"Found unexpected chat template kwargs from request: {bad}")
-        kwargs = _merge(_merge(self._default_kwargs, {"tools": tools}),
-                        _merge(user_kwargs, {"add_generation_prompt": add_generation_prompt,
-                                             "continue_final_message": continue_final_message,
-                                             "documents": documents}))
+        kwargs: dict[str, Any]
+        if not chat_template_kwargs and not self._default_kwargs and tools is None and documents is None:
+            # the common request: what the merges below come to, without building five dicts
+            kwargs = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        else:
+            user_kwargs = dict(chat_template_kwargs or {})
+            if bad := {"chat_template", "tokenize"} & user_kwargs.keys():
+                raise TokenizationError(f"Found unexpected chat template kwargs from request: {bad}")
+            kwargs = _merge(_merge(self._default_kwargs, {"tools": tools}),
+                            _merge(user_kwargs, {"add_generation_prompt": add_generation_prompt,
+                                                 "continue_final_message": continue_final_message,
+                                                 "documents": documents}))
         template = self.chat_template(kwargs.get("tools"), chat_template)
         compiled, variables, content_format = _compile(template)
         conversation = self._conversation(messages, content_format, template)
