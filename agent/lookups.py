@@ -52,6 +52,8 @@ class SchedulerLookups:
         the same call with the same span collects it). Raises what the lookup raised, or LookupTooSlow."""
         pending = self._pending.get(req_id)
         if pending is None or pending.span != span:
+            if pending is not None:  # the question changed: a lookup of the old span still queued is not asked
+                pending.future.cancel()
             pending = _Pending(span, self._submit(list(hashes)), time.monotonic())
             self._pending[req_id] = pending
         if not pending.future.done() and self._budget_s > 0:
@@ -63,6 +65,7 @@ class SchedulerLookups:
             return pending.future.result()
         if time.monotonic() - pending.started > self.give_up_s:
             del self._pending[req_id]
+            pending.future.cancel()
             raise LookupTooSlow(f"no answer to a lookup within {self.give_up_s * 1000:.0f} ms")
         return None
 

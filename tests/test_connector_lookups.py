@@ -231,3 +231,39 @@ def test_vllm_keeps_decoding_while_a_new_requests_lookup_hangs(
     during = [gap for at, gap in gaps if hung_at <= at <= hung_at + answered_s]
     assert len(during) > 10, gaps[-5:]
     assert max(during) < 1.0, sorted(during)[-5:]  # before: one gap of about 3 s (the lookup's timeout)
+
+
+def test_a_superseded_or_abandoned_lookup_is_not_asked() -> None:
+    """A request whose question changed (a local prefix hit moved its first block) or that was given up on leaves
+    no lookup queued for the agent: with a hung agent each one would cost the lookup thread a whole timeout before
+    the questions still wanted. The lookup thread is held on a first lookup while the others queue behind it."""
+    from agent.lookups import LookupTooSlow, SchedulerLookups
+
+    held, asked = threading.Event(), []
+
+    def lookup(hashes: list[int]) -> tuple[int, str]:
+        asked.append(hashes[0])
+        if hashes[0] == 0:
+            assert held.wait(10)
+        return len(hashes), "C" * len(hashes)
+
+    lookups = SchedulerLookups(lookup, wait_s=0.0, give_up_s=0.2)
+    try:
+        assert lookups.answer("blocker", (0, 1), [0]) is None
+        assert lookups.answer("moved", (0, 2), [10, 11]) is None
+        assert lookups.answer("moved", (1, 1), [11]) is None  # its hit moved: the span asked is another
+        assert lookups.answer("slow", (0, 1), [20]) is None
+        time.sleep(0.3)
+        with pytest.raises(LookupTooSlow):
+            lookups.answer("slow", (0, 1), [20])
+        lookups.give_up_s = 60.0  # (read at each call) the moved request's answer is collected below, however late
+        held.set()
+        deadline = time.monotonic() + 5
+        while (answer := lookups.answer("moved", (1, 1), [11])) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert answer == (1, "C")
+        assert asked == [0, 11]
+        assert lookups.waiting == 1  # the blocker's answer, never collected
+    finally:
+        held.set()
+        lookups.close()
