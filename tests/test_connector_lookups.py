@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -241,7 +242,7 @@ def test_a_superseded_or_abandoned_lookup_is_not_asked() -> None:
 
     held, asked = threading.Event(), []
 
-    def lookup(hashes: list[int]) -> tuple[int, str]:
+    def lookup(hashes: Sequence[int]) -> tuple[int, str]:
         asked.append(hashes[0])
         if hashes[0] == 0:
             assert held.wait(10)
