@@ -116,15 +116,10 @@ def _links(data: bytes, seed: int) -> list[int]:
 
 
 def _common_prefix(a: bytes, b: bytes, start: int, end: int) -> int:
-    """The length of the common prefix of a and b, known to be at least `start` and at most `end`."""
-    lo, hi = start, end
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """The length of the common prefix of a and b, known to be at least `start` and at most `end`: where the two
+    spans, read as big-endian numbers, first differ (a few C calls, not a bisection of slices)."""
+    differ = int.from_bytes(a[start:end], "big") ^ int.from_bytes(b[start:end], "big")
+    return end - 1 - (differ.bit_length() - 1) // 8 if differ else end
 
 
 class TokenCache:
