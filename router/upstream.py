@@ -201,6 +201,11 @@ class UpstreamResponse:
             await conn.wait(self._read_timeout)
 
     async def read(self) -> bytes:
+        conn = self._conn
+        if conn.complete and conn.error is None:  # all of it came with the headers, as short answers do
+            data = conn.take()
+            self._finish()
+            return data
         parts = [chunk async for chunk in self.chunks()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
