@@ -195,6 +195,7 @@ class FleetSimulation:
             balance.random.seed(seed)
             balance.clock = lambda: self.now
             balance.trie.clock = lambda: self.now  # a prefix expires after its TTL in virtual time
+            balance.trie.compact_tables()
         self.replicas = [VirtualReplica(i, self.profile, block_size, blocks, self.max_model_len, _engine_hash,
                                         events=True) for i in range(replicas)]
         self.workers = [r.worker for r in self.replicas]
@@ -203,7 +204,10 @@ class FleetSimulation:
         self.kv: KvEventApplier | None = None
         self.sources = [EventSource(r.url, f"vsim://{r.index}") for r in self.replicas]
         if self.strategy.uses_kv_events:
-            self.kv = KvEventApplier(InMemoryKvIndex(), GatewayMetrics(), lambda url: MODEL, clock=lambda: self.now)
+            index = InMemoryKvIndex()
+            index.compact_tables()
+            self.kv = KvEventApplier(index, GatewayMetrics(), lambda url: MODEL, clock=lambda: self.now)
+            self.kv.compact_tables()
             self.strategy.attach_kv(self.kv.index, lambda url: True)
         self.tier_settings = tiers
         if tiers is not None:

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter
 
+from kvcore.dict_tables import OldestFirst, TableTrim
 from kvcore.kv_events import GPU, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEvent
 from router.block_keys import BlockKey, block_keys, root_key
 from router.kv_index import TIERS, KvBlockIndex, tier_of
@@ -59,11 +59,21 @@ class _Holdings:
     """What one source says it holds: per tier, engine hash -> gateway key (one entry per block: a fleet's tiers
     announce millions), and for sources that announce copies (`counted`) the copies beyond the first."""
 
-    __slots__ = ("extra", "tiers")
+    __slots__ = ("extra", "tiers", "trims")
 
     def __init__(self) -> None:
         self.tiers: dict[str, dict[BlockHash, BlockKey]] = {}
         self.extra: dict[tuple[BlockHash, str], int] = {}
+        self.trims: dict[str, TableTrim] = {}
+
+    def trim(self, tier: str) -> None:
+        """After blocks were added on `tier`: its map kept at a copy's table size (`KvEventApplier.compact_tables`)."""
+        keys = self.tiers.get(tier)
+        if keys is not None:
+            trim = self.trims.get(tier)
+            if trim is None:
+                trim = self.trims[tier] = TableTrim()
+            trim.check(keys)
 
     def __len__(self) -> int:
         return sum(len(keys) for keys in self.tiers.values())
@@ -95,6 +105,20 @@ class _Waiting:
     since: float
 
 
+class _Names:
+    """One model's names: a plain dict, oldest first (an OrderedDict's links cost 60 bytes more per name), whose
+    oldest is found by `OldestFirst` (and whose table `trim` keeps at a copy's size, `ContentIdentity.compact`)."""
+
+    __slots__ = ("keys", "oldest", "trim")
+
+    OLDEST_RUN = 1024  # names read from the front at once: a full map forgets one per put
+
+    def __init__(self) -> None:
+        self.keys: dict[BlockHash, BlockKey] = {}
+        self.oldest = OldestFirst(self.keys, self.OLDEST_RUN)
+        self.trim = TableTrim()
+
+
 class ContentIdentity:
     """Engine block hash → gateway key, per model, the most recent `max_blocks` per model (oldest forgotten
     first). Engines with the same hash algorithm and seed share their hashes' names; engines with others never
@@ -102,32 +126,34 @@ class ContentIdentity:
 
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks
-        # an OrderedDict, not a dict: taking the oldest out of a dict from its front costs a scan over every
-        # entry deleted before it (up to max_blocks per put once it is full); OrderedDict's popitem is O(1)
-        self._by_model: dict[str, OrderedDict[BlockHash, BlockKey]] = {}
+        self.compact = False  # keep the maps at a copy's table size (`KvEventApplier.compact_tables`)
+        self._by_model: dict[str, _Names] = {}
 
     def get(self, model: str, engine_hash: BlockHash) -> BlockKey | None:
-        keys = self._by_model.get(model)
-        return keys.get(engine_hash) if keys else None
+        names = self._by_model.get(model)
+        return names.keys.get(engine_hash) if names else None
 
-    def names(self, model: str) -> OrderedDict[BlockHash, BlockKey]:
-        """The model's map, oldest first (created empty if it has none): for a caller that puts many at once, as
-        `put` does, and keeps it within `max_blocks`."""
-        keys = self._by_model.get(model)
-        if keys is None:
-            keys = self._by_model[model] = OrderedDict()
-        return keys
+    def names(self, model: str) -> _Names:
+        """The model's names (created empty if it has none): for a caller that puts many at once, as `put` does
+        (touching `oldest` for each), keeps them within `max_blocks` and, if `compact`, calls `trim` after."""
+        names = self._by_model.get(model)
+        if names is None:
+            names = self._by_model[model] = _Names()
+        return names
 
     def put(self, model: str, engine_hash: BlockHash, key: BlockKey) -> None:
-        keys = self.names(model)
-        if engine_hash in keys:
-            keys.move_to_end(engine_hash)  # re-inserted: the newest again
+        names = self.names(model)
+        keys = names.keys
+        keys.pop(engine_hash, None)  # re-inserted: the newest again
         keys[engine_hash] = key
+        names.oldest.touched(engine_hash)
         if len(keys) > self.max_blocks:
-            keys.popitem(last=False)
+            names.oldest.pop()
+        if self.compact:
+            names.trim.check(keys)
 
     def __len__(self) -> int:
-        return sum(len(keys) for keys in self._by_model.values())
+        return sum(len(names.keys) for names in self._by_model.values())
 
 
 @dataclass(slots=True)
@@ -158,8 +184,17 @@ class KvEventApplier:
         self._learned: dict[EventSource, dict[BlockKey, None]] = {}  # blocks learned from answers, oldest first
         self._waiting: dict[tuple[str, BlockHash], list[_Waiting]] = {}  # (model, engine hash) -> announcements
         self._waiting_count = 0
+        self._compact = False  # see compact_tables
         metrics.kv_index_entries.set_function(index.entries)
         metrics.kv_waiting_announcements.set_function(self.waiting)
+
+    def compact_tables(self) -> None:
+        """From now on keep what sources hold and content identity at the table size a copy of their maps would
+        have (`TableTrim`): half the memory of maps whose entries come and go, for copying a map into itself (tens
+        of ms per 100,000 entries) whenever CPython would grow it. For long simulations (`kvgate bench vsim`); a
+        live gateway would stall its event loop meanwhile."""
+        self._compact = True
+        self.identity.compact = True
 
     # --- batches ------------------------------------------------------------------------------------------------
 
@@ -369,6 +404,7 @@ class KvEventApplier:
             # per block, `identity.put`, `_hold` and `_place_waiting` written out: this loop runs for every block
             # an engine computes
             names = self.identity.names(model)
+            named, touched, forget = names.keys, names.oldest.touched, names.oldest.pop
             most = self.identity.max_blocks
             keys = held.tiers.get(tier)
             if keys is None:
@@ -376,11 +412,11 @@ class KvEventApplier:
             extra = held.extra
             waiting = self._waiting
             for engine_hash, key in zip(hashes, block_keys(tokens, size, parent), strict=True):
-                if engine_hash in names:
-                    names.move_to_end(engine_hash)  # re-inserted: the newest again
-                names[engine_hash] = key
-                if len(names) > most:
-                    names.popitem(last=False)
+                named.pop(engine_hash, None)  # re-inserted: the newest again
+                named[engine_hash] = key
+                touched(engine_hash)
+                if len(named) > most:
+                    forget()
                 if engine_hash not in keys:
                     keys[engine_hash] = key
                     new_keys.append(key)
@@ -390,11 +426,13 @@ class KvEventApplier:
                     learned.pop(key, None)  # announced now: its removal will be too
                 if waiting:
                     self._place_waiting(model, engine_hash, key)
+            if self._compact:
+                names.trim.check(named)
         else:
             # an agent or offload tier announcing blocks the engine named (or will name) with their tokens
-            names = self.identity.names(model)
+            named = self.identity.names(model).keys
             for engine_hash in hashes:
-                known = names.get(engine_hash)
+                known = named.get(engine_hash)
                 if known is None:
                     known = self._key_of(model, worker, engine_hash)
                 if known is None:
@@ -402,6 +440,8 @@ class KvEventApplier:
                 elif _hold(held, engine_hash, tier, known, counted):
                     new_keys.append(known)
         if new_keys:
+            if self._compact:
+                held.trim(tier)
             self.index.add(worker, new_keys, tier)
 
     def _removed(self, source: EventSource, held: _Holdings, hashes: Sequence[BlockHash], tier: str,

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
 from bench.kv_bench import measure_entry_bytes
 from bench.procs import free_port
+from kvcore import dict_tables
 from kvcore.kv_events import (
     END_OF_REPLAY,
     AllBlocksCleared,
@@ -26,7 +30,7 @@ from kvcore.kv_events import (
     encode_batch,
 )
 from router.block_keys import block_keys, root_key
-from router.kv_apply import ContentIdentity, KvEventApplier
+from router.kv_apply import ContentIdentity, KvEventApplier, _Names
 from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
@@ -579,6 +583,32 @@ def test_naming_a_block_costs_the_same_however_many_names_are_kept() -> None:
 
     small, large = seconds_per_put(1_000), seconds_per_put(200_000)
     assert large < 4 * small, (small, large)
+
+
+def test_content_identity_keeps_and_forgets_names_as_an_ordered_dict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each model's names are a plain dict in put order, its oldest found by `OldestFirst` (short runs here) and
+    its table copied into itself as it churns (here at any size): every answer, and which name goes first once
+    full, is the ordered dict's with move_to_end on a repeated put."""
+    monkeypatch.setattr(dict_tables, "MIN_ENTRIES", 0)
+    monkeypatch.setattr(_Names, "OLDEST_RUN", 3)
+    rng = random.Random(4)
+    identity = ContentIdentity(50)
+    identity.compact = True
+    reference: dict[str, OrderedDict[int, int]] = {"a": OrderedDict(), "b": OrderedDict()}
+    for step in range(20_000):
+        model, engine_hash = rng.choice("ab"), rng.randrange(120)
+        if rng.random() < 0.6:
+            identity.put(model, engine_hash, step)
+            names = reference[model]
+            if engine_hash in names:
+                names.move_to_end(engine_hash)
+            names[engine_hash] = step
+            if len(names) > 50:
+                names.popitem(last=False)
+        assert identity.get(model, engine_hash) == reference[model].get(engine_hash)
+    assert len(identity) == 100
+    for model in "ab":
+        assert list(identity.names(model).keys.items()) == list(reference[model].items())
 
 
 def _two_free_ports() -> int:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from itertools import islice
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import ParamSpec, TypeVar, cast
 
 from agent.block import BlockHash, BlockKey, checksum
 from agent.config import AgentConfig
@@ -27,6 +27,7 @@ from agent.store import TierStore
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 from agent.tiers.dram import DramTier
 from agent.tiers.shared import SharedTier
+from kvcore.dict_tables import OldestFirst, TableTrim
 from kvcore.kv_events import KvEvent
 
 LAYOUT = 0
@@ -50,57 +51,6 @@ class InlineExecutor(Executor):
         return future
 
 
-class OldestFirst:
-    """The oldest keys of an insertion-ordered dict, taken one at a time while the dict changes.
-
-    The simulation's LRUs are plain dicts of block hashes in use order (a touch pops a key and inserts it again):
-    a third of an `OrderedDict`'s memory per entry, for the millions of blocks NVMe and the shared store hold. A
-    plain dict has no `popitem(last=False)`, and finding its first entry walks over the holes that pops left at
-    its front (up to a third of the table between resizes), so the oldest keys are read a run at a time: a key of
-    the run that was touched or inserted since it was read is at the end now and skipped; when the run is used up
-    it is read again, which gives the dict's true order. `touched(key)` must be called for every key moved to the
-    end or inserted while a walk is in use."""
-
-    RUN = 64
-    FORGET_AFTER = 4096  # touches kept against a run; past that the run is dropped and read again when needed
-
-    def __init__(self, entries: dict[BlockHash, Any]) -> None:
-        self.entries = entries
-        self._run: list[BlockHash] = []
-        self._next = 0
-        self._touched: set[BlockHash] = set()
-
-    def touched(self, key: BlockHash) -> None:
-        if self._run:
-            self._touched.add(key)
-            if len(self._touched) > self.FORGET_AFTER:
-                self._run = []
-                self._next = 0
-                self._touched.clear()
-
-    def first(self) -> BlockHash | None:
-        """The least recently used key, None when the dict is empty."""
-        entries = self.entries
-        while True:
-            if self._next >= len(self._run):
-                if not entries:
-                    return None
-                self._run = list(islice(entries, self.RUN))
-                self._next = 0
-                self._touched.clear()
-            key = self._run[self._next]
-            if key in entries and key not in self._touched:
-                return key
-            self._next += 1
-
-    def pop(self) -> tuple[BlockHash, Any]:
-        """Remove the least recently used key (the dict must not be empty)."""
-        key = self.first()
-        assert key is not None
-        self._next += 1
-        return key, self.entries.pop(key)
-
-
 class NvmeModel:
     """The NVMe tier of the model: exact LRU over block keys, which is what the agent's DRAM tier without prefix
     order does, kept as one dict of block hashes in use order (`OldestFirst`) instead of a block object, a byte
@@ -118,6 +68,7 @@ class NvmeModel:
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
         self._lru: dict[BlockHash, None] = {}  # block hashes, least recently used first
+        self._trim = TableTrim()  # a touch deletes and inserts: the table is kept at a copy's size
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
         return self.store_many([StoreItem(key, payload, digest)]) == 1
@@ -145,6 +96,7 @@ class NvmeModel:
                 self.stats.stores += 1
             held += 1
         self.stats.evictions += len(evicted)
+        self._trim.check(lru)
         self._report(evicted)
         return held
 
@@ -158,6 +110,7 @@ class NvmeModel:
         if touch:
             del lru[h]
             lru[h] = None
+            self._trim.check(lru)
         self.stats.hits += 1
         return 1
 
@@ -176,6 +129,7 @@ class NvmeModel:
             if key in lru:
                 del lru[key]
                 lru[key] = None
+        self._trim.check(lru)
 
     def delete(self, key: BlockKey) -> bool:
         if key[1] not in self._lru:
@@ -223,6 +177,7 @@ class FleetBackend:
         self.capacity = capacity
         self.clock = clock
         self._expiry: dict[BlockHash, float] = {}
+        self._trim = TableTrim()
 
     def put(self, keys: Iterable[BlockKey], ttl_s: float) -> None:
         """Write blocks, each with the TTL (one expiry for them all: the store holds millions)."""
@@ -236,6 +191,7 @@ class FleetBackend:
             oldest.touched(key)
             if len(entries) > capacity:
                 oldest.pop()
+        self._trim.check(entries)
 
     def get(self, key: BlockKey) -> bool:
         entries = self._expiry
@@ -245,6 +201,7 @@ class FleetBackend:
             return False
         del entries[h]
         entries[h] = expiry
+        self._trim.check(entries)
         return True
 
     def has(self, key: BlockKey) -> bool:
@@ -266,11 +223,12 @@ class HashKeyedIndex:
     replay (2.7 M entries on the conversation trace) take about 250 MB less. The ordered dict's operations the
     shared tier uses, taking and giving block keys."""
 
-    __slots__ = ("_entries", "_oldest")
+    __slots__ = ("_entries", "_oldest", "_trim")
 
     def __init__(self) -> None:
         self._entries: dict[BlockHash, tuple[float, int]] = {}
         self._oldest = OldestFirst(self._entries)
+        self._trim = TableTrim()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -286,7 +244,10 @@ class HashKeyedIndex:
         h = key[1]
         if h not in entries:  # (a new value for a key keeps its place, as in an ordered dict)
             self._oldest.touched(h)
-        entries[h] = value
+            entries[h] = value
+            self._trim.check(entries)
+        else:
+            entries[h] = value
 
     def __delitem__(self, key: BlockKey) -> None:
         del self._entries[key[1]]
@@ -302,6 +263,7 @@ class HashKeyedIndex:
         h = key[1]
         entries[h] = entries.pop(h)
         self._oldest.touched(h)
+        self._trim.check(entries)
 
     def first(self) -> tuple[BlockKey, tuple[float, int]] | None:
         """The oldest entry, None when there is none."""
