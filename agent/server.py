@@ -21,7 +21,6 @@ import socket
 import stat
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,7 @@ from agent.protocol import (
 )
 from agent.store import TierStore
 from agent.tiers.shared import RedisSharedTier
+from kvcore.aio import started_executor
 from kvcore.kv_events import KvEventPublisher
 
 log = logging.getLogger(__name__)
@@ -182,10 +182,13 @@ class TierAgent:
         self.store = store or TierStore.from_config(config)
         self.metrics = AgentMetrics(self.store)
         self.publisher: KvEventPublisher | None = None
-        self._pool = ThreadPoolExecutor(max(2, config.io_threads), thread_name_prefix="kvgate-agent-req")
+        # Every thread is started here, never on the event loop (kvcore.aio.started_executor: starting one there
+        # held the whole agent, every connection, until the OS ran the new thread -- up to 33 s on a starved CPU)
+        self._pool = started_executor(max(2, config.io_threads), "kvgate-agent-req")
         # demotion, eviction, index refresh and sweeps: never in the request pool, where a long demotion over a
         # slow backend would leave Store and Load requests waiting
-        self._upkeep = ThreadPoolExecutor(1, thread_name_prefix="kvgate-agent-upkeep")
+        self._upkeep = started_executor(1, "kvgate-agent-upkeep")
+        self._scrapes = started_executor(1, "kvgate-agent-metrics")  # /metrics bodies, off the loop
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._clients: set[asyncio.Task[None]] = set()
@@ -259,6 +262,7 @@ class TierAgent:
         self._flush_events_now()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._upkeep.shutdown(wait=True, cancel_futures=True)
+        self._scrapes.shutdown(wait=True, cancel_futures=True)
         await asyncio.to_thread(self.store.drain, 5.0)
         self.store.close(wait=False)
         if self.publisher is not None:
@@ -302,7 +306,7 @@ class TierAgent:
     # -- HTTP ------------------------------------------------------------------------------------------------
 
     async def _metrics(self, _request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(generate_latest, self.metrics.registry)
+        body = await asyncio.get_running_loop().run_in_executor(self._scrapes, generate_latest, self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, _request: web.Request) -> web.Response:

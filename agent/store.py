@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -29,6 +29,7 @@ from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.segments import SegmentNvmeTier
 from agent.tiers.shared import FsSharedTier, RedisSharedTier, SharedTier
+from kvcore.aio import started_executor
 from kvcore.kv_events import BlockRemoved, BlockStored, KvEvent
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class TierStore:
         self.uses = UseCounter()
         self.events: deque[KvEvent] = deque()
         self.observe: LatencyObserver | None = None
-        self._io = executor or ThreadPoolExecutor(max(1, config.io_threads), thread_name_prefix="kvgate-agent-io")
+        # started now: a store on the agent's event loop hands its write-through here (kvcore.aio.started_executor)
+        self._io = executor or started_executor(config.io_threads, "kvgate-agent-io")
         self._background_limit = background_bytes
         self._background_bytes = 0
         self._background_lock = threading.Lock()

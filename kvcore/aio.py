@@ -8,6 +8,7 @@ import queue
 import signal
 import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -29,6 +30,24 @@ def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
         asyncio.run(guarded())
     else:
         uvloop.run(guarded())
+
+
+def started_executor(count: int, name: str) -> ThreadPoolExecutor:
+    """A thread pool whose `count` threads are all running when it is returned.
+
+    `ThreadPoolExecutor` starts a thread inside `submit` whenever none is idle, and `Thread.start` waits until the
+    new thread has run (CPython holds the GIL through `pthread_create`): called on an event loop, that blocks the
+    loop -- every connection it serves -- until the OS schedules a thread that does not exist yet. On a CPU-starved
+    machine that took seconds, once 33 s (the tier agent with two vLLM workers busy-waiting on two cores:
+    docs/agent.md). Started up front, before the loop serves anything, a submit only queues."""
+    count = max(1, count)
+    pool = ThreadPoolExecutor(count, thread_name_prefix=name)
+    # each task holds its thread until all are in, so every submit finds no idle thread and starts one
+    everyone = threading.Barrier(count + 1)
+    for _ in range(count):
+        pool.submit(everyone.wait, 60.0)
+    everyone.wait(60.0)
+    return pool
 
 
 class WorkerThreads:

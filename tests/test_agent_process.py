@@ -516,3 +516,42 @@ def test_a_restarted_agent_whose_metrics_port_was_taken_meanwhile_comes_up_on_an
         assert agent.metrics_port != old
         assert "address already in use" in agent.log_path.read_text()
         assert agent.metric("kvgate_agent_shm_clients") == 0
+
+
+def test_the_agent_starts_no_thread_while_it_serves(tmp_path: Path, agents: list[AgentProcess],
+                                                    subprocess_env: dict[str, str]) -> None:
+    """Every thread of the agent runs before it answers anything: a thread started on the event loop (the
+    request pool's, the write-through's, upkeep's, a metrics scrape's, each on first use) held the loop, and
+    every client with it, until the OS scheduled the new thread -- 2-33 s on the two-core machine with vLLM's two
+    workers busy-waiting, the intermittent two-worker hang of tests/test_connector_parallel.py (docs/agent.md).
+    Here: two clients storing (written through to NVMe), loading and looking up at once, a metrics scrape and an
+    upkeep pass later, the agent has no thread it did not have when it came up."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--nvme-dir", str(tmp_path / "nvme"), "--no-nvme-fsync",
+                         "--write-policy", "eager", "--io-threads", "3")
+    agents.append(agent)
+    assert agent.proc is not None
+    tasks = Path(f"/proc/{agent.proc.pid}/task")
+    before = {t.name for t in tasks.iterdir()}
+    errors: list[BaseException] = []
+
+    def client(layout: int) -> None:
+        try:
+            with AgentClient(agent.socket, shm_bytes=1 << 20, timeout_s=30) as c:
+                for round_ in range(4):
+                    hashes = [layout * 1000 + round_ * 10 + i for i in range(8)]
+                    assert c.store(layout, hashes, [content(h) for h in hashes]) == len(hashes)
+                    assert c.lookup(layout, hashes)[0] == len(hashes)
+                    assert c.load(layout, hashes, BLOCK) == [content(h) for h in hashes]
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+
+    clients = [threading.Thread(target=client, args=(layout,)) for layout in (1, 2)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(60)
+    assert not errors, errors
+    assert agent.metric("kvgate_agent_write_through_total", tier="nvme") > 0  # (the write-through ran)
+    time.sleep(0.5)  # upkeep passes (every 0.2 s)
+    after = {t.name for t in tasks.iterdir()}
+    assert after - before == set(), f"threads started while serving: {sorted(after - before)} ({len(before)} before)"
