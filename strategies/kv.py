@@ -96,6 +96,13 @@ class KvAware(Strategy):
         """Per worker: the prompt tokens the index (or, untrusted, the trie) says are cached there, and the
         prefill tokens that saves given the tier each block is on. A data-parallel engine is judged by its best
         rank (which `choose` then names in the decision)."""
+        trusted = self._trusted
+        if keys and not any(trusted(cache) for worker in workers for _, cache in self._caches_of(worker)):
+            # no worker's events can be trusted (none has a stream, or each stream has a gap): what `holdings` says
+            # then, the trie and the requests in flight, without a Holding per worker
+            bs, guessed, match = self.balance.block_size, self.balance.trie.match(keys), self.pending.match
+            tokens = [min(max(guessed.get(w.url, 0), match(keys, w.url)) * bs, cacheable) for w in workers]
+            return tokens, [float(t) for t in tokens]
         cached: list[int] = []
         saved: list[float] = []
         for held in self.holdings(keys, workers, cacheable):

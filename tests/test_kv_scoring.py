@@ -199,3 +199,18 @@ def test_pending_blocks_are_the_multiset_of_the_runs_in_flight() -> None:
                 for prefix in prefixes:  # the binary search over the multiset, as before the two counters
                     held = longest_run(len(prefix), lambda i, p=prefix, w=want: p[i] in w) if prefix[0] in want else 0
                     assert pending.match(prefix, cache) == held
+
+
+def test_without_trusted_events_the_prediction_is_the_holdings_of_trie_and_requests_in_flight() -> None:
+    """With no worker's events trusted, `predict` takes a short way (no Holding per worker): its figures are
+    still those of `holdings`, from the trie and the pending blocks alike."""
+    kv, _, pool = strategy([A, B, "http://127.0.0.1:9003"], trusted=[])
+    kv.balance.trie.insert(KEYS[:6], A)
+    kv.balance.trie.insert(KEYS[:3], B)
+    kv.pending.add(B, KEYS[:9])
+    kv.pending.add(A, KEYS[:2])
+    for blocks, cacheable in ((10, 10 * BS), (10, 4 * BS), (1, BS), (12, 12 * BS)):
+        cached, saved = kv.predict(KEYS[:blocks], pool, cacheable)
+        held = kv.holdings(KEYS[:blocks], pool, cacheable)
+        assert cached == [h.tokens for h in held] and saved == [float(h.tokens) for h in held]
+        assert not all(c == 0 for c in cached)
