@@ -302,7 +302,8 @@ class FleetSimulation:
             following = self._take()
             if following is not None:
                 self._push_arrival(following)
-        route = RouteRequest(MODEL, "/v1/completions", {}, req.token_ids, req.keys, len(req.token_ids))
+        # streamed: every token a step samples is relayed as a chunk (`on_chunk`), the first one reported
+        route = RouteRequest(MODEL, "/v1/completions", {}, req.token_ids, req.keys, len(req.token_ids), stream=True)
         decision = self.strategy.choose(route, self.workers)
         worker = decision.worker
         worker.in_flight += 1

@@ -148,12 +148,14 @@ class Gateway:
         model = api.model or ""
         if isinstance(api.prompt, LargePrompt):  # routed by load alone; its prefill counted by its size
             self.metrics.oversized_prompts.inc()
-            return RouteRequest(model, api.path, headers, prompt_tokens=api.prompt.size // CHARS_PER_TOKEN)
+            return RouteRequest(model, api.path, headers, prompt_tokens=api.prompt.size // CHARS_PER_TOKEN,
+                                stream=api.stream)
         if self.prompts is None or api.prompt is None:
-            return RouteRequest(model, api.path, headers)
+            return RouteRequest(model, api.path, headers, stream=api.stream)
         base, lora = workers[0].key_names(model) if workers else (model, None)  # every eligible worker lists it
         found = await self.prompts.keys(api.prompt, base, lora=lora, raw=raw, alone=self.admission.requests <= 1)
-        return RouteRequest(model, api.path, headers, found.token_ids, found.block_keys, found.prompt_tokens)
+        return RouteRequest(model, api.path, headers, found.token_ids, found.block_keys, found.prompt_tokens,
+                            api.stream)
 
     @property
     def discovery(self) -> WorkerDiscovery | None:
@@ -351,7 +353,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
                 parse_body, model_required=False, large=gateway.config.route_max_prompt_bytes), request.path, body)
             if api.model is not None:
                 gateway.eligible(api.model)
-        route = RouteRequest(api.model or "", api.path, request.headers)
+        route = RouteRequest(api.model or "", api.path, request.headers, stream=api.stream)
         return await gateway.proxy.forward(request, route, body, stream=api.stream, started=started)
 
 

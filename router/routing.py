@@ -29,6 +29,7 @@ class RouteRequest:
     token_ids: Sequence[int] | None = None  # None when not tokenized, or in text mode
     block_keys: Sequence[int] = ()
     prompt_tokens: int = 0  # the prompt's length in tokens (estimated in text mode); 0 when not tokenized
+    stream: bool = False  # the answer is streamed: the strategy hears of its first token (`on_first_token`)
 
 
 @dataclass(slots=True)

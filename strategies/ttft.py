@@ -290,30 +290,32 @@ class _Queued:
     work: Work         # the prefill it needs
     routed_at: float
     expected_s: float  # its predicted time to first token
+    reported: bool     # streamed: its first token (or its end) will be reported
 
 
 class PrefillQueue:
     """Prefill the gateway has sent one worker that has not produced a first token yet: each request from its
     routing until its first token (or its end), by the request's identity (the gateway holds the request until
     its end, so the identity is not reused meanwhile). The oldest is in progress, drained at the worker's rate.
-    A request never reported (a whole, non-streamed answer) stops counting once twice its predicted time to first
-    token (and a second) has passed."""
+    A whole (non-streamed) answer, whose first token is never reported, stops counting once twice its predicted
+    time to first token (and a second) has passed; a streamed one counts until its first token or its end, however
+    long it waits (an overloaded worker's queue)."""
 
     def __init__(self) -> None:
         self._entries: OrderedDict[int, _Queued] = OrderedDict()
         self.progress_since = 0.0  # when the head of the queue started on its prefill, at the latest
 
-    def add(self, key: int, work: Work, now: float, expected_s: float) -> None:
+    def add(self, key: int, work: Work, now: float, expected_s: float, reported: bool = False) -> None:
         if not self._entries:
             self.progress_since = now
-        self._entries[key] = _Queued(work, now, expected_s)
+        self._entries[key] = _Queued(work, now, expected_s, reported)
 
     def done(self, key: int, now: float) -> None:
         if self._entries.pop(key, None) is not None:
             self.progress_since = max(self.progress_since, now)
 
     def _expire(self, now: float) -> None:
-        stale = [k for k, e in self._entries.items() if now - e.routed_at > 2 * e.expected_s + 1.0]
+        stale = [k for k, e in self._entries.items() if not e.reported and now - e.routed_at > 2 * e.expected_s + 1.0]
         for key in stale:
             self.done(key, now)
 
@@ -733,7 +735,7 @@ class TtftAware(KvAware):
         worker, estimate, cached = workers[pick], estimates[pick], held[pick].tokens
         rank = estimate.rank
         reason = MISS if most == 0 else HIT if cached >= most else SPILL
-        self.queue(worker.url).add(id(request), estimate.prefill, now, estimate.ttft_s)
+        self.queue(worker.url).add(id(request), estimate.prefill, now, estimate.ttft_s, request.stream)
         self.share.add(worker.url, len(workers))
         self._routed[id(request)] = _Routed(worker.url, estimate)
         self._mean = self._mean + (estimate.prefill + self._mean.scaled(-1.0)).scaled(1 / 64)

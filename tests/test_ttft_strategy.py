@@ -152,6 +152,29 @@ def test_the_queue_is_what_has_not_had_its_first_token_and_its_head_drains() -> 
     assert queue.count(3.5) == 0
 
 
+def test_a_streamed_request_counts_in_the_queue_however_long_it_waits() -> None:
+    """Three 4,000-token requests wait on worker 0 (1.2 s of prefill) and have no first token 5 s later: an
+    overloaded engine. Streamed, their first tokens (or ends) will be reported, so they still count, and a request
+    whose 1,024-token prefix worker 0 holds goes elsewhere. They stopped counting after twice their predicted time
+    to first token and a second, as whole answers do: on the pinned small conversation trace (4 replicas, overloaded,
+    TTFT p50 about 5 s) the queue forgot requests still waiting, `ttft` predicted 0.7 s for a median of 5.9 s and
+    spilled prefixes (hit rate 0.322 against `kv`'s 0.436). A whole answer's first token is never reported: it still
+    stops counting (its prefill is long done while it decodes)."""
+    chosen = {}
+    for stream in (True, False):
+        strategy, workers, index, clock = make(2)
+        prefix = tokens(1, 1024)
+        index.add(workers[0].url, block_keys(prefix, BS, ROOT), GPU)
+        waiting = [dataclasses.replace(request(prefix + tokens(10 + i, 2976)), stream=stream) for i in range(3)]
+        for req in waiting:
+            assert strategy.choose(req, workers[:1]).worker is workers[0]
+        clock[0] += 5.0
+        assert strategy.queue(workers[0].url).count(clock[0]) == (3 if stream else 0)
+        chosen[stream] = strategy.choose(request(prefix + tokens(2, 64)), workers)
+    assert chosen[True].worker.url == workers[1].url and chosen[True].reason == SPILL
+    assert chosen[False].worker.url == workers[0].url and chosen[False].reason == HIT
+
+
 def test_engine_pressure_counts_decodes_foreign_waiting_and_a_full_cache() -> None:
     pressure = EnginePressure(TtftOptions(ttft_decode_cost_s=0.001, ttft_kv_high=0.9, ttft_kv_full_penalty_s=0.5))
     worker = Worker(spec=WorkerSpec("http://w"), in_flight=5, running=4.0, waiting=3.0, kv_usage=0.5)
@@ -575,11 +598,15 @@ async def test_the_gateway_reports_each_streamed_first_token(http: aiohttp.Clien
     async with raw_worker(answer) as url, running_gateway([url], strategy="ttft") as gw:
         await eventually(lambda: bool(gw.gateway.pool.healthy()))
         strategy: Any = gw.gateway.strategy
+        seen: list[bool] = []
+        choose = strategy.choose
+        strategy.choose = lambda request, workers: seen.append(request.stream) or choose(request, workers)
         for _ in range(3):
             body = {"model": "tiny", "prompt": "hello there", "stream": True}
             async with http.post(gw.url + "/v1/completions", json=body) as resp:
                 assert resp.status == 200
                 await resp.read()
+        assert seen == [True] * 3  # the strategy is told the answer streams (its queue keeps it until reported)
         assert strategy.own_rate(url).fit.samples == strategy.fleet_rate.fit.samples == 3
         registry = gw.gateway.metrics.registry
         assert registry.get_sample_value("kvgate_ttft_prediction_error_ratio_count") == 3

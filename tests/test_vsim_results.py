@@ -93,14 +93,17 @@ PINNED: dict[str, dict[str, Any]] = {  # measured before the speed work of issue
                     "row": "347d1b9df626b4fe", "decisions": "e6080ec36fd5a190"},
     "kv eager": {"hit_rate": 0.399777137, "ttft_ms_p50": 5391.414634,
                 "row": "c09c258a9a85b6de", "decisions": "6cbe478db6ca679c"},
-    # `ttft` pinned at 5a9e12f (e133146, before the step clock per data-parallel rank, gives the same): a change to
-    # its choices or predictions shows here, and its commit says why it moves them
-    "ttft off": {"hit_rate": 0.322155434, "ttft_ms_p50": 5870.616566,
-                "row": "74ab0713fff2f8d0", "decisions": "fe37f0f5daf845ff"},
-    "ttft lazy": {"hit_rate": 0.353827408, "ttft_ms_p50": 6120.104968,
-                 "row": "e654e11bf56abfa1", "decisions": "66112b703d5a3b6d"},
-    "ttft eager": {"hit_rate": 0.290555936, "ttft_ms_p50": 5349.598926,
-                  "row": "523970d41210f5aa", "decisions": "ace1f5900da34596"},
+    # `ttft` pinned at 5a9e12f (e133146, before the step clock per data-parallel rank, gave the same): a change to
+    # its choices or predictions shows here, and its commit says why it moves them. Moved once since, by streamed
+    # requests counting in its queue until their first token however long they wait (this trace overloads its
+    # four replicas: the queue had forgotten requests still waiting): hit rate 0.322 / 0.354 / 0.291 -> 0.416 /
+    # 0.384 / 0.336, TTFT p50 5,871 / 6,120 / 5,350 -> 4,689 / 5,712 / 4,743 ms
+    "ttft off": {"hit_rate": 0.416446597, "ttft_ms_p50": 4688.676958,
+                "row": "624599cb5adb1d7d", "decisions": "1ca7a46e09eac863"},
+    "ttft lazy": {"hit_rate": 0.384339767, "ttft_ms_p50": 5712.32471,
+                 "row": "4e09ecf447c0ef5f", "decisions": "e34353fb597fcc05"},
+    "ttft eager": {"hit_rate": 0.335925857, "ttft_ms_p50": 4743.034477,
+                  "row": "ce2c1c5dd4b8217b", "decisions": "88c937cf205fd665"},
 }
 
 
