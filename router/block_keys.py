@@ -41,8 +41,9 @@ def chain_keys(token_ids: array[int], block_size: int, root: BlockKey) -> list[B
     step = block_size * 4
     keys: list[BlockKey] = []
     parent = root
+    digest = xxhash.xxh3_64_intdigest  # the seed passed by position: keyword parsing costs more than the hash
     for end in range(step, len(data) + 1, step):
-        parent = xxhash.xxh3_64_intdigest(data[end - step:end], seed=parent)
+        parent = digest(data[end - step:end], parent)
         keys.append(parent)
     return keys
 

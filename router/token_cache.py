@@ -109,8 +109,9 @@ def _links(data: bytes, seed: int) -> list[int]:
     view = memoryview(data)
     links: list[int] = []
     parent = seed
+    digest = xxhash.xxh3_64_intdigest  # the seed passed by position: keyword parsing costs more than the hash
     for end in range(CHUNK, len(data) + 1, CHUNK):
-        parent = xxhash.xxh3_64_intdigest(view[end - CHUNK:end], seed=parent)
+        parent = digest(view[end - CHUNK:end], parent)
         links.append(parent)
     return links
 
