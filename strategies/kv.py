@@ -14,7 +14,8 @@ blocks on their worker, so a burst of requests with one new prefix does not scat
 events arrive; once their events are in, only the index speaks, so evicted blocks stop counting at once.
 Workers without an event source, or whose event stream had a gap the replay could not repair, are judged by
 the approximate trie of routing decisions, exactly as `prefix` judges them. A data-parallel engine has a cache per
-rank: it is judged by its best rank, and the decision names that rank (sent as vLLM's `X-data-parallel-rank`).
+rank: it is judged by its best rank, and the decision names that rank (sent as vLLM's `X-data-parallel-rank`);
+prompts no rank holds any of go to its ranks in turn.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class KvAware(Strategy):
         self.index: KvBlockIndex | None = None
         self._trusted: Callable[[str], bool] = lambda url: False
         self._ranks: dict[str, int | None] = {}  # this decision's best rank per data-parallel worker
+        self._next_rank: dict[str, int] = {}  # per data-parallel worker, the rank the next prompt none holds goes to
+        self._turned: set[str] = set()  # this decision's data-parallel workers whose rank is their turn's
         self._spec_caches: dict[str, tuple[WorkerSpec, list[tuple[int | None, str]]]] = {}  # url -> (spec, caches)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
@@ -84,10 +87,14 @@ class KvAware(Strategy):
 
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
         self._ranks.clear()
+        self._turned.clear()
         decision = self.balance.choose(request, workers, self.predict)
-        rank = self._ranks.get(decision.worker.url)
+        url = decision.worker.url
+        rank = self._ranks.get(url)
         if rank is not None:
             decision = dataclasses.replace(decision, dp_rank=rank)
+            if url in self._turned:  # no rank held any of it: the next such prompt goes to the next rank
+                self._next_rank[url] = (rank + 1) % decision.worker.spec.dp_ranks
         if request.block_keys:
             self.pending.add(cache_name(decision.worker.url, rank), request.block_keys)
         return decision
@@ -155,6 +162,10 @@ class KvAware(Strategy):
                     if best is None or saved > best.saved:
                         best = Holding(min(blocks * bs, cacheable), tiers or _tokens_by_tier(by_tier, bs, cacheable),
                                        rank, saved, affinity, computed=min(run.blocks * bs, cacheable))
+                if best is not None and not best.tokens and len(worker_caches) > 1:
+                    # no rank holds any of it: the ranks take such prompts in turn (the first of equals took all)
+                    best.rank = self._next_rank.setdefault(url, 0)
+                    self._turned.add(url)
             if best is None:  # no trustworthy events: the approximate trie, as `prefix` does
                 blocks = max(guessed.get(url, 0), pending.match(keys, url))
                 tokens = min(blocks * bs, cacheable)
@@ -183,6 +194,7 @@ class KvAware(Strategy):
 
     def forget_worker(self, url: str) -> None:
         self.balance.forget_worker(url)
+        self._next_rank.pop(url, None)
         self.pending.forget_worker(url)
         self._spec_caches.pop(url, None)
 

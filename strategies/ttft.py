@@ -688,6 +688,7 @@ class TtftAware(KvAware):
 
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
         self._ranks.clear()
+        self._turned.clear()
         now = self.now
         for worker in workers:
             self.learn_from_engine(worker)

@@ -138,6 +138,25 @@ def test_a_data_parallel_engine_is_judged_by_its_best_rank_and_the_decision_name
     assert kv.choose(request(), [pool[1]]).dp_rank is None
 
 
+def test_a_data_parallel_engines_ranks_take_prompts_none_of_them_holds_in_turn() -> None:
+    """No rank holds any of the prompt: the ranks take such prompts in turn. The first of equals, rank 0, took
+    every one, so every new prefix on a data-parallel engine was computed by its rank 0. A prompt a rank holds goes
+    there, and does not move the turn."""
+    dp = A + ";dp_ranks=3"
+    kv, index, pool = strategy([dp])
+    ranks = []
+    for i in range(4):
+        keys = list(range(5000 + 100 * i, 5010 + 100 * i))
+        ranks.append(kv.choose(RouteRequest("tiny", "/v1/completions", token_ids=[1] * 168, block_keys=keys,
+                                            prompt_tokens=168), pool).dp_rank)
+    assert ranks == [0, 1, 2, 0]
+    index.add(cache_name(A, 2), KEYS[:4], GPU)
+    assert kv.choose(request(), pool).dp_rank == 2
+    fresh = RouteRequest("tiny", "/v1/completions", token_ids=[1] * 168, block_keys=list(range(9000, 9010)),
+                         prompt_tokens=168)
+    assert kv.choose(fresh, pool).dp_rank == 1
+
+
 def test_a_hot_prefix_spills_when_the_queue_outweighs_the_saving() -> None:
     """Both saving and queue are in prefill tokens: A holds the prefix, but with enough requests outstanding there
     the prefill saved no longer pays for the wait, and B (a miss) wins."""
