@@ -584,6 +584,7 @@ class TtftMetrics:
 class _Routed:
     worker: str
     estimate: Estimate
+    cache: str  # the worker, or the data-parallel rank of it, whose queue it waits in
 
 
 class TtftAware(KvAware):
@@ -637,26 +638,35 @@ class TtftAware(KvAware):
             rate = self.rates[url] = PrefillRate(self.ttft_options)
         return rate
 
-    def queue(self, url: str) -> PrefillQueue:
-        queue = self.queues.get(url)
+    def queue(self, cache: str) -> PrefillQueue:
+        """The prefill queue of a worker, or of a data-parallel rank of it (each rank schedules its own)."""
+        queue = self.queues.get(cache)
         if queue is None:
-            queue = self.queues[url] = PrefillQueue()
+            queue = self.queues[cache] = PrefillQueue()
         return queue
+
+    def _ours(self, worker: Worker, now: float) -> int:
+        """The gateway's requests waiting for their first token on the worker, all its ranks together."""
+        if worker.spec.dp_ranks == 1:
+            return self.queue(worker.url).count(now)
+        return sum(self.queue(cache).count(now) for _, cache in self._caches_of(worker))
 
     def estimate(self, worker: Worker, prompt: int, held: Holding, now: float) -> Estimate:
         """The predicted time to first token of a `prompt`-token request on `worker`, which holds `held` (on
         `held.rank` of a data-parallel engine; where no rank holds any of it, on the rank whose step ends
         soonest)."""
-        rate, queue = self.rate(worker.url), self.queue(worker.url)
+        rate = self.rate(worker.url)
+        rank = held.rank
+        if worker.spec.dp_ranks > 1 and (rank is None or not held.tokens):  # no rank holds any of it
+            rank = self._soonest_rank(worker, now, rate)
+        queue = self.queue(cache_name(worker.url, rank))
         load_s, recompute = self.load.plan(held.by_tier, rate)
         context = held.tokens - recompute
         prefill = Work.of(max(1, prompt - context), context)
-        ours = queue.count(now)
+        ours = self._ours(worker, now)
+        # requests waiting in the engine that the gateway did not send wait for whichever rank: counted on each
         queued = queue.ahead(now, rate) + self.pressure.foreign(worker, ours, self._mean)
         queue_s = rate.seconds(queued)
-        rank = held.rank
-        if worker.spec.dp_ranks > 1 and (rank is None or not held.tokens):  # no rank holds any of it
-            rank = self._soonest_rank(worker, now)
         # the rest of the step in progress: only while requests decode there (else the engine is idle)
         rest = self.step_rest(worker.url, rank, now) if (
             self._rank_decoding.get(cache_name(worker.url, rank), 0) > 0 if rank is not None
@@ -673,16 +683,16 @@ class TtftAware(KvAware):
         steps = self.steps.get(cache_name(url, rank))
         return steps.rest(now) if steps is not None else 0.0
 
-    def _soonest_rank(self, worker: Worker, now: float) -> int:
-        """Of a data-parallel engine's ranks, the one a request holding nothing there starts soonest on: an idle
-        one (nothing of the gateway's decoding), else the one whose step in progress ends soonest; then the one
-        with the fewest of the gateway's requests, then the lowest."""
+    def _soonest_rank(self, worker: Worker, now: float, rate: PrefillRate) -> int:
+        """Of a data-parallel engine's ranks, the one a request holding nothing there starts soonest on: the
+        prefill queued there or the rest of its step in progress (while the gateway's requests decode there),
+        whichever is longer; then the one with the fewest of the gateway's requests, then the lowest."""
         url = worker.url
 
         def wait(rank: int) -> tuple[float, int, int]:
             cache = cache_name(url, rank)
             rest = self.step_rest(url, rank, now) if self._rank_decoding.get(cache, 0) > 0 else 0.0
-            return rest, self._rank_in_flight.get(cache, 0), rank
+            return max(rest, rate.seconds(self.queue(cache).ahead(now, rate))), self._rank_in_flight.get(cache, 0), rank
 
         return min(range(worker.spec.dp_ranks), key=wait)
 
@@ -736,12 +746,12 @@ class TtftAware(KvAware):
         worker, estimate, cached = workers[pick], estimates[pick], held[pick].tokens
         rank = estimate.rank
         reason = MISS if most == 0 else HIT if cached >= most else SPILL
-        self.queue(worker.url).add(id(request), estimate.prefill, now, estimate.ttft_s, request.stream)
+        cache = cache_name(worker.url, rank)
+        self.queue(cache).add(id(request), estimate.prefill, now, estimate.ttft_s, request.stream)
         self.share.add(worker.url, len(workers))
-        self._routed[id(request)] = _Routed(worker.url, estimate)
+        self._routed[id(request)] = _Routed(worker.url, estimate, cache)
         self._mean = self._mean + (estimate.prefill + self._mean.scaled(-1.0)).scaled(1 / 64)
         if rank is not None:
-            cache = cache_name(worker.url, rank)
             self._rank_in_flight[cache] = self._rank_in_flight.get(cache, 0) + 1
         if keys:
             self.balance.trie.insert(keys, worker.url)
@@ -765,7 +775,7 @@ class TtftAware(KvAware):
         routed = self._routed.pop(id(request), None)
         if routed is None:
             return
-        self.queue(routed.worker).done(id(request), self.now)
+        self.queue(routed.cache).done(id(request), self.now)
         e = routed.estimate
         # the observed time less the parts that are not the worker's prefill: what its prefill model must explain,
         # at most OUTLIER_RATIO times what the fit predicts for it (a stalled gateway, not the worker)
@@ -794,7 +804,7 @@ class TtftAware(KvAware):
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
         routed = self._routed.pop(id(request), None)
         if routed is not None:
-            self.queue(routed.worker).done(id(request), self.now)
+            self.queue(routed.cache).done(id(request), self.now)
         if decision.dp_rank is not None:
             cache = cache_name(decision.worker.url, decision.dp_rank)
             if cache in self._rank_in_flight:
@@ -807,7 +817,8 @@ class TtftAware(KvAware):
     def forget_worker(self, url: str) -> None:
         super().forget_worker(url)
         self.rates.pop(url, None)
-        self.queues.pop(url, None)
+        for cache in [c for c in self.queues if c == url or c.startswith(url + "#dp")]:
+            del self.queues[cache]
         for cache in [c for c in self.steps if c == url or c.startswith(url + "#dp")]:
             del self.steps[cache]
             if self._ttft_metrics is not None:

@@ -323,6 +323,29 @@ def test_a_data_parallel_engine_has_a_step_clock_per_rank() -> None:
     assert not strategy.steps
 
 
+def test_a_data_parallel_engines_ranks_queue_their_own_prefills() -> None:
+    """Each rank of a data-parallel engine schedules its own requests: three 2,976-token prefills waiting on rank 0
+    (whose cache holds their prefix) do not delay a request no rank holds any of, which goes to rank 1. With one
+    queue per engine they counted for every rank: rank 1's prediction carried rank 0's 0.89 s."""
+    strategy, _, index, _ = make(0)
+    worker = Worker(spec=WorkerSpec("http://127.0.0.1:9100", dp_ranks=2), healthy=True, models=frozenset({"tiny"}))
+    prefix = tokens(1, 1024)
+    index.add(cache_name(worker.url, 0), block_keys(prefix, BS, ROOT), GPU)
+    waiting = [dataclasses.replace(request(prefix + tokens(10 + i, 2976)), stream=True) for i in range(3)]
+    assert [strategy.choose(req, [worker]).dp_rank for req in waiting] == [0, 0, 0]
+    miss = strategy.choose(request(tokens(2, 64)), [worker])
+    # rank 1: 10 ms overhead + 6.4 ms of prefill (64 tokens), nothing queued
+    assert miss.dp_rank == 1 and miss.predicted_ttft_s is not None and abs(miss.predicted_ttft_s - 0.0164) < 1e-9
+    hit = strategy.choose(request(prefix + tokens(3, 64)), [worker])
+    # rank 0: behind its three prefills (3 x 0.2976 s)
+    assert hit.dp_rank == 0 and hit.predicted_ttft_s is not None
+    assert abs(hit.predicted_ttft_s - (0.01 + 3 * 0.2976 + 0.0064)) < 1e-9
+    queues = [strategy.queue(cache_name(worker.url, rank)).count(strategy.now) for rank in (0, 1)]
+    assert queues == [4, 1]
+    strategy.forget_worker(worker.url)
+    assert not strategy.queues
+
+
 def test_an_engines_prefill_histograms_make_a_sample_per_window() -> None:
     timings = EngineTimings(window_s=10.0)
     worker = Worker(spec=WorkerSpec("http://w"))
