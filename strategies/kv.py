@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -77,6 +77,10 @@ class KvAware(Strategy):
         self._next_rank: dict[str, int] = {}  # per data-parallel worker, the rank the next prompt none holds goes to
         self._turned: set[str] = set()  # this decision's data-parallel workers whose rank is their turn's
         self._spec_caches: dict[str, tuple[WorkerSpec, list[tuple[int | None, str]]]] = {}  # url -> (spec, caches)
+        # finished requests whose pending blocks still count: (end of their grace, cache, keys), oldest first, and
+        # the loop whose timer discards them (None: no timer armed)
+        self._finished: deque[tuple[float, str, Sequence[int]]] = deque()
+        self._sweeping: asyncio.AbstractEventLoop | None = None
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         self.balance.register_metrics(registry)
@@ -188,9 +192,26 @@ class KvAware(Strategy):
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
         if request.block_keys:
-            asyncio.get_running_loop().call_later(
-                self.pending_grace_s, self.pending.discard, cache_name(decision.worker.url, decision.dp_rank),
-                request.block_keys)
+            # one timer for all finished requests, at the first one's end of grace (the grace is the same for all,
+            # so they end in the order they finished), rather than one timer per request (2.3 us under uvloop)
+            loop = asyncio.get_running_loop()
+            self._finished.append((loop.time() + self.pending_grace_s,
+                                   cache_name(decision.worker.url, decision.dp_rank), request.block_keys))
+            if self._sweeping is not loop:
+                self._sweeping = loop
+                loop.call_at(self._finished[0][0], self._discard_finished)
+
+    def _discard_finished(self) -> None:
+        """Discard the pending blocks of the requests whose grace has ended (to the timer's millisecond)."""
+        loop = asyncio.get_running_loop()
+        finished, until = self._finished, loop.time() + 0.001
+        while finished and finished[0][0] <= until:
+            _, cache, keys = finished.popleft()
+            self.pending.discard(cache, keys)
+        if finished:
+            loop.call_at(finished[0][0], self._discard_finished)
+        else:
+            self._sweeping = None
 
     def forget_worker(self, url: str) -> None:
         self.balance.forget_worker(url)

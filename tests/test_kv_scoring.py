@@ -233,3 +233,22 @@ def test_without_trusted_events_the_prediction_is_the_holdings_of_trie_and_reque
         held = kv.holdings(KEYS[:blocks], pool, cacheable)
         assert cached == [h.tokens for h in held] and saved == [float(h.tokens) for h in held]
         assert not all(c == 0 for c in cached)
+
+
+async def test_finished_requests_stop_counting_each_at_the_end_of_its_own_grace() -> None:
+    """One timer serves every finished request (not one each): requests finished 150 ms apart stop counting as
+    pending one after the other, each once its own grace has passed, and the timer is not left armed."""
+    kv, _, pool = strategy([A], trusted=[], kv_pending_grace_s=0.25)
+    runs = [KEYS[:4], KEYS[:8], KEYS[:12]]
+    decisions = [kv.choose(RouteRequest("m", "/v1/completions", block_keys=keys, prompt_tokens=len(keys) * BS), pool)
+                 for keys in runs]
+    for i, (keys, decision) in enumerate(zip(runs, decisions, strict=True)):
+        if i:
+            await asyncio.sleep(0.15)
+        kv.on_finished(RouteRequest("m", "/v1/completions", block_keys=keys), decision)
+    # 300 ms after the first finished: its grace is over, the others' not yet
+    assert kv.pending.match(KEYS, A) == 12 and kv.pending.pending(A)[KEYS[0]] == 2
+    await asyncio.sleep(0.15)  # 450 ms: the second's grace over too
+    assert kv.pending.match(KEYS, A) == 12 and kv.pending.pending(A)[KEYS[0]] == 1
+    await asyncio.sleep(0.2)
+    assert kv.pending.match(KEYS, A) == 0 and kv._sweeping is None
