@@ -23,31 +23,66 @@ class TableTrim:
     reference to it stays valid, its order is kept, nothing else about it changes. It does so only where the copy
     would have room for an eighth more entries (otherwise the next inserts would grow it again at once), so a
     dict is copied at most once per eighth of its size in inserts. Plain dicts only: an OrderedDict's copy into
-    itself costs ten times as much."""
+    itself costs ten times as much.
 
-    __slots__ = ("_size",)
+    Copied after CPython grew it, a dict has held its old and its grown table at once, and then the grown one
+    and the copy: three times a copy's table for a moment, at every copy, which a long run's peak catches. Told
+    how many new keys went in (`check(table, inserted)`, each key deleted and inserted again counting too),
+    it copies the dict before CPython would grow it instead (when the room its last copy left is down to the
+    largest batch seen), so the dict only ever holds a copy's table, and for a moment two; `make_room` before the
+    keys go in. Miscounted, CPython grows it first, and the next call copies it after as above."""
+
+    __slots__ = ("_batch", "_left", "_size")
 
     def __init__(self) -> None:
         self._size = 0  # the dict's size in bytes when last checked
+        self._left: int | None = None  # new keys the table takes before CPython grows it, once known
+        self._batch = 0  # the most new keys one call reported
 
-    def check(self, table: dict[Any, Any]) -> bool:
-        """Rebuild `table` if CPython grew it since the last check and a copy would be smaller; whether it did."""
+    def check(self, table: dict[Any, Any], inserted: int | None = None) -> bool:
+        """After a batch of inserts (`inserted` new keys, where known): copy `table` into itself if CPython grew
+        it since the last call and a copy would be smaller, or if the next batch would make CPython grow it;
+        whether it did."""
         size = sys.getsizeof(table)
-        grew = size > self._size
-        self._size = size
+        if size != self._size:  # grown by CPython (or emptied): its room is not followed until the next copy
+            grew = size > self._size
+            self._size = size
+            self._left = None
+            return grew and self._copy(table, 0) and self._size < size
+        if inserted is None or self._left is None:
+            return False
+        self._left -= inserted
+        self._batch = max(self._batch, inserted)
+        return self._left < self._batch and self._copy(table, self._batch)
+
+    def make_room(self, table: dict[Any, Any], inserts: int) -> None:
+        """`inserts` new keys are about to go into `table`: copy it now if they would make CPython grow it."""
+        if self._left is None or sys.getsizeof(table) != self._size:
+            self.check(table)
+            return
+        self._left -= inserts
+        if self._left < 0:
+            self._left += inserts
+            if self._copy(table, inserts):
+                self._left -= inserts
+
+    def _copy(self, table: dict[Any, Any], reserve: int) -> bool:
+        """Copy `table` into itself if the copy has room for `reserve` and an eighth more entries."""
         n = len(table)
-        if not grew or n < MIN_ENTRIES:
+        if n < MIN_ENTRIES:
             return False
         slots = 8  # a copy's table: CPython sizes it for 1.5 times the entries, rounded up to a power of two
         while slots < (3 * n + 1) // 2:
             slots *= 2
-        if 2 * slots // 3 - n < n // 8:  # a copy would be full: no rebuild
+        room = 2 * slots // 3 - n  # CPython's usable two thirds, less the entries
+        if room - reserve < n // 8:  # a copy would be full: no rebuild
             return False
         copy = dict(table)  # a fresh table for its entries (dict.copy would clone the large one)
         table.clear()
-        table.update(copy)  # takes the copy's table as it is
+        table.update(copy)  # takes the copy's table as it is, with its room
         self._size = sys.getsizeof(table)
-        return self._size < size
+        self._left = room
+        return True
 
 
 class OldestFirst:

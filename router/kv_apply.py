@@ -66,14 +66,15 @@ class _Holdings:
         self.extra: dict[tuple[BlockHash, str], int] = {}
         self.trims: dict[str, TableTrim] = {}
 
-    def trim(self, tier: str) -> None:
-        """After blocks were added on `tier`: its map kept at a copy's table size (`KvEventApplier.compact_tables`)."""
+    def trim(self, tier: str, inserted: int) -> None:
+        """After `inserted` blocks were added on `tier`: its map kept at a copy's table size
+        (`KvEventApplier.compact_tables`)."""
         keys = self.tiers.get(tier)
         if keys is not None:
             trim = self.trims.get(tier)
             if trim is None:
                 trim = self.trims[tier] = TableTrim()
-            trim.check(keys)
+            trim.check(keys, inserted)
 
     def __len__(self) -> int:
         return sum(len(keys) for keys in self.tiers.values())
@@ -150,7 +151,7 @@ class ContentIdentity:
         if len(keys) > self.max_blocks:
             names.oldest.pop()
         if self.compact:
-            names.trim.check(keys)
+            names.trim.check(keys, 1)
 
     def __len__(self) -> int:
         return sum(len(names.keys) for names in self._by_model.values())
@@ -427,7 +428,7 @@ class KvEventApplier:
                 if waiting:
                     self._place_waiting(model, engine_hash, key)
             if self._compact:
-                names.trim.check(named)
+                names.trim.check(named, len(hashes))  # each block's name inserted anew
         else:
             # an agent or offload tier announcing blocks the engine named (or will name) with their tokens
             named = self.identity.names(model).keys
@@ -441,7 +442,7 @@ class KvEventApplier:
                     new_keys.append(known)
         if new_keys:
             if self._compact:
-                held.trim(tier)
+                held.trim(tier, len(new_keys))
             self.index.add(worker, new_keys, tier)
 
     def _removed(self, source: EventSource, held: _Holdings, hashes: Sequence[BlockHash], tier: str,

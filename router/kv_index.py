@@ -200,6 +200,7 @@ class InMemoryKvIndex(KvBlockIndex):
         before = len(log)
         masks = self._masks[tier]
         first, second, third = (m for t, m in self._masks.items() if t != tier)
+        known = len(masks)
         for key in keys:
             mask = masks.get(key, 0)
             if mask & bit:
@@ -208,7 +209,7 @@ class InMemoryKvIndex(KvBlockIndex):
                 log.append(key)
             masks[key] = mask | bit
         if self._trims is not None:
-            self._trims[tier].check(masks)
+            self._trims[tier].check(masks, len(masks) - known)
         new = len(log) - before
         if new:
             self._entries += new

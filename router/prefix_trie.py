@@ -146,9 +146,9 @@ class PrefixTrie:
         node = keys[depth - 1] if depth else None
         self._touch(node, worker, now)
         if depth < len(keys):
+            for trim, fields in self._trims:  # the four maps take the same new keys: copied before, not after
+                trim.make_room(fields, len(keys) - depth)
             node = self._grow(keys, depth, node, worker, now)
-            for trim, fields in self._trims:
-                trim.check(fields)
         assert node is not None
         if self._children[node] == 0 and self._used[node] == now:
             heapq.heappush(self._leaves, (now, node))

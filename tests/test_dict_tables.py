@@ -60,3 +60,28 @@ def test_small_dicts_are_left_alone() -> None:
         table[i] = None
     before = sys.getsizeof(table)
     assert not TableTrim().check(table) and sys.getsizeof(table) == before
+
+
+def test_told_of_the_inserts_a_dict_is_copied_before_cpython_grows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make_room` before each batch: once copied, the table never reaches the size CPython would grow it to
+    (checked after every batch: the largest size seen is a copy's), and it holds the same entries in the same
+    order as a dict left alone."""
+    monkeypatch.setattr(dict_tables, "MIN_ENTRIES", 4096)
+    rng = random.Random(8)
+    plain: dict[int, None] = dict.fromkeys(range(12_000))
+    table: dict[int, None] = dict.fromkeys(range(12_000))
+    trim = TableTrim()
+    sizes = []
+    for step in range(3000):
+        new = [rng.randrange(1 << 40) for _ in range(rng.randint(1, 40))]
+        trim.make_room(table, len(new))  # each key popped and inserted again takes a new slot
+        for target in (plain, table):
+            for key in new:
+                target.pop(key, None)
+                target[key] = None
+            while len(target) > 12_000:
+                del target[next(iter(target))]
+        if step > 1000:
+            sizes.append(sys.getsizeof(table))
+    assert list(table) == list(plain)
+    assert max(sizes) == sys.getsizeof(dict(table)) < sys.getsizeof(plain) / 1.9

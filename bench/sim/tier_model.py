@@ -96,7 +96,7 @@ class NvmeModel:
                 self.stats.stores += 1
             held += 1
         self.stats.evictions += len(evicted)
-        self._trim.check(lru)
+        self._trim.check(lru, held)  # each block held was inserted (a touch deletes and inserts it)
         self._report(evicted)
         return held
 
@@ -110,7 +110,7 @@ class NvmeModel:
         if touch:
             del lru[h]
             lru[h] = None
-            self._trim.check(lru)
+            self._trim.check(lru, 1)
         self.stats.hits += 1
         return 1
 
@@ -125,11 +125,13 @@ class NvmeModel:
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         lru = self._lru
+        touched = 0
         for _layout, key in reversed(keys):
             if key in lru:
                 del lru[key]
                 lru[key] = None
-        self._trim.check(lru)
+                touched += 1
+        self._trim.check(lru, touched)
 
     def delete(self, key: BlockKey) -> bool:
         if key[1] not in self._lru:
@@ -185,13 +187,15 @@ class FleetBackend:
         entries = self._expiry
         oldest = OldestFirst(entries)
         capacity = self.capacity
+        written = 0
         for _layout, key in keys:
             entries.pop(key, None)
             entries[key] = expiry
             oldest.touched(key)
+            written += 1
             if len(entries) > capacity:
                 oldest.pop()
-        self._trim.check(entries)
+        self._trim.check(entries, written)
 
     def get(self, key: BlockKey) -> bool:
         entries = self._expiry
@@ -201,7 +205,7 @@ class FleetBackend:
             return False
         del entries[h]
         entries[h] = expiry
-        self._trim.check(entries)
+        self._trim.check(entries, 1)
         return True
 
     def has(self, key: BlockKey) -> bool:
@@ -245,7 +249,7 @@ class HashKeyedIndex:
         if h not in entries:  # (a new value for a key keeps its place, as in an ordered dict)
             self._oldest.touched(h)
             entries[h] = value
-            self._trim.check(entries)
+            self._trim.check(entries, 1)
         else:
             entries[h] = value
 
@@ -263,7 +267,7 @@ class HashKeyedIndex:
         h = key[1]
         entries[h] = entries.pop(h)
         self._oldest.touched(h)
-        self._trim.check(entries)
+        self._trim.check(entries, 1)
 
     def first(self) -> tuple[BlockKey, tuple[float, int]] | None:
         """The oldest entry, None when there is none."""
