@@ -1,8 +1,9 @@
 """The tier agent process: the local block API on a Unix socket, KV events, Prometheus metrics, upkeep tasks.
 
 Lookups are answered on the event loop from local state (sub-millisecond, no I/O), and so are small stores that
-only copy into DRAM (what DRAM pushes out moves down in the background): handing such a copy to a thread and back
-cost more CPU than the copy. Other stores and all loads run on a thread pool because NVMe and shared-tier I/O
+only copy into DRAM (what DRAM pushes out moves down in the background) and small loads whose blocks are all in
+DRAM: handing such a copy to a thread and back cost more CPU than the copy, and needed one more thread to get the
+CPU before the answer could go out. Other stores and loads run on a thread pool because NVMe and shared-tier I/O
 blocks; block bytes move through the client's shared memory, which
 this process maps once per connection: the descriptor of a memfd sealed against shrinking, passed with the
 connection's first frame (so no file permission stands between a client and the agent, and no client can make
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 
 
 # a Store of at most this many bytes is copied into DRAM on the event loop (about 0.1-0.5 ms: what the loop may be
-# held for) rather than handed to the request pool and back
+# held for) rather than handed to the request pool and back; so is a Load of this many bytes all held in DRAM
 INLINE_STORE_BYTES = 2 * 2**20
 INLINE_LOAD_BYTES = MAX_FRAME // 2  # an inline load's blocks, at most: its answer must fit one frame
 
@@ -405,6 +406,8 @@ class TierAgent:
                     return await self._store_inline(conn, request)
                 return await loop.run_in_executor(self._pool, self._store, conn, request)
             if isinstance(request, Load):
+                if self._all_in_dram(request):
+                    return self._load(conn, request)
                 return await loop.run_in_executor(self._pool, self._load, conn, request)
             if isinstance(request, Hello):
                 if fds is None:
@@ -482,6 +485,15 @@ class TierAgent:
         finally:
             self._release(payloads)
         return StoreReply(stored=stored)
+
+    def _all_in_dram(self, request: Load) -> bool:
+        """A load small enough for the event loop whose every block is in DRAM: a copy, no medium to wait for (a
+        block evicted in between is read from below, as any load would)."""
+        dram = self.store.dram
+        if dram is None or len(request.hashes) * request.block_bytes > INLINE_STORE_BYTES:
+            return False
+        layout, contains = request.layout, dram.contains
+        return all(contains((layout, h)) for h in request.hashes)
 
     def _load(self, conn: Connection, request: Load) -> LoadReply:
         conn.check(request.layout, request.block_bytes)

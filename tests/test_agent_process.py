@@ -455,6 +455,49 @@ async def test_upkeep_never_holds_up_requests(tmp_path: Path) -> None:
         await agent.close()
 
 
+async def test_a_load_from_dram_needs_no_request_thread(tmp_path: Path) -> None:
+    """A load whose blocks are all in DRAM is a copy, answered on the event loop like a small store: with every
+    thread of the request pool busy (a slow medium) it is still answered at once; a load that must read NVMe waits
+    for a thread. (A thread that must get the CPU before the answer can go out was one more wait on a starved
+    machine, and more CPU than the copy; issue 14.)"""
+    import asyncio
+    import threading
+
+    config = AgentConfig(socket_path=str(tmp_path / "agent.sock"), metrics_port=0, dram_capacity=2**20,
+                         nvme_dir=str(tmp_path / "nvme"), nvme_fsync=False, io_threads=2).validate()
+    agent = TierAgent(config)
+    await agent.start()
+    release = threading.Event()
+    try:
+        for _ in range(2):  # the request pool's threads: both busy until released
+            agent._pool.submit(release.wait, 30)
+
+        def load(hashes: list[int]) -> tuple[float, list[bytes]]:
+            started = time.monotonic()
+            with AgentClient(config.socket_path, shm_bytes=2**20, timeout_s=10) as client:
+                got = client.load(LAYOUT, hashes, BLOCK)
+            return time.monotonic() - started, got
+
+        def store(hashes: list[int]) -> int:
+            with AgentClient(config.socket_path, shm_bytes=2**20, timeout_s=10) as client:
+                return client.store(LAYOUT, hashes, [content(h) for h in hashes])
+
+        assert await asyncio.to_thread(store, [1, 2]) == 2  # (into DRAM: on the loop too)
+        took, got = await asyncio.to_thread(load, [1, 2])
+        assert got == [content(1), content(2)] and took < 1.0
+        assert agent.store.nvme is not None
+        agent.store.nvme.store((LAYOUT, 3), content(3))  # in NVMe only: the pool reads it
+        waiting = asyncio.ensure_future(asyncio.to_thread(load, [3]))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        release.set()
+        took, got = await asyncio.wait_for(waiting, 10)
+        assert got == [content(3)]
+    finally:
+        release.set()
+        await agent.close()
+
+
 def test_a_block_another_replica_writes_is_seen_at_once(tmp_path: Path, agents: list[AgentProcess],
                                                          subprocess_env: dict[str, str], valkey: ValkeyServer) -> None:
     """Issue 14: other replicas' shared blocks were learnt by a SCAN every 5 s, so a turn landing on another
