@@ -61,8 +61,12 @@ class AgentProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logged = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
+            # a session of its own, as a sidecar has its own container: on this 2-core machine, with vLLM's workers
+            # busy-waiting and other sessions' jobs, the test's session went unscheduled for up to 72 s at a time
+            # while a process in a session of its own waited 5.8 s at most (docs/agent.md, the two-worker runs)
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=log,
-                                         preexec_fn=self._limit if self.file_size_limit is not None else None)
+                                         preexec_fn=self._limit if self.file_size_limit is not None else None,
+                                         start_new_session=True)
         # Generous: on a 2-core CI machine a serving vLLM can hold both cores while the agent imports and starts.
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -83,7 +87,8 @@ class AgentProcess:
         raise TimeoutError(f"agent did not come up in 90 s: {self.log_path.read_text(errors='replace')[-4000:]}")
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+        # (generous: a loaded machine may not run the agent for a minute; a late answer is not what tests check)
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=120) as response:
             body: bytes = response.read()
             return body.decode()
 

@@ -62,12 +62,12 @@ def start_vllm(model_dir: Path, log_dir: Path, agent_socket: str | None, *extra:
     return server
 
 
-def complete(server: EngineServer, prompt: str, max_tokens: int = 8) -> Completion:
+def complete(server: EngineServer, prompt: str, max_tokens: int = 8, timeout_s: float = 120) -> Completion:
     """A greedy completion with the sampled tokens' logprobs."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
     request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
         reply: dict[str, Any] = json.load(response)
     choice = reply["choices"][0]
     usage = reply["usage"]
@@ -76,7 +76,7 @@ def complete(server: EngineServer, prompt: str, max_tokens: int = 8) -> Completi
 
 
 def metrics(server: EngineServer) -> str:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=120) as response:
         body: bytes = response.read()
         return body.decode()
 
@@ -98,7 +98,7 @@ def reset_prefix_cache(server: EngineServer, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         request = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=120) as response:
             assert response.status == 200
             if json.load(response).get("success", True):
                 return
