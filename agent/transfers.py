@@ -13,7 +13,6 @@ once.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from agent.block_mover import BlockMover, Failure, LoadResult
+from kvcore.aio import name_native_thread
 
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
 
@@ -131,7 +131,7 @@ class TransferThread:
     # -- the thread ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        _name_native_thread(THREAD_NAME)
+        name_native_thread(THREAD_NAME)
         if self._device is not None:
             torch.cuda.set_device(self._device)
         else:
@@ -182,16 +182,6 @@ class TransferThread:
         self.save_failures.update(self.mover.save_failures)
         self.mover.load_failures.clear()
         self.mover.save_failures.clear()
-
-
-def _name_native_thread(name: str) -> None:
-    """Name the OS thread (/proc/PID/task/TID/comm, top -H), so its CPU time can be told from the engine's
-    (bench/connector_throughput.py does); Python names only its own thread object."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        return
 
 
 def _leave_the_compute_cores() -> None:

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvcore.aio import WorkerThreads
 from kvcore.config import ConfigError
 from kvcore.kv_events import dp_endpoint
 from router.admission import Admission, Admitted
@@ -61,9 +62,11 @@ class Gateway:
         self.admission = Admission(config.max_in_flight_requests, config.max_in_flight_bytes, self.metrics)
         self.strategy = strategy
         self.strategy.register_metrics(self.metrics.registry)
+        # CPU work off the event loop (tokenizing, parsing large bodies), one pool, started before serving
+        self.threads = WorkerThreads(config.tokenizer_threads, "kvgate-work")
         # tokenizing costs CPU: only for strategies that read the prompt's tokens, or to record the traffic
-        self.prompts = (PromptTokens(config, self.metrics) if self.strategy.needs_prompt_tokens or config.record_trace
-                        else None)
+        self.prompts = (PromptTokens(config, self.metrics, self.threads)
+                        if self.strategy.needs_prompt_tokens or config.record_trace else None)
         self.recorder: TraceRecorder | None = None
         self._upstream: UpstreamPool | None = None
         self._pool: WorkerPool | None = None
@@ -83,6 +86,7 @@ class Gateway:
 
     async def start(self) -> None:
         cfg = self.config
+        self.threads.start()
         if cfg.record_trace:
             self.recorder = self._recorder()
             self.recorder.start()
@@ -198,6 +202,7 @@ class Gateway:
             await self.kv_events.close()
         if self._upstream is not None:
             self._upstream.close()
+        self.threads.close()
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -308,7 +313,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     with gateway.trace_entry(started) as entry, _admit(request) as admitted:
         body = await _read_body(request, cfg.max_body_bytes, admitted)
         tenant = request.headers.get(cfg.tenant_header) or None if cfg.tenant_header else None
-        body, api = await _off_the_loop_if_large(body, _read_generation, request.path, body, cfg, tenant)
+        body, api = await _off_the_loop_if_large(gateway.threads, body, _read_generation, request.path, body, cfg,
+                                                 tenant)
         route = await gateway.route_request(api, gateway.eligible(api.model), request.headers, body)
         if entry is not None:
             entry.routed(route, api.prompt.cache_salt if api.prompt is not None else None)
@@ -320,12 +326,13 @@ GC_YOUNG_THRESHOLD = 2000  # allocations between young collections in a serving 
 PARSE_INLINE_BYTES = 64 * 1024  # bodies larger than this are parsed in a thread
 
 
-async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any) -> T:
-    """`work(*args)` on the event loop for a small body, else in a thread: parsing a large one (and checking its
-    prompt's tokens) would stall every other request meanwhile."""
+async def _off_the_loop_if_large(threads: WorkerThreads, body: bytes, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` on the event loop for a small body, else in the gateway's threads: parsing a large one (and
+    checking its prompt's tokens) would stall every other request meanwhile. (Not `asyncio.to_thread`: its pool
+    starts a thread on the loop when none is idle, which holds every request until the OS runs it.)"""
     if len(body) <= PARSE_INLINE_BYTES:
         return work(*args)
-    return await asyncio.to_thread(work, *args)
+    return await threads.run(work, *args)
 
 
 def _read_generation(path: str, body: bytes, cfg: GatewayConfig, tenant: str | None) -> tuple[bytes, ApiRequest]:
@@ -349,7 +356,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         api = ApiRequest(request.path, None, False)
         if request.method in ("POST", "PUT", "PATCH"):
             body = await _read_body(request, gateway.config.max_body_bytes, admitted)
-            api = await _off_the_loop_if_large(body, functools.partial(
+            api = await _off_the_loop_if_large(gateway.threads, body, functools.partial(
                 parse_body, model_required=False, large=gateway.config.route_max_prompt_bytes), request.path, body)
             if api.model is not None:
                 gateway.eligible(api.model)

@@ -200,7 +200,7 @@ class GatewayConfig:
         "", "request header naming the tenant, set by a proxy you trust: the engines get a cache_salt in the "
         "tenant's namespace (TENANT, TENANT:SALT with the client's own salt, :SALT without a tenant)"
     )
-    tokenizer_threads: int = option(2, "threads that tokenize prompts off the event loop")
+    tokenizer_threads: int = option(2, "threads that tokenize prompts and parse large bodies off the event loop")
     trust_request_chat_template: bool = option(
         False, "render a request's own chat_template (Jinja code written by the client) to route it by tokens, in "
         "sandbox processes with a deadline and memory limit; off = route such requests in text mode (vLLM refuses "

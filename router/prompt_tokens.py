@@ -166,7 +166,10 @@ def text_block_keys(text: str, block_size: int, root: BlockKey) -> list[BlockKey
 class PromptTokens:
     """Turns requests into block keys: with each model's tokenizer where one is configured, else text mode."""
 
-    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None,
+                 threads: WorkerThreads | None = None) -> None:
+        """`threads`: where long prompts are tokenized, the gateway's pool (which it starts and closes); by default
+        a pool of this object's own, closed with it."""
         self.block_size = config.block_size
         self._metrics = metrics
         self._named, self._default = parse_model_dirs(config.model_dir)
@@ -178,7 +181,8 @@ class PromptTokens:
         self.cache = TokenCache(config.prompt_cache_bytes, config.block_size)
         if metrics is not None:
             metrics.registry.register(_PromptCacheCollector(self.cache))
-        self._threads = WorkerThreads(config.tokenizer_threads, "kvgate-tokenize")
+        self._own_threads = threads is None
+        self._threads = WorkerThreads(config.tokenizer_threads, "kvgate-tokenize") if threads is None else threads
         # a client's own chat template runs only in the sandbox, and only when the engines would run it too
         self._sandbox = TemplateSandbox(
             config.template_processes, config.template_timeout_s, sandbox_memory_bytes(config.max_body_bytes),
@@ -210,7 +214,8 @@ class PromptTokens:
         await asyncio.gather(*map(self._tokenizer_in, sorted(directories)))
 
     def close(self) -> None:
-        self._threads.close()
+        if self._own_threads:
+            self._threads.close()
 
     async def aclose(self) -> None:
         if self._sandbox is not None:

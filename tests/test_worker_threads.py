@@ -7,9 +7,11 @@ import asyncio
 import threading
 import time
 
+import aiohttp
 import pytest
 
 from kvcore.aio import WorkerThreads
+from tests.conftest import running_gateway, running_standin
 
 
 async def test_results_and_errors_come_back_from_the_threads() -> None:
@@ -58,3 +60,30 @@ async def test_a_cancelled_call_is_dropped_and_close_ends_the_threads() -> None:
         assert not thread.is_alive()
     with pytest.raises(RuntimeError):
         threads.run(lambda: None)
+
+
+def _os_thread_name(thread: threading.Thread) -> str:
+    with open(f"/proc/self/task/{thread.native_id}/comm") as f:
+        return f.read().strip()
+
+
+@pytest.mark.parametrize("strategy", ["round_robin", "prefix"])
+async def test_a_serving_gateway_starts_no_thread(strategy: str, http: aiohttp.ClientSession) -> None:
+    """Every thread the gateway works in runs before it serves: `Thread.start` holds the event loop, every request
+    with it, until the OS has run the new thread (seconds on a starved machine, docs/agent.md), so none may start on
+    the first large body (parsed off the loop) or the first prompt tokenized (text mode: no tokenizer loaded at
+    start-up). The pool's threads carry their name in the OS too, where per-thread CPU is read."""
+    async with running_standin() as worker, running_gateway([worker.url], strategy=strategy) as gw:
+        before = threading.active_count()
+        pool = gw.gateway.threads._threads
+        assert len(pool) == gw.gateway.config.tokenizer_threads
+        assert [_os_thread_name(thread) for thread in pool] == ["kvgate-work"] * len(pool)
+        prompts = ["x" * 100_000, "a short one", "y" * 70_000]  # two over the 64 KiB parsed off the loop
+        for prompt in prompts:
+            async with http.post(f"{gw.url}/v1/completions",
+                                 json={"model": "tiny", "prompt": prompt, "max_tokens": 2}) as resp:
+                assert resp.status == 200, await resp.text()
+        async with http.post(f"{gw.url}/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "z" * 90_000}], "max_tokens": 2}) as resp:
+            assert resp.status == 200, await resp.text()
+        assert threading.active_count() == before, [t.name for t in threading.enumerate()]
