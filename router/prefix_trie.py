@@ -22,22 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcore.dict_tables import TableTrim
-from router.block_keys import BlockKey
+from router.block_keys import BlockKey, leading_run
 
 TOUCH_S = 1.0  # step of the times kept (a node touched in the current step is not touched again)
-
-
-def _known_run(keys: Sequence[BlockKey], index: dict[BlockKey, BlockKey | None]) -> int:
-    """How many leading keys are nodes, the first one known to be: `longest_run` written out (a callback per probe
-    cost more than the search)."""
-    lo, hi = 1, len(keys)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if keys[mid - 1] in index:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +89,7 @@ class PrefixTrie:
         index = self._parent
         if not keys or keys[0] not in index:
             return {}
-        known = _known_run(keys, index)
+        known = leading_run(keys, index)
         fresh_after = self.clock() - self.ttl_s
         sent_to, used = self._workers, self._used
         first = sent_to[keys[0]]
@@ -115,7 +102,7 @@ class PrefixTrie:
         for url in wanted:
             if first[url] < fresh_after:
                 continue
-            # `longest_run` written out: a callback per probe would cost more than the whole lookup does
+            # `leading_run` written out: a callback per probe would cost more than the whole lookup does
             lo, hi = 1, known  # blocks sent to `url` lately: at least the first, at most every known one
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -142,7 +129,7 @@ class PrefixTrie:
         if self._step:
             now -= now % self._step
         index = self._parent
-        depth = _known_run(keys, index) if keys[0] in index else 0
+        depth = leading_run(keys, index)
         node = keys[depth - 1] if depth else None
         self._touch(node, worker, now)
         if depth < len(keys):

@@ -315,7 +315,7 @@ class PendingBlocks:
         first = keys[0]
         if added_get(first, 0) <= discarded_get(first, 0):
             return 0
-        # `longest_run` written out: a callback per probe would cost more than the search does
+        # `leading_run` written out: a callback per probe would cost more than the search does
         lo, hi = 1, len(keys)
         while lo < hi:
             mid = (lo + hi + 1) // 2

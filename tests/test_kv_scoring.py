@@ -177,7 +177,7 @@ def test_pending_blocks_are_the_multiset_of_the_runs_in_flight() -> None:
     import random
     from collections import Counter
 
-    from router.block_keys import longest_run
+    from router.block_keys import leading_run
     from strategies.kv import PendingBlocks
 
     rng = random.Random(7)
@@ -216,7 +216,7 @@ def test_pending_blocks_are_the_multiset_of_the_runs_in_flight() -> None:
                 want = {k: n for k, n in reference.get(cache, Counter()).items() if n > 0}
                 assert pending.pending(cache) == want, step
                 for prefix in prefixes:  # the binary search over the multiset, as before the two counters
-                    held = longest_run(len(prefix), lambda i, p=prefix, w=want: p[i] in w) if prefix[0] in want else 0
+                    held = leading_run(prefix, want)
                     assert pending.match(prefix, cache) == held
 
 

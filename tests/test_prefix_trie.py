@@ -128,19 +128,25 @@ def test_random_operations_keep_trie_and_index_in_step(monkeypatch: pytest.Monke
     trie.check()
 
 
-def test_longest_run_finds_the_end_of_a_monotone_run() -> None:
-    from router.block_keys import longest_run
+def test_leading_run_finds_the_end_of_a_monotone_run() -> None:
+    from router.block_keys import leading_run
+
+    class Probed(set[int]):
+        def __init__(self, members: range) -> None:
+            super().__init__(members)
+            self.probes: list[int] = []
+
+        def __contains__(self, key: object) -> bool:
+            assert isinstance(key, int)
+            self.probes.append(key)
+            return super().__contains__(key)
 
     for n in range(0, 40):
+        keys = [1000 + i for i in range(n)]
         for end in range(0, n + 1):
-            probes: list[int] = []
-
-            def holds(i: int, end: int = end, probes: list[int] = probes) -> bool:
-                probes.append(i)
-                return i < end
-
-            assert longest_run(n, holds) == end
-            assert all(0 <= i < n for i in probes) and len(probes) <= max(1, n.bit_length())
+            held = Probed(range(1000, 1000 + end))
+            assert leading_run(keys, held) == end
+            assert all(k in keys for k in held.probes) and len(held.probes) <= max(1, n.bit_length())
 
 
 def test_one_huge_prompt_does_not_evict_every_other_prefix() -> None:
