@@ -406,9 +406,15 @@ class TierAgent:
                     return await self._store_inline(conn, request)
                 return await loop.run_in_executor(self._pool, self._store, conn, request)
             if isinstance(request, Load):
-                if self._all_in_dram(request):
-                    return self._load(conn, request)
-                return await loop.run_in_executor(self._pool, self._load, conn, request)
+                if not self._all_in_dram(request):
+                    return await loop.run_in_executor(self._pool, self._load, conn, request)
+                # on the loop, from DRAM only: a block demoted or evicted since the check (by a thread of this
+                # process) is read from below with the rest of the chain in the request pool, never on the loop
+                reply = self._load(conn, request, memory_only=True)
+                if len(reply.lengths) == len(request.hashes):
+                    return reply
+                rest = await loop.run_in_executor(self._pool, self._load, conn, request, len(reply.lengths))
+                return LoadReply(lengths=reply.lengths + rest.lengths, data=reply.data + rest.data)
             if isinstance(request, Hello):
                 if fds is None:
                     raise ValueError("Hello is the first frame of a connection only")
@@ -488,14 +494,16 @@ class TierAgent:
 
     def _all_in_dram(self, request: Load) -> bool:
         """A load small enough for the event loop whose every block is in DRAM: a copy, no medium to wait for (a
-        block evicted in between is read from below, as any load would)."""
+        block that leaves DRAM before it is read is read from below in the request pool)."""
         dram = self.store.dram
         if dram is None or len(request.hashes) * request.block_bytes > INLINE_STORE_BYTES:
             return False
         layout, contains = request.layout, dram.contains
         return all(contains((layout, h)) for h in request.hashes)
 
-    def _load(self, conn: Connection, request: Load) -> LoadReply:
+    def _load(self, conn: Connection, request: Load, start: int = 0, memory_only: bool = False) -> LoadReply:
+        """The request's blocks from `start` on (the ones before were loaded already); `memory_only`: only the
+        leading run DRAM holds (TierStore.load_chain)."""
         conn.check(request.layout, request.block_bytes)
         inline = not request.offsets
         if request.block_bytes <= 0:
@@ -503,14 +511,15 @@ class TierAgent:
         if inline and len(request.hashes) * request.block_bytes > INLINE_LOAD_BYTES:
             raise ValueError(f"{len(request.hashes)} blocks of {request.block_bytes} bytes do not fit an inline "
                              f"answer ({INLINE_LOAD_BYTES} bytes at most): pass shared memory")
+        hashes = request.hashes[start:]
         if inline:
-            buffers = [memoryview(bytearray(request.block_bytes)) for _ in request.hashes]
+            buffers = [memoryview(bytearray(request.block_bytes)) for _ in hashes]
         else:
             if len(request.offsets) != len(request.hashes):
                 raise ValueError(f"{len(request.hashes)} hashes but {len(request.offsets)} offsets")
-            buffers = [conn.region(o, request.block_bytes) for o in request.offsets]
+            buffers = [conn.region(o, request.block_bytes) for o in request.offsets[start:]]
         try:
-            lengths = self.store.load_chain(request.layout, request.hashes, buffers)
+            lengths = self.store.load_chain(request.layout, hashes, buffers, memory_only)
             self.metrics.bytes_loaded.inc(sum(lengths))
             data = [bytes(b[:n]) for b, n in zip(buffers, lengths, strict=False)] if inline else []
         finally:

@@ -332,10 +332,12 @@ class TierStore:
 
     # -- load ------------------------------------------------------------------------------------------------
 
-    def load_chain(self, layout: int, hashes: Sequence[BlockHash], outs: Sequence[memoryview]) -> list[int]:
+    def load_chain(self, layout: int, hashes: Sequence[BlockHash], outs: Sequence[memoryview],
+                   memory_only: bool = False) -> list[int]:
         """Load the leading run of blocks into `outs`; the payload length of each block loaded, in order.
         DRAM is asked first for every block; runs of blocks in the same lower tier are fetched together (one
-        read / one round trip per run)."""
+        read / one round trip per run). `memory_only`: stop at the first block DRAM cannot supply (no medium is
+        read: the agent's event loop loads so, and hands the rest of the chain to a thread)."""
         keys = [(layout, h) for h in hashes]
         lengths: list[int] = []
         failed: set[tuple[TierName, int]] = set()
@@ -351,6 +353,8 @@ class TierStore:
                     lengths.append(n)
                     i += 1
                     continue
+            if memory_only:
+                break
             tier, run = self._lower_run(keys, i, failed)
             if tier is None:
                 break

@@ -22,12 +22,13 @@ import redis
 import xxhash
 import zmq
 
-from agent.block import HEADER_SIZE, key_name
+from agent.block import HEADER_SIZE, BlockKey, key_name
 from agent.client import AgentClient
 from agent.config import AgentConfig
 from agent.protocol import FRAME, AgentError
 from agent.server import TierAgent
-from agent.store import TierStore
+from agent.store import TierStore, build_nvme_tier
+from agent.tiers.dram import DramTier
 from bench.procs import free_port, spawn_valkey
 from bench.procs import stop as stop_process
 from kvcore.kv_events import BlockStored, decode_batch
@@ -493,6 +494,65 @@ async def test_a_load_from_dram_needs_no_request_thread(tmp_path: Path) -> None:
         release.set()
         took, got = await asyncio.wait_for(waiting, 10)
         assert got == [content(3)]
+    finally:
+        release.set()
+        await agent.close()
+
+
+class DemotedAfterTheCheck(DramTier):
+    """A DRAM tier from which the blocks named in `leaving` go (as an eviction or demotion by another thread of the
+    agent would take them) right after a membership check has answered that they are there."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.leaving: set[BlockKey] = set()
+
+    def contains(self, key: BlockKey) -> bool:
+        held = super().contains(key)
+        if held and key in self.leaving:
+            self.leaving.discard(key)
+            self.delete(key)
+        return held
+
+
+async def test_a_load_answered_on_the_event_loop_reads_only_dram(tmp_path: Path) -> None:
+    """A load whose blocks were all in DRAM at the check is answered on the event loop; a block that leaves DRAM
+    between the check and the read (evicted or demoted by another thread) must be read from NVMe in the request
+    pool, never on the event loop (which a slow medium would hold, and every connection with it). Before, the
+    inline path read it from NVMe on the loop: answered at once with every request thread busy."""
+    import asyncio
+    import threading
+
+    config = AgentConfig(socket_path=str(tmp_path / "agent.sock"), metrics_port=0, dram_capacity=2**20,
+                         nvme_dir=str(tmp_path / "nvme"), nvme_fsync=False, io_threads=2).validate()
+    dram = DemotedAfterTheCheck(config.dram_capacity)
+    agent = TierAgent(config, TierStore(config, dram=dram, nvme=build_nvme_tier(config)))
+    await agent.start()
+    release = threading.Event()
+    try:
+        def load(hashes: list[int]) -> list[bytes]:
+            with AgentClient(config.socket_path, shm_bytes=2**20, timeout_s=10) as client:
+                return client.load(LAYOUT, hashes, BLOCK)
+
+        def store(hashes: list[int]) -> int:
+            with AgentClient(config.socket_path, shm_bytes=2**20, timeout_s=10) as client:
+                return client.store(LAYOUT, hashes, [content(h) for h in hashes])
+
+        assert await asyncio.to_thread(store, [1, 2, 3]) == 3
+        assert agent.store.nvme is not None
+        for h in (2, 3):
+            agent.store.nvme.store((LAYOUT, h), content(h))  # also below, where they would go when demoted
+        for _ in range(2):  # the request pool's threads: both busy until released
+            agent._pool.submit(release.wait, 30)
+        dram.leaving.add((LAYOUT, 2))  # goes right after the check (which the inline path passes)
+        waiting = asyncio.ensure_future(asyncio.to_thread(load, [1, 2, 3]))
+        await asyncio.sleep(0.5)
+        assert not waiting.done(), "block 2 was read from NVMe on the event loop"
+        release.set()
+        assert await asyncio.wait_for(waiting, 10) == [content(1), content(2), content(3)]
+        took = time.monotonic()
+        assert await asyncio.to_thread(load, [1, 3]) == [content(1), content(3)]  # both in DRAM: on the loop
+        assert time.monotonic() - took < 5
     finally:
         release.set()
         await agent.close()
