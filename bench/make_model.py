@@ -61,16 +61,36 @@ CHAT_TEMPLATE = (
 )
 
 
-def llama_config() -> dict[str, Any]:
+# The model's shape. `tiny` (what every test and benchmark serves): a forward pass so small that a request's cost is
+# vLLM's own overhead, and its KV bytes per FLOP of forward pass about 36 times Llama-3.1-8B's. `wide`: a scaled-down
+# Llama (8x grouped-query attention, Llama's MLP ratio) whose forward pass is most of a request on a CPU replica and
+# whose KV bytes per FLOP are about twice Llama-3.1-8B's (`forward_costs`), for measuring what the KV connector
+# costs a replica whose forward pass is a realistic share of the work.
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32},
+    "wide": {"hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 4, "num_attention_heads": 16,
+             "num_key_value_heads": 2, "head_dim": 64},
+}
+# Llama-3.1-8B's shape, for comparison only (bf16 KV): 128 KiB of KV per token, about 15 GFLOP per token
+LLAMA_3_1_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256}
+
+
+def forward_costs(shape: dict[str, int]) -> tuple[int, int]:
+    """(KV bytes per token in bf16, forward-pass FLOPs per token in the weight matmuls: 2 per multiply-add,
+    attention over the context not counted) of a Llama of this shape."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
+    return layers * 2 * kv * 2, 2 * (layers * per_layer + h * shape.get("vocab_size", VOCAB_SIZE))
+
+
+def llama_config(shape: str = "tiny") -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
+        **MODEL_SHAPES[shape],
         "vocab_size": VOCAB_SIZE,
         "max_position_embeddings": MAX_MODEL_LEN,
         "hidden_act": "silu",
@@ -161,11 +181,12 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_model(out: Path) -> list[Path]:
-    """Write config, tokenizer and generation config into `out`; returns the files written."""
+def write_model(out: Path, shape: str = "tiny") -> list[Path]:
+    """Write config (of a `MODEL_SHAPES` shape), tokenizer and generation config into `out`; returns the files
+    written."""
     out.mkdir(parents=True, exist_ok=True)
     written = {
-        "config.json": llama_config(),
+        "config.json": llama_config(shape),
         "tokenizer_config.json": tokenizer_config(),
         "generation_config.json": generation_config(),
     }

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.connector_throughput import bootstrap_median_ci, paired_ratios, round_order, summarize
+from bench.connector_throughput import bootstrap_median_ci, model_summary, paired_ratios, round_order, summarize
+from bench.make_model import LLAMA_3_1_8B, forward_costs
 
 
 def rows_of(seconds: list[float], modes: list[str], cycles: int) -> list[dict[str, Any]]:
@@ -42,3 +43,13 @@ def test_the_interval_widens_with_scatter() -> None:
     tight = bootstrap_median_ci([0.97, 0.98, 0.99, 1.0, 0.98, 0.99])
     wide = bootstrap_median_ci([0.5, 1.0, 2.0, 0.6, 1.9, 1.0])
     assert tight[1] - tight[0] < 0.05 < wide[1] - wide[0]
+
+
+def test_the_wide_model_writes_a_realistic_share_of_kv_per_flop() -> None:
+    """The tiny model writes ~36x Llama-3.1-8B's KV bytes per FLOP of forward pass; `--model wide` about 2x."""
+    kv_8b, flops_8b = forward_costs(LLAMA_3_1_8B)
+    assert kv_8b == 128 * 2**10 and 14e9 < flops_8b < 16e9
+    tiny, wide = model_summary("tiny"), model_summary("wide")
+    assert 30 < tiny["kv_bytes_per_flop_vs_llama_3_1_8b"] < 40
+    assert 1.5 < wide["kv_bytes_per_flop_vs_llama_3_1_8b"] < 2.5
+    assert wide["forward_flops_per_token"] > 50 * tiny["forward_flops_per_token"]
