@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 # a Store of at most this many bytes is copied into DRAM on the event loop (about 0.1-0.5 ms: what the loop may be
 # held for) rather than handed to the request pool and back; so is a Load of this many bytes all held in DRAM
 INLINE_STORE_BYTES = 2 * 2**20
+# ... in pieces of this many bytes, with the loop's other work (a lookup: what a scheduler step waits for) let in
+# between: a lookup that arrived during a 36-block save waited for the whole copy (page faults included), past
+# the connector's 1 ms budget, and its request lost a step
+INLINE_STORE_PIECE_BYTES = 128 * 2**10
 INLINE_LOAD_BYTES = MAX_FRAME // 2  # an inline load's blocks, at most: its answer must fit one frame
 
 
@@ -480,14 +484,27 @@ class TierAgent:
 
     async def _store_inline(self, conn: Connection, request: Store) -> StoreReply:
         """A small store with a DRAM tier: the copy into DRAM on the event loop (handing it to a thread and back
-        cost more CPU than the copy); only blocks DRAM refuses (bigger than the whole tier) go to the request
-        pool, to be written below."""
+        cost more CPU than the copy), a piece of the chain at a time with whatever else is ready in between (a
+        lookup is answered between two pieces, not after the whole chain); only blocks DRAM refuses (bigger than
+        the whole tier) go to the request pool, to be written below."""
         payloads = self._payloads(conn, request)
+        loop = asyncio.get_running_loop()
         try:
-            stored, refused = self.store.store_in_memory(request.layout, request.hashes, payloads, request.parent)
-            if refused:
-                stored += await asyncio.get_running_loop().run_in_executor(self._pool, self.store.store_refused,
-                                                                           refused)
+            stored, start, hashes = 0, 0, request.hashes
+            while start < len(hashes):
+                end, size = start + 1, len(payloads[start])
+                while end < len(hashes) and size + len(payloads[end]) <= INLINE_STORE_PIECE_BYTES:
+                    size += len(payloads[end])
+                    end += 1
+                if start:
+                    await asyncio.sleep(0)  # let ready callbacks (other connections' requests) run
+                parent = request.parent if start == 0 else hashes[start - 1]
+                held, refused = self.store.store_in_memory(request.layout, hashes[start:end], payloads[start:end],
+                                                           parent)
+                stored += held
+                if refused:
+                    stored += await loop.run_in_executor(self._pool, self.store.store_refused, refused)
+                start = end
         finally:
             self._release(payloads)
         return StoreReply(stored=stored)
