@@ -209,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="tiny",
                         help="the model's shape (bench/make_model.py): tiny, or wide (a realistic forward pass)")
+    parser.add_argument("--agent-dram", default="4GiB",
+                        help="the agent's DRAM tier: the default never fills in a run (every block stored lands on "
+                             "memory the agent has not touched yet, a page fault per page); one smaller than what a "
+                             "run stores is full and recycles evicted blocks' memory, as a replica's agent does")
     parser.add_argument("--cycles", type=int, default=6, help="ABBA cycles: each gives every variant 2 rounds")
     parser.add_argument("--requests", type=int, default=16, help="requests per round")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         model = work / "model"
         write_model(model, args.model)
         agent = agent_process(0, work, None, AgentSettings(write_policy="lazy", shared=False,
-                                                           dram_capacity="4GiB"), BLOCK_SIZE, dict(os.environ))
+                                                           dram_capacity=args.agent_dram), BLOCK_SIZE,
+                              dict(os.environ))
         agent.start()
         servers: dict[str, EngineServer] = {}
         try:
@@ -272,8 +277,8 @@ def main(argv: list[str] | None = None) -> None:
           "Llama-3.1-8B's")
     print(f"# {len(rows)} rounds in ABBA order ({args.cycles} cycles) of {args.requests} unique prompts "
           f"({prompt:.0f} tokens, {args.max_tokens} generated), {args.concurrency} clients; agent bytes stored: "
-          f"{stored / 2**20:.1f} MiB; load average (1 min) {summary['load_average'][0]:.1f}-"
-          f"{summary['load_average'][1]:.1f} on {os.cpu_count()} CPUs")
+          f"{stored / 2**20:.1f} MiB (DRAM tier {args.agent_dram}); load average (1 min) "
+          f"{summary['load_average'][0]:.1f}-{summary['load_average'][1]:.1f} on {os.cpu_count()} CPUs")
     for name in ["without", *modes]:
         s = summary[name]
         print(f"# {name:<8} median {s['median_tokens_per_s']:8.1f} tokens/s ({s['median_tokens_per_s_fast_mode']:.1f} "
