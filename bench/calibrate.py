@@ -151,8 +151,9 @@ TTFT_CONTEXT_TOKENS = 2048  # a typical decoding request's context, for the deco
 def ttft_options(profile: Profile) -> dict[str, float]:
     """The `ttft` strategy's settings for a fleet of this profile: the prefill time it starts from (then
     learns: per request, per token, per token per 1,000 tokens of context), the KV bytes per token its tier
-    transfer times use, and the first-token delay per request decoding beside it (reading that request's
-    context once per step)."""
+    transfer times use, the first-token delay per request decoding beside it (reading that request's
+    context once per step), and the decode step a request's output tokens take before the steps are seen (one
+    request decoding a 2,048-token context)."""
     m = profile.model
     rate = profile.peak_flops * profile.mfu
     kv = m.kv_bytes_per_token
@@ -160,7 +161,8 @@ def ttft_options(profile: Profile) -> dict[str, float]:
             "ttft_prefill_tokens_per_s": rate / (2.0 * m.params),
             "ttft_attention_s": 4.0 * m.layers * m.heads * m.head_dim * 1000 / (rate * profile.attention_efficiency),
             "ttft_kv_bytes_per_token": float(kv),
-            "ttft_decode_cost_s": TTFT_CONTEXT_TOKENS * kv / (profile.hbm_bytes_per_s * profile.bandwidth_efficiency)}
+            "ttft_decode_cost_s": TTFT_CONTEXT_TOKENS * kv / (profile.hbm_bytes_per_s * profile.bandwidth_efficiency),
+            "ttft_decode_step_s": profile.step_time([(1, TTFT_CONTEXT_TOKENS)])}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

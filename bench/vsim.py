@@ -149,7 +149,10 @@ class VirtualReplica:
         self.kv = KvCacheManager(self.pool, max_model_len)
         self.scheduler = Scheduler(self.kv, hasher, profile.max_num_seqs, profile.max_num_batched_tokens,
                                    max_model_len)
-        self.worker = Worker(spec=WorkerSpec(self.url), healthy=True, models=frozenset({MODEL}))
+        # its cache configuration is known from the start (a gateway reads vllm:cache_config_info in the scrape that
+        # follows its first health probe)
+        self.worker = Worker(spec=WorkerSpec(self.url), healthy=True, models=frozenset({MODEL}), kv_blocks=num_blocks,
+                             kv_block_size=block_size)
         self.busy = False
         self.step_end = 0.0  # when the step in progress ends (while busy)
         self.out: Any = None
@@ -303,7 +306,8 @@ class FleetSimulation:
             if following is not None:
                 self._push_arrival(following)
         # streamed: every token a step samples is relayed as a chunk (`on_chunk`), the first one reported
-        route = RouteRequest(MODEL, "/v1/completions", {}, req.token_ids, req.keys, len(req.token_ids), stream=True)
+        route = RouteRequest(MODEL, "/v1/completions", {}, req.token_ids, req.keys, len(req.token_ids), stream=True,
+                             max_tokens=req.max_tokens)
         decision = self.strategy.choose(route, self.workers)
         worker = decision.worker
         worker.in_flight += 1
@@ -411,6 +415,7 @@ class FleetSimulation:
             worker.in_flight -= 1
             assert req.route is not None and req.decision is not None
             if isinstance(self.strategy, KvAware):  # pending blocks stay for the grace period, in virtual time
+                self.strategy.request_ended(req.route, req.decision)
                 self._push(self.now + self.strategy.pending_grace_s, "discard", req)
             else:
                 self.strategy.on_finished(req.route, req.decision)

@@ -153,13 +153,13 @@ class Gateway:
         if isinstance(api.prompt, LargePrompt):  # routed by load alone; its prefill counted by its size
             self.metrics.oversized_prompts.inc()
             return RouteRequest(model, api.path, headers, prompt_tokens=api.prompt.size // CHARS_PER_TOKEN,
-                                stream=api.stream)
+                                stream=api.stream, max_tokens=api.max_tokens)
         if self.prompts is None or api.prompt is None:
-            return RouteRequest(model, api.path, headers, stream=api.stream)
+            return RouteRequest(model, api.path, headers, stream=api.stream, max_tokens=api.max_tokens)
         base, lora = workers[0].key_names(model) if workers else (model, None)  # every eligible worker lists it
         found = await self.prompts.keys(api.prompt, base, lora=lora, raw=raw, alone=self.admission.requests <= 1)
         return RouteRequest(model, api.path, headers, found.token_ids, found.block_keys, found.prompt_tokens,
-                            api.stream)
+                            api.stream, api.max_tokens)
 
     @property
     def discovery(self) -> WorkerDiscovery | None:

@@ -20,7 +20,7 @@ import orjson
 from router.config import GatewayConfig, WorkerSpec
 from router.errors import GatewayError, no_worker, unknown_model
 from router.metrics import GatewayMetrics
-from router.prom_text import sum_samples
+from router.prom_text import info_labels, sum_samples
 from router.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,10 @@ class Worker:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    # the engine's KV cache as its cache configuration says (`vllm:cache_config_info`): blocks (vLLM's
+    # num_gpu_blocks, its null block included; per data-parallel rank) and tokens per block; 0 while unknown
+    kv_blocks: int = 0
+    kv_block_size: int = 0
     prefix_hits: float = 0.0  # tokens, the engine's own counters
     prefix_queries: float = 0.0
     # the engine's own prefill timings, cumulative: seconds from scheduled to first token, requests, tokens computed
@@ -130,6 +134,16 @@ class Worker:
 def parse_load_gauges(text: str) -> dict[str, float]:
     """The load gauges of a vLLM `/metrics` page, by Worker attribute, summed over label sets."""
     return {LOAD_GAUGES[name]: value for name, value in sum_samples(text, LOAD_GAUGES).items()}
+
+
+def parse_cache_config(text: str) -> tuple[int, int] | None:
+    """(num_gpu_blocks, block_size) of a vLLM `/metrics` page's `vllm:cache_config_info` (one data-parallel rank's:
+    each rank has its own cache of that size); None when it is absent or does not say them."""
+    labels = info_labels(text, "vllm:cache_config_info")
+    try:
+        return (int(labels["num_gpu_blocks"]), int(labels["block_size"])) if labels else None
+    except (KeyError, ValueError):
+        return None  # older vLLM, or num_gpu_blocks "None" before the engine has profiled
 
 
 class WorkerPool:
@@ -352,6 +366,9 @@ class WorkerPool:
         values = parse_load_gauges(text)
         for attr, value in values.items():
             setattr(worker, attr, value)
+        cache = parse_cache_config(text)
+        if cache is not None:
+            worker.kv_blocks, worker.kv_block_size = cache
         worker.load_scraped_at = time.monotonic()
         m = self._metrics
         m.worker_running.labels(worker.url).set(worker.running)

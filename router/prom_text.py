@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 
@@ -25,3 +26,17 @@ def sum_samples(text: str, names: Iterable[str]) -> dict[str, float]:
         except (IndexError, ValueError):
             continue
     return totals
+
+
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def info_labels(text: str, name: str) -> dict[str, str] | None:
+    """The labels of the first sample of the info gauge `name` (vLLM exports its configurations so, e.g.
+    `vllm:cache_config_info{block_size="16",num_gpu_blocks="27000",...} 1.0`); None when absent. Label values are
+    returned as written, escapes and all: the ones read are numbers."""
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] == "{":
+            end = line.rfind("}")
+            return dict(_LABEL.findall(line[len(name) + 1:end]))
+    return None

@@ -70,6 +70,7 @@ class ApiRequest:
     model: str | None
     stream: bool
     prompt: Prompt | LargePrompt | None = None
+    max_tokens: int | None = None  # the most tokens it may generate (max_completion_tokens, else max_tokens)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -211,7 +212,10 @@ def read_payload(path: str, payload: dict[str, Any], *, model_required: bool) ->
         value = payload.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise bad_request(f"'{name}' must be a non-negative integer", f"invalid_{name}")
-    return ApiRequest(path, model, stream, prompt)
+    limit = payload.get("max_completion_tokens")
+    if limit is None:
+        limit = payload.get("max_tokens")
+    return ApiRequest(path, model, stream, prompt, limit)
 
 
 # vLLM takes a cache_salt of at most 128 characters without '@', '/', '\\' or NUL

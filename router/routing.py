@@ -30,6 +30,7 @@ class RouteRequest:
     block_keys: Sequence[int] = ()
     prompt_tokens: int = 0  # the prompt's length in tokens (estimated in text mode); 0 when not tokenized
     stream: bool = False  # the answer is streamed: the strategy hears of its first token (`on_first_token`)
+    max_tokens: int | None = None  # the most tokens it may generate, as the client asked (None: not said)
 
 
 @dataclass(slots=True)

@@ -11,8 +11,11 @@ trusted) with a scorer in seconds instead of tokens. For each eligible worker:
                                                      run at the tier's transfer rate and recomputing it
                    + prefill of the uncached tokens  at the worker's rate
                    + decode pressure                 per request decoding there (each step carries them)
-                   + KV-cache pressure               a worker near full makes new requests wait for blocks
-    score          = predicted TTFT
+                   + KV blocks                       the wait until enough of the engine's KV blocks are free
+                                                     for the prompt, beyond the waits above: the gateway's
+                                                     requests there hold theirs until they end (`BlockLedger`)
+    score          = predicted TTFT less the wait for KV blocks (the fleet's blocks: a choice moves that
+                     wait between requests, it does not save it)
                    + spread cost                     placing a prefix held elsewhere on one more worker
 
 and the lowest score wins. Each part is a class of its own below. The worker's prefill rate is learned online
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -99,9 +102,21 @@ class TtftOptions(KvOptions):
     ttft_shared_latency_s: float = option(2e-3, "ttft: shared tier, time per load besides the bytes")
     ttft_decode_cost_s: float = option(
         1e-4, "ttft: first-token delay per request decoding on the worker (its share of every step)")
-    ttft_kv_high: float = option(0.9, "ttft: KV-cache usage above which a worker is near full")
+    ttft_kv_high: float = option(
+        0.9, "ttft: KV-cache usage above which a worker whose cache size is not known (no vllm:cache_config_info) "
+        "is near full")
     ttft_kv_full_penalty_s: float = option(
-        0.5, "ttft: delay predicted on a full KV cache (waiting for blocks, preemption), scaled from 0 at kv_high")
+        0.5, "ttft: delay predicted on a full KV cache of unknown size (waiting for blocks, preemption), scaled from "
+        "0 at kv_high")
+    ttft_block_wait: bool = option(
+        True, "ttft: predict the wait for KV blocks on engines whose cache size is known (vllm:cache_config_info): "
+        "until the gateway's requests there that hold blocks end, at the engine's decode step")
+    ttft_decode_step_s: float = option(
+        0.008, "ttft: seconds per decode step (a token for every request running) before the steps relayed from "
+        "a worker show its own")
+    ttft_output_tokens: float = option(
+        340.0, "ttft: tokens a request that does not set max_tokens is expected to generate, before answers that "
+        "ended show it")
     ttft_tie_s: float = option(
         0.002, "ttft: predictions this close (seconds) count as equal: the least busy worker of them takes it")
     ttft_tie_share: float = option(
@@ -363,6 +378,8 @@ class StepClock:
         self._mean = 0.0
         self._shortest = 0.0
         self._longest = 0.0
+        self.token_s = 0.0  # the time between a stream's tokens: every step's duration, prefills included
+        self._steps = 0
 
     def chunk(self, key: int, at: float, first: bool) -> None:
         """A chunk of the stream `key` (the request's identity, which a later request may have once this one has
@@ -384,6 +401,8 @@ class StepClock:
     def _close_batch(self) -> None:
         if self._duration is None:
             return
+        self._steps = min(self._steps + 1, STEP_SAMPLES)  # a running mean of the last STEP_SAMPLES or so
+        self.token_s += (self._duration - self.token_s) / self._steps
         if self._prefilled:
             self.prefill_steps.append(self._duration)
             return
@@ -413,7 +432,8 @@ class StepClock:
 class EnginePressure:
     """What the engine's own metrics add: requests waiting there that the gateway did not send (another
     gateway's, preempted ones) at the fleet's mean prefill per request; requests decoding there, each a share
-    of every step; a KV cache near full, where a new request waits for blocks or preempts."""
+    of every step; a KV cache near full, where a new request waits for blocks or preempts, on an engine whose
+    cache size is not known (where it is, `BlockLedger` predicts that wait)."""
 
     def __init__(self, options: TtftOptions) -> None:
         self.decode_cost_s = options.ttft_decode_cost_s
@@ -424,12 +444,147 @@ class EnginePressure:
     def foreign(worker: Worker, ours_waiting: int, mean: Work) -> Work:
         return mean.scaled(max(0.0, worker.waiting - ours_waiting))
 
-    def seconds(self, worker: Worker, ours_waiting: int) -> float:
+    def seconds(self, worker: Worker, ours_waiting: int, blocks_known: bool = False) -> float:
         decoding = max(0.0, worker.in_flight - ours_waiting, worker.running - ours_waiting)
         seconds = self.decode_cost_s * decoding
-        if worker.kv_usage > self.kv_high and self.kv_high < 1.0:
+        if not blocks_known and worker.kv_usage > self.kv_high and self.kv_high < 1.0:
             seconds += self.kv_full_penalty_s * min(1.0, (worker.kv_usage - self.kv_high) / (1.0 - self.kv_high))
         return seconds
+
+
+def block_wait(free: float, running: Iterable[tuple[float, float, float]], queued: Iterable[tuple[float, float, float]],
+               need: float) -> float:
+    """Seconds until a request that needs `need` KV blocks is admitted by an engine with `free` blocks free now:
+    `running` holds (seconds until it ends, blocks it holds now, blocks it adds per second as it decodes) per
+    request that holds blocks, `queued` (blocks it takes, seconds it runs once admitted, blocks it adds per second)
+    per request waiting ahead of this one, in order. As vLLM's scheduler: the waiting queue is admitted in order,
+    each request once its whole prompt fits, and one that does not fit holds back those behind it. Blocks free up
+    only when a request ends, and the decoding ones take more as they go, so a request fits, if at all, just as
+    one ends (or now). When it never fits (blocks held by requests not listed, a prompt larger than the cache),
+    the time the last listed request ends: nothing later is known."""
+    # (start, end, blocks at start, blocks per second) of each request holding blocks
+    active = [(0.0, end, blocks, rate) for end, blocks, rate in running]
+    free += sum(blocks for _, _, blocks, _ in active)
+    capacity = free
+    t = 0.0
+    for blocks, run_s, rate in (*queued, (need, 0.0, 0.0)):
+        while True:
+            active = [a for a in active if a[1] > t]
+            free = capacity - sum(b + r * (t - start) for start, _, b, r in active)
+            if free >= blocks or not active:
+                break
+            t = min(end for _, end, _, _ in active)
+        if free < blocks:
+            return t
+        active.append((t, t + run_s, blocks, rate))
+    return t
+
+
+class OutputLength:
+    """How many tokens a request generates, learned from the streamed answers that ended (a chunk a token): of
+    those that set max_tokens, the mean share of it they used; of the others, their mean length. Each mean forgets
+    as the prefill fit does (`half_life` answers) and starts from its prior, counted as one answer: all of
+    max_tokens, and `ttft_output_tokens`."""
+
+    def __init__(self, tokens: float, half_life: float) -> None:
+        self.share, self.tokens = 1.0, tokens
+        self._share_weight = self._tokens_weight = 1.0
+        self._decay = 0.5 ** (1.0 / half_life)
+
+    def expected(self, max_tokens: int | None) -> float:
+        return max_tokens * self.share if max_tokens else self.tokens
+
+    def learn(self, max_tokens: int | None, generated: int) -> None:
+        if max_tokens:
+            self._share_weight = self._share_weight * self._decay + 1.0
+            self.share += (min(1.0, generated / max_tokens) - self.share) / self._share_weight
+        else:
+            self._tokens_weight = self._tokens_weight * self._decay + 1.0
+            self.tokens += (generated - self.tokens) / self._tokens_weight
+
+
+@dataclass(slots=True)
+class _Holder:
+    prompt: int          # prompt tokens
+    max_tokens: int | None
+    output: float        # tokens it is expected to generate
+    prefill_s: float     # its predicted prefill once admitted
+    routed_at: float
+    expected_s: float    # its predicted time to first token
+    stream: bool         # its chunks are relayed: the gateway sees its first token and counts its tokens
+    generated: int = 0   # chunks relayed
+    started: bool = False  # its first token came
+
+
+class BlockLedger:
+    """The KV blocks the gateway's requests in flight on one engine (a data-parallel rank of it) hold, and until
+    when. A request admitted by the engine holds the blocks of its prompt and of what it has generated until it
+    ends; one not yet admitted waits in the engine's queue, in the order the gateway sent it, for its prompt's
+    blocks. A streamed request counts as admitted from its first token, a whole answer from its predicted first
+    token; it ends after its expected output (`OutputLength`) at the engine's decode step."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._entries: OrderedDict[int, _Holder] = OrderedDict()
+        self.held = 0  # blocks of every entry's prompt and generated tokens, kept as they change
+        self._ended: deque[tuple[float, int]] = deque()  # (when, blocks) of entries ended lately
+        self._ended_blocks = 0  # their sum
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def add(self, key: int, holder: _Holder) -> None:
+        self._entries[key] = holder
+        self.held += self._blocks(holder.prompt)
+
+    def first_token(self, key: int) -> None:
+        holder = self._entries.get(key)
+        if holder is not None:
+            holder.started = True
+
+    def chunk(self, key: int) -> None:
+        holder = self._entries.get(key)
+        if holder is not None:
+            holder.generated += 1
+            if (holder.prompt + holder.generated) % self.block_size == 1 or self.block_size == 1:
+                self.held += 1  # a token that begins a block
+
+    def end(self, key: int, now: float) -> _Holder | None:
+        holder = self._entries.pop(key, None)
+        if holder is not None:
+            blocks = self._blocks(holder.prompt + holder.generated)
+            self.held -= blocks
+            self._ended.append((now, blocks))
+            self._ended_blocks += blocks
+        return holder
+
+    def ended_since(self, since: float) -> int:
+        """Blocks of the entries that ended after `since` (kept as long as one scrape interval asks)."""
+        ended = self._ended
+        while ended and ended[0][0] < since:
+            self._ended_blocks -= ended.popleft()[1]
+        return self._ended_blocks
+
+    def wait(self, now: float, capacity: float, need: int, step_s: float) -> float:
+        """Seconds until a request needing `need` blocks, sent now, is admitted on an engine where `capacity`
+        blocks are for the gateway's requests (`block_wait`)."""
+        if self.held + need <= capacity:
+            return 0.0  # everything fits at once
+        running: list[tuple[float, float, float]] = []
+        queued: list[tuple[float, float, float]] = []
+        growth = 1.0 / (step_s * self.block_size) if step_s > 0 else 0.0  # blocks per second of a decoding request
+        for h in self._entries.values():
+            decoding_s = now - h.routed_at - h.expected_s  # a whole answer's, from its predicted first token
+            if h.started or (not h.stream and decoding_s > 0):
+                generated = h.generated if h.stream else decoding_s / step_s if step_s > 0 else 0.0
+                running.append((max(1.0, h.output - generated) * step_s, (h.prompt + generated) / self.block_size,
+                                growth))
+            else:
+                queued.append((self._blocks(h.prompt), h.prefill_s + h.output * step_s, growth))
+        return block_wait(capacity - sum(b for _, b, _ in running), running, queued, need)
 
 
 @dataclass(frozen=True, slots=True)
@@ -552,9 +707,17 @@ class Estimate:
     queued: Work
     prefill: Work
     rank: int | None = None  # the data-parallel rank it is for (None: the worker is not a data-parallel engine)
+    blocks_s: float = 0.0  # the wait for KV blocks beyond the queue, the step in progress and the tier loads
 
     @property
     def ttft_s(self) -> float:
+        return self.choice_s + self.blocks_s
+
+    @property
+    def choice_s(self) -> float:
+        """What the choice weighs of it: all but the wait for KV blocks. That wait is for blocks the fleet's
+        requests hold, which a choice moves between requests rather than saves: choosing by it spread requests
+        away from their prefixes and lengthened TTFT (docs/ttft.md, "Waiting for KV blocks")."""
         return self.overhead_s + self.queue_s + self.step_s + self.load_s + self.prefill_s + self.pressure_s
 
 
@@ -602,6 +765,9 @@ class TtftAware(KvAware):
         self.rates: dict[str, PrefillRate] = {}
         self.fleet_rate = PrefillRate(options)  # every worker's answers
         self.queues: dict[str, PrefillQueue] = {}
+        self.ledgers: dict[str, BlockLedger] = {}  # per engine (a data-parallel rank: each has its own cache)
+        self.output = OutputLength(options.ttft_output_tokens, options.ttft_half_life)
+        self.block_wait = options.ttft_block_wait
         # per engine (a data-parallel engine's per rank, by cache name: each rank runs steps of its own)
         self.steps: dict[str, StepClock] = {}
         # per data-parallel rank, the gateway's requests routed there (in flight), and of them those past their
@@ -645,6 +811,25 @@ class TtftAware(KvAware):
             queue = self.queues[cache] = PrefillQueue()
         return queue
 
+    def ledger(self, cache: str, block_size: int) -> BlockLedger:
+        """The KV blocks the gateway's requests hold on a worker, or on a data-parallel rank of it."""
+        ledger = self.ledgers.get(cache)
+        if ledger is None or (ledger.block_size != block_size and not len(ledger)):
+            ledger = self.ledgers[cache] = BlockLedger(block_size)
+        return ledger
+
+    def blocks_for_us(self, worker: Worker, ledger: BlockLedger, now: float) -> float:
+        """The blocks of the worker's cache (of each rank's) that are not held by requests the gateway did not
+        send: its usable blocks (vLLM's num_gpu_blocks less its null block) less those in use, as last scraped,
+        beyond what the gateway's own requests hold now or held until lately (a scrape is up to an interval old,
+        and its fetch takes time: two intervals). A data-parallel engine's usage is all ranks' together: there
+        only the gateway's own are counted."""
+        usable = worker.kv_blocks - 1
+        if worker.spec.dp_ranks > 1:
+            return usable
+        ours = ledger.held + ledger.ended_since(now - 2 * self.config.metrics_interval_s)
+        return usable - max(0.0, worker.kv_usage * usable - ours)
+
     def _ours(self, worker: Worker, now: float) -> int:
         """The gateway's requests waiting for their first token on the worker, all its ranks together."""
         if worker.spec.dp_ranks == 1:
@@ -674,8 +859,24 @@ class TtftAware(KvAware):
         # this request joins the next step, after the rest of this one beyond what it waits anyway (the queue
         # ahead of it, its tier loads)
         step_s = max(0.0, rest - queue_s - load_s)
+        # and is admitted once its prompt's blocks are free, which may be later still
+        blocks_known = self.block_wait and worker.kv_blocks > 1
+        blocks_s = 0.0
+        if blocks_known:
+            cache = cache_name(worker.url, rank)
+            ledger = self.ledger(cache, worker.kv_block_size or self.balance.block_size)
+            if len(ledger):
+                need = -(-prompt // ledger.block_size)
+                wait = ledger.wait(now, self.blocks_for_us(worker, ledger, now), need, self.decode_step_s(cache))
+                blocks_s = max(0.0, wait - queue_s - step_s - load_s)
         return Estimate(rate.overhead_s, queue_s, step_s, load_s, rate.seconds(prefill),
-                        self.pressure.seconds(worker, ours), queued, prefill, rank)
+                        self.pressure.seconds(worker, ours, blocks_known), queued, prefill, rank, blocks_s)
+
+    def decode_step_s(self, cache: str) -> float:
+        """The time between a decoding request's tokens on the engine: the mean step its relayed streams show
+        (the steps that computed a prefill included), `ttft_decode_step_s` before they show one."""
+        steps = self.steps.get(cache)
+        return steps.token_s if steps is not None and steps.token_s > 0 else self.ttft_options.ttft_decode_step_s
 
     def step_rest(self, url: str, rank: int | None, now: float) -> float:
         """The expected rest of the engine step in progress on the worker (its data-parallel rank), for an engine
@@ -723,7 +924,7 @@ class TtftAware(KvAware):
         # a prefix whose every holder is at its cap has more traffic than they can take: one more copy is what the
         # balance needs, not a cost
         spread = bool(holders) and not all(over[i] for i in holders)
-        scores = [e.ttft_s + (self.spread.seconds(h.tokens, most, self.rate(w.url)) if spread else 0.0)
+        scores = [e.choice_s + (self.spread.seconds(h.tokens, most, self.rate(w.url)) if spread else 0.0)
                   + (self.balance_s if o else 0.0)
                   for w, h, e, o in zip(workers, held, estimates, over, strict=True)]
         best = min(scores)
@@ -748,6 +949,10 @@ class TtftAware(KvAware):
         reason = MISS if most == 0 else HIT if cached >= most else SPILL
         cache = cache_name(worker.url, rank)
         self.queue(cache).add(id(request), estimate.prefill, now, estimate.ttft_s, request.stream)
+        if worker.kv_blocks > 1:
+            self.ledger(cache, worker.kv_block_size or self.balance.block_size).add(id(request), _Holder(
+                prompt, request.max_tokens, self.output.expected(request.max_tokens), estimate.prefill_s, now,
+                estimate.ttft_s, request.stream))
         self.share.add(worker.url, len(workers))
         self._routed[id(request)] = _Routed(worker.url, estimate, cache)
         self._mean = self._mean + (estimate.prefill + self._mean.scaled(-1.0)).scaled(1 / 64)
@@ -776,10 +981,13 @@ class TtftAware(KvAware):
         if routed is None:
             return
         self.queue(routed.cache).done(id(request), self.now)
+        ledger = self.ledgers.get(routed.cache)
+        if ledger is not None:
+            ledger.first_token(id(request))
         e = routed.estimate
         # the observed time less the parts that are not the worker's prefill: what its prefill model must explain,
         # at most OUTLIER_RATIO times what the fit predicts for it (a stalled gateway, not the worker)
-        observed = ttft_s - e.load_s - e.step_s - e.pressure_s
+        observed = ttft_s - e.load_s - e.step_s - e.pressure_s - e.blocks_s
         for rate in (self.own_rate(routed.worker), self.fleet_rate):
             rate.learn(e.queued + e.prefill, min(observed, OUTLIER_RATIO * rate.predict(e.queued + e.prefill)))
         rate = self.rate(routed.worker)
@@ -791,9 +999,12 @@ class TtftAware(KvAware):
             metrics.overhead.labels(routed.worker).set(rate.overhead_s)
 
     def on_chunk(self, request: RouteRequest, decision: Decision, first: bool) -> None:
+        # a data-parallel engine's ranks step each on their own: a clock per rank (the decision names it)
+        cache = cache_name(decision.worker.url, decision.dp_rank)
+        ledger = self.ledgers.get(cache)
+        if ledger is not None:
+            ledger.chunk(id(request))  # a token more in its blocks
         if self.step_phase:
-            # a data-parallel engine's ranks step each on their own: a clock per rank (the decision names it)
-            cache = cache_name(decision.worker.url, decision.dp_rank)
             steps = self.steps.get(cache)
             if steps is None:
                 steps = self.steps[cache] = StepClock(self.ttft_options.ttft_step_jitter_s)
@@ -801,10 +1012,16 @@ class TtftAware(KvAware):
                     self._ttft_metrics.step.labels(cache).set_function(lambda: steps.mean_s)
             steps.chunk(id(request), self.now, first)
 
-    def on_finished(self, request: RouteRequest, decision: Decision) -> None:
+    def request_ended(self, request: RouteRequest, decision: Decision) -> None:
+        now = self.now
+        cache = cache_name(decision.worker.url, decision.dp_rank)
+        ledger = self.ledgers.get(cache)
+        holder = ledger.end(id(request), now) if ledger is not None else None
+        if holder is not None and holder.stream and holder.started:
+            self.output.learn(holder.max_tokens, holder.generated)
         routed = self._routed.pop(id(request), None)
         if routed is not None:
-            self.queue(routed.cache).done(id(request), self.now)
+            self.queue(routed.cache).done(id(request), now)
         if decision.dp_rank is not None:
             cache = cache_name(decision.worker.url, decision.dp_rank)
             if cache in self._rank_in_flight:
@@ -812,13 +1029,14 @@ class TtftAware(KvAware):
             decoded_on = self._decoding_on.pop(id(request), None)
             if decoded_on is not None and decoded_on in self._rank_decoding:
                 self._rank_decoding[decoded_on] = max(0, self._rank_decoding[decoded_on] - 1)
-        super().on_finished(request, decision)
 
     def forget_worker(self, url: str) -> None:
         super().forget_worker(url)
         self.rates.pop(url, None)
         for cache in [c for c in self.queues if c == url or c.startswith(url + "#dp")]:
             del self.queues[cache]
+        for cache in [c for c in self.ledgers if c == url or c.startswith(url + "#dp")]:
+            del self.ledgers[cache]
         for cache in [c for c in self.steps if c == url or c.startswith(url + "#dp")]:
             del self.steps[cache]
             if self._ttft_metrics is not None:

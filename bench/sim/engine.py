@@ -144,7 +144,8 @@ class SimEngine:
         return EngineGauges(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                             kv_cache_usage=self.pool.usage(), prefix_queries=s.queries, prefix_hits=s.hits,
                             external_queries=ext.queries, external_hits=ext.hits,
-                            external_hits_by_source=dict(ext.hits_by_source))
+                            external_hits_by_source=dict(ext.hits_by_source),
+                            num_gpu_blocks=self.pool.num_blocks, block_size=self.pool.block_size)
 
     # --- the step loop -----------------------------------------------------------------------------------------
 

@@ -79,6 +79,8 @@ class EngineGauges:
     external_queries: int = 0
     external_hits: int = 0
     external_hits_by_source: dict[str, int] = field(default_factory=dict)
+    num_gpu_blocks: int = 0  # the cache configuration (vLLM's cache_config_info), 0: not exported
+    block_size: int = 0
 
 
 # vLLM's CacheHitSource values, every one exported (as vLLM initialises them)
@@ -114,6 +116,11 @@ class SimCollector(Collector):
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", g.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", g.waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_cache_usage)
+        if g.num_gpu_blocks:  # vLLM's info gauge: the configuration in its labels, the value 1
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=[*names, "block_size", "num_gpu_blocks"])
+            info.add_metric([*values, str(g.block_size), str(g.num_gpu_blocks)], 1.0)
+            yield info
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       g.prefix_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
