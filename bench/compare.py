@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 
 from bench import loadgen, traces, vsim_report, workloads
-from bench.make_model import write_model
+from bench.make_model import bench_model_dir
 from bench.report import write_markdown, write_plots
 from bench.sim.launch import ROOT, AgentSettings, SimFleet, start_sim_fleet
 from bench.sim.perf_model import load_profile
@@ -220,12 +220,7 @@ async def run_target(target: Target, fleet: SimFleet, settings: TargetSettings, 
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
-    if args.model_dir:
-        return Path(args.model_dir)
-    path = ROOT / ".cache" / "bench-model"
-    if not (path / "tokenizer.json").exists():
-        write_model(path)
-    return path
+    return bench_model_dir(args.model_dir)
 
 
 async def compare(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench.stats import percentile
 from bench.workloads import PromptVocabulary, WorkloadRequest
 from router.prom_text import sum_samples
 from router.proxy import PREDICTED_TTFT_HEADER
@@ -134,16 +135,6 @@ async def closed_loop(http: aiohttp.ClientSession, url: str, bodies: Sequence[by
 
 
 # --- figures ------------------------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def latency_summary(results: Sequence[RequestResult]) -> dict[str, Any]:

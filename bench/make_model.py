@@ -181,6 +181,17 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def bench_model_dir(model_dir: str | None = None) -> Path:
+    """The model whose tokenizer a benchmark's prompts are made with: `model_dir`, else the tiny model under
+    .cache/bench-model (written the first time it is needed)."""
+    if model_dir:
+        return Path(model_dir)
+    path = ROOT / ".cache" / "bench-model"
+    if not (path / "tokenizer.json").exists():
+        write_model(path)
+    return path
+
+
 def write_model(out: Path, shape: str = "tiny") -> list[Path]:
     """Write config (of a `MODEL_SHAPES` shape), tokenizer and generation config into `out`; returns the files
     written."""

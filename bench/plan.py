@@ -254,7 +254,7 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.compare import _model_dir
+    from bench.make_model import bench_model_dir
 
     slo = {q: getattr(args, f"slo_ttft_{q}") for q in QUANTILES if getattr(args, f"slo_ttft_{q}") is not None}
     if not slo:
@@ -262,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         profile = load_profile(args.profile)
-        source = request_source(args, PromptVocabulary.from_model_dir(_model_dir(args)), report=sys.stderr)
+        vocab = PromptVocabulary.from_model_dir(bench_model_dir(args.model_dir))
+        source = request_source(args, vocab, report=sys.stderr)
     except (TraceError, ValueError) as exc:
         print(f"kvgate bench plan: {exc}", file=sys.stderr)
         return 2

@@ -46,12 +46,12 @@ from agent.config import AgentConfig
 from agent.tiers.base import TierName
 from bench import vsim_report, workloads
 from bench.calibrate import ttft_options
-from bench.loadgen import percentile
 from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
 from bench.sim.offload import TierLink, transfer_seconds
 from bench.sim.perf_model import PROFILES, Profile, load_profile
 from bench.sim.scheduler import Scheduler, SimRequest
 from bench.sim.tier_model import UPKEEP_S, FleetBackend, ReplicaAgent
+from bench.stats import percentile
 from bench.sweep import Job, run_sweep
 from bench.traces import Trace, TraceError, TraceSource
 from bench.workloads import PromptVocabulary, RequestSource, Workload, WorkloadSource
@@ -671,10 +671,10 @@ def request_source(args: argparse.Namespace, vocab: PromptVocabulary, report: Te
 
 def simulate(job: VsimJob, progress: Callable[[int, float], None] | None = None) -> dict[str, Any]:
     """Run one configuration (in a sweep's process): its workload read afresh, its result row."""
-    from bench.compare import _model_dir
+    from bench.make_model import bench_model_dir
 
     args = argparse.Namespace(**job.workload)
-    source = request_source(args, PromptVocabulary.from_model_dir(_model_dir(args)))
+    source = request_source(args, PromptVocabulary.from_model_dir(bench_model_dir(args.model_dir)))
     name, own = strategy_variant(job.strategy)
     sim = FleetSimulation(source, strategy=name, replicas=job.replicas, profile=job.profile,
                           block_size=job.block_size, gpu_blocks=job.gpu_blocks, tiers=job.tiers,
@@ -703,13 +703,14 @@ def describe_row(row: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.compare import _model_dir
+    from bench.make_model import bench_model_dir
 
     try:
         load_profile(args.profile)
         for spec in args.strategies.split(","):
             strategy_variant(spec)
-        source = request_source(args, PromptVocabulary.from_model_dir(_model_dir(args)), report=sys.stderr)
+        vocab = PromptVocabulary.from_model_dir(bench_model_dir(args.model_dir))
+        source = request_source(args, vocab, report=sys.stderr)
     except (TraceError, ValueError) as exc:  # ConfigError is a ValueError
         print(f"kvgate bench vsim: {exc}", file=sys.stderr)
         return 2

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen import percentile
 from bench.sim.perf_model import Profile
+from bench.stats import percentile
 from bench.workloads import IdealCache
 
 PERCENTILES = (50, 90, 99)

@@ -13,15 +13,16 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcore.aio import run_until_signalled
 from kvcore.config import ConfigError, add_config_arguments, describe, load_config
-from router.app import run_gateway
 from router.config import GatewayConfig
-from router.processes import GatewayProcess, serve_processes
 from router.routing import Strategy
 from strategies import create_strategy, option_classes, strategy_class
+
+if TYPE_CHECKING:
+    from router.processes import GatewayProcess
 
 ENV_PREFIX = "KVGATE_"
 log = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.getLogger().setLevel(config.log_level.upper())
     log.info("configuration: %s; %s options: %s", describe(config), strategy.name, describe(strategy.options))
+    # the server is imported here, not with the module: `assemble` (vsim's processes) needs no HTTP stack
+    from router.app import run_gateway
+    from router.processes import serve_processes
+
     if config.processes > 1:
         return serve_processes(config, strategy.options, serve_one)
     try:
@@ -68,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_one(config: GatewayConfig, options: Any, process: GatewayProcess) -> None:
     """One of `--processes N` gateway processes (spawned: it builds its own strategy)."""
+    from router.app import run_gateway
+
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [{process.index}] %(name)s: %(message)s")
     run_until_signalled(run_gateway(config, create_strategy(config, options), process))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import orjson
-from aiohttp import web
+
+if TYPE_CHECKING:  # aiohttp is imported when a response is made: the simulator shares the pool, not the server
+    from aiohttp import web
 
 
 class GatewayError(Exception):
@@ -37,6 +41,8 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
+    from aiohttp import web
+
     body = orjson.dumps({"error": {"message": message, "type": type, "code": code, "param": None}})
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 

@@ -20,10 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
-
-import redis
-import redis.cluster
+from typing import TYPE_CHECKING, Any
 
 from agent.block import BlockError, BlockKey, BlockSeal, ChecksumError, key_name, parse_key_name
 from agent.tiers.base import (
@@ -37,6 +34,10 @@ from agent.tiers.base import (
     TierUsage,
 )
 from agent.tiers.nvme import open_regular, write_file_atomically
+
+if TYPE_CHECKING:  # redis-py is imported by the Redis tier when one is made: the simulator never uses it (6 MB)
+    import redis
+    import redis.cluster
 
 SHARED_FILE_MODE = 0o640  # the fleet's agents share a group, nobody else reads prompts' KV
 SHARED_DIR_MODE = 0o750
@@ -333,8 +334,11 @@ class RedisSharedTier(SharedTier):
         super().__init__(ttl_s, retry_s, secret=secret)
         self.prefix = prefix
         self.channel = f"{prefix}:blocks"
+        import redis.cluster
+
         options: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.client: redis.Redis | redis.cluster.RedisCluster
+        self._redis = redis
         if cluster:
             self.client = redis.cluster.RedisCluster.from_url(url, **options)
         else:
@@ -402,7 +406,7 @@ class RedisSharedTier(SharedTier):
         return f"{self.prefix}:{key_name(key)}"
 
     def _refuses_writes(self, exc: Exception) -> bool:
-        return isinstance(exc, redis.ResponseError)
+        return isinstance(exc, self._redis.ResponseError)
 
     def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
         px = int(self.ttl_s * 1000) if self.ttl_s > 0 else None
@@ -415,7 +419,7 @@ class RedisSharedTier(SharedTier):
                 pipe.set(name + _PAYLOAD, _sendable(payload), px=px)
                 pipe.set(name, prefix, px=px)
         announcement = "+" + " ".join(key_name(key) for key, _prefix, _payload in items)
-        if isinstance(self.client, redis.cluster.RedisCluster):
+        if isinstance(self.client, self._redis.cluster.RedisCluster):
             pipe.execute()
             self.client.publish(self.channel, announcement)
         else:
