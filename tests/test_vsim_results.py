@@ -98,15 +98,15 @@ PINNED: dict[str, dict[str, Any]] = {  # measured before the speed work of issue
     # requests counting in its queue until their first token however long they wait (this trace overloads its
     # four replicas: the queue had forgotten requests still waiting): hit rate 0.322 / 0.354 / 0.291 -> 0.416 /
     # 0.384 / 0.336, TTFT p50 5,871 / 6,120 / 5,350 -> 4,689 / 5,712 / 4,743 ms. Then by the wait for KV blocks
-    # (predicted, learned less of, left out of the choice; docs/ttft.md): prediction error 52 / 63 / 66% -> 13 /
-    # 13 / 13%, hit rate -> 0.407 / 0.447 / 0.396, TTFT p50 -> 5,385 / 5,049 / 5,257 ms, p99 15,288 / 15,955 /
-    # 16,299 -> 12,199 / 16,339 / 14,300 ms (on this seed; over the trace's seeds 0-11 p50 and mean are lower)
-    "ttft off": {"hit_rate": 0.4068073, "ttft_ms_p50": 5384.802147,
-                "row": "8b754165815c9930", "decisions": "51db9b0097ce821b"},
-    "ttft lazy": {"hit_rate": 0.447466287, "ttft_ms_p50": 5049.088336,
-                 "row": "106947947d2a1ff3", "decisions": "b688ec96d00b7f5d"},
-    "ttft eager": {"hit_rate": 0.395935913, "ttft_ms_p50": 5256.940202,
-                  "row": "57abd4f242d87de3", "decisions": "4a31fdf488b07dbf"},
+    # (predicted, learned less of, left out of the choice; docs/ttft.md): prediction error 52 / 63 / 66% -> 11 /
+    # 12 / 11%, hit rate -> 0.398 / 0.448 / 0.376, TTFT p50 -> 5,454 / 5,196 / 5,474 ms, p99 15,288 / 15,955 /
+    # 16,299 -> 12,238 / 14,947 / 15,111 ms (on this seed; over the trace's seeds 0-11 p50, p90 and mean are lower)
+    "ttft off": {"hit_rate": 0.39847257, "ttft_ms_p50": 5453.621878,
+                "row": "c1e8afee4021098c", "decisions": "c847e16b40e7a214"},
+    "ttft lazy": {"hit_rate": 0.447828667, "ttft_ms_p50": 5195.804239,
+                 "row": "da5de304ef983981", "decisions": "c0c2524584d5dc16"},
+    "ttft eager": {"hit_rate": 0.376367417, "ttft_ms_p50": 5474.123331,
+                  "row": "f1a38119e98a4431", "decisions": "066b54da8b28635a"},
 }
 
 
