@@ -158,15 +158,14 @@ class PrefixTrie:
 
     # --- update -----------------------------------------------------------------------------------------------
 
-    def insert(self, keys: Sequence[BlockKey], worker: str, at: float | None = None) -> None:
-        """Record that `worker` was sent the prompt whose block keys are `keys` just now (or at `at`, by the
-        trie's clock: a decision recorded a little later) -- at most its first `max_nodes // 8` blocks, or 64: one
-        huge prompt must not evict every other prefix."""
+    def insert(self, keys: Sequence[BlockKey], worker: str) -> None:
+        """Record that `worker` was just sent the prompt whose block keys are `keys` (at most its first
+        `max_nodes // 8` blocks, or 64: one huge prompt must not evict every other prefix)."""
         if not keys:
             return
         if len(keys) > self.max_path:
             keys = keys[: self.max_path]
-        now = self.clock() if at is None else at
+        now = self.clock()
         if self._step:
             now -= now % self._step
         last = self._last_known

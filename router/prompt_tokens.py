@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,8 +296,7 @@ class PromptTokens:
                 if isinstance(prompt, ChatPrompt) and not tokenizer.chat.owns(prompt.template.get("chat_template")):
                     result = await self._with_client_template(tokenizer, prompt, raw, root)
                 elif size < INLINE_CHARS or (alone and size <= ALONE_INLINE_BYTES):
-                    # on the loop: the prompt is remembered once the request went out
-                    result = self.tokenize_now(tokenizer, prompt, root, asyncio.get_running_loop().call_soon)
+                    result = self.tokenize_now(tokenizer, prompt, root)
                 else:
                     result = await self._threads.run(self.tokenize_now, tokenizer, prompt, root)
             except TokenizationError as exc:
@@ -336,12 +335,9 @@ class PromptTokens:
     def _from_ids(self, ids: list[int], root: BlockKey) -> PromptKeys:
         return PromptKeys(block_keys(ids, self.block_size, root), len(ids), ids, TOKENS)
 
-    def tokenize_now(self, tokenizer: ModelTokenizer, prompt: Prompt, root: BlockKey,
-                     later: Callable[..., object] | None = None) -> PromptKeys:
-        """Render, tokenize and hash on the calling thread (`keys` decides which thread that is); `later`: see
-        `TokenCache.finish`."""
-        return self._finish(tokenizer, self.cache.lookup(tokenizer, *self.prompt_text(tokenizer, prompt)), root,
-                            later)
+    def tokenize_now(self, tokenizer: ModelTokenizer, prompt: Prompt, root: BlockKey) -> PromptKeys:
+        """Render, tokenize and hash on the calling thread (`keys` decides which thread that is)."""
+        return self._finish(tokenizer, self.cache.lookup(tokenizer, *self.prompt_text(tokenizer, prompt)), root)
 
     @staticmethod
     def prompt_text(tokenizer: ModelTokenizer, prompt: Prompt) -> tuple[str, bool]:
@@ -359,9 +355,8 @@ class PromptTokens:
         """Encode an already rendered prompt and hash it, on the calling thread."""
         return self._finish(tokenizer, self.cache.lookup(tokenizer, text, add_special_tokens), root)
 
-    def _finish(self, tokenizer: ModelTokenizer, lookup: Lookup, root: BlockKey,
-                later: Callable[..., object] | None = None) -> PromptKeys:
-        encoded = self.cache.finish(tokenizer, lookup, root, later)
+    def _finish(self, tokenizer: ModelTokenizer, lookup: Lookup, root: BlockKey) -> PromptKeys:
+        encoded = self.cache.finish(tokenizer, lookup, root)
         return PromptKeys(encoded.keys, len(encoded.ids), encoded.ids, TOKENS)
 
     def text_keys(self, prompt: Prompt, root: BlockKey) -> PromptKeys:

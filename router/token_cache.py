@@ -24,13 +24,12 @@ prompt, least recently used first out.
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -168,12 +167,8 @@ class TokenCache:
             return Lookup(text, data, add_special_tokens, seed, links, None, 0)
         return Lookup(text, data, add_special_tokens, seed, links, *found)
 
-    def finish(self, tokenizer: ModelTokenizer, lookup: Lookup, root: BlockKey,
-               later: Callable[..., object] | None = None) -> Encoded:
-        """`encode`'s second half: the ids, spliced onto the cached prompt `lookup` found where that verifies.
-        `later(fn, *args)`, if given, is where the prompt is remembered (the event loop's `call_soon`: after the
-        request went out) rather than at once; a prompt that arrives meanwhile is encoded without it, the same."""
-        store = self._store if later is None else functools.partial(later, self._store)
+    def finish(self, tokenizer: ModelTokenizer, lookup: Lookup, root: BlockKey) -> Encoded:
+        """`encode`'s second half: the ids, spliced onto the cached prompt `lookup` found where that verifies."""
         text, data, seed, links, entry = lookup.text, lookup.data, lookup.seed, lookup.links, lookup.entry
         if seed is None:
             ids, _ = self._encode(tokenizer, text, lookup.add_special_tokens)
@@ -186,7 +181,7 @@ class TokenCache:
                 keys = (list(cached_keys) if cached_root == root
                         else chain_keys(ids, self.block_size, root))
                 self.hits += 1
-                store(entry, _entry(data, seed, cached_ids, cached_ends, links, root, keys))
+                self._store(entry, _entry(data, seed, cached_ids, cached_ends, links, root, keys))
                 return Encoded(ids, keys, len(ids))
             spliced = self._splice(tokenizer, entry, data, lookup.shared)
             if spliced is not None:
@@ -195,13 +190,13 @@ class TokenCache:
                 keys = list(cached_keys[:reused])
                 keys += chain_keys(ids[reused * self.block_size:], self.block_size, keys[-1] if keys else root)
                 self.hits += 1
-                store(entry, _entry(data, seed, ids.tobytes(), ends.tobytes(), links, root, keys))
+                self._store(entry, _entry(data, seed, ids.tobytes(), ends.tobytes(), links, root, keys))
                 return Encoded(ids, keys, kept)
             self.seam_mismatches += 1
         ids, ends = self._encode(tokenizer, text, lookup.add_special_tokens)
         keys = chain_keys(ids, self.block_size, root)
         self.misses += 1
-        store(None, _entry(data, seed, ids.tobytes(), ends.tobytes(), links, root, keys))
+        self._store(None, _entry(data, seed, ids.tobytes(), ends.tobytes(), links, root, keys))
         return Encoded(ids, keys, 0)
 
     def _longest_prefix(self, data: bytes, seed: int, links: list[int]) -> tuple[_Entry, int] | None:

@@ -21,7 +21,6 @@ Every decision is remembered in the trie.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -117,31 +116,6 @@ class PrefillBalance:
         self._expirations = 0
         self.random = random.Random()
         self.clock: Callable[[], float] = time.monotonic  # injectable: tests and the virtual-time fleet set it
-        # what decisions leave to remember (the trie's insert, kv's pending blocks), done once the event loop turns
-        # -- after the request's bytes went out to its worker -- or before the next decision, whichever comes first
-        self._later: list[tuple[Callable[..., object], tuple[object, ...]]] = []
-        self._settling: asyncio.AbstractEventLoop | None = None  # the loop a `settle` is scheduled on
-
-    def defer(self, fn: Callable[..., object], *args: object) -> None:
-        """Call `fn(*args)` before the next decision, at the latest when the event loop next turns (at once
-        without a running loop: the virtual-time fleet). Nothing a decision reads changes later than it would
-        have, but the request it was made for need not wait for it: alone in flight (c1), it is sent first."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            fn(*args)
-            return
-        self._later.append((fn, args))
-        if self._settling is not loop:
-            self._settling = loop
-            loop.call_soon(self.settle)
-
-    def settle(self) -> None:
-        """Do what earlier decisions left (`defer`) now."""
-        self._settling = None
-        later, self._later = self._later, []
-        for fn, args in later:
-            fn(*args)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         self._metrics = metrics = PrefixMetrics(registry)
@@ -158,8 +132,6 @@ class PrefillBalance:
         return queue
 
     def choose(self, request: RouteRequest, workers: Sequence[Worker], predict: Prediction) -> Decision:
-        if self._later:
-            self.settle()
         now = self.clock()
         keys = request.block_keys
         bs = self.block_size
@@ -187,7 +159,7 @@ class PrefillBalance:
         # request, or every request of the burst would be a miss.
         self._queue(worker.url).add(prompt - predicted, now)
         if keys:
-            self.defer(self.trie.insert, keys, worker.url, self.trie.clock())
+            self.trie.insert(keys, worker.url)
         self.record(prompt, predicted)
         return Decision(worker, reason, predicted)
 
@@ -216,6 +188,5 @@ class PrefillBalance:
             self._expirations = trie.expirations
 
     def forget_worker(self, url: str) -> None:
-        self.settle()
         self.trie.forget_worker(url)
         self._queues.pop(url, None)

@@ -100,7 +100,7 @@ class KvAware(Strategy):
             if url in self._turned:  # no rank held any of it: the next such prompt goes to the next rank
                 self._next_rank[url] = (rank + 1) % decision.worker.spec.dp_ranks
         if request.block_keys:
-            self.balance.defer(self.pending.add, cache_name(decision.worker.url, rank), request.block_keys)
+            self.pending.add(cache_name(decision.worker.url, rank), request.block_keys)
         return decision
 
     def predict(self, keys: Sequence[int], workers: Sequence[Worker], cacheable: int) -> tuple[list[int], list[float]]:
@@ -210,7 +210,6 @@ class KvAware(Strategy):
     def _discard_finished(self) -> None:
         """Discard the pending blocks of the requests whose grace has ended (to the timer's millisecond)."""
         loop = asyncio.get_running_loop()
-        self.balance.settle()  # the pending blocks of the requests discarded here were added (`defer`)
         finished, until = self._finished, loop.time() + 0.001
         while finished and finished[0][0] <= until:
             _, cache, keys = finished.popleft()
