@@ -224,6 +224,7 @@ class FleetSimulation:
         self.concurrency = concurrency
         self.progress = progress
         self.root = root_key(MODEL)
+        self._digests = SharedDigests(block_size)
         self._arrivals = enumerate(requests)
         self._queue: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
@@ -320,7 +321,7 @@ class FleetSimulation:
         replica.requests += 1
         replica.prompt_tokens += len(req.token_ids)
         sim = SimRequest(str(req.index), req.token_ids, req.max_tokens, [5] * 8,
-                         engine_hashes(req.token_ids, self.block_size), self.now)
+                         self._digests.of(req.token_ids, req.keys), self.now)
         sim.listener = None
         sim.scheduled_time = -1.0  # not yet: set by the first step that schedules it
         delay = 0.0
@@ -550,6 +551,43 @@ class FleetSimulation:
         return out
 
 
+class SharedDigests:
+    """The engines' digests of a prompt's blocks, as the same int objects for every prompt and replica that
+    computes them, as far as a recent prompt had them: a replay's tiers, use counters and block pools hold a
+    digest per block, by the million, and each replica that computes a block (round_robin sends a conversation's
+    every turn elsewhere) made an object of its own for it (48 bytes). The digests are those `engine_hashes`
+    gives (the values are checked equal); only which object holds them changes.
+
+    A prompt's blocks are taken `SEGMENT` at a time; a segment is named by the gateway's key of its last block
+    (chained: it names the whole prefix up to there), and the last `KEPT` segments used are kept (when there are
+    more, the older half is forgotten)."""
+
+    SEGMENT = 32  # blocks: 512 tokens at vLLM's 16
+    KEPT = 1 << 13
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._segments: dict[int, tuple[Digest, ...]] = {}  # key of a segment's last block -> its digests
+
+    def of(self, token_ids: Sequence[int], keys: Sequence[int]) -> list[Digest]:
+        """`engine_hashes(token_ids)`, `keys` being the gateway's keys of the same blocks."""
+        digests = engine_hashes(token_ids, self.block_size)
+        segments = self._segments
+        step = self.SEGMENT
+        for end in range(step, len(digests) + 1, step):
+            key = keys[end - 1]
+            own = tuple(digests[end - step:end])
+            known = segments.pop(key, None)
+            if known is None or known != own:  # (unequal only if two prefixes' keys collided)
+                segments[key] = own
+            else:
+                segments[key] = known  # the most recently used again
+                digests[end - step:end] = known
+        if len(segments) > self.KEPT:
+            self._segments = dict(itertools.islice(segments.items(), len(segments) // 2, None))
+        return digests
+
+
 def engine_hashes(token_ids: Sequence[int], block_size: int) -> list[Digest]:
     """The simulated engines' digest of every full block of a prompt: a 64-bit int, which is also its event hash
     (the block pool is told so), instead of 8 bytes converted at every use."""
@@ -740,6 +778,7 @@ def run(args: argparse.Namespace) -> int:
         "workload": {"name": source.name, "params": source.params}, "profile": args.profile,
         "block_size": args.block_size, "tier_settings": settings.__dict__, "upper_bound": bound.hit_rate,
         "ttft_limit": limit, "jobs": args.jobs, "wall_s": wall_s, "peak_total_rss_mb": outcome.peak_rss_mb,
+        "peak_total_pss_mb": outcome.peak_pss_mb,
         "interrupted": outcome.interrupted,
         "unfinished": [jobs[i].label for i in range(len(jobs)) if i not in outcome.results],
         "errors": {jobs[i].label: e for i, e in outcome.errors.items()}, "results": results}
@@ -752,5 +791,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{jobs[i].label}: failed: {error}", file=sys.stderr)
     state = "interrupted; " if outcome.interrupted else ""
     print(f"{state}{len(results)} of {len(jobs)} configurations in {wall_s:.0f} s wall, at most "
-          f"{outcome.peak_rss_mb:.0f} MB resident at once; wrote {out}")
+          f"{outcome.peak_rss_mb:.0f} MB resident at once ({outcome.peak_pss_mb:.0f} MB counting shared pages once); "
+          f"wrote {out}")
     return 130 if outcome.interrupted else 1 if outcome.errors else 0

@@ -154,3 +154,23 @@ def test_a_replay_makes_no_garbage_cycles(trace: Path, vocab: PromptVocabulary, 
                                replicas=2, gpu_blocks=400)
     sim.run()
     assert gc.isenabled()
+
+
+def test_prompts_sharing_a_prefix_share_its_digest_objects() -> None:
+    """`SharedDigests` gives `engine_hashes`' values; a second prompt with the same first 32 blocks (another turn
+    of a conversation, on another replica) gets the first one's int objects for them, and its own after; a
+    segment forgotten (beyond `KEPT`) is computed again."""
+    digests = vsim.SharedDigests(16)
+    root = vsim.root_key("m")
+    first = list(range(1000, 1000 + 16 * 40))
+    second = first[: 16 * 32] + list(range(5000, 5000 + 16 * 40))
+    a = digests.of(first, vsim.block_keys(first, 16, root))
+    b = digests.of(second, vsim.block_keys(second, 16, root))
+    assert a == vsim.engine_hashes(first, 16) and b == vsim.engine_hashes(second, 16)
+    assert all(x is y for x, y in zip(a[:32], b[:32], strict=True))
+    assert a[32] != b[32] and not any(x is y for x, y in zip(a[32:], b[32:40], strict=True))
+    digests.KEPT = 2  # three segments now (first's, second's two): the older half, first's, is forgotten
+    other = list(range(9000, 9000 + 16 * 32))
+    digests.of(other, vsim.block_keys(other, 16, root))
+    c = digests.of(first, vsim.block_keys(first, 16, root))
+    assert c == a and not any(x is y for x, y in zip(a[:32], c[:32], strict=True))
