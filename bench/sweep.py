@@ -51,6 +51,9 @@ class SweepOutcome:
     errors: dict[int, str] = field(default_factory=dict)
     interrupted: bool = False
     peak_rss_mb: float = 0.0  # the most memory the sweep's processes held at once (this one included)
+    # the same in proportional set size: a page several processes share (libraries) counted once in all, where
+    # the sum of resident sizes counts it in each
+    peak_pss_mb: float = 0.0
 
 
 class Progress:
@@ -109,7 +112,9 @@ def run_sweep(jobs: Sequence[Job[J]], runner: Callable[[J, Progress], dict[str, 
             _drain(reports, bars, states)
             if lines is not None:
                 lines.maybe_print(pending)
-            outcome.peak_rss_mb = max(outcome.peak_rss_mb, memory.total_mb())
+            rss_mb, pss_mb = memory.total_mb()
+            outcome.peak_rss_mb = max(outcome.peak_rss_mb, rss_mb)
+            outcome.peak_pss_mb = max(outcome.peak_pss_mb, pss_mb)
             for i, result in list(pending.items()):
                 if not result.ready():
                     continue
@@ -186,22 +191,33 @@ def _drain(reports: Any, bars: list[Any], states: list[_State]) -> None:
 
 
 class _TreeMemory:
-    """Resident memory of this process and its children, from /proc (0 where /proc is not there)."""
+    """Resident memory of this process and its children, from /proc (0 where /proc is not there): the sum of
+    their resident sizes, and of their proportional set sizes."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
 
-    def total_mb(self) -> float:
+    def total_mb(self) -> tuple[float, float]:
         pids = [self.pid]
         with contextlib.suppress(OSError):
             for task in Path(f"/proc/{self.pid}/task").iterdir():
                 pids += [int(p) for p in (task / "children").read_text().split()]
-        return sum(_rss_kb(pid) for pid in pids) / 1024
+        rss = sum(_status_kb(pid, "VmRSS:") for pid in pids)
+        pss = sum(_pss_kb(pid) for pid in pids)
+        return rss / 1024, pss / 1024
 
 
-def _rss_kb(pid: int) -> int:
+def _status_kb(pid: int, field: str) -> int:
     with contextlib.suppress(OSError, ValueError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def _pss_kb(pid: int) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
                 return int(line.split()[1])
     return 0
