@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 
 from bench import vsim
 from bench.traces import ConversationShape, Trace, TraceSource, conversation_trace, write_trace
@@ -219,3 +220,31 @@ def test_the_gateway_reads_how_many_tokens_a_request_may_generate() -> None:
             "max_completion_tokens": 32}
     assert read_payload(CHAT_COMPLETIONS, chat, model_required=True).max_tokens == 32  # vLLM's precedence
     assert read_payload(COMPLETIONS, {"model": "m", "prompt": "hi"}, model_required=True).max_tokens is None
+
+
+async def test_a_streamed_answer_holds_its_blocks_in_the_ledger_until_it_ends(sim_fleet: Any,
+                                                                              http: aiohttp.ClientSession) -> None:
+    """Through the gateway, against a `kvgate sim` replica: a streamed request's max_tokens reaches the strategy,
+    each relayed chunk is a token more in its blocks, and its end frees them and teaches the output length."""
+    fleet = sim_fleet(1, extra_args=["--num-gpu-blocks-override", "256"])
+    url = fleet.urls[0]
+    async with running_gateway(fleet.worker_specs, strategy="ttft") as gw:
+        worker = gw.gateway.pool.get(url)
+        assert worker is not None
+        await eventually(lambda: worker.healthy and worker.kv_blocks == 256)
+        strategy: Any = gw.gateway.strategy
+        body = {"model": "tiny", "prompt": list(range(1, 101)), "max_tokens": 60, "stream": True,
+                "ignore_eos": True}
+        seen: list[int] = []
+        async with http.post(gw.url + "/v1/completions", data=orjson.dumps(body),
+                             headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 200
+            async for _ in resp.content:
+                ledger = strategy.ledgers.get(url)
+                if ledger is not None and len(ledger):
+                    seen.append(ledger.held)
+        # 100 prompt tokens: 7 blocks; from the 45th token on, 10 (fewer if a loaded gateway reads tokens together)
+        assert min(seen) == 7 and 8 <= max(seen) <= 10, seen
+        await eventually(lambda: len(strategy.ledgers[url]) == 0)
+        assert strategy.ledgers[url].held == 0
+        assert abs(strategy.output.share - 1.0) < 1e-9  # all of max_tokens, as the prior said
