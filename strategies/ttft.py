@@ -485,12 +485,14 @@ class OutputLength:
     def __init__(self, tokens: float, half_life: float) -> None:
         self.share, self.tokens = 1.0, tokens
         self._share_weight = self._tokens_weight = 1.0
+        self.learned = 0  # answers learned from
         self._decay = 0.5 ** (1.0 / half_life)
 
     def expected(self, max_tokens: int | None) -> float:
         return max_tokens * self.share if max_tokens else self.tokens
 
     def learn(self, max_tokens: int | None, generated: int) -> None:
+        self.learned += 1
         if max_tokens:
             self._share_weight = self._share_weight * self._decay + 1.0
             self.share += (min(1.0, generated / max_tokens) - self.share) / self._share_weight

@@ -247,4 +247,5 @@ async def test_a_streamed_answer_holds_its_blocks_in_the_ledger_until_it_ends(si
         assert min(seen) == 7 and 8 <= max(seen) <= 10, seen
         await eventually(lambda: len(strategy.ledgers[url]) == 0)
         assert strategy.ledgers[url].held == 0
-        assert abs(strategy.output.share - 1.0) < 1e-9  # all of max_tokens, as the prior said
+        # all of max_tokens, as the prior said (a token or two short if a loaded gateway read some together)
+        assert strategy.output.learned == 1 and 0.95 < strategy.output.share <= 1.0
