@@ -33,6 +33,7 @@ therefore stays on its worker until the queue there outweighs the prefill it sav
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
@@ -458,21 +459,27 @@ def block_wait(free: float, running: Iterable[tuple[float, float, float]], queue
     only when a request ends, and the decoding ones take more as they go, so a request fits, if at all, just as
     one ends (or now). When it never fits (blocks held by requests not listed, a prompt larger than the cache),
     the time the last listed request ends: nothing later is known."""
-    # (start, end, blocks at start, blocks per second) of each request holding blocks
-    active = [(0.0, end, blocks, rate) for end, blocks, rate in running]
-    free += sum(blocks for _, _, blocks, _ in active)
-    capacity = free
+    # each request holding blocks holds b + r (t - start) of them at t, until its end: kept as sums, ends in a heap
+    ends = [(end, blocks, rate, 0.0) for end, blocks, rate in running]
+    heapq.heapify(ends)
+    held = sum(blocks for _, blocks, _, _ in ends)  # the sum of b
+    growth = sum(rate for _, _, rate, _ in ends)     # of r
+    started = 0.0                                    # of r x start
+    capacity = free + held
     t = 0.0
     for blocks, run_s, rate in (*queued, (need, 0.0, 0.0)):
         while True:
-            active = [a for a in active if a[1] > t]
-            free = capacity - sum(b + r * (t - start) for start, _, b, r in active)
-            if free >= blocks or not active:
+            while ends and ends[0][0] <= t:  # ended: what it held is free again
+                _, b, r, start = heapq.heappop(ends)
+                held, growth, started = held - b, growth - r, started - r * start
+            free = capacity - (held + growth * t - started)
+            if free >= blocks or not ends:
                 break
-            t = min(end for _, end, _, _ in active)
+            t = ends[0][0]
         if free < blocks:
             return t
-        active.append((t, t + run_s, blocks, rate))
+        heapq.heappush(ends, (t + run_s, blocks, rate, t))
+        held, growth, started = held + blocks, growth + rate, started + rate * t
     return t
 
 
