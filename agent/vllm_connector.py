@@ -334,16 +334,24 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self._kv_cache_manager is None:
                 break
             computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-            self._plan_save(meta, req_id, computed, list(self._kv_cache_manager.get_block_ids(req_id)[0]))
+            self._plan_save(meta, req_id, computed, None)
         return meta
 
     def _plan_save(self, meta: KvgateConnectorMetadata, req_id: str, computed_after_step: int,
-                   block_ids: list[int]) -> None:
+                   block_ids: list[int] | None) -> None:
+        """`block_ids` None: a running request's, asked of the cache manager only in a step that fills one of its
+        blocks (most decode steps fill none)."""
         request = self._requests.get(req_id)
         if request is None:
             return
         first = self._saved_upto.get(req_id, 0)
-        full = min(computed_after_step // self._block_size, len(request.block_hashes), len(block_ids))
+        full = min(computed_after_step // self._block_size, len(request.block_hashes))
+        if full <= first:
+            return
+        if block_ids is None:
+            assert self._kv_cache_manager is not None
+            block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0])
+        full = min(full, len(block_ids))
         if full <= first:
             return
         hashes = [event_hash(h) for h in request.block_hashes[first:full]]
