@@ -88,7 +88,7 @@ class Point:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.compare import DEFAULT_TRACE, add_workload_arguments
+    from bench.workload_options import DEFAULT_TRACE, add_workload_arguments
 
     slo = parser.add_argument_group("objective (at least one)")
     for q in QUANTILES:

@@ -612,7 +612,7 @@ def _scale(tiers: dict[str, int], cached: int) -> dict[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.compare import DEFAULT_TRACE, add_workload_arguments
+    from bench.workload_options import DEFAULT_TRACE, add_workload_arguments
 
     parser.add_argument("--strategies", default="round_robin,least_load,prefix,kv,ttft",
                         help="comma-separated; a strategy may name settings of its own for its rows, side by side "
@@ -694,7 +694,7 @@ def strategy_variant(spec: str) -> tuple[str, dict[str, Any]]:
 def request_source(args: argparse.Namespace, vocab: PromptVocabulary, report: TextIO | None = None) -> RequestSource:
     """The workload the options name, as a stream: a trace is read as it is replayed; a generated workload is
     built in memory (open loop without times: Poisson arrivals at --rate)."""
-    from bench.compare import build_workload
+    from bench.workload_options import build_workload
 
     if args.workload == "mooncake":
         return TraceSource(Trace(args.trace, offset=args.offset, limit=args.limit, report=report), vocab,
