@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from bench.make_model import write_model
+from bench.procs import exit_on_sigterm
 from bench.sim.launch import AgentSettings, agent_process
 from bench.vllm_engine import ROOT, ensure_vllm_venv
 
@@ -108,4 +109,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -36,6 +36,7 @@ from typing import Any
 
 from bench.make_model import LLAMA_3_1_8B, MODEL_SHAPES, forward_costs, write_model
 from bench.overhead import _descendants, named_threads_cpu_seconds, tree_cpu_seconds
+from bench.procs import exit_on_sigterm
 from bench.sim.launch import AgentSettings, agent_process
 from bench.vllm_engine import BLOCK_SIZE, MODEL_NAME, EngineServer, start_engine
 
@@ -301,4 +302,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.procs import CLOCK_TICKS, free_port, spawn_kvgate, stop, wait_http
+from bench.procs import CLOCK_TICKS, exit_on_sigterm, free_port, spawn_kvgate, stop, wait_http
 
 QUESTION_CHARS = 200
 WORDS = ("the", "router", "cache", "prefix", "token", "block", "engine", "worker", "gateway", "request", "prompt",
@@ -498,6 +498,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__)
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

@@ -41,6 +41,17 @@ def free_port() -> int:
                 return port
 
 
+def exit_on_sigterm() -> None:
+    """End this process on SIGTERM the way Ctrl-C does, by unwinding: the `finally` blocks and context managers that
+    stop its child processes (replicas, agents, gateways) run. Python's default for SIGTERM ends the process at once
+    and leaves them running. For a benchmark's main thread, before it starts anything."""
+    signal.signal(signal.SIGTERM, _exit_unwinding)
+
+
+def _exit_unwinding(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def guarded(cmd: list[str]) -> list[str]:
     """`cmd` under bench/orphan_guard.py, which ends the command's process group if this process dies without
     stopping it (start it with `start_new_session=True`, stop it with `os.killpg`)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from bench.procs import cpu_seconds, free_port, spawn_kvgate, stop, wait_http
+from bench.procs import cpu_seconds, exit_on_sigterm, free_port, spawn_kvgate, stop, wait_http
 from router.upstream import UpstreamPool
 
 
@@ -169,4 +169,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

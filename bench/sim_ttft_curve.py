@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.procs import free_port, spawn_kvgate, stop, wait_http
+from bench.procs import exit_on_sigterm, free_port, spawn_kvgate, stop, wait_http
 from bench.sim.perf_model import PROFILES, Profile
 
 LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -215,4 +215,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

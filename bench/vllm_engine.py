@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.procs import free_port, guarded, spawn_valkey
+from bench.procs import exit_on_sigterm, free_port, guarded, spawn_valkey
 from bench.procs import stop as stop_process
 from bench.sim.launch import AgentSettings, SimAgentProcess, agent_process
 
@@ -258,4 +258,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main(sys.argv[1:]))

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +17,7 @@ import orjson
 import pytest
 
 from bench import compare
+from bench.overhead import _descendants
 from bench.report import write_markdown
 from bench.sim.launch import start_sim_fleet
 from bench.targets import TargetSettings, parse_target
@@ -159,3 +165,48 @@ def test_the_readme_benchmark_commands_parse() -> None:
         for target in getattr(args, "targets", "").split(","):
             if target:
                 parse_target(target)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_to_the_benchmark_stops_the_fleet_it_started(tiny_model_dir: Path, tmp_path: Path,
+                                                                subprocess_env: dict[str, str]) -> None:
+    """`kill PID` of a running `kvgate bench compare` stops the replicas and gateways it started (they are in its
+    process group but not reached by a signal to its PID alone): Python's default SIGTERM would end the benchmark
+    without its `finally` blocks and leave them running."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "kvgate.cli", "bench", "compare", "--workload", "tenants", "--tenants", "4",
+         "--users", "8", "--requests-per-user", "8", "--prefix-tokens", "256", "--replicas", "2",
+         "--model-dir", str(tiny_model_dir), "--speedup", "1", "--concurrency", "1", "--no-progress",
+         "--targets", "kvgate:round_robin", "--out", str(tmp_path / "out")],
+        env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and bench.poll() is None:
+            children = [p for p in _descendants(bench.pid)[1:] if "kvgate.cli" in _cmdline(p)]
+            if sum(" sim " in _cmdline(p) for p in children) == 2 and any(" serve " in _cmdline(p) for p in children):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"no fleet and gateway came up: {bench.stderr.read().decode()[-2000:]}"
+                                 if bench.stderr else "no fleet")
+        bench.send_signal(signal.SIGTERM)
+        status = bench.wait(timeout=60)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_cmdline(p) for p in children):
+            time.sleep(0.1)
+        assert [_cmdline(p) for p in children if _cmdline(p)] == []
+        assert status == 128 + signal.SIGTERM
+    finally:
+        for pid in [bench.pid, *children]:
+            if _cmdline(pid):
+                os.kill(pid, signal.SIGKILL)
+        bench.wait()
