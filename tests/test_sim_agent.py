@@ -171,6 +171,39 @@ def test_prefix_computed_on_one_replica_loads_from_valkey_on_another(tiny_model_
         fleet.stop()
 
 
+def test_a_replica_saves_and_loads_at_once_after_its_agent_restarts(tiny_model_dir: Path, valkey: Any) -> None:
+    """`kvgate bench compare` restarts every agent with empty tiers before each target (`reset_agents`): the
+    replicas' connections to the old agents are cut, and as the vLLM connector does they reconnect on the next
+    call. The simulated connector used to count the cut save as a failure and leave its agent alone for a second
+    (--agent-retry-s), so the blocks a target's first second computed never reached any tier: `ttft` with agents
+    then spilled tenants to replicas that found nothing in the shared tier and recomputed them (live tenants
+    run, 5 cold spills, tier hits 656 tokens against round_robin's 261,536)."""
+    fleet = fleet_with_agents(tiny_model_dir, 2, AgentSettings(write_policy="eager", valkey_url=valkey.url))
+    try:
+        import redis
+
+        a, b = fleet.urls
+        complete(a, prompt(31))  # both replicas have used their agents: connected
+        complete(b, prompt(32))
+        fleet.reset_agents()
+        client = redis.Redis.from_url(valkey.url)
+        assert client.dbsize() == 0
+        complete(a, prompt(33))  # computed on A right after the restart: saved, written through to Valkey
+        deadline = time.monotonic() + 10
+        while client.dbsize() < LOADABLE:
+            assert time.monotonic() < deadline, client.dbsize()
+            time.sleep(0.05)
+        client.close()
+        time.sleep(0.3)  # B's agent learns the writes from Valkey's announcement
+        _elapsed, cached = complete(b, prompt(33))
+        assert cached == LOADABLE * BS
+        for url in (a, b):
+            with urllib.request.urlopen(url + "/sim/blocks", timeout=10) as resp:
+                assert orjson.loads(resp.read())["agent"]["errors"] == 0
+    finally:
+        fleet.stop()
+
+
 @pytest.mark.parametrize("text", ["C=25", "X=1:1", "C=0:5"])
 def test_bad_link_flags_are_refused(text: str) -> None:
     from bench.sim.offload import parse_link

@@ -16,11 +16,14 @@ take on real hardware is modelled per tier from the block's real size:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from agent.client import AgentClient
-from agent.protocol import AgentError
+from agent.protocol import AgentError, AgentRefused
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,10 @@ def stand_in(block_hash: int, size: int) -> bytes:
 
 class AgentOffload:
     """A simulated replica's handle on its tier agent. Every method degrades to "nothing there" when the
-    agent is unreachable, as the vLLM connector does; after a failure the agent is left alone for `retry_s`
-    (so an agent that hangs costs one timeout per `retry_s`, not one per call)."""
+    agent is unreachable, as the vLLM connector does: a call whose connection the agent cut (it restarted) is
+    made once more on a fresh connection, as the connector's `BlockMover` does; one that still fails, or that the
+    agent did not answer in time, leaves the agent alone for `retry_s` (so an agent that hangs costs one timeout
+    per `retry_s`, not one per call)."""
 
     def __init__(self, socket_path: str, layout: int, block_bytes: int, payload_bytes: int = 64,
                  links: dict[str, TierLink] | None = None, timeout_s: float = 2.0, probe_ms: int = 0,
@@ -97,13 +102,27 @@ class AgentOffload:
     def _skipping(self) -> bool:
         return self._skip_until > 0.0 and time.monotonic() < self._skip_until
 
+    def _call(self, call: Callable[[], T]) -> T:
+        """`call`, a second time on a fresh connection if the agent cut the first (a restart: without this the
+        replica ran `retry_s` without its agent after every restart, `kvgate bench compare`'s reset of the tiers
+        before each target included, and saved none of the blocks it computed meanwhile). Not after a timeout
+        (a hung agent would cost two) or a refusal (the agent answered)."""
+        try:
+            return call()
+        except AgentRefused:
+            raise
+        except AgentError as exc:
+            if isinstance(exc.__cause__, TimeoutError):
+                raise
+        return call()
+
     def offload(self, hashes: Sequence[int], parent: int | None = None) -> int:
         """Hand blocks to the agent (a chain: block i's parent is block i-1, block 0's is `parent`)."""
         if self._skipping():
             return 0
         try:
-            return self.client.store(self.layout, hashes, [stand_in(h, self.payload_bytes) for h in hashes],
-                                     parent)
+            payloads = [stand_in(h, self.payload_bytes) for h in hashes]
+            return self._call(lambda: self.client.store(self.layout, hashes, payloads, parent))
         except AgentError:
             self._failed()
             return 0
@@ -113,7 +132,7 @@ class AgentOffload:
         if self._skipping():
             return 0, ""
         try:
-            count, where = self.client.lookup(self.layout, hashes, probe_ms=self.probe_ms)
+            count, where = self.client.lookup(self.layout, hashes, probe_ms=self.probe_ms)  # retried by the client
             return count, where[:count]
         except AgentError:
             self._failed()
@@ -132,7 +151,7 @@ class AgentOffload:
         if self._skipping():
             return 0, 0.0
         try:
-            payloads = self.client.load(self.layout, hashes, self.payload_bytes)
+            payloads = self._call(lambda: self.client.load(self.layout, hashes, self.payload_bytes))
         except AgentError:
             self._failed()
             return 0, 0.0
