@@ -170,7 +170,7 @@ class FleetSimulation:
                  gpu_blocks: int | None = None, max_model_len: int | None = None, tiers: TierSettings | None = None,
                  concurrency: int | None = None, arrivals: Sequence[float] | None = None,
                  event_delay_s: float = 0.002, metrics_interval_s: float = 1.0, seed: int = 0,
-                 config_overrides: dict[str, Any] | None = None,
+                 speedup: float = 1.0, config_overrides: dict[str, Any] | None = None,
                  progress: Callable[[int, float], None] | None = None) -> None:
         if isinstance(requests, Workload):
             if vocab is None:
@@ -179,7 +179,7 @@ class FleetSimulation:
         if concurrency is None and not requests.timed:
             raise ValueError(f"{requests.name}: requests without arrival times need a concurrency or arrivals")
         self.source = requests
-        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        self.profile = (profile if isinstance(profile, Profile) else load_profile(profile)).sped_up(speedup)
         self.block_size = block_size
         longest = requests.longest
         self.max_model_len = max_model_len or max(256, int(math.ceil((longest + 1) / block_size) * block_size))
@@ -621,6 +621,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="llama-3.1-8b-h100",
                         help=f"one of {', '.join(sorted(PROFILES))}, or a calibrated profile's JSON file "
                              "(kvgate bench calibrate)")
+    parser.add_argument("--speedup", type=float, default=1.0,
+                        help="the engines run this many times faster than the profile (as `kvgate sim --speedup`; "
+                        "TTFTs are then in the faster fleet's time)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-blocks", type=int, default=None, help="per replica (default: the profile's)")
     parser.add_argument("--tiers", choices=["off", "on", "both"], default="both")
@@ -651,6 +654,7 @@ class VsimJob:
     tiers: TierSettings | None
     concurrency: int | None
     config_overrides: dict[str, Any] = field(default_factory=dict)
+    speedup: float = 1.0
 
     @property
     def label(self) -> str:
@@ -716,7 +720,7 @@ def simulate(job: VsimJob, progress: Callable[[int, float], None] | None = None)
     name, own = strategy_variant(job.strategy)
     sim = FleetSimulation(source, strategy=name, replicas=job.replicas, profile=job.profile,
                           block_size=job.block_size, gpu_blocks=job.gpu_blocks, tiers=job.tiers,
-                          concurrency=job.concurrency, seed=args.seed,
+                          concurrency=job.concurrency, seed=args.seed, speedup=job.speedup,
                           config_overrides={**own, **job.config_overrides}, progress=progress)
     row = sim.run()
     row["strategy"] = job.strategy  # a variant's row is named by its whole entry
@@ -744,7 +748,7 @@ def run(args: argparse.Namespace) -> int:
     from bench.make_model import bench_model_dir
 
     try:
-        load_profile(args.profile)
+        profile = load_profile(args.profile).sped_up(args.speedup)
         for spec in args.strategies.split(","):
             strategy_variant(spec)
         vocab = PromptVocabulary.from_model_dir(bench_model_dir(args.model_dir))
@@ -753,12 +757,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate bench vsim: {exc}", file=sys.stderr)
         return 2
     bound = source.ideal(args.block_size)
-    limit = vsim_report.ttft_limit(bound, load_profile(args.profile))
+    limit = vsim_report.ttft_limit(bound, profile)
     tier_modes = {"off": [False], "on": [True], "both": [False, True]}[args.tiers]
     settings = TierSettings(dram_blocks=args.dram_blocks, nvme_blocks=args.nvme_blocks,
                             shared_blocks=args.shared_blocks, write_policy=args.write_policy)
     jobs = [VsimJob(vars(args), strategy, n, args.profile, args.block_size, args.gpu_blocks,
-                    settings if tiered else None, args.concurrency)
+                    settings if tiered else None, args.concurrency, speedup=args.speedup)
             for n in [int(x) for x in args.replicas.split(",")] for tiered in tier_modes
             for strategy in args.strategies.split(",")]
     print(f"{source.name}: {source.count} requests, {bound.query_tokens} prompt tokens; ideal single-cache hit rate "
@@ -776,6 +780,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "benchmark": "vsim", "command": shlex.join(["kvgate", *sys.argv[1:]]),
         "workload": {"name": source.name, "params": source.params}, "profile": args.profile,
+        "speedup": args.speedup,
         "block_size": args.block_size, "tier_settings": settings.__dict__, "upper_bound": bound.hit_rate,
         "ttft_limit": limit, "jobs": args.jobs, "wall_s": wall_s, "peak_total_rss_mb": outcome.peak_rss_mb,
         "peak_total_pss_mb": outcome.peak_pss_mb,

@@ -73,6 +73,18 @@ class Profile:
         budget = self.kv_budget(gpu_memory_utilization)
         return max(0, int(budget // (self.model.kv_bytes_per_token * block_size)))
 
+    def sped_up(self, factor: float) -> Profile:
+        """The same replica with every duration divided by `factor` (`kvgate sim --speedup`): the step's overhead
+        and the request's, and a compute and memory rate `factor` times higher."""
+        if factor <= 0:
+            raise ValueError("speedup must be positive")
+        if factor == 1:
+            return self
+        return dataclasses.replace(self, name=f"{self.name}/{factor:g}", peak_flops=self.peak_flops * factor,
+                                   hbm_bytes_per_s=self.hbm_bytes_per_s * factor,
+                                   step_overhead_s=self.step_overhead_s / factor,
+                                   request_overhead_s=self.request_overhead_s / factor)
+
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         """Seconds one engine step takes (before `speedup`).
 
