@@ -465,6 +465,7 @@ class FleetSimulation:
             r.worker.running = float(len(r.scheduler.running))
             r.worker.waiting = float(len(r.scheduler.waiting))
             r.worker.kv_usage = r.pool.usage()
+            r.worker.load_scraped_at = self.now  # as the gateway's pool stamps a scrape
 
     def run(self) -> dict[str, Any]:
         """Replay the whole source; the result row. Python's cyclic garbage collector is off meanwhile: a replay

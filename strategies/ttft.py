@@ -24,7 +24,8 @@ waited for and needed, and of the engine's own prefill histograms in its /metric
 from `ttft_prefill_tokens_per_s` / `ttft_overhead_s`; `kvgate bench calibrate` fits those two, and the decode
 cost, from a recorded trace. Each worker's engine steps (`StepClock`) are learned from the chunks the gateway
 relays from it (`on_chunk`). Tier transfer rates are options (the agent's links). A worker over its share of
-recent requests costs `ttft_balance_s` more (`RequestShare`, bounded-load balance).
+recent requests costs more, by the learned prefill of `ttft_balance_tokens` tokens (`RequestShare`, bounded-load
+balance).
 
 The spread cost is what the choice does to the future: a copy of a prefix that lives elsewhere costs cache
 space here that something else will miss for, so it counts `ttft_spread_weight` times its prefill. A hot prefix
@@ -69,6 +70,9 @@ STEP_SAMPLES = 64
 # it is not told when a stream ends
 STREAMS_KEPT = 64
 STREAM_SILENCE_S = 1.0
+# first tokens a `PrefillQueue` remembers (when the request was routed, when its first token came), so that a scrape
+# of the engine's waiting queue can be set against the gateway's requests waiting there at the scrape's time
+DONE_KEPT = 256
 ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -127,9 +131,9 @@ class TtftOptions(KvOptions):
     ttft_balance_slack: float = option(
         0.2, "ttft: a worker over (1 + this) x the fleet's mean share of recent requests takes no more until it "
         "is back under (bounded-load balance; negative: off)")
-    ttft_balance_s: float = option(
-        0.12, "ttft: predicted seconds a worker at its balance cap costs more (the most the balance may cost a "
-        "request)")
+    ttft_balance_tokens: float = option(
+        3800.0, "ttft: a worker at its balance cap costs more by the fleet's learned prefill time of this many "
+        "tokens (the most the balance may cost a request, in the fleet's own time)")
     ttft_step_phase: bool = option(
         True, "ttft: add the expected rest of the engine step in progress on each worker, learned from the arrival "
         "times of the chunks streamed from it")
@@ -320,6 +324,7 @@ class PrefillQueue:
     def __init__(self) -> None:
         self._entries: OrderedDict[int, _Queued] = OrderedDict()
         self.progress_since = 0.0  # when the head of the queue started on its prefill, at the latest
+        self._done: deque[tuple[float, float]] = deque(maxlen=DONE_KEPT)  # (routed, done) of the latest done
 
     def add(self, key: int, work: Work, now: float, expected_s: float, reported: bool = False) -> None:
         if not self._entries:
@@ -327,8 +332,10 @@ class PrefillQueue:
         self._entries[key] = _Queued(work, now, expected_s, reported)
 
     def done(self, key: int, now: float) -> None:
-        if self._entries.pop(key, None) is not None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
             self.progress_since = max(self.progress_since, now)
+            self._done.append((entry.routed_at, now))
 
     def _expire(self, now: float) -> None:
         stale = [k for k, e in self._entries.items() if not e.reported and now - e.routed_at > 2 * e.expected_s + 1.0]
@@ -338,6 +345,16 @@ class PrefillQueue:
     def count(self, now: float) -> int:
         self._expire(now)
         return len(self._entries)
+
+    def count_at(self, at: float, now: float) -> int:
+        """How many of the gateway's requests here were waiting for their first token at `at` (a scrape's time,
+        which only grows), as far as the latest DONE_KEPT first tokens tell."""
+        self._expire(now)
+        done = self._done
+        while done and done[0][1] <= at:  # had its first token before this scrape: it tells nothing of a later one
+            done.popleft()
+        waiting = sum(1 for e in self._entries.values() if e.routed_at <= at)
+        return waiting + sum(1 for routed, _ in done if routed <= at)
 
     def ahead(self, now: float, rate: PrefillRate) -> Work:
         """The prefill work ahead of a request routed here now."""
@@ -784,7 +801,7 @@ class TtftAware(KvAware):
         self._routed: dict[int, _Routed] = {}
         self._mean = Work()  # the prefill a request brings, on average (recent requests)
         self._ttft_metrics: TtftMetrics | None = None
-        self.balance_s = options.ttft_balance_s
+        self._balance_work = Work.of(options.ttft_balance_tokens, 0)
         self.tie_s = options.ttft_tie_s
         self.tie_share = options.ttft_tie_share
 
@@ -795,6 +812,15 @@ class TtftAware(KvAware):
     def register_metrics(self, registry: CollectorRegistry) -> None:
         super().register_metrics(registry)
         self._ttft_metrics = TtftMetrics(registry)
+
+    @property
+    def balance_s(self) -> float:
+        """What a worker at its balance cap costs more: the prefill of `ttft_balance_tokens` tokens at the fleet's
+        learned rate. In seconds it held for one fleet's speed only: 0.12 s, tuned on the H100 profile (about 3,800
+        tokens there), was the prefill of 440 tokens on an L4 and of 8,000 on the live fleet (an L4 at speedup 10),
+        so the same prefix was moved for the balance on one fleet and kept on the other (docs/ttft.md, "The
+        balance's price in the fleet's own time")."""
+        return self.fleet_rate.seconds(self._balance_work)
 
     def rate(self, url: str) -> PrefillRate:
         """The worker's own prefill fit once it has answered `OWN_FIT_SAMPLES` times, the fleet's until then (a
@@ -835,6 +861,18 @@ class TtftAware(KvAware):
         ours = ledger.held + ledger.ended_since(now - 2 * self.config.metrics_interval_s)
         return usable - max(0.0, worker.kv_usage * usable - ours)
 
+    def _ours_when_scraped(self, worker: Worker, now: float) -> int:
+        """The gateway's requests waiting for their first token on the worker when its load was last scraped, to set
+        against the engine's waiting queue of then. A scrape is up to `metrics_interval_s` old: against the
+        gateway's requests waiting now, the requests it saw waiting that have had their first token since counted as
+        another gateway's, and on a fast fleet (the live tenants, a 2,048-token prefill in 0.03 s, scraped every
+        second) that phantom queue sent requests away from their prefix (`kvgate bench vsim` tenants at speedup 10,
+        seeds 0-29: hit rate 0.841 -> 0.855; docs/ttft.md)."""
+        at = worker.load_scraped_at
+        if worker.spec.dp_ranks == 1:
+            return self.queue(worker.url).count_at(at, now)
+        return sum(self.queue(cache).count_at(at, now) for _, cache in self._caches_of(worker))
+
     def _ours(self, worker: Worker, now: float) -> int:
         """The gateway's requests waiting for their first token on the worker, all its ranks together."""
         if worker.spec.dp_ranks == 1:
@@ -855,7 +893,9 @@ class TtftAware(KvAware):
         prefill = Work.of(max(1, prompt - context), context)
         ours = self._ours(worker, now)
         # requests waiting in the engine that the gateway did not send wait for whichever rank: counted on each
-        queued = queue.ahead(now, rate) + self.pressure.foreign(worker, ours, self._mean)
+        queued = queue.ahead(now, rate)
+        if worker.waiting > 0:
+            queued = queued + self.pressure.foreign(worker, self._ours_when_scraped(worker, now), self._mean)
         queue_s = rate.seconds(queued)
         # the rest of the step in progress: only while requests decode there (else the engine is idle)
         rest = self.step_rest(worker.url, rank, now) if (
@@ -931,8 +971,9 @@ class TtftAware(KvAware):
         # a prefix whose every holder is at its cap has more traffic than they can take: one more copy is what the
         # balance needs, not a cost
         spread = bool(holders) and not all(over[i] for i in holders)
+        price = self.balance_s
         scores = [e.choice_s + (self.spread.seconds(h.tokens, most, self.rate(w.url)) if spread else 0.0)
-                  + (self.balance_s if o else 0.0)
+                  + (price if o else 0.0)
                   for w, h, e, o in zip(workers, held, estimates, over, strict=True)]
         best = min(scores)
         # within the prediction's own error the workers are as good: the least busy, then the one holding the

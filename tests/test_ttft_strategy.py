@@ -49,7 +49,8 @@ ROOT = root_key("tiny")
 # cap off: each part on its own; the balance's tests turn it on)
 OPTIONS = TtftOptions(ttft_prefill_tokens_per_s=10_000.0, ttft_overhead_s=0.01, ttft_attention_s=0.0,
                       ttft_decode_cost_s=0.0, ttft_spread_weight=1.0, ttft_tie_share=0.0, ttft_balance_slack=-1.0)
-BALANCED = dataclasses.replace(OPTIONS, ttft_balance_slack=0.2, ttft_balance_s=0.12, ttft_balance_window=300.0)
+# the balance's price: 1,200 tokens of prefill, 0.12 s on this fleet until it learns otherwise
+BALANCED = dataclasses.replace(OPTIONS, ttft_balance_slack=0.2, ttft_balance_tokens=1200.0, ttft_balance_window=300.0)
 
 
 def make(n: int = 3, options: TtftOptions = OPTIONS) -> tuple[TtftAware, list[Worker], InMemoryKvIndex, list[float]]:
@@ -182,6 +183,31 @@ def test_engine_pressure_counts_decodes_foreign_waiting_and_a_full_cache() -> No
     assert pressure.foreign(worker, 2, Work(100.0, 0.0)).tokens == 100.0  # one waiting there is not ours
     worker.kv_usage = 0.95
     assert abs(pressure.seconds(worker, ours_waiting=2) - (0.003 + 0.25)) < 1e-12
+
+
+def test_an_engines_waiting_queue_is_set_against_the_gateways_requests_of_the_scrapes_time() -> None:
+    """A scrape (up to a metrics interval old) saw three requests waiting on worker 0, two of them the gateway's;
+    both have had their first token since. Only the third is another's: set against the gateway's requests
+    waiting now (none), all three counted as foreign prefill there, and on a fleet whose prefills end well within
+    the interval (the live tenants at speedup 10, scraped every second) that phantom queue sent requests away from
+    their prefix."""
+    strategy, workers, index, clock = make(2)
+    prefix = tokens(1, 2048)
+    index.add(workers[0].url, block_keys(prefix, BS, ROOT), GPU)
+    sent = [request(prefix + tokens(10 + i, 64)) for i in range(2)]
+    decisions = [strategy.choose(req, workers) for req in sent]
+    assert all(d.worker is workers[0] for d in decisions)
+    workers[0].waiting, workers[0].load_scraped_at = 3.0, clock[0] + 0.001
+    clock[0] += 0.05
+    for req, decision in zip(sent, decisions, strict=True):
+        strategy.on_first_token(req, decision, 0.02)
+    held = strategy.holdings(request(prefix).block_keys, workers, 2048)
+    estimate = strategy.estimate(workers[0], 2112, held[0], clock[0])
+    assert estimate.queued == strategy._mean  # the one request waiting there that the gateway did not send
+    workers[0].waiting = 2.0  # both the gateway's: nothing foreign
+    assert strategy.estimate(workers[0], 2112, held[0], clock[0]).queued == Work()
+    workers[0].load_scraped_at = clock[0] - 1.0  # a scrape before the two were sent: both foreign then
+    assert strategy.estimate(workers[0], 2112, held[0], clock[0]).queued == strategy._mean.scaled(2.0)
 
 
 def test_the_step_clock_finds_the_engines_steps_in_its_streams_chunks() -> None:
@@ -533,6 +559,46 @@ def test_the_balance_costs_a_request_at_most_its_budget() -> None:
     decisions = sequential(strategy, workers, clock, [system + tokens(100 + i, 32) for i in range(40)], index)
     assert {d.worker.url for d in decisions} == {decisions[0].worker.url}
     assert strategy.share.over([w.url for w in workers]) == [w is decisions[0].worker for w in workers]
+
+
+def routed_at_speed(speed: float, prompts: list[list[int]], options: TtftOptions = BALANCED) -> list[tuple[int, str]]:
+    """Each prompt routed over four workers and answered one after another by a fleet `speed` times faster than
+    OPTIONS' prior (10 ms + 0.1 ms per uncached token, divided by `speed`), its blocks announced by the worker
+    chosen: (worker, reason) per prompt."""
+    strategy, workers, index, clock = make(4, options)
+    placed = []
+    for ids in prompts:
+        req = request(ids)
+        decision = strategy.choose(req, workers)
+        clock[0] += 1.0
+        uncached = len(ids) - decision.predicted_cached_tokens
+        strategy.on_first_token(req, decision, (0.01 + uncached / 10_000) / speed)
+        index.add(decision.worker.url, req.block_keys, GPU)
+        placed.append((workers.index(decision.worker), decision.reason))
+    return placed
+
+
+def test_fleets_that_differ_only_in_speed_make_the_same_choices() -> None:
+    """Five tenants' 2,048-token prompts on four workers: one worker reads two of them, and with twice its share of
+    requests it is at its balance cap. Moving a tenant costs a full miss, and (in a full cache) another tenant's
+    place; the price makes that worth it only for a prefix cheaper than 1,200 tokens of prefill. On the live
+    fleet, ten times faster than the time model (`kvgate sim --speedup 10`), the price was 0.12 s whatever the
+    speed: more than a 2,048-token prefill there (0.02 s), so the balance moved tenants (hit rate 0.84 against
+    `kv`'s 0.87), while the same fleet at speedup 1 kept them. Priced in the fleet's learned prefill it makes the
+    same choices at either speed, and keeps every tenant where it was first read."""
+    rng = random.Random(5)
+    warmup = [tokens(500 + i, rng.randrange(200, 4000)) for i in range(40)]  # misses of every size: the rate
+    prefixes = [tokens(10 + t, 2048) for t in range(5)]
+    order = [t for t in range(5) for _ in range(12)]
+    rng.shuffle(order)
+    prompts = warmup + [prefixes[t] + tokens(1000 + i, 64) for i, t in enumerate(order)]
+    slow, fast = routed_at_speed(1.0, prompts), routed_at_speed(10.0, prompts)
+    assert fast == slow
+    tenants = slow[len(warmup):]
+    for t in range(5):
+        placed = [p for p, tenant in zip(tenants, order, strict=True) if tenant == t]
+        assert len({worker for worker, _ in placed}) == 1, (t, placed)  # read once, never moved
+        assert [reason for _, reason in placed[1:]] == [HIT] * (len(placed) - 1)
 
 
 def test_misses_spread_and_the_learned_rate_follows_first_tokens() -> None:

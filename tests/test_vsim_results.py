@@ -100,13 +100,18 @@ PINNED: dict[str, dict[str, Any]] = {  # measured before the speed work of issue
     # 0.384 / 0.336, TTFT p50 5,871 / 6,120 / 5,350 -> 4,689 / 5,712 / 4,743 ms. Then by the wait for KV blocks
     # (predicted, learned less of, left out of the choice; docs/ttft.md): prediction error 52 / 63 / 66% -> 11 /
     # 12 / 11%, hit rate -> 0.398 / 0.448 / 0.376, TTFT p50 -> 5,454 / 5,196 / 5,474 ms, p99 15,288 / 15,955 /
-    # 16,299 -> 12,238 / 14,947 / 15,111 ms (on this seed; over the trace's seeds 0-11 p50, p90 and mean are lower)
-    "ttft off": {"hit_rate": 0.39847257, "ttft_ms_p50": 5453.621878,
-                "row": "c1e8afee4021098c", "decisions": "c847e16b40e7a214"},
-    "ttft lazy": {"hit_rate": 0.447828667, "ttft_ms_p50": 5195.804239,
-                 "row": "da5de304ef983981", "decisions": "c0c2524584d5dc16"},
-    "ttft eager": {"hit_rate": 0.376367417, "ttft_ms_p50": 5474.123331,
-                  "row": "f1a38119e98a4431", "decisions": "066b54da8b28635a"},
+    # 16,299 -> 12,238 / 14,947 / 15,111 ms (on this seed; over the trace's seeds 0-11 p50, p90 and mean are lower).
+    # Then by the balance's price in the fleet's learned prefill (3,800 tokens: this overloaded fleet's fit, taught
+    # waits as prefill, prices it about three times the profile's 0.12 s) and the engines' waiting queues set against
+    # the gateway's requests of the scrape's time (vsim stamps its scrapes now): hit rate -> 0.449 / 0.433 / 0.355,
+    # TTFT p50 -> 4,380 / 4,600 / 5,917 ms, p90 10,110 / 10,777 / 12,324 -> 10,073 / 10,359 / 12,511, p99 -> 11,349
+    # / 15,898 / 13,912, prediction error 11 / 12 / 11% -> 16 / 15 / 8% (one seed of an overloaded fleet: mixed)
+    "ttft off": {"hit_rate": 0.449205709, "ttft_ms_p50": 4379.90788,
+                "row": "f23c0d0e54a9ef0d", "decisions": "3ac21516ce782da9"},
+    "ttft lazy": {"hit_rate": 0.432826153, "ttft_ms_p50": 4600.398613,
+                 "row": "4294ea92997c2219", "decisions": "805ba1b3236379bd"},
+    "ttft eager": {"hit_rate": 0.355421878, "ttft_ms_p50": 5916.548756,
+                  "row": "b9de194e1dbd9f06", "decisions": "89afc679c1e08c7d"},
 }
 
 
