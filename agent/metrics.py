@@ -56,6 +56,9 @@ class TierCollector(Collector):
             for tier_name, n in getattr(flow, kind).items():
                 family.add_metric([tier_name], n)
             yield family
+        yield GaugeMetricFamily("kvgate_agent_background_bytes", "bytes of write-throughs and demotions queued or "
+                                "running: what the lower tiers do not hold yet of what they were sent",
+                                value=self.store.background_bytes)
         yield CounterMetricFamily("kvgate_agent_dropped_background_writes",
                                   "write-throughs / demotions skipped because too many bytes were in flight",
                                   value=flow.dropped_background_writes)

@@ -133,10 +133,16 @@ class TierStore:
         for tier in self.tiers:
             tier.close()
 
+    @property
+    def background_bytes(self) -> int:
+        """Bytes of write-throughs and demotions queued or running: 0 once every lower tier holds what it was sent
+        (or refused it)."""
+        return self._background_bytes
+
     def drain(self, timeout: float = 10.0) -> None:
         """Wait until background writes are done (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while self._background_bytes > 0 and time.monotonic() < deadline:
+        while self.background_bytes > 0 and time.monotonic() < deadline:
             time.sleep(0.005)
 
     def _below(self, tier: Tier) -> list[Tier]:

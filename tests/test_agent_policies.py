@@ -15,6 +15,7 @@ import pytest
 
 from agent.block import HEADER_SIZE
 from agent.config import AgentConfig
+from agent.metrics import AgentMetrics
 from agent.policy import TierPolicy, UseCounter
 from agent.store import TierStore, build_nvme_tier
 from agent.tiers.base import TierName
@@ -327,6 +328,25 @@ def test_write_through_counts_each_block_once_when_a_hit_comes_before_the_store_
     assert store.nvme is not None and all(store.nvme.contains((LAYOUT, h)) for h in hashes)
     assert store.flow.write_through[TierName.NVME] == 10
 
+
+
+def test_background_bytes_are_the_writes_not_done_yet(tmp_path: Path) -> None:
+    """`kvgate_agent_background_bytes`: what the lower tiers were sent and do not hold yet, so a reader of a lower
+    tier (tests/test_connector_parallel.py reads the NVMe files) can tell a write still on its way from one that
+    never comes."""
+    config = AgentConfig(dram_capacity=10 * SIZE, nvme_dir=str(tmp_path / "nvme"),
+                         nvme_capacity=100 * (SIZE + HEADER_SIZE), nvme_fsync=False, nvme_min_free=0,
+                         write_policy="eager").validate()
+    executor = HeldExecutor()
+    store = TierStore(config, dram=DramTier(config.dram_capacity), nvme=build_nvme_tier(config), executor=executor)
+    registry = AgentMetrics(store).registry
+    assert registry.get_sample_value("kvgate_agent_background_bytes") == 0
+    assert store.store_chain(LAYOUT, [1, 2, 3], [payload(i) for i in (1, 2, 3)]) == 3
+    assert store.nvme is not None and not any(store.nvme.contains((LAYOUT, h)) for h in (1, 2, 3))
+    assert registry.get_sample_value("kvgate_agent_background_bytes") == 3 * SIZE
+    executor.run_held()
+    assert all(store.nvme.contains((LAYOUT, h)) for h in (1, 2, 3))
+    assert registry.get_sample_value("kvgate_agent_background_bytes") == 0
 
 
 def test_the_in_memory_part_of_a_store_writes_no_medium(tmp_path: Path) -> None:
