@@ -674,14 +674,23 @@ class EngineTimings:
 
 class SpreadCost:
     """Placing a prefix held elsewhere on one more worker: the cache space the copy takes there, priced as
-    `ttft_spread_weight` times the prefill of the tokens copied."""
+    `ttft_spread_weight` times what getting the copied tokens costs there: their prefill, or, for tokens the
+    worker loads from a lower tier while another worker's GPU holds them, their load (what the copy pushes out
+    of this GPU then comes back from a tier too). Without the load's share a worker that could load a prefix from
+    the shared tier cost only the load more than its GPU holder, and with tier links priced as fast as a fleet
+    has them every small queue sent requests away from their GPU hits (live tenants with agents: GPU hit rate
+    0.21-0.27, every request a tier load)."""
 
     def __init__(self, options: TtftOptions) -> None:
         self.weight = options.ttft_spread_weight
 
-    def seconds(self, held_here: int, held_most: int, rate: PrefillRate) -> float:
+    def seconds(self, held_here: int, held_most: int, rate: PrefillRate, load_s: float = 0.0,
+                gpu_here: int = 0, gpu_most: int = 0) -> float:
         copied = max(0, held_most - held_here)
-        return self.weight * rate.seconds(Work.of(copied, held_here)) if copied else 0.0
+        cost = rate.seconds(Work.of(copied, held_here)) if copied else 0.0
+        if gpu_here < gpu_most:
+            cost += load_s
+        return self.weight * cost
 
 
 class RequestShare:
@@ -972,7 +981,9 @@ class TtftAware(KvAware):
         # balance needs, not a cost
         spread = bool(holders) and not all(over[i] for i in holders)
         price = self.balance_s
-        scores = [e.choice_s + (self.spread.seconds(h.tokens, most, self.rate(w.url)) if spread else 0.0)
+        gpu_most = max(h.by_tier.get(GPU, 0) for h in held)
+        scores = [e.choice_s + (self.spread.seconds(h.tokens, most, self.rate(w.url), e.load_s,
+                                                    h.by_tier.get(GPU, 0), gpu_most) if spread else 0.0)
                   + (price if o else 0.0)
                   for w, h, e, o in zip(workers, held, estimates, over, strict=True)]
         best = min(scores)

@@ -469,6 +469,28 @@ def test_a_hot_prefix_spills_only_when_the_queue_outweighs_its_saving_and_the_co
     assert all(d.worker is workers[0] for d in placed[:first_spill])
 
 
+def test_a_prefix_in_the_shared_tier_spills_when_the_queue_outweighs_its_load_and_the_copy() -> None:
+    """As above with the prefix also in the shared tier, where every worker can load it: another worker pays the
+    load (2 ms + 2,048 x 128 KiB at 10 GB/s: 28.8 ms) and, since worker 0's GPU holds the prefix, the copy,
+    priced at that load too. Without the copy's price every request whose holder had a queue worth more than a
+    load went elsewhere (live tenants with agents and the fleet's tier links: GPU hit rate 0.21-0.27)."""
+    strategy, workers, index, _ = make()
+    system = tokens(1, 2048)
+    keys = block_keys(system, BS, ROOT)
+    index.add(workers[0].url, keys, GPU)
+    index.add(workers[0].url, keys, SHARED)  # the agent's write-through: reachable from every worker
+    burst = [request(system + tokens(100 + i, 400)) for i in range(40)]  # none has its first token yet
+    placed = [strategy.choose(req, workers) for req in burst]
+    first_spill = next(i for i, d in enumerate(placed) if d.worker is not workers[0])
+    # worker 0: 10 ms + 40 ms of prefill + 40 ms per request queued; elsewhere 10 + 28.8 (load) + 40 + 28.8
+    # (the copy) = 107.7 ms: request 2 (the third, 130 ms on worker 0) is the first to go elsewhere
+    assert first_spill == 2
+    assert placed[first_spill].predicted_cached_tokens == 2048
+    load = strategy.load.load_seconds(SHARED, 2048)
+    predicted = placed[first_spill].predicted_ttft_s
+    assert predicted is not None and abs(predicted - (0.01 + load + 0.04)) < 1e-9  # the copy's price is no wait
+
+
 def test_a_tie_band_does_not_give_up_a_hit() -> None:
     """Predictions within `ttft_tie_share` of the best count as equal, but only among workers holding as much of the
     prompt as the best one: with the 10% band the hot prefix still spills at the 12th request, as above (at the
