@@ -106,12 +106,16 @@ PINNED: dict[str, dict[str, Any]] = {  # measured before the speed work of issue
     # the gateway's requests of the scrape's time (vsim stamps its scrapes now): hit rate -> 0.449 / 0.433 / 0.355,
     # TTFT p50 -> 4,380 / 4,600 / 5,917 ms, p90 10,110 / 10,777 / 12,324 -> 10,073 / 10,359 / 12,511, p99 -> 11,349
     # / 15,898 / 13,912, prediction error 11 / 12 / 11% -> 16 / 15 / 8% (one seed of an overloaded fleet: mixed)
+    # Then, with tiers, by the copy's price for a worker that would load a prefix another worker's GPU holds (its
+    # spread cost, docs/ttft.md): lazy hit rate 0.4328 -> 0.4317 (GPU share 0.386 -> 0.393, NVMe 0.036 -> 0.028),
+    # TTFTs the same; eager 0.355 -> 0.391 (GPU 0.291 -> 0.320), TTFT p50 5,917 -> 4,668, p90 12,511 -> 12,764, p99
+    # 13,912 -> 16,239 ms (one seed of an overloaded fleet: mixed)
     "ttft off": {"hit_rate": 0.449205709, "ttft_ms_p50": 4379.90788,
                 "row": "f23c0d0e54a9ef0d", "decisions": "3ac21516ce782da9"},
-    "ttft lazy": {"hit_rate": 0.432826153, "ttft_ms_p50": 4600.398613,
-                 "row": "4294ea92997c2219", "decisions": "805ba1b3236379bd"},
-    "ttft eager": {"hit_rate": 0.355421878, "ttft_ms_p50": 5916.548756,
-                  "row": "b9de194e1dbd9f06", "decisions": "89afc679c1e08c7d"},
+    "ttft lazy": {"hit_rate": 0.431666538, "ttft_ms_p50": 4600.398613,
+                 "row": "3e2f663cd68f9346", "decisions": "1a8a2b7083597756"},
+    "ttft eager": {"hit_rate": 0.391369931, "ttft_ms_p50": 4667.989975,
+                  "row": "9d86e91bdb206fcf", "decisions": "62b55bc556aa7767"},
 }
 
 
