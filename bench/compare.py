@@ -39,7 +39,6 @@ from bench import loadgen, vsim_report, workloads
 from bench.make_model import bench_model_dir
 from bench.report import write_markdown, write_plots
 from bench.sim.launch import AgentSettings, SimFleet, start_sim_fleet
-from bench.sim.offload import DEFAULT_LINKS, TierLink, parse_link
 from bench.sim.perf_model import load_profile
 from bench.targets import DEFAULT_TARGETS, Target, TargetError, TargetSettings, parse_target
 from bench.workload_options import add_workload_arguments, build_workload
@@ -196,8 +195,7 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any traffic
     balance_abs = args.peer_balance_abs or max(2, round(args.concurrency / args.replicas))
-    settings = TargetSettings(bs, MODEL, model_dir, balance_abs, args.peer_balance_rel, out / "logs",
-                              fleet_tier_flags(args))
+    settings = TargetSettings(bs, MODEL, model_dir, balance_abs, args.peer_balance_rel, out / "logs")
     report: dict[str, Any] = {
         "benchmark": "compare", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
@@ -269,31 +267,6 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
     return AgentSettings(write_policy=args.agent_write_policy,
                          dram_capacity=str(args.agent_dram_blocks * 64) if args.agent_dram_blocks else None,
                          nvme=args.agent_nvme, shared=not args.no_agent_shared, sim_args=tuple(sim_args))
-
-
-def fleet_links(args: argparse.Namespace) -> dict[str, TierLink]:
-    """The replicas' transfer model per agent tier (`kvgate sim`'s links, with --agent-link), in model time."""
-    links = dict(DEFAULT_LINKS)
-    for text in args.agent_link or ():
-        code, link = parse_link(text)
-        links[code] = link
-    return links
-
-
-def fleet_tier_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """`ttft`'s tier links (`kvgate serve --ttft-*`) as the replicas model them (`kvgate sim`'s links, with
-    --agent-link), in the fleet's wall time: a replica at --speedup S loads S times faster than the hardware it
-    models, as it prefills S times faster. With its defaults (the hardware's links) `ttft` priced loading a
-    2,048-token prefix from the shared tier of an L4 fleet at --speedup 10 at 29 ms, where the replicas take 3
-    (and 58 to recompute it)."""
-    links = fleet_links(args)
-    speedup = args.speedup
-    flags = ["--ttft-kv-bytes-per-token", str(load_profile(args.profile).model.kv_bytes_per_token)]
-    for code, tier in (("C", "cpu"), ("D", "disk"), ("S", "shared")):
-        link = links[code]
-        flags += [f"--ttft-{tier}-gbps", f"{link.bytes_per_s * speedup / 1e9:g}",
-                  f"--ttft-{tier}-latency-s", f"{link.latency_s / speedup:g}"]
-    return tuple(flags)
 
 
 def _command_line() -> str:

@@ -51,8 +51,6 @@ class TargetSettings:
     balance_abs_threshold: int
     balance_rel_threshold: float
     log_dir: Path
-    # `kvgate serve` flags for `ttft` targets: the tier links as the fleet has them (`fleet_tier_flags`)
-    ttft_tier_flags: tuple[str, ...] = ()
 
 
 @dataclass
@@ -101,12 +99,9 @@ class Target:
             processes = ["--processes", self.variant[1:]] if self.variant.startswith("p") else []
             if processes:
                 self.config["processes"] = int(self.variant[1:])
-            tiers = list(s.ttft_tier_flags) if self.policy == "ttft" else []
-            if tiers:
-                self.config["tier links"] = " ".join(tiers)
             return [sys.executable, "-m", "kvgate.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                     "--strategy", self.policy, "--model-dir", str(s.model_dir), "--block-size", str(s.block_size),
-                    "--predicted-ttft-header", "--log-level", "warning", *processes, *tiers, *workers]
+                    "--predicted-ttft-header", "--log-level", "warning", *processes, *workers]
         venv = ensure_peer(self.kind)
         self.version = peer_version(self.kind)
         tuned = self.variant == "tuned"

@@ -677,9 +677,9 @@ class SpreadCost:
     `ttft_spread_weight` times what getting the copied tokens costs there: their prefill, or, for tokens the
     worker loads from a lower tier while another worker's GPU holds them, their load (what the copy pushes out
     of this GPU then comes back from a tier too). Without the load's share a worker that could load a prefix from
-    the shared tier cost only the load more than its GPU holder, and with tier links priced as fast as a fleet
-    has them every small queue sent requests away from their GPU hits (live tenants with agents: GPU hit rate
-    0.21-0.27, every request a tier load)."""
+    the shared tier cost only the load more than its GPU holder, and where loads are cheap every small queue sent
+    requests away from their GPU hits (vsim tenants with eager tiers: GPU share of the hits 0.24-0.35, p90 mean
+    272 ms over ten seeds; with it 0.39-0.53, 255 ms)."""
 
     def __init__(self, options: TtftOptions) -> None:
         self.weight = options.ttft_spread_weight

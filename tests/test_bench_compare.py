@@ -19,7 +19,7 @@ import pytest
 from bench import compare
 from bench.overhead import _descendants
 from bench.report import write_markdown
-from bench.sim.launch import SimFleet, start_sim_fleet
+from bench.sim.launch import start_sim_fleet
 from bench.targets import TargetSettings, parse_target
 from bench.vsim import FleetSimulation, TierSettings
 from bench.workloads import PromptVocabulary
@@ -143,36 +143,6 @@ def test_a_target_that_cannot_start_is_reported_with_its_error(tiny_model_dir: P
                     "command": "c", "created": "t", "machine": {"python": "3", "cpus": 1}, "targets": [row]},
                    markdown)
     assert "Did not run" in markdown.read_text() and "no-such-model" in markdown.read_text()
-
-
-@pytest.mark.timeout(60)
-def test_a_ttft_target_prices_tier_loads_as_the_fleet_runs_them(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The `kvgate serve` a compare starts for `ttft` (its real argv, read by the real `serve` parser) prices
-    loading a prefix from each agent tier at what the replicas take for it: their modelled link time divided by
-    the fleet's speedup. With `ttft`'s defaults (the hardware's links) a 2,048-token load from the shared tier
-    of an L4 fleet at --speedup 10 was priced at 29 ms where the replicas took 3; `kv` gets no such flags."""
-    from bench.sim.offload import transfer_seconds
-    from bench.sim.perf_model import load_profile
-    from kvcore.kv_events import CPU, DISK, SHARED
-    from kvgate import serve
-    from strategies.ttft import TtftAware
-
-    args = compare_args(tmp_path, tiny_model_dir, profile="llama-3.1-8b-l4", speedup=10.0,
-                        agent_link=["D=3:400"])
-    flags = compare.fleet_tier_flags(args)
-    settings = TargetSettings(16, "tiny", tiny_model_dir, 2, 1.25, tmp_path / "logs", flags)
-    fleet = SimFleet([], "tiny", tiny_model_dir)  # no replicas: only the gateways' command lines are wanted
-    argv, kv_argv = (parse_target(name)._command(fleet, settings) for name in ("kvgate:ttft", "kvgate:kv"))
-    assert not [a for a in kv_argv if a.startswith("--ttft-")]
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    _config, strategy = serve.load(parser.parse_args(argv[argv.index("serve") + 1:]), environ={})
-    assert isinstance(strategy, TtftAware)
-    block_bytes = load_profile("llama-3.1-8b-l4").model.kv_bytes_per_token * 16
-    for tier, code in ((CPU, "C"), (DISK, "D"), (SHARED, "S")):
-        fleet_s = transfer_seconds(code * 128, block_bytes, compare.fleet_links(args)) / 10.0
-        assert strategy.load.load_seconds(tier, 128 * 16) == pytest.approx(fleet_s, rel=1e-3), tier
-    assert strategy.load.load_seconds(SHARED, 2048) < 0.003  # 2.8 ms, not 29
 
 
 def test_the_readme_benchmark_commands_parse() -> None:
