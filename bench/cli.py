@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from bench.procs import exit_on_sigterm
+
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "what the gateway adds over direct access to the workers"),
     "abuse": ("bench.abuse", "hostile load: 10k held connections, overload, templates, huge bodies, slowloris"),
@@ -29,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    exit_on_sigterm()  # a benchmark's `finally` blocks stop the replicas, gateways and agents it started
     module_name, summary = BENCHMARKS[args.name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"kvgate bench {args.name}", description=summary)

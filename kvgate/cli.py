@@ -18,9 +18,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("bench.sim.cli", "run a simulated vLLM fleet: paged prefix cache, time model, KV events, metrics"),
     "make-model": ("bench.make_model", "write a tiny Llama model directory (tokenizer, config, weights)"),
 }
-# subcommands that start child processes and stop them in `finally` blocks: SIGTERM unwinds them as Ctrl-C does
-# (the servers -- serve, agent, sim, standin -- handle SIGTERM themselves)
-UNWIND_ON_SIGTERM = frozenset({"bench", "demo"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,9 +37,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = argv[0]
     module_name, summary = SUBCOMMANDS[name]
     module = importlib.import_module(module_name)
-    if name in UNWIND_ON_SIGTERM:
-        from bench.procs import exit_on_sigterm
-        exit_on_sigterm()
     parser = argparse.ArgumentParser(prog=f"kvgate {name}", description=summary)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
