@@ -53,6 +53,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from agent.block_mover import BlockMover, Failure, LoadResult
 from agent.breaker import AgentCircuit
 from agent.client import AgentClient
+from agent.cpu_tiles import request_amx_tiles
 from agent.kv_layout import STAGING_BYTES, describe_layers
 from agent.layout_key import KvLayout
 from agent.lookups import LookupTooSlow, SchedulerLookups
@@ -401,6 +402,8 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe the caches and map the agent's shared memory now, before the engine's first step."""
+        if any(cache.device.type == "cpu" for cache in kv_caches.values()):
+            request_amx_tiles()  # the first forward pass may be one token after a load: see agent/cpu_tiles.py
         try:
             layers = describe_layers(kv_caches, self._kv_cache_config.num_blocks)
         except ValueError:
