@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agent.config import AgentConfig
 from agent.metrics import AgentMetrics
+from agent.presence import PresenceMap, presence_path
 from agent.protocol import (
     FRAME,
     MAX_FRAME,
@@ -200,6 +201,7 @@ class TierAgent:
         self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        self._presence: PresenceMap | None = None
         self.started_at = time.time()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -212,6 +214,7 @@ class TierAgent:
             await self.publisher.start()
         path = Path(self.config.socket_path)
         _remove_socket(path, make_parent=True)
+        self._publish_presence(path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
         os.chmod(path, int(self.config.socket_mode, 8))
@@ -270,8 +273,22 @@ class TierAgent:
         self._scrapes.shutdown(wait=True, cancel_futures=True)
         await asyncio.to_thread(self.store.drain, 5.0)
         self.store.close(wait=False)
+        if self._presence is not None:
+            self._presence.close()
         if self.publisher is not None:
             await self.publisher.close()
+
+    def _publish_presence(self, socket_path: Path) -> None:
+        """The bitmap of the blocks this agent may hold (agent/presence.py), from what its tiers hold already;
+        none with a shared tier (other replicas put blocks there that only this agent can be asked about), and
+        then an older agent's is removed."""
+        target = presence_path(socket_path)
+        if self.store.shared is not None:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+            return
+        self._presence = PresenceMap(target, [key for tier in self.store.tiers for key in tier.block_keys()])
+        self.store.presence = self._presence
 
     async def serve_forever(self) -> None:
         await self.start()

@@ -24,6 +24,7 @@ from functools import partial
 from agent.block import BlockHash, BlockKey
 from agent.config import AgentConfig
 from agent.policy import TierPolicy, UseCounter
+from agent.presence import PresenceMap
 from agent.tiers.base import Buffer, HeldBlock, Removed, StoreItem, Tier, TierName
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
@@ -119,6 +120,8 @@ class TierStore:
         self._background_lock = threading.Lock()
         self._probing: set[BlockKey] = set()
         self._maintenance_runs = 0
+        # set by the agent that publishes one (agent/presence.py): every block's bit is set before it is held
+        self.presence: PresenceMap | None = None
         for tier in self.tiers:
             tier.on_removed = partial(self._removed, tier)
 
@@ -234,6 +237,8 @@ class TierStore:
     def _chain(self, layout: int, hashes: Sequence[BlockHash], payloads: Sequence[Buffer], parent: BlockHash | None,
                digests: Sequence[int | None] | None) -> tuple[list[BlockKey], list[StoreItem], list[int]]:
         keys: list[BlockKey] = [(layout, h) for h in hashes]
+        if self.presence is not None:
+            self.presence.add(keys)
         parents: list[BlockKey | None] = [(layout, parent) if parent is not None else None, *keys[:-1]]
         uses = self.uses.bump_all(keys)
         items = [StoreItem(k, p, d, par) for k, p, d, par in zip(keys, payloads, digests or [None] * len(keys),

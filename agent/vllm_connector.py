@@ -57,6 +57,7 @@ from agent.cpu_tiles import request_amx_tiles
 from agent.kv_layout import STAGING_BYTES, describe_layers
 from agent.layout_key import KvLayout
 from agent.lookups import LookupTooSlow, SchedulerLookups
+from agent.presence import PresenceReader, presence_path
 from agent.protocol import AgentError
 from agent.transfers import LoadJob, SaveJob, TransferThread
 
@@ -204,6 +205,9 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
                         "THE TIER AGENT CANNOT DELIVER FAILS (agent restarted or down, a block evicted or corrupt); "
                         "set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config", policy)
         self._last_agent_error = 0.0
+        # the agent's bitmap of the blocks it may hold: a lookup of a block it never held needs no round trip
+        self._presence = (PresenceReader(presence_path(socket_path)) if role == KVConnectorRole.SCHEDULER
+                          and bool(extra.get("presence", True)) else None)
         # the scheduler's lookups run in a thread of their own, so that no step waits for the agent longer than
         # lookup_wait_ms (all of that step's lookups together; vLLM asks again for a request not answered yet)
         self._lookup_thread = SchedulerLookups(
@@ -269,7 +273,12 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._lookup_thread.forget(request.request_id)
             self._agent_failed("lookup", AgentError(f"{self._circuit.name} did not answer: not asked until it does"))
             return 0, False
-        hashes = [event_hash(h) for h in request.block_hashes[start:loadable]]
+        first = event_hash(request.block_hashes[start])
+        if self._presence is not None and not self._presence.may_hold(self._layout, first):
+            # the agent never held the first block asked (agent/presence.py): nothing to load, no round trip
+            self._lookup_thread.forget(request.request_id)
+            return 0, False
+        hashes = [first, *(event_hash(h) for h in request.block_hashes[start + 1:loadable])]
         try:
             answer = self._lookup_thread.answer(request.request_id, (start, loadable - start), hashes)
         except Exception as exc:  # AgentError, LookupTooSlow, anything: the agent's trouble never stops the engine
@@ -560,6 +569,8 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._circuit.close()
+        if self._presence is not None:
+            self._presence.close()
         self._lookup_thread.close()
         if self._transfers is not None:
             self._transfers.close()

@@ -42,7 +42,7 @@ from agent.vllm_connector import KvgateConnector, event_hash
 
 model, socket, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
 extra = {"agent_socket": socket, "timeout_s": 2.0, "probe_interval_s": 0.2, "lookup_wait_ms": 1.0,
-         "lookup_give_up_ms": 500}
+         "lookup_give_up_ms": 500, **json.loads(sys.argv[4])}
 config = EngineArgs(model=model, max_model_len=512, kv_transfer_config={
     "kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector", "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}).create_engine_config()
@@ -78,6 +78,21 @@ with AgentClient(socket, shm_bytes=0) as client:  # the agent holds a's first 5 
     client.store(sched._layout, [event_hash(h) for h in a.block_hashes[:5]], [bytes(64)] * 5)
     client.store(sched._layout, [event_hash(h) for h in b.block_hashes[:2]], [bytes(64)] * 2)
 out = {"bs": bs}
+if extra.get("presence", True):
+    # the agent hangs: requests whose first block it never held are answered 0 at once, from its bitmap
+    # (agent/presence.py), with no lookup and so no wait or failure; one whose first block it holds is asked
+    os.kill(pid, signal.SIGSTOP)
+    took, answers = step([request(f"n{i}", 4) for i in range(3)])
+    out["never_held"] = {"s": took, "answers": answers}
+    took, answers = step([a])
+    out["held"] = {"s": took, "answers": answers}
+    os.kill(pid, signal.SIGCONT)
+    out["held_back"] = until_answered([a])
+    stats = sched.get_kv_connector_stats()
+    out["stats"] = stats.data if stats is not None else {}
+    sched.shutdown()
+    print(json.dumps(out))
+    sys.exit(0)
 # 1. a healthy agent: both answered, each from the start of the hashes asked
 out["healthy"] = until_answered([a, b])
 # 2. the agent hangs: no step waits for it; its lookups answer None, then 0 (given up at 0.5 s), and once the
@@ -118,7 +133,8 @@ def test_scheduler_lookups_never_wait_for_the_agent(tmp_path: Path, agents: list
     assert agent.proc is not None
     model = tmp_path / "model"
     write_model(model)
-    out = run_in_vllm(SCHEDULER_SCRIPT, str(model), agent.socket, str(agent.proc.pid))
+    # (the agent's bitmap off: it would answer the hung requests, whose blocks the agent never held, at once)
+    out = run_in_vllm(SCHEDULER_SCRIPT, str(model), agent.socket, str(agent.proc.pid), json.dumps({"presence": False}))
     bs = out["bs"]
     for phase in ("healthy", "back"):
         assert out[phase][-1]["answers"] == [5 * bs, 2 * bs], out[phase]
@@ -132,6 +148,25 @@ def test_scheduler_lookups_never_wait_for_the_agent(tmp_path: Path, agents: list
     assert out["left_behind"] == 0
     assert out["stats"]["lookup"].get("agent_unavailable", 0) >= 2  # timed out once, then the circuit was open
     assert out["stats"]["lookup"].get("slow", 0) >= 3  # the three hung requests given up
+
+
+def test_scheduler_answers_a_block_the_agent_never_held_without_asking(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """Before, every new request's lookup was a round trip through the lookup thread and the agent, and on a busy
+    machine most were not answered within the step's 1 ms, so vLLM left the request for a step (issue 14 item 1: a
+    saturated replica of unique prompts skipped 1.4 steps per request); a block the agent never held is now answered
+    from its bitmap, in the step, whatever the agent is doing (SIGSTOPped here)."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "4MiB")
+    agents.append(agent)
+    assert agent.proc is not None
+    model = tmp_path / "model"
+    write_model(model)
+    out = run_in_vllm(SCHEDULER_SCRIPT, str(model), agent.socket, str(agent.proc.pid), json.dumps({}))
+    bs = out["bs"]
+    assert out["never_held"]["answers"] == [0, 0, 0] and out["never_held"]["s"] < 0.1, out
+    assert out["held"]["answers"] == [None]  # asked, not answered: the agent is stopped
+    assert out["held_back"][-1]["answers"] == [5 * bs]
+    assert not any(out["stats"].get("lookup", {}).values()), out["stats"]  # nothing failed, nothing was slow
 
 
 SYSTEM = " ".join(f"rule{i} keep answers short and exact" for i in range(40))  # a prefix of several blocks
@@ -211,7 +246,9 @@ def test_vllm_keeps_decoding_while_a_new_requests_lookup_hangs(
     agents.append(agent)
     assert agent.proc is not None
     vllm = start_vllm(weighted_model, tmp_path / "logs", agent.socket,
-                      connector_extra={"timeout_s": 3.0, "probe_interval_s": 0.3, "lookup_give_up_ms": 10_000})
+                      # (the agent's bitmap off: it would answer the new request at once, its blocks never held)
+                      connector_extra={"timeout_s": 3.0, "probe_interval_s": 0.3, "lookup_give_up_ms": 10_000,
+                                       "presence": False})
     servers.append(vllm)
     replica.complete(vllm, "warm up")  # (vLLM compiles its logprobs sampler on the first request that asks: 4 s)
     gaps: list[tuple[float, float]] = []
