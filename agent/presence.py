@@ -27,7 +27,7 @@ from agent.protocol import BlockHash
 
 MAGIC = b"kvgbits1"
 HEADER = struct.Struct("<8sQ")  # magic, log2 of the number of bits
-DEFAULT_BITS_LOG2 = 27  # 2**27 bits, a 16 MiB sparse file: 1% of bits set after 1.3 M distinct blocks stored
+DEFAULT_BITS_LOG2 = 27  # 2**27 bits, a 16 MiB file: 1% of bits set after 1.3 M distinct blocks stored
 _MASK64 = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15
 
@@ -56,7 +56,12 @@ class PresenceMap:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, size)  # sparse: pages are allocated as bits are set
+            self._allocate(fd, size)
+        except OSError:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        try:
             self._map = mmap.mmap(fd, size)
             self._ident = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
         finally:
@@ -64,6 +69,11 @@ class PresenceMap:
         self._map[: HEADER.size] = HEADER.pack(MAGIC, bits_log2)
         self.add(known)
         os.replace(tmp, self.path)  # readers see a whole map or the previous one, never a part
+
+    @staticmethod
+    def _allocate(fd: int, size: int) -> None:
+        """Allocated now, not sparse: a page first written on a full filesystem would be SIGBUS, not an error."""
+        os.posix_fallocate(fd, 0, size)
 
     def add(self, keys: Iterable[tuple[int, BlockHash]]) -> None:
         m, base, log2 = self._map, HEADER.size, self.bits_log2

@@ -287,7 +287,14 @@ class TierAgent:
             with contextlib.suppress(FileNotFoundError):
                 target.unlink()
             return
-        self._presence = PresenceMap(target, [key for tier in self.store.tiers for key in tier.block_keys()])
+        try:
+            self._presence = PresenceMap(target, [key for tier in self.store.tiers for key in tier.block_keys()])
+        except OSError as exc:  # (a full disk, a file size limit): every lookup asks this agent, as without one
+            log.warning("no bitmap of the blocks held published at %s (%s): schedulers ask every lookup", target,
+                        exc)
+            with contextlib.suppress(OSError):
+                target.unlink()
+            return
         self.store.presence = self._presence
 
     async def serve_forever(self) -> None:

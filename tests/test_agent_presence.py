@@ -72,3 +72,17 @@ def test_a_killed_agents_map_is_replaced_by_its_successors(tmp_path: Path, agent
     agent.start()  # DRAM only: it holds nothing now, and its map says so
     assert not reader.may_hold(LAYOUT, 11)
     reader.close()
+
+
+def test_an_agent_that_cannot_write_the_map_serves_without_one(tmp_path: Path, agents: list[AgentProcess],
+                                                              subprocess_env: dict[str, str]) -> None:
+    """No file it writes may exceed 8 KiB (as on a full disk): before, the agent died at start (EFBIG on the map's
+    16 MiB); now it publishes none and every lookup asks it."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "4MiB", file_size_limit=8192)
+    agents.append(agent)
+    assert not presence_path(agent.socket).exists()
+    assert not list(tmp_path.glob(".*.tmp"))
+    with AgentClient(agent.socket, shm_bytes=0) as client:
+        assert client.store(LAYOUT, [5, 6], [bytes(100)] * 2) == 2
+        assert client.lookup(LAYOUT, [5, 6]) == (2, "CC")
+    assert PresenceReader(presence_path(agent.socket)).may_hold(LAYOUT, 99)
