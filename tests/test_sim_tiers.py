@@ -4,7 +4,6 @@ stand-in bytes, the fleet's shared store and its TTL on the virtual clock, and t
 from __future__ import annotations
 
 import random
-import sys
 from collections import OrderedDict
 from typing import Any
 
@@ -12,10 +11,12 @@ import pytest
 
 from agent.block import checksum
 from agent.config import AgentConfig
+from agent.policy import UseCounter
 from agent.tiers.base import StoreItem
 from agent.tiers.dram import DramTier
-from bench.sim.tier_model import FleetBackend, HashKeyedIndex, NvmeModel, OldestFirst, ReplicaAgent
-from kvcore import dict_tables
+from bench.sim import hash_lru
+from bench.sim.hash_lru import HashLru
+from bench.sim.tier_model import FleetBackend, HashKeyedIndex, HashUseCounter, NvmeModel, ReplicaAgent
 from kvcore.kv_events import BlockRemoved, BlockStored
 
 
@@ -85,11 +86,11 @@ def test_admission_by_reuse_keeps_one_off_blocks_out_of_the_lower_tiers() -> Non
 
 @pytest.mark.parametrize("longest", [8, 150])
 def test_the_nvme_model_is_the_dram_tier_without_prefix_order(monkeypatch: pytest.MonkeyPatch, longest: int) -> None:
-    """The simulator's slim NVMe model (a dict of keys in use order) answers, evicts and hands down exactly as the
-    agent's DRAM tier without prefix order, the exact LRU it stands for, under a random mix of operations; chains
-    of up to 150 blocks into 50 make one write evict more than a run of `OldestFirst` and evict blocks it wrote
-    or touched itself. Its dict is copied into itself as it churns (`TableTrim`, here at any size)."""
-    monkeypatch.setattr(dict_tables, "MIN_ENTRIES", 0)
+    """The simulator's slim NVMe model (hashes in use order, `HashLru`) answers, evicts and hands down exactly as
+    the agent's DRAM tier without prefix order, the exact LRU it stands for, under a random mix of operations;
+    chains of up to 150 blocks into 50 make one write evict many blocks, among them blocks it wrote or touched
+    itself, and the log is rewritten often."""
+    monkeypatch.setattr(hash_lru, "STALE_SLACK", 3)
     rng = random.Random(7)
     slim, full = NvmeModel(50, 0.9, 0.6), DramTier(50, 0.9, 0.6, prefix_order=False)
     removed: dict[str, list[Any]] = {"slim": [], "full": []}
@@ -124,10 +125,8 @@ def test_the_nvme_model_is_the_dram_tier_without_prefix_order(monkeypatch: pytes
 
 
 def test_the_fleet_store_is_an_exact_lru(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fleet's store (a dict of block hashes in use order) keeps, expires and forgets blocks exactly as an
-    ordered dict with a bound does, also when one write pushes out more blocks than a run of `OldestFirst`, and
-    while its dict is copied into itself as it churns (`TableTrim`, here at any size)."""
-    monkeypatch.setattr(dict_tables, "MIN_ENTRIES", 0)
+    """The fleet's store (block hashes in use order, `HashLru`) keeps, expires and forgets blocks exactly as an
+    ordered dict with a bound does, also when one write pushes out many blocks."""
     rng = random.Random(11)
     clock = Clock()
     fleet = FleetBackend(capacity=100, clock=clock)
@@ -157,16 +156,12 @@ def test_the_fleet_store_is_an_exact_lru(monkeypatch: pytest.MonkeyPatch) -> Non
         assert list(fleet.keys()) == [(0, h) for h, expiry in reference.items() if expiry > clock.now]
 
 
-@pytest.mark.parametrize(("run", "forget_after"), [(64, 4096), (3, 5)])
-def test_the_hash_keyed_shared_index_is_an_ordered_dict(monkeypatch: pytest.MonkeyPatch, run: int,
-                                                        forget_after: int) -> None:
-    """Each replica's shared-tier index in the simulation (a dict of hashes in use order) answers, orders and
-    gives up its oldest entries exactly as the ordered dict of block keys it stands for, under a random mix of the
-    operations the shared tier uses (short runs of `OldestFirst` and an early reset exercised too), its dict copied
-    into itself as it churns (`TableTrim`, here at any size)."""
-    monkeypatch.setattr(dict_tables, "MIN_ENTRIES", 0)
-    monkeypatch.setattr(OldestFirst, "RUN", run)
-    monkeypatch.setattr(OldestFirst, "FORGET_AFTER", forget_after)
+@pytest.mark.parametrize("slack", [4096, 3])
+def test_the_hash_keyed_shared_index_is_an_ordered_dict(monkeypatch: pytest.MonkeyPatch, slack: int) -> None:
+    """Each replica's shared-tier index in the simulation (hashes in use order, `HashLru`) answers, orders and
+    gives up its oldest and newest entries exactly as the ordered dict of block keys it stands for, under a random
+    mix of the operations the shared tier uses, through its table's growth and its log's rewrites."""
+    monkeypatch.setattr(hash_lru, "STALE_SLACK", slack)
     rng = random.Random(5)
     index = HashKeyedIndex()
     reference: OrderedDict[tuple[int, int], tuple[float, int]] = OrderedDict()
@@ -190,7 +185,8 @@ def test_the_hash_keyed_shared_index_is_an_ordered_dict(monkeypatch: pytest.Monk
             for _ in range(rng.randrange(4)):
                 if not reference:
                     break
-                assert index.popitem(last=False) == reference.popitem(last=False)
+                last = rng.random() < 0.2
+                assert index.popitem(last=last) == reference.popitem(last=last)
         oldest = index.first()
         assert oldest == (next(iter(reference.items())) if reference else None)
         assert (key in index) == (key in reference) and index.get(key) == reference.get(key)
@@ -198,17 +194,19 @@ def test_the_hash_keyed_shared_index_is_an_ordered_dict(monkeypatch: pytest.Monk
     assert list(index.items()) == list(reference.items()) and list(index) == list(reference)
 
 
-def test_the_tier_models_dicts_stay_at_a_copys_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NVMe, the fleet's store and the shared-tier index under LRU traffic at 12,000 blocks (watched from 4,096
-    here): each dict's table stays at the size a copy of it has (CPython alone grows a dict that deletes as much
-    as it inserts to twice that: 119 instead of 60 bytes per entry at a replica's 176,000 NVMe blocks)."""
-    monkeypatch.setattr(dict_tables, "MIN_ENTRIES", 4096)
+def test_the_tier_models_hold_a_block_in_a_few_bytes() -> None:
+    """NVMe, the fleet's store and the shared-tier index under LRU traffic at 12,000 blocks keep a block in at most
+    40 bytes of arrays (and a value's pointer where it has one): a dict took 57 per block at a replica's 176,000
+    NVMe blocks, and an int object of 48 bytes for each hash no other structure held."""
     rng = random.Random(2)
     clock = Clock()
     nvme, fleet, index = NvmeModel(12_000, 0.9, 0.6), FleetBackend(12_000, clock), HashKeyedIndex()
     out = memoryview(bytearray(1))
+    seen: list[tuple[int, int]] = []
     for _ in range(3000):
-        keys = [(0, rng.randrange(40_000)) for _ in range(rng.randint(1, 64))]
+        keys = [(0, rng.randrange(1 << 64)) for _ in range(rng.randint(1, 64))]
+        seen += keys
+        keys += rng.sample(seen[-20_000:], min(16, len(seen)))  # some used again
         nvme.store_many([StoreItem(k, b"\x00", None) for k in keys])
         nvme.read_many(keys, [out] * len(keys))
         fleet.put(keys, 30.0)
@@ -220,5 +218,54 @@ def test_the_tier_models_dicts_stay_at_a_copys_size(monkeypatch: pytest.MonkeyPa
                 index[key] = (0.0, 1)
                 if len(index) > 12_000:
                     index.popitem(last=False)
-    for table in (nvme._lru, fleet._expiry, index._entries):
-        assert len(table) == 12_000 and sys.getsizeof(table) <= sys.getsizeof(dict(table))
+    for lru in (nvme._lru, fleet._expiry, index._entries):
+        assert len(lru) == 12_000
+        arrays = lru._log.itemsize * len(lru._log) + lru._places.itemsize * len(lru._places)
+        assert arrays <= 40 * len(lru)
+        assert lru._values is None or len(lru._values) == len(lru._log)
+
+
+@pytest.mark.parametrize("limit", [2, 10, 64])
+def test_the_hash_keyed_use_counter_counts_and_forgets_as_the_agents(limit: int) -> None:
+    """The simulation's use counter (arrays and a table of places) against the agent's dict: the same counts, one
+    at a time and in chains, and the same forgetting, over hashes that share their low bits (the table's place)."""
+    rng = random.Random(limit)
+    hashes = [rng.randrange(1 << 64) & ~0xFFFF | rng.randrange(4) for _ in range(4 * limit + 8)]
+    ours, chains, agents = HashUseCounter(limit), HashUseCounter(limit), UseCounter(limit)
+    for _ in range(500):
+        keys = [(0, rng.choice(hashes)) for _ in range(rng.randint(1, 6))]
+        expected = [agents.bump(key[1]) for key in keys]  # type: ignore[arg-type]
+        assert [ours.bump(key) for key in keys] == expected and chains.bump_all(keys) == expected
+        assert [ours.get((0, h)) for h in hashes] == [agents.get(h) for h in hashes]  # type: ignore[arg-type]
+        assert len(ours) == len(chains) == len(agents._counts)
+
+
+@pytest.mark.parametrize("low_bits", [2, 12])
+def test_the_hash_lru_is_an_ordered_dict(low_bits: int) -> None:
+    """`HashLru` (a log and a table of places) against an OrderedDict: touches, adds, removals and the oldest
+    taken, over hashes that share their low bits (long probe runs, deletions shifting them back) or do not, through
+    its growth and the rewrites of its log."""
+    rng = random.Random(low_bits)
+    hashes = [rng.randrange(1 << 64) & ~((1 << low_bits) - 1) | rng.randrange(1 << low_bits) for _ in range(3000)]
+    hashes[0] = 0
+    lru, reference = HashLru(), OrderedDict[int, None]()
+    for step in range(40_000):
+        h = rng.choice(hashes)
+        op = rng.random()
+        if op < 0.5:
+            held = h in reference
+            assert lru.touch(h) == held
+            if held:
+                reference.move_to_end(h)
+            else:
+                lru.add(h)
+                reference[h] = None
+        elif op < 0.7:
+            assert lru.remove(h) == (reference.pop(h, 0) is None)
+        elif reference:
+            assert lru.pop_oldest() == reference.popitem(last=False)[0]
+        assert len(lru) == len(reference) and (h in lru) == (h in reference)
+        assert lru.oldest() == next(iter(reference), None)
+        if step % 1000 == 0:
+            assert list(lru) == list(reference)
+    assert list(lru) == list(reference)

@@ -14,20 +14,20 @@ shared-tier index and asks the backend about the blocks it does not know before 
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
-from itertools import islice
 from typing import ParamSpec, TypeVar, cast
 
-from agent.block import BlockHash, BlockKey, checksum
+from agent.block import BlockKey, checksum
 from agent.config import AgentConfig
 from agent.policy import UseCounter
 from agent.store import TierStore
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 from agent.tiers.dram import DramTier
 from agent.tiers.shared import SharedTier
-from kvcore.dict_tables import OldestFirst, TableTrim
+from bench.sim.hash_lru import Hash, HashLru
 from kvcore.kv_events import KvEvent
 
 LAYOUT = 0
@@ -53,11 +53,11 @@ class InlineExecutor(Executor):
 
 class NvmeModel:
     """The NVMe tier of the model: exact LRU over block keys, which is what the agent's DRAM tier without prefix
-    order does, kept as one dict of block hashes in use order (`OldestFirst`) instead of a block object, a byte
-    buffer and heap entries per block (NVMe holds ten times DRAM's blocks; this is most of a tiered simulation's
-    memory otherwise), keyed by the block's hash alone (the simulation has one layout, `LAYOUT`: no key tuple kept
-    per block). Every block is the same one-byte stand-in, so one held block stands for each one that moves
-    down."""
+    order does, kept as the block hashes in use order (`HashLru`: arrays, no object per block) instead of a block
+    object, a byte buffer and heap entries per block (NVMe holds ten times DRAM's blocks; this is most of a tiered
+    simulation's memory otherwise), keyed by the block's hash alone (the simulation has one layout, `LAYOUT`: no
+    key tuple kept per block). Every block is the same one-byte stand-in, so one held block stands for each one
+    that moves down."""
 
     name = TierName.NVME
 
@@ -67,8 +67,7 @@ class NvmeModel:
         self.low_bytes = int(capacity * low_watermark)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
-        self._lru: dict[BlockHash, None] = {}  # block hashes, least recently used first
-        self._trim = TableTrim()  # a touch deletes and inserts: the table is kept at a copy's size
+        self._lru = HashLru()  # block hashes, least recently used first
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
         return self.store_many([StoreItem(key, payload, digest)]) == 1
@@ -76,41 +75,32 @@ class NvmeModel:
     def store_many(self, items: Sequence[StoreItem]) -> int:
         lru = self._lru
         capacity = self.capacity
-        oldest = OldestFirst(lru)
         evicted: list[Removed] = []
         held = 0
         for item in items:
             key = item.key[1]
-            if key in lru:
-                del lru[key]
-                lru[key] = None
-                oldest.touched(key)
+            if lru.touch(key):
+                pass
             elif capacity < 1:
                 self.stats.refused += 1
                 continue
             else:
                 while len(lru) >= capacity:
-                    evicted.append(Removed((LAYOUT, oldest.pop()[0]), _HELD))
-                lru[key] = None
-                oldest.touched(key)
+                    evicted.append(Removed((LAYOUT, lru.pop_oldest()), _HELD))
+                lru.add(key)
                 self.stats.stores += 1
             held += 1
         self.stats.evictions += len(evicted)
-        self._trim.check(lru, held)  # each block held was inserted (a touch deletes and inserts it)
         self._report(evicted)
         return held
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         lru = self._lru
         h = key[1]
-        if h not in lru:
+        if not (lru.touch(h) if touch else h in lru):
             self.stats.misses += 1
             return None
         out[:1] = _STAND_IN
-        if touch:
-            del lru[h]
-            lru[h] = None
-            self._trim.check(lru, 1)
         self.stats.hits += 1
         return 1
 
@@ -124,19 +114,13 @@ class NvmeModel:
         return _HELD if key[1] in self._lru else None
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        lru = self._lru
-        touched = 0
+        touch = self._lru.touch
         for _layout, key in reversed(keys):
-            if key in lru:
-                del lru[key]
-                lru[key] = None
-                touched += 1
-        self._trim.check(lru, touched)
+            touch(key)
 
     def delete(self, key: BlockKey) -> bool:
-        if key[1] not in self._lru:
+        if not self._lru.remove(key[1]):
             return False
-        del self._lru[key[1]]
         self._report([Removed(key)])
         return True
 
@@ -151,9 +135,7 @@ class NvmeModel:
 
     def evict_to_low_watermark(self) -> None:
         lru = self._lru
-        victims = list(islice(lru, max(0, len(lru) - self.low_bytes)))
-        for key in victims:
-            del lru[key]
+        victims = [lru.pop_oldest() for _ in range(max(0, len(lru) - self.low_bytes))]
         self.stats.evictions += len(victims)
         self._report([Removed((LAYOUT, key), _HELD) for key in victims])
 
@@ -173,29 +155,22 @@ class NvmeModel:
 
 class FleetBackend:
     """The fleet's shared store (Redis in a real fleet): which blocks it holds, until when, least recently used
-    first (a dict of block hashes in use order, `OldestFirst`); at most `capacity` blocks."""
+    first (block hashes in use order with their expiry, `HashLru`); at most `capacity` blocks."""
 
     def __init__(self, capacity: int, clock: Callable[[], float]) -> None:
         self.capacity = capacity
         self.clock = clock
-        self._expiry: dict[BlockHash, float] = {}
-        self._trim = TableTrim()
+        self._expiry = HashLru(values=True)
 
     def put(self, keys: Iterable[BlockKey], ttl_s: float) -> None:
         """Write blocks, each with the TTL (one expiry for them all: the store holds millions)."""
         expiry = self.clock() + ttl_s if ttl_s > 0 else float("inf")
         entries = self._expiry
-        oldest = OldestFirst(entries)
         capacity = self.capacity
-        written = 0
         for _layout, key in keys:
-            entries.pop(key, None)
-            entries[key] = expiry
-            oldest.touched(key)
-            written += 1
+            entries.put(key, expiry)
             if len(entries) > capacity:
-                oldest.pop()
-        self._trim.check(entries, written)
+                entries.pop_oldest()
 
     def get(self, key: BlockKey) -> bool:
         entries = self._expiry
@@ -203,9 +178,7 @@ class FleetBackend:
         expiry = entries.get(h)
         if expiry is None or expiry <= self.clock():
             return False
-        del entries[h]
-        entries[h] = expiry
-        self._trim.check(entries, 1)
+        entries.touch(h)
         return True
 
     def has(self, key: BlockKey) -> bool:
@@ -213,26 +186,27 @@ class FleetBackend:
         return expiry is not None and expiry > self.clock()
 
     def delete(self, key: BlockKey) -> None:
-        self._expiry.pop(key[1], None)
+        self._expiry.remove(key[1])
 
     def keys(self) -> Iterable[BlockKey]:
         now = self.clock()
         return [(LAYOUT, key) for key, expiry in self._expiry.items() if expiry > now]
 
 
+_MISSING = object()
+
+
 class HashKeyedIndex:
     """A shared tier's index (`SharedTier._index`: block key -> (expiry, size), in expiry order) keyed by the
-    block's hash alone, in a plain dict in use order (`OldestFirst`): the simulation has one layout, `LAYOUT`, and
-    without a (layout, hash) tuple and an ordered dict's node per entry the eight replicas' indexes of a long
-    replay (2.7 M entries on the conversation trace) take about 250 MB less. The ordered dict's operations the
-    shared tier uses, taking and giving block keys."""
+    block's hash alone, in arrays in use order (`HashLru`): the simulation has one layout, `LAYOUT`, and without a
+    (layout, hash) tuple and an ordered dict's node per entry the eight replicas' indexes of a long replay (2.7 M
+    entries on the conversation trace) take about 250 MB less (and without a dict entry, 70 MB less again). The
+    ordered dict's operations the shared tier uses, taking and giving block keys."""
 
-    __slots__ = ("_entries", "_oldest", "_trim")
+    __slots__ = ("_entries",)
 
     def __init__(self) -> None:
-        self._entries: dict[BlockHash, tuple[float, int]] = {}
-        self._oldest = OldestFirst(self._entries)
-        self._trim = TableTrim()
+        self._entries = HashLru(values=True)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -244,42 +218,46 @@ class HashKeyedIndex:
         return ((LAYOUT, h) for h in self._entries)
 
     def __setitem__(self, key: BlockKey, value: tuple[float, int]) -> None:
-        entries = self._entries
-        h = key[1]
-        if h not in entries:  # (a new value for a key keeps its place, as in an ordered dict)
-            self._oldest.touched(h)
-            entries[h] = value
-            self._trim.check(entries, 1)
-        else:
-            entries[h] = value
+        self._entries.set(key[1], value)  # (a new value for a key keeps its place, as in an ordered dict)
 
     def __delitem__(self, key: BlockKey) -> None:
-        del self._entries[key[1]]
+        if not self._entries.remove(key[1]):
+            raise KeyError(key)
 
     def get(self, key: BlockKey, default: tuple[float, int] | None = None) -> tuple[float, int] | None:
-        return self._entries.get(key[1], default)
+        return cast("tuple[float, int] | None", self._entries.get(key[1], default))
 
     def pop(self, key: BlockKey, default: tuple[float, int] | None = None) -> tuple[float, int] | None:
-        return self._entries.pop(key[1], default)
+        entries = self._entries
+        value = entries.get(key[1], _MISSING)
+        if value is _MISSING:
+            return default
+        entries.remove(key[1])
+        return cast("tuple[float, int]", value)
 
     def move_to_end(self, key: BlockKey) -> None:
-        entries = self._entries
-        h = key[1]
-        entries[h] = entries.pop(h)
-        self._oldest.touched(h)
-        self._trim.check(entries, 1)
+        if not self._entries.touch(key[1]):
+            raise KeyError(key)
 
     def first(self) -> tuple[BlockKey, tuple[float, int]] | None:
         """The oldest entry, None when there is none."""
-        h = self._oldest.first()
-        return None if h is None else ((LAYOUT, h), self._entries[h])
+        h = self._entries.oldest()
+        return None if h is None else ((LAYOUT, h), self._entries.get(h))
 
     def popitem(self, last: bool = True) -> tuple[BlockKey, tuple[float, int]]:
-        h, value = self._oldest.pop() if not last else self._entries.popitem()
+        entries = self._entries
+        h = entries.newest() if last else entries.oldest()
+        if h is None:
+            raise KeyError("popitem(): the index is empty")
+        value = entries.get(h)
+        if last:
+            entries.remove(h)
+        else:
+            entries.pop_oldest()
         return (LAYOUT, h), value
 
     def values(self) -> Iterable[tuple[float, int]]:
-        return self._entries.values()
+        return [value for _h, value in self._entries.items()]
 
     def items(self) -> Iterator[tuple[BlockKey, tuple[float, int]]]:
         return (((LAYOUT, h), value) for h, value in self._entries.items())
@@ -330,18 +308,68 @@ class FleetSharedTier(SharedTier):
 
 
 class HashUseCounter(UseCounter):
-    """The agent's use counter keyed by block hash alone (the simulation has one layout): the same counts and the
-    same forgetting, without keeping a (layout, hash) tuple alive per counted block (up to 262,144 per replica,
-    most of them no longer in any tier)."""
+    """The agent's use counter keyed by block hash alone (the simulation has one layout), held in arrays: the
+    hashes in order of first count (`array('Q')`), their counts beside them, and an open-addressing table of
+    their places. The same counts and the same forgetting as the agent's dict (the older half by first count,
+    once past the limit), without a dict entry and an int object per counted block: up to 262,144 per replica,
+    most of them in no tier any more, so that the counter alone kept their 48-byte ints alive."""
+
+    def __init__(self, limit: int = 262_144) -> None:
+        super().__init__(limit)
+        self._size = 1 << max(3, (2 * limit - 1).bit_length())  # at most half full (limit + 1 for a moment)
+        self._rebuild(array("Q"), array("I"))
+
+    def _rebuild(self, hashes: array[int], uses: array[int]) -> None:
+        self._hashes = hashes  # in order of first count
+        self._uses = uses  # the count of each
+        mask = self._size - 1
+        places = array("i", [-1]) * self._size  # hash & mask, probed onwards: the hash's index in `_hashes`
+        for place, h in enumerate(hashes):
+            i = h & mask
+            while places[i] >= 0:
+                i = (i + 1) & mask
+            places[i] = place
+        self._places = places
+
+    def _bump(self, h: Hash) -> int:
+        places, hashes, mask = self._places, self._hashes, self._size - 1
+        i: int = h & mask
+        while (place := places[i]) >= 0:
+            if hashes[place] == h:
+                n = self._uses[place] + 1
+                self._uses[place] = n
+                return n
+            i = (i + 1) & mask
+        places[i] = len(hashes)
+        hashes.append(h)
+        self._uses.append(1)
+        if len(hashes) > self.limit:
+            self._forget()
+        return 1
+
+    def _forget(self) -> None:
+        half = self.limit // 2
+        self._rebuild(self._hashes[half:], self._uses[half:])
 
     def bump(self, key: BlockKey) -> int:
-        return super().bump(cast(BlockKey, key[1]))
+        return self._bump(key[1])
 
     def bump_all(self, keys: list[BlockKey]) -> list[int]:
-        return super().bump_all(cast(list[BlockKey], [key[1] for key in keys]))
+        bump = self._bump
+        return [bump(key[1]) for key in keys]
 
     def get(self, key: BlockKey) -> int:
-        return self._counts.get(cast(BlockKey, key[1]), 0)
+        h: Hash = key[1]
+        places, hashes, mask = self._places, self._hashes, self._size - 1
+        i: int = h & mask
+        while (place := places[i]) >= 0:
+            if hashes[place] == h:
+                return self._uses[place]
+            i = (i + 1) & mask
+        return 0
+
+    def __len__(self) -> int:
+        return len(self._hashes)
 
 
 class ReplicaAgent:
