@@ -45,6 +45,8 @@ class HashLru:
         return i
 
     def __contains__(self, h: Hash) -> bool:
+        if not self._live:
+            return False
         places, log, mask = self._places, self._log, self._mask
         i: int = h & mask
         while (place := places[i]) != EMPTY:
@@ -54,8 +56,15 @@ class HashLru:
         return False
 
     def get(self, h: Hash, default: Any = None) -> Any:
-        place = self._places[self._slot(h)]
-        return default if place == EMPTY else self._values[place]  # type: ignore[index]
+        if not self._live:  # (a shared tier's index, before anything reached it)
+            return default
+        places, log, mask = self._places, self._log, self._mask
+        i: int = h & mask
+        while (place := places[i]) != EMPTY:
+            if log[place] == h:
+                return self._values[place]  # type: ignore[index]
+            i = (i + 1) & mask
+        return default
 
     def touch(self, h: Hash) -> bool:
         """Make `h` the most recently used; whether it was held."""
@@ -75,10 +84,12 @@ class HashLru:
 
     def add(self, h: Hash, value: Any = None) -> None:
         """Hold `h` (not held yet) as the most recently used."""
-        i = self._slot(h)
-        assert self._places[i] == EMPTY
-        self._places[i] = len(self._log)
-        self._log.append(h)
+        places, log, mask = self._places, self._log, self._mask
+        i: int = h & mask
+        while places[i] != EMPTY:  # (h is not held: no appearance of it is pointed at)
+            i = (i + 1) & mask
+        places[i] = len(log)
+        log.append(h)
         if self._values is not None:
             self._values.append(value)
         self._live += 1

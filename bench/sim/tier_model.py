@@ -355,8 +355,25 @@ class HashUseCounter(UseCounter):
         return self._bump(key[1])
 
     def bump_all(self, keys: list[BlockKey]) -> list[int]:
-        bump = self._bump
-        return [bump(key[1]) for key in keys]
+        out = []
+        places, hashes, uses, mask = self._places, self._hashes, self._uses, self._size - 1
+        for _layout, h in keys:  # `_bump` written out: a chain's every block is counted
+            i: int = h & mask  # type: ignore[operator]
+            while (place := places[i]) >= 0:
+                if hashes[place] == h:
+                    n = uses[place] = uses[place] + 1
+                    break
+                i = (i + 1) & mask
+            else:
+                places[i] = len(hashes)
+                hashes.append(h)  # type: ignore[arg-type]
+                uses.append(1)
+                n = 1
+                if len(hashes) > self.limit:
+                    self._forget()
+                    places, hashes, uses = self._places, self._hashes, self._uses
+            out.append(n)
+        return out
 
     def get(self, key: BlockKey) -> int:
         h: Hash = key[1]
