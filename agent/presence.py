@@ -48,14 +48,15 @@ class PresenceMap:
     """The agent's side: creates the file (atomically, with the bits of `known` set) and sets bits."""
 
     def __init__(self, path: str | Path, known: Iterable[tuple[int, BlockHash]] = (),
-                 bits_log2: int = DEFAULT_BITS_LOG2) -> None:
+                 bits_log2: int = DEFAULT_BITS_LOG2, mode: int = 0o600) -> None:
         self.path = Path(path)
         self.bits_log2 = bits_log2
         self._lock = threading.Lock()  # bits are set byte by byte (read, or, write): two writers could lose one
         size = HEADER.size + (1 << bits_log2) // 8
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            os.fchmod(fd, mode)  # (the umask does not apply): which blocks exist is for the agent's users only
             self._allocate(fd, size)
         except OSError:
             os.close(fd)

@@ -121,6 +121,12 @@ async def _first_frame(sock: socket.socket, fds: list[int]) -> bytes:
     return body
 
 
+def _readable_by_users_of(socket_mode: int) -> int:
+    """The file mode that lets read a file exactly those who may use a socket of `socket_mode` (connecting needs
+    write permission), and lets the agent write it."""
+    return 0o600 | (0o040 if socket_mode & 0o020 else 0) | (0o004 if socket_mode & 0o002 else 0)
+
+
 def _remove_socket(path: Path, make_parent: bool = False) -> None:
     if make_parent:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -288,7 +294,8 @@ class TierAgent:
                 target.unlink()
             return
         try:
-            self._presence = PresenceMap(target, [key for tier in self.store.tiers for key in tier.block_keys()])
+            self._presence = PresenceMap(target, [key for tier in self.store.tiers for key in tier.block_keys()],
+                                         mode=_readable_by_users_of(int(self.config.socket_mode, 8)))
         except OSError as exc:  # (a full disk, a file size limit): every lookup asks this agent, as without one
             log.warning("no bitmap of the blocks held published at %s (%s): schedulers ask every lookup", target,
                         exc)

@@ -86,3 +86,20 @@ def test_an_agent_that_cannot_write_the_map_serves_without_one(tmp_path: Path, a
         assert client.store(LAYOUT, [5, 6], [bytes(100)] * 2) == 2
         assert client.lookup(LAYOUT, [5, 6]) == (2, "CC")
     assert PresenceReader(presence_path(agent.socket)).may_hold(LAYOUT, 99)
+
+
+def test_the_map_is_readable_by_the_agents_users_only(tmp_path: Path, agents: list[AgentProcess],
+                                                      subprocess_env: dict[str, str]) -> None:
+    """Which blocks an agent holds says which prompts were seen: the bitmap is readable by whoever may use the
+    agent's socket (its group by default), not by every local user."""
+    old_umask = os.umask(0)  # the file's mode must not depend on the umask the agent is started with
+    try:
+        agent = AgentProcess(tmp_path / "default", subprocess_env, "--dram-capacity", "1MiB")
+        agents.append(agent)
+        assert oct(presence_path(agent.socket).stat().st_mode & 0o777) == "0o640"
+        private = AgentProcess(tmp_path / "private", subprocess_env, "--dram-capacity", "1MiB",
+                               "--socket-mode", "600")
+        agents.append(private)
+        assert oct(presence_path(private.socket).stat().st_mode & 0o777) == "0o600"
+    finally:
+        os.umask(old_umask)
