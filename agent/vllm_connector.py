@@ -207,7 +207,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._last_agent_error = 0.0
         # the agent's bitmap of the blocks it may hold: a lookup of a block it never held needs no round trip
         self._presence = (PresenceReader(presence_path(socket_path)) if role == KVConnectorRole.SCHEDULER
-                          and bool(extra.get("presence", True)) else None)
+                          and bool(extra.get("presence", False)) else None)
         # the scheduler's lookups run in a thread of their own, so that no step waits for the agent longer than
         # lookup_wait_ms (all of that step's lookups together; vLLM asks again for a request not answered yet)
         self._lookup_thread = SchedulerLookups(

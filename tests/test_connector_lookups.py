@@ -78,7 +78,7 @@ with AgentClient(socket, shm_bytes=0) as client:  # the agent holds a's first 5 
     client.store(sched._layout, [event_hash(h) for h in a.block_hashes[:5]], [bytes(64)] * 5)
     client.store(sched._layout, [event_hash(h) for h in b.block_hashes[:2]], [bytes(64)] * 2)
 out = {"bs": bs}
-if extra.get("presence", True):
+if extra.get("presence", False):
     # the agent hangs: requests whose first block it never held are answered 0 at once, from its bitmap
     # (agent/presence.py), with no lookup and so no wait or failure; one whose first block it holds is asked
     os.kill(pid, signal.SIGSTOP)
@@ -161,7 +161,7 @@ def test_scheduler_answers_a_block_the_agent_never_held_without_asking(
     assert agent.proc is not None
     model = tmp_path / "model"
     write_model(model)
-    out = run_in_vllm(SCHEDULER_SCRIPT, str(model), agent.socket, str(agent.proc.pid), json.dumps({}))
+    out = run_in_vllm(SCHEDULER_SCRIPT, str(model), agent.socket, str(agent.proc.pid), json.dumps({"presence": True}))
     bs = out["bs"]
     assert out["never_held"]["answers"] == [0, 0, 0] and out["never_held"]["s"] < 0.1, out
     assert out["held"]["answers"] == [None]  # asked, not answered: the agent is stopped
