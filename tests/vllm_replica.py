@@ -92,6 +92,17 @@ def connector_failures(server: EngineServer, kind: str, reason: str) -> float:
     return total
 
 
+def connector_failure_counts(server: EngineServer) -> dict[str, float]:
+    """Every (kind, reason) count of `vllm:kvgate_connector_failures_total`, for an assertion's message."""
+    counts: dict[str, float] = {}
+    for line in metrics(server).splitlines():
+        if line.startswith("vllm:kvgate_connector_failures_total{"):
+            labels, value = line.rsplit(" ", 1)
+            kind, reason = (labels.split(f'{key}="', 1)[1].split('"', 1)[0] for key in ("kind", "reason"))
+            counts[f"{kind}/{reason}"] = counts.get(f"{kind}/{reason}", 0.0) + float(value)
+    return counts
+
+
 def reset_prefix_cache(server: EngineServer, timeout_s: float = 30.0) -> None:
     """Reset the engine's prefix cache; vLLM refuses (`success: false`) while blocks are held, e.g. by a finished
     request whose asynchronous saves are still running, so try until it succeeds."""
