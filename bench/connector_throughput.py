@@ -5,7 +5,10 @@ round paired with the plain round beside it in the same half-cycle; the figure i
 with a bootstrap 95% confidence interval.
 
 `python -m bench.connector_throughput [--model tiny|wide --cycles 6 --requests 16 --concurrency 8 --prompt-words 120
---modes async[,sync] --out out/connector_throughput.json]`. The tiny model's forward pass is a small share of a
+--modes async[,sync,presence,MODE@REV] --out out/connector_throughput.json]`. `presence` is `async` with the
+scheduler's bitmap on (agent/presence.py); `MODE@REV` runs a mode with the connector and an agent of its own from git
+revision REV, so a before/after pair is measured in one run (connector modes are also paired with each other).
+The tiny model's forward pass is a small share of a
 request (vLLM's own overhead is most of it) and it writes about 36 times Llama-3.1-8B's KV bytes per FLOP of
 forward pass, so whatever the connector costs per request or per byte weighs far more than on a real model;
 `--model wide` (bench/make_model.py's MODEL_SHAPES) is a scaled-down Llama whose forward pass is most of a request
@@ -17,7 +20,10 @@ connector. Why pairs and a confidence interval: on a small shared machine vLLM's
 busy-wait on each other (sched_yield), and a round runs in one of two speeds whatever the variant (about 1 s or
 2 s for 32 requests on 2 cores); the interval says whether a run shows anything at all. Each round also records
 the load average and whether it ran in the slow mode (over 1.4x the run's fastest seconds per request), so the
-modes can be counted per variant. Prints one JSON line per round and a summary; `--out` writes all of it as JSON.
+modes can be counted per variant, the engine steps it took (vLLM's `iteration_tokens_total` count), and per thread
+of the server and its agent (`process/thread` name) the CPU time and voluntary / involuntary context switches per
+request (from /proc's schedstat: nanoseconds). Prints one JSON line per round and a summary; `--out` writes all of
+it as JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 import urllib.request
@@ -54,13 +61,15 @@ def _complete(url: str, prompt: str, max_tokens: int) -> tuple[int, int]:
 TRANSFER_THREAD = "kvgate-xfer"  # the connector's transfer thread names itself so (agent/transfers.py, THREAD_NAME)
 
 
-def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tuple[int, ...] = ()) -> dict[str, float]:
+def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tuple[int, ...] = ()) -> dict[str, Any]:
     """`args.requests` unique prompts through `args.concurrency` clients; requests/s, tokens/s and the CPU time
     the server (and `pids`: its agent) used per request, and of that the connector's own: its transfer thread and
     the agent. The server's total is inflated by vLLM's busy-waiting (its engine core and worker poll with
     sched_yield while the other works) by as much as the machine leaves free; the connector's threads do not
     poll, so their share is what the connector costs."""
     assert server.proc is not None
+    steps = _metric(server.url + "/metrics", STEPS_METRIC)
+    threads = thread_stats([server.proc.pid, *pids])
     server_cpu = tree_cpu_seconds(server.proc.pid)
     transfer_cpu = named_threads_cpu_seconds(server.proc.pid, TRANSFER_THREAD)
     agent_cpu = sum(tree_cpu_seconds(pid) for pid in pids)
@@ -73,6 +82,8 @@ def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tu
     server_cpu = tree_cpu_seconds(server.proc.pid) - server_cpu
     transfer_cpu = named_threads_cpu_seconds(server.proc.pid, TRANSFER_THREAD) - transfer_cpu
     agent_cpu = sum(tree_cpu_seconds(pid) for pid in pids) - agent_cpu
+    threads_after = thread_stats([server.proc.pid, *pids])
+    steps = _metric(server.url + "/metrics", STEPS_METRIC) - steps
     prompt_tokens = sum(u[0] for u in usages)
     completion_tokens = sum(u[1] for u in usages)
     return {"seconds": seconds, "requests_per_s": len(prompts) / seconds,
@@ -80,11 +91,15 @@ def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tu
             "completion_tokens": completion_tokens,
             "cpu_ms_per_request": 1000 * (server_cpu + agent_cpu) / len(prompts),
             "agent_cpu_ms_per_request": 1000 * agent_cpu / len(prompts),
-            "transfer_cpu_ms_per_request": 1000 * transfer_cpu / len(prompts)}
+            "transfer_cpu_ms_per_request": 1000 * transfer_cpu / len(prompts),
+            "engine_steps": steps, "threads": thread_deltas(threads, threads_after, len(prompts))}
 
 
-def _agent_metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+STEPS_METRIC = "vllm:iteration_tokens_total_count"  # engine steps that scheduled tokens
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0].split("{")[0] == name)
 
@@ -138,6 +153,77 @@ def _tasks(pid: int) -> list[str]:
         return []
 
 
+# what each mode sets in the connector's kv_connector_extra_config; `MODE@REV` runs a mode with the connector and
+# an agent of its own from git revision REV (a before/after pair in one run)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "async": {"async_transfers": True},
+    "sync": {"async_transfers": False},
+    "presence": {"async_transfers": True, "presence": True},
+}
+
+
+def parse_mode(mode: str) -> tuple[str, str | None]:
+    """`async` -> ("async", None); `async@0b01d37` -> ("async", "0b01d37")."""
+    variant, _, rev = mode.partition("@")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown mode {mode!r}: one of {', '.join(VARIANTS)}, optionally @REV")
+    return variant, rev or None
+
+
+def source_tree(rev: str, into: Path) -> Path:
+    """This repository's files at git revision `rev`, extracted into `into`."""
+    root = Path(__file__).resolve().parent.parent
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", rev], capture_output=True,
+                             check=True, timeout=120).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True, timeout=120)
+    return into
+
+
+def thread_stats(roots: list[int]) -> dict[str, list[int]]:
+    """Per `process/thread` name over these process trees: CPU nanoseconds, voluntary context switches (the thread
+    blocked: I/O, a lock, the GIL) and involuntary ones (preempted), summed over same-named threads; from /proc's
+    schedstat (nanoseconds, where stat counts 10 ms ticks) and status."""
+    found: dict[str, list[int]] = {}
+    for root in roots:
+        for pid in _descendants(root):
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    process = f.read().strip()
+            except OSError:
+                continue
+            for tid in _tasks(pid):
+                base = f"/proc/{pid}/task/{tid}"
+                try:
+                    with open(f"{base}/comm") as f:
+                        thread = f.read().strip()
+                    with open(f"{base}/schedstat") as f:
+                        ns = int(f.read().split()[0])
+                    with open(f"{base}/status") as f:
+                        status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+                    voluntary = int(status["voluntary_ctxt_switches"])
+                    involuntary = int(status["nonvoluntary_ctxt_switches"])
+                except (OSError, ValueError, KeyError):
+                    continue
+                mine = found.setdefault(f"{process}/{thread}", [0, 0, 0])
+                mine[0] += ns
+                mine[1] += voluntary
+                mine[2] += involuntary
+    return found
+
+
+def thread_deltas(before: dict[str, list[int]], after: dict[str, list[int]], requests: int) -> dict[str, list[float]]:
+    """Per thread name: [CPU ms, voluntary, involuntary context switches] per request between two samples (threads
+    that used at least 0.05 ms per request)."""
+    out = {}
+    for name, (ns, vol, invol) in after.items():
+        b = before.get(name, [0, 0, 0])
+        ms = (ns - b[0]) / 1e6 / requests
+        if ms >= 0.05:
+            out[name] = [round(ms, 3), round((vol - b[1]) / requests, 2), round((invol - b[2]) / requests, 2)]
+    return out
+
+
 SLOW_MODE = 1.4  # a round over this many times the run's fastest seconds per request ran in the slow mode
 
 
@@ -154,18 +240,26 @@ def round_order(modes: list[str], cycles: int) -> list[str]:
     return [name for _ in range(cycles) for name in (*half, *reversed(half))]
 
 
-def paired_ratios(rows: list[dict[str, Any]], mode: str, same_mode_only: bool = False) -> list[float]:
-    """Each `mode` round's tokens/s over the plain round of the same half-cycle (the one nearest in time);
+def paired_ratios(rows: list[dict[str, Any]], mode: str, same_mode_only: bool = False,
+                  base: str = "without") -> list[float]:
+    """Each `mode` round's tokens/s over the `base` round of the same half-cycle (the plain one by default);
     `same_mode_only`: only pairs whose two rounds ran in the same speed mode (needs `summarize`'s marks)."""
     ratios = []
     for half in sorted({r["half"] for r in rows}):
         by_name = {r["connector"]: r for r in rows if r["half"] == half}
-        if mode not in by_name or "without" not in by_name:
+        if mode not in by_name or base not in by_name:
             continue
-        if same_mode_only and by_name[mode]["slow_mode"] != by_name["without"]["slow_mode"]:
+        if same_mode_only and by_name[mode]["slow_mode"] != by_name[base]["slow_mode"]:
             continue
-        ratios.append(by_name[mode]["tokens_per_s"] / by_name["without"]["tokens_per_s"])
+        ratios.append(by_name[mode]["tokens_per_s"] / by_name[base]["tokens_per_s"])
     return ratios
+
+
+def median_threads(samples: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Per thread name, the median over rounds of each figure (a round where it did not show counts as 0)."""
+    names = sorted({name for sample in samples for name in sample})
+    return {name: [statistics.median(sample.get(name, [0.0, 0.0, 0.0])[k] for sample in samples) for k in range(3)]
+            for name in names}
 
 
 def summarize(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
@@ -183,7 +277,9 @@ def summarize(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
                 [r["tokens_per_s"] for r in mine if not r["slow_mode"]] or [0.0]),
             "median_cpu_ms_per_request": statistics.median(r["cpu_ms_per_request"] for r in mine),
             "median_agent_cpu_ms_per_request": statistics.median(r["agent_cpu_ms_per_request"] for r in mine),
-            "median_transfer_cpu_ms_per_request": statistics.median(r["transfer_cpu_ms_per_request"] for r in mine)}
+            "median_transfer_cpu_ms_per_request": statistics.median(r["transfer_cpu_ms_per_request"] for r in mine),
+            "median_engine_steps": statistics.median(r.get("engine_steps", 0.0) for r in mine),
+            "median_threads": median_threads([r.get("threads", {}) for r in mine])}
     for mode in modes:
         ratios = paired_ratios(rows, mode)
         low, high = bootstrap_median_ci(ratios)
@@ -194,6 +290,11 @@ def summarize(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
         summary[mode]["paired_ratios_same_mode"] = same_mode
         summary[mode]["paired_ratio_same_mode_median"] = statistics.median(same_mode) if same_mode else None
         summary[mode]["paired_ratio_same_mode_ci95"] = list(bootstrap_median_ci(same_mode)) if same_mode else None
+    for i, mode in enumerate(modes):  # each connector mode against each other, paired the same way
+        for other in modes[i + 1:]:
+            ratios = paired_ratios(rows, mode, base=other)
+            summary[f"{mode} / {other}"] = {"paired_ratios": ratios, "paired_ratio_median": statistics.median(ratios),
+                                            "paired_ratio_ci95": list(bootstrap_median_ci(ratios))}
     return summary
 
 
@@ -227,48 +328,67 @@ def main(argv: list[str] | None = None) -> None:
                         help="leave vLLM's API servers, engine cores, the agent and the load generator unpinned")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    if not modes or not set(modes) <= {"async", "sync"}:
-        parser.error("--modes takes async and/or sync")
+    try:
+        parsed = {mode: parse_mode(mode) for mode in modes}
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not modes:
+        parser.error("--modes takes at least one mode")
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"  # as the connector's server has it: same cores for both
     rows: list[dict[str, Any]] = []
     pinned: list[int] = []
+    stored: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="kvgate-connector-throughput-") as tmp:
         work = Path(tmp)
         model = work / "model"
         write_model(model, args.model)
-        agent = agent_process(0, work, None, AgentSettings(write_policy="lazy", shared=False,
-                                                           dram_capacity=args.agent_dram), BLOCK_SIZE,
-                              dict(os.environ))
-        agent.start()
+        settings = AgentSettings(write_policy="lazy", shared=False, dram_capacity=args.agent_dram)
+        # one agent for this tree's modes, one per other revision (with its connector from the same tree)
+        trees: dict[str | None, Path | None] = {None: None}
+        for _variant, rev in parsed.values():
+            if rev is not None and rev not in trees:
+                trees[rev] = source_tree(rev, work / f"tree-{len(trees)}")
+        agents = {}
+        for index, (rev, tree) in enumerate(trees.items()):
+            env = dict(os.environ)
+            if tree is not None:
+                env["PYTHONPATH"] = str(tree)
+            agents[rev] = agent_process(index, work, None, settings, BLOCK_SIZE, env)
         servers: dict[str, EngineServer] = {}
         try:
+            for agent in agents.values():
+                agent.start()
             servers["without"] = start_engine("vllm", model, work / "without")
-            for mode in modes:
-                servers[mode] = start_engine("vllm", model, work / mode, agent_socket=agent.socket_path,
-                                             connector_extra={"async_transfers": mode == "async"})
+            for mode, (variant, rev) in parsed.items():
+                servers[mode] = start_engine("vllm", model, work / mode.replace("@", "-"),
+                                             agent_socket=agents[rev].socket_path,
+                                             connector_extra=VARIANTS[variant], root=trees[rev])
             for name, server in servers.items():  # warm-up
                 saturate(server, f"warm-{name}", argparse.Namespace(**{**vars(args), "requests": 8}))
             if not args.no_pin:
                 pinned = pin_off_the_workers([s.proc.pid for s in servers.values() if s.proc is not None],
-                                             [agent.pid] if agent.pid is not None else [])
-            print(f"# API servers, engine cores, agent and load generator pinned to CPUs {pinned}" if pinned
+                                             [a.pid for a in agents.values() if a.pid is not None])
+            print(f"# API servers, engine cores, agents and load generator pinned to CPUs {pinned}" if pinned
                   else "# nothing pinned", flush=True)
             print(f"# CPUs by process: {affinities([s.proc.pid for s in servers.values() if s.proc is not None])}",
                   flush=True)
             half_len = 1 + len(modes)
             for i, name in enumerate(round_order(modes, args.cycles)):
-                pids = (agent.pid,) if name != "without" and agent.pid is not None else ()
+                agent_pid = agents[parsed[name][1]].pid if name != "without" else None
+                pids = (agent_pid,) if agent_pid is not None else ()
                 time.sleep(args.settle_s)
                 load_1m = os.getloadavg()[0]
                 row = {"round": i, "half": i // half_len, "connector": name, "requests": args.requests,
                        "load_1m": load_1m, **saturate(servers[name], f"r{i}-{name}", args, pids)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            stored = _agent_metric(agent.metrics_port, "kvgate_agent_bytes_stored_total")
+            for rev, agent in agents.items():
+                stored[rev or "this tree"] = _metric(agent.metrics_url, "kvgate_agent_bytes_stored_total")
         finally:
             for server in servers.values():
                 server.stop()
-            agent.stop()
+            for agent in agents.values():
+                agent.stop()
     summary = summarize(rows, modes)
     summary["model"] = model_summary(args.model)
     prompt = statistics.mean(r["prompt_tokens"] for r in rows) / args.requests
@@ -278,7 +398,8 @@ def main(argv: list[str] | None = None) -> None:
           "Llama-3.1-8B's")
     print(f"# {len(rows)} rounds in ABBA order ({args.cycles} cycles) of {args.requests} unique prompts "
           f"({prompt:.0f} tokens, {args.max_tokens} generated), {args.concurrency} clients; agent bytes stored: "
-          f"{stored / 2**20:.1f} MiB (DRAM tier {args.agent_dram}); load average (1 min) "
+          f"{', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in stored.items())} (DRAM tier {args.agent_dram}); "
+          "load average (1 min) "
           f"{summary['load_average'][0]:.1f}-{summary['load_average'][1]:.1f} on {os.cpu_count()} CPUs")
     for name in ["without", *modes]:
         s = summary[name]
@@ -286,6 +407,10 @@ def main(argv: list[str] | None = None) -> None:
               f"in fast-mode rounds); slow-mode rounds {s['slow_mode_rounds']} of {s['rounds']}; CPU per request "
               f"{s['median_cpu_ms_per_request']:.1f} ms (agent {s['median_agent_cpu_ms_per_request']:.1f}, transfer "
               f"thread {s['median_transfer_cpu_ms_per_request']:.1f})")
+        print(f"#   engine steps per round {s['median_engine_steps']:.0f}; threads, CPU ms / voluntary / involuntary "
+              "context switches per request: " + "; ".join(
+                  f"{t} {v[0]:.2f} / {v[1]:.1f} / {v[2]:.1f}" for t, v in sorted(
+                      s["median_threads"].items(), key=lambda kv: -kv[1][0]) if v[0] >= 0.1))
     for mode in modes:
         s = summary[mode]
         same = (f"{s['paired_ratio_same_mode_median']:.3f} [{s['paired_ratio_same_mode_ci95'][0]:.3f}, "
@@ -294,6 +419,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# {mode} / without, paired: median {s['paired_ratio_median']:.3f}, 95% CI "
               f"[{s['paired_ratio_ci95'][0]:.3f}, {s['paired_ratio_ci95'][1]:.3f}] over {len(s['paired_ratios'])} "
               f"pairs; pairs whose two rounds ran in the same mode: {same}")
+    for key in [k for k in summary if " / " in k]:
+        s = summary[key]
+        print(f"# {key}, paired: median {s['paired_ratio_median']:.3f}, 95% CI [{s['paired_ratio_ci95'][0]:.3f}, "
+              f"{s['paired_ratio_ci95'][1]:.3f}] over {len(s['paired_ratios'])} pairs")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "pinned": pinned,

@@ -114,15 +114,17 @@ def _wait_healthy(server: EngineServer, timeout: float) -> None:
 
 def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = "sha256",
                  timeout: float = 240.0, extra_args: list[str] | None = None,
-                 agent_socket: str | None = None, connector_extra: dict[str, Any] | None = None) -> EngineServer:
+                 agent_socket: str | None = None, connector_extra: dict[str, Any] | None = None,
+                 root: Path | None = None) -> EngineServer:
     """Start a real vLLM (`kind="vllm"`) or `kvgate sim` (`kind="sim"`) with the conformance flags; a real vLLM
     with `agent_socket` loads the tier agent listening there as its KV connector (agent/vllm_connector.py),
-    `connector_extra` added to its `kv_connector_extra_config`. A start that lost one of its ports to another
+    `connector_extra` added to its `kv_connector_extra_config`, the connector imported from `root` (this checkout by
+    default). A start that lost one of its ports to another
     process between choosing and binding it (likely on a busy machine: vLLM binds them a minute later) is retried
     on new ports."""
     def start() -> EngineServer:
         return _start_engine(kind, model_dir, log_dir, hash_algo=hash_algo, timeout=timeout, extra_args=extra_args,
-                             agent_socket=agent_socket, connector_extra=connector_extra)
+                             agent_socket=agent_socket, connector_extra=connector_extra, root=root)
 
     for _ in range(2):
         try:
@@ -135,7 +137,7 @@ def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = 
 
 def _start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str, timeout: float,
                   extra_args: list[str] | None, agent_socket: str | None,
-                  connector_extra: dict[str, Any] | None) -> EngineServer:
+                  connector_extra: dict[str, Any] | None, root: Path | None = None) -> EngineServer:
     port, events_port, replay_port = free_port(), free_port(), free_port()
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
                  "replay_endpoint": f"tcp://*:{replay_port}", "topic": EVENTS_TOPIC}
@@ -158,7 +160,7 @@ def _start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str, 
                          "kv_connector_extra_config": {"agent_socket": agent_socket, **(connector_extra or {})}}
             cmd += ["--kv-transfer-config", json.dumps(connector)]
             # the connector is imported from this checkout; with a connector the worker must leave a core free
-            env.update(PYTHONPATH=str(ROOT), VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+            env.update(PYTHONPATH=str(root or ROOT), VLLM_CPU_NUM_OF_RESERVED_CPU="1")
     elif kind == "sim":
         cmd = [sys.executable, "-m", "kvgate.cli", "sim", "--replicas", "1", "--model-dir", str(model_dir),
                *common]

@@ -3,9 +3,22 @@ modes (the servers themselves are run by the bench, not here: minutes of vLLM)."
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from bench.connector_throughput import bootstrap_median_ci, model_summary, paired_ratios, round_order, summarize
+import pytest
+
+from bench.connector_throughput import (
+    VARIANTS,
+    bootstrap_median_ci,
+    model_summary,
+    paired_ratios,
+    parse_mode,
+    round_order,
+    summarize,
+    thread_deltas,
+    thread_stats,
+)
 from bench.make_model import LLAMA_3_1_8B, forward_costs
 
 
@@ -53,3 +66,37 @@ def test_the_wide_model_writes_a_realistic_share_of_kv_per_flop() -> None:
     assert 30 < tiny["kv_bytes_per_flop_vs_llama_3_1_8b"] < 40
     assert 1.5 < wide["kv_bytes_per_flop_vs_llama_3_1_8b"] < 2.5
     assert wide["forward_flops_per_token"] > 50 * tiny["forward_flops_per_token"]
+
+
+def test_modes_name_a_variant_and_optionally_a_revision() -> None:
+    assert parse_mode("async") == ("async", None)
+    assert parse_mode("presence@0b01d37") == ("presence", "0b01d37")
+    assert VARIANTS["presence"] == {"async_transfers": True, "presence": True}
+    with pytest.raises(ValueError):
+        parse_mode("fast")
+
+
+def test_two_connector_modes_are_paired_with_each_other_too() -> None:
+    # without, a, b, b, a, without: a takes 1 s, b 2 s, the plain round 1 s
+    seconds = [1.0, 1.0, 2.0, 2.0, 1.0, 1.0]
+    order = round_order(["a", "b"], 1)
+    rows = [{"round": i, "half": i // 3, "connector": name, "requests": 16, "load_1m": 1.0, "seconds": s,
+             "tokens_per_s": 16_000 / s, "cpu_ms_per_request": 50.0, "agent_cpu_ms_per_request": 2.0,
+             "transfer_cpu_ms_per_request": 1.0, "engine_steps": 40.0,
+             "threads": {"VLLM::Worker/VLLM::Worker": [15.0, float(i), 0.0]}}
+            for i, (name, s) in enumerate(zip(order, seconds, strict=True))]
+    summary = summarize(rows, ["a", "b"])
+    assert summary["a / b"]["paired_ratios"] == [2.0, 2.0]
+    assert summary["b"]["paired_ratios"] == [0.5, 0.5]
+    assert summary["a"]["median_engine_steps"] == 40.0
+    assert summary["a"]["median_threads"]["VLLM::Worker/VLLM::Worker"] == [15.0, 2.5, 0.0]
+
+
+def test_thread_stats_read_this_process() -> None:
+    spent = thread_stats([os.getpid()])
+    busy = sum(i * i for i in range(200_000))
+    after = thread_stats([os.getpid()])
+    assert busy > 0
+    name = next(iter(after))
+    assert after[name][0] > spent[name][0]  # CPU nanoseconds went up
+    assert thread_deltas(spent, after, 1)[name][0] > 0
