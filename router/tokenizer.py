@@ -458,7 +458,9 @@ class ModelTokenizer:
         if words is not None and (front is not None or not add_special_tokens):
             plain = words.encode(text)
             if plain is not None:
-                ids = array("I", front) if add_special_tokens and front else array("I")
+                if not (add_special_tokens and front):
+                    return plain
+                ids = array("I", front)
                 ids.extend(plain)
                 return ids
         return array("I", self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

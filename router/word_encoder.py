@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -100,9 +101,10 @@ class WordEncoder:
         self._added = [re.compile("(" + "|".join(re.escape(c) for c in sorted(group, key=len, reverse=True)) + ")")
                        for group in ([c for c, _, normalized in added if not normalized],
                                      [c for c, _, normalized in added if normalized]) if group]
-        # tuples of ints, which the cycle collector stops tracking after its first pass (lists would stay tracked,
-        # up to MAX_WORDS of them walked by every full collection with the GIL held)
-        self._words: dict[str, tuple[int, ...]] = {}
+        # each word's ids as uint32 bytes: a dict of strings and bytes is never tracked by the cycle collector. (With
+        # tuples of ints it was: the collector untracks a dict once its tuples are, and the next new word tracked it
+        # again in the youngest generation, so the next young collection walked all of its up to MAX_WORDS entries)
+        self._words: dict[str, bytes] = {}
 
     @classmethod
     def build(cls, tokenizer: Tokenizer) -> WordEncoder | None:
@@ -134,15 +136,18 @@ class WordEncoder:
         contents = [content for content, _, _ in added if content.isascii()][:512]
         own = (" ".join(contents), "x".join(contents) + "x", "".join(f"a{c} {c}\n" for c in contents[:64]))
         for sample in (*_SAMPLES, *own):
-            if encoder.encode(sample) != tokenizer.encode(sample, add_special_tokens=False).ids:
+            ids = encoder.encode(sample)
+            if ids is None or ids.tolist() != tokenizer.encode(sample, add_special_tokens=False).ids:
                 return None
         encoder._words.clear()
         return encoder
 
-    def encode(self, text: str) -> list[int] | None:
+    def encode(self, text: str) -> array[int] | None:
+        """`text`'s ids as uint32, or None (not ASCII, or a split the pattern does not reproduce)."""
         if not text.isascii():
             return None
-        ids: list[int] = []
+        ids = array("I")
+        add = ids.frombytes
         pieces = [text]
         for added in self._added:
             pieces = [part for piece in pieces for part in
@@ -159,12 +164,13 @@ class WordEncoder:
             for word in in_piece:
                 found = words.get(word)
                 if found is None:
-                    found = tuple([token.id for token in self._model.tokenize(word.translate(translate))])
+                    tokens = self._model.tokenize(word.translate(translate))
+                    found = array("I", [token.id for token in tokens]).tobytes()
                     if len(word) <= MAX_WORD_CHARS:
                         if len(words) >= MAX_WORDS:
                             words.clear()
                         words[word] = found
-                ids += found
+                add(found)
         return ids
 
 

@@ -53,8 +53,9 @@ def test_ids_equal_the_tokenizers_on_ascii_text(tiny: Tokenizer, split_style: To
     for tok in (tiny, split_style):
         encoder = WordEncoder.build(tok)
         assert encoder is not None
-        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids
-        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids  # from the word cache
+        for _ in range(2):  # the second time from the word cache
+            ids = encoder.encode(text)
+            assert ids is not None and ids.tolist() == tok.encode(text, add_special_tokens=False).ids
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -92,7 +93,8 @@ def test_added_tokens_split_as_the_tokenizer_splits_them(tiny: Tokenizer, normal
     encoder = WordEncoder.build(tok)
     assert encoder is not None
     for text in ("end<|im_start|>x", "d<|im_end|> <|endoftext|>d<|im", "<|im_start|>d<|im_start|>", "d<|imd<|im"):
-        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids, text
+        ids = encoder.encode(text)
+        assert ids is not None and ids.tolist() == tok.encode(text, add_special_tokens=False).ids, text
 
 
 @pytest.mark.parametrize("change", ["prefix_space", "lstrip", "dropout", "normalizer"])
@@ -114,7 +116,8 @@ def test_long_words_are_not_cached(tiny: Tokenizer) -> None:
     encoder = WordEncoder.build(tiny)
     assert encoder is not None
     text = " ".join("x" * 500 + str(i) for i in range(20)) + " short words here"
-    assert encoder.encode(text) == tiny.encode(text, add_special_tokens=False).ids
+    ids = encoder.encode(text)
+    assert ids is not None and ids.tolist() == tiny.encode(text, add_special_tokens=False).ids
     assert encoder._words and max(map(len, encoder._words)) <= MAX_WORD_CHARS
 
 
@@ -125,6 +128,20 @@ def test_cached_words_are_not_objects_the_cycle_collector_walks(tiny: Tokenizer)
     gc.collect()
     before = len(gc.get_objects())
     text = " ".join(f"w{i}x{i * 7919 % 10007}" for i in range(5000))
-    assert encoder.encode(text) == tiny.encode(text, add_special_tokens=False).ids
+    ids = encoder.encode(text)
+    assert ids is not None and ids.tolist() == tiny.encode(text, add_special_tokens=False).ids
     gc.collect()
     assert len(gc.get_objects()) - before < 100
+
+
+def test_new_words_do_not_put_the_word_cache_in_the_youngest_generation(tiny: Tokenizer) -> None:
+    """The cache's dict itself is never tracked: a dict the collector had untracked was tracked again by the next
+    new word, in the youngest generation, and the next young collection then walked every cached word (in the
+    gateway: young collections of 1-2 ms every few hundred requests, each new number in a prompt a new word)."""
+    encoder = WordEncoder.build(tiny)
+    assert encoder is not None
+    encoder.encode(" ".join(f"w{i}" for i in range(1000)))
+    gc.collect()
+    for i in range(3):
+        encoder.encode(f"a new number {10**6 + i}")
+        assert not gc.is_tracked(encoder._words)
