@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from agent.protocol import AgentRefused
+
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
 
 
@@ -50,9 +52,19 @@ class AgentCircuit:
                 self._prober.start()
 
     def _probe_until_back(self) -> None:
+        refused = ""  # why the agent last refused a probe: said once, when it changes
         while not self._stop.wait(self.probe_interval_s):
             try:
                 self.probe()
+            except AgentRefused as exc:
+                # it is there but will not talk to this client (another protocol: an upgrade of one side). The
+                # circuit may have opened on something else (the agent away while it was replaced), so the trip
+                # alone would never say this
+                if str(exc) != refused:
+                    refused = str(exc)
+                    log.warning("kvgate connector: %s refuses this client: %s (still WITHOUT it; probed every "
+                                "%.1f s)", self.name, exc, self.probe_interval_s)
+                continue
             except Exception:
                 continue
             with self._lock:

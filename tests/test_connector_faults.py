@@ -150,6 +150,46 @@ def test_a_client_and_an_agent_of_different_protocols_refuse_each_other(
     circuit.close()
 
 
+def test_a_circuit_opened_while_the_agent_was_away_says_why_its_replacement_refuses(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The agent is away (the circuit opens: nobody at the socket), then an agent of the next protocol takes the
+    socket and refuses every probe at Hello. Before, the probe's refusals were silent and the trip had said only
+    that the socket was gone, so the log never said why the connector stayed without the agent (CI at 1fc34c0:
+    the lifecycle test's upgrade step missed the "upgrade both" line when a call met the empty socket first)."""
+    from agent.breaker import AgentCircuit
+    from agent.protocol import PROTOCOL_VERSION
+    from tests.faulty_agent import FaultyAgentProcess
+
+    agent = FaultyAgentProcess(tmp_path / "newer", subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    agent.set_mode("protocol")
+    socket = tmp_path / "agent.sock"  # where the connector looks: empty until the newer agent takes it
+    circuit = AgentCircuit(lambda: AgentClient(str(socket), shm_bytes=0).connect(), probe_interval_s=0.1)
+    client = AgentClient(str(socket), shm_bytes=0, circuit=circuit)
+    with caplog.at_level("WARNING", logger="vllm.kvgate_connector"):
+        with pytest.raises(AgentError, match="cannot reach the tier agent"):
+            client.lookup(5, [1])
+        assert circuit.is_open and "FileNotFoundError" in caplog.text
+        socket.symlink_to(agent.socket)  # the newer agent takes the socket
+        deadline = time.monotonic() + 10
+        while "refuses this client" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+        time.sleep(0.5)  # five probes more, all refused: said once
+        assert caplog.text.count("refuses this client") == 1
+        assert (f"the tier agent speaks protocol {PROTOCOL_VERSION + 1}, this client {PROTOCOL_VERSION}: upgrade "
+                "both") in caplog.text
+        assert circuit.is_open
+        agent.set_mode("ok")
+        while circuit.is_open:
+            assert time.monotonic() < deadline + 10
+            time.sleep(0.05)
+    assert client.lookup(5, [1]) == (0, "")
+    client.close()
+    circuit.close()
+
+
 # what each wrong answer must come to: (mode, failure, blocks of the four asked for that still load whole)
 FAULTS = [("short", "bad_reply", 0), ("foreign", "bad_reply", 3), ("extra", "bad_reply", 0),
           ("garbage", "agent_unavailable", 0), ("error", "agent_unavailable", 0),

@@ -146,11 +146,11 @@ def test_two_workers_store_their_own_shards_and_recompute_a_failed_one_on_both(
         assert again.cached == 0  # the whole prompt was computed again, on every worker
     # (the worker's warning and vLLM's count of it: both, with every count and the connector's warnings if not)
     warnings = [line for line in vllm.log_tail(5_000_000).splitlines() if "WARNING" in line and "kvgate" in line]
-    assert any("could not be loaded (missing); vLLM recomputes them" in line for line in warnings), \
-        (connector_failure_counts(vllm), warnings[-10:])
+    why = "\n".join([str(connector_failure_counts(vllm)), *warnings[-10:]])  # (a str: shown whole)
+    assert any("could not be loaded (missing); vLLM recomputes them" in line for line in warnings), why
     deadline = time.monotonic() + 10  # (the count reaches /metrics with a later step's stats)
     while connector_failures(vllm, "load", "missing") < 1:
-        assert time.monotonic() < deadline, (connector_failure_counts(vllm), warnings[-10:])
+        assert time.monotonic() < deadline, why
         time.sleep(0.2)
 
     # 3. the recomputed blocks were saved again: the second worker's shards are back, the same bytes, and load
