@@ -44,7 +44,7 @@ SEAM_MARGIN = 16  # bytes of shared text left after the seam: what a pre-tokeniz
 OVERLAP_TOKENS = 6  # cached tokens before the seam that the window's encoding must reproduce
 _ENTRY_OVERHEAD = 400  # bytes of an entry besides its arrays and text (objects, dict and LRU slots)
 _LINK_BYTES = 100  # bytes of one link in the index (a dict slot and an int)
-_KEY_BYTES = 8  # bytes of one block key (uint64)
+_KEY_BYTES = 40  # bytes of one block key in a tuple (a pointer and an int)
 
 
 # not frozen (this one and those below): one of each is built per request, and a frozen dataclass's __init__ costs
@@ -84,25 +84,21 @@ class Lookup:
 # One recently encoded prompt: (data, seed, ids, ends, links, root, keys, size) -- its text as UTF-8; the tokenizer
 # and whether special tokens were added (what the ids depend on); the token ids (uint32); the first tokens' ends in
 # bytes of the text (uint32, 0 for special tokens added in front; the others' are the byte table's sums); the text's
-# hash chain (uint64); the block keys' root (model, adapter, namespace); the block keys (uint64); the bytes counted
-# against the bound. A plain tuple of bytes and ints, which the cycle collector stops tracking after its first pass:
-# an object of a class (or an array, or a list) would stay tracked, and every full collection walks what is tracked
-# with the GIL held (1,783 cached prompts, each an object with two arrays and two lists: 14-16 ms of CPU per
-# collection in the gateway, the event loop stalled). The links and keys are bytes, not tuples of ints: until that
-# first pass every young collection walks each new entry item by item (a tuple of 80 keys is 80 visits; at about
-# 2,000 new entries between young collections, 1-2 ms each).
-_Entry = tuple[bytes, int, bytes, bytes, bytes, BlockKey, bytes, int]
+# hash chain; the block keys' root (model, adapter, namespace); the block keys; the bytes counted against the bound.
+# Plain tuples of bytes and ints, which the cycle collector stops tracking after its first pass: an object of a class
+# (or an array, or a list) would stay tracked, and every full collection walks what is tracked with the GIL held
+# (1,783 cached prompts, each an object with two arrays and two lists: 14-16 ms of CPU per collection in the gateway,
+# the event loop stalled). Not bytes (a535037 made the links and keys uint64 bytes, one tracked object per prompt):
+# the keys are the very int objects the trie and kv's pending blocks hold as dict keys, whose lookups then match by
+# identity, and converting them cost more than the young collections it saved (kv in process, interleaved runs: 125
+# -> 138 us per request with bytes, 129 with the keys a tuple).
+_Entry = tuple[bytes, int, bytes, bytes, tuple[int, ...], BlockKey, tuple[BlockKey, ...], int]
 
 
 def _entry(data: bytes, seed: int, ids: bytes, ends: bytes, links: list[int], root: BlockKey,
            keys: list[BlockKey]) -> _Entry:
     size = sys.getsizeof(data) + 2 * len(ids) + _LINK_BYTES * len(links) + _KEY_BYTES * len(keys) + _ENTRY_OVERHEAD
-    return data, seed, ids, ends, array("Q", links).tobytes(), root, array("Q", keys).tobytes(), size
-
-
-def _u64(data: bytes) -> memoryview:
-    """An entry's links or keys as uint64 numbers, without a copy."""
-    return memoryview(data).cast("Q")
+    return data, seed, ids, ends, tuple(links), root, tuple(keys), size
 
 
 def _u32(data: bytes) -> array[int]:
@@ -188,7 +184,7 @@ class TokenCache:
             cached_ids, cached_ends, cached_root, cached_keys = entry[2], entry[3], entry[5], entry[6]
             if lookup.shared == len(data) == len(entry[0]):  # the same prompt again
                 ids = _u32(cached_ids)
-                keys = (_u64(cached_keys).tolist() if cached_root == root
+                keys = (list(cached_keys) if cached_root == root
                         else chain_keys(ids, self.block_size, root))
                 self.hits += 1
                 self._store(entry, _entry(data, seed, cached_ids, cached_ends, links, root, keys))
@@ -196,8 +192,8 @@ class TokenCache:
             spliced = self._splice(tokenizer, entry, data, lookup.shared)
             if spliced is not None:
                 ids, ends, kept, same = spliced
-                reused = min(same // self.block_size, len(cached_keys) // 8) if cached_root == root else 0
-                keys = _u64(cached_keys)[:reused].tolist()
+                reused = min(same // self.block_size, len(cached_keys)) if cached_root == root else 0
+                keys = list(cached_keys[:reused])
                 keys += chain_keys(ids[reused * self.block_size:], self.block_size, keys[-1] if keys else root)
                 self.hits += 1
                 self._store(entry, _entry(data, seed, ids.tobytes(), ends.tobytes(), links, root, keys))
@@ -275,7 +271,7 @@ class TokenCache:
             self._entries[key] = new
             self.bytes += new[7]
             index = self._links
-            for link in _u64(new[4]):
+            for link in new[4]:
                 index[link] = key
             while self.bytes > self.max_bytes:
                 self._drop(next(iter(self._entries.values())))
@@ -285,6 +281,6 @@ class TokenCache:
         del self._entries[key]
         self.bytes -= entry[7]
         index = self._links
-        for link in _u64(entry[4]):  # an entry's id is in no link after this: a later entry may be given the same id
+        for link in entry[4]:  # an entry's id is in no link after this: a later entry may be given the same id
             if index.get(link) == key:
                 del index[link]
