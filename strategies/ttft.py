@@ -73,6 +73,9 @@ STREAM_SILENCE_S = 1.0
 # first tokens a `PrefillQueue` remembers (when the request was routed, when its first token came), so that a scrape
 # of the engine's waiting queue can be set against the gateway's requests waiting there at the scrape's time
 DONE_KEPT = 256
+# the least share of its links' time a tier load is priced at, however fast the fleet's loads have been (a load is
+# never free: its bytes move)
+MIN_LOAD_SCALE = 0.01
 ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -105,6 +108,9 @@ class TtftOptions(KvOptions):
     ttft_cpu_latency_s: float = option(50e-6, "ttft: DRAM tier, time per load besides the bytes")
     ttft_disk_latency_s: float = option(200e-6, "ttft: NVMe tier, time per load besides the bytes")
     ttft_shared_latency_s: float = option(2e-3, "ttft: shared tier, time per load besides the bytes")
+    ttft_learn_loads: bool = option(
+        True, "ttft: learn how long the fleet's tier loads take against the time the links above give them, from "
+        "the first tokens of requests that loaded (false: the links' time as it is)")
     ttft_decode_cost_s: float = option(
         1e-4, "ttft: first-token delay per request decoding on the worker (its share of every step)")
     ttft_kv_high: float = option(
@@ -274,7 +280,13 @@ class TierLink:
 
 class LoadCost:
     """Getting a held prefix into the GPU: GPU blocks are free; a run on a lower tier is loaded at the tier's
-    transfer rate or recomputed, whichever is cheaper (a long NVMe run is worth loading, a short one may not be)."""
+    transfer rate or recomputed, whichever is cheaper (a long NVMe run is worth loading, a short one may not be).
+
+    The links' time is scaled by what the fleet's loads really take against it (`speed`: the first tokens of
+    requests that loaded, less the rest of their prediction, against the links' time for their loads; a fit
+    through the origin that starts at 1). A link's nominal rate is not what a load costs a request: the agent's
+    round trips, the connector's copies, a shared tier's contention, or (the live `kvgate sim` fleet at
+    `--speedup 10`) an engine whose every duration is ten times shorter than the hardware's."""
 
     def __init__(self, options: TtftOptions) -> None:
         gb = 1e9
@@ -282,8 +294,18 @@ class LoadCost:
                       DISK: TierLink(options.ttft_disk_latency_s, options.ttft_disk_gbps * gb),
                       SHARED: TierLink(options.ttft_shared_latency_s, options.ttft_shared_gbps * gb)}
         self.bytes_per_token = options.ttft_kv_bytes_per_token
+        # the prior speaks as for a 2,048-token load from the shared tier
+        typical = self.load_seconds(SHARED, 2048)
+        self.speed = LinearFit((1.0,), (typical,), options.ttft_prior_samples, options.ttft_half_life) \
+            if options.ttft_learn_loads else None
+
+    @property
+    def scale(self) -> float:
+        """What a load takes as a share of its links' time (1 until learned; at least MIN_LOAD_SCALE)."""
+        return max(MIN_LOAD_SCALE, self.speed.weights[0]) if self.speed is not None else 1.0
 
     def load_seconds(self, tier: str, tokens: int) -> float:
+        """The links' time for loading `tokens` from `tier` (unscaled)."""
         link = self.links[tier]
         return link.latency_s + tokens * self.bytes_per_token / link.bytes_per_s
 
@@ -292,17 +314,25 @@ class LoadCost:
         in the prompt in this order. Recomputing a run means recomputing what follows it too."""
         seconds, recompute = 0.0, 0
         context = by_tier.get(GPU, 0)
+        scale = self.scale
         for tier in LOWER_TIERS:
             tokens = by_tier.get(tier, 0)
             if not tokens:
                 continue
-            load = self.load_seconds(tier, tokens)
+            load = scale * self.load_seconds(tier, tokens)
             if recompute or load >= rate.seconds(Work.of(tokens, context)):
                 recompute += tokens
             else:
                 seconds += load
             context += tokens
         return seconds, recompute
+
+    def learn(self, link_s: float, observed_s: float) -> None:
+        """One request's loads: `link_s` the links' time for them, `observed_s` its first token less the rest of
+        its prediction (at most OUTLIER_RATIO times what the loads were priced: a stall is not the links')."""
+        if self.speed is None or link_s <= 0 or not math.isfinite(observed_s):
+            return
+        self.speed.add((link_s,), min(max(0.0, observed_s), OUTLIER_RATIO * self.scale * link_s))
 
 
 @dataclass(slots=True)
@@ -674,22 +704,27 @@ class EngineTimings:
 
 class SpreadCost:
     """Placing a prefix held elsewhere on one more worker: the cache space the copy takes there, priced as
-    `ttft_spread_weight` times what getting the copied tokens costs there: their prefill, or, for tokens the
-    worker loads from a lower tier while another worker's GPU holds them, their load (what the copy pushes out
-    of this GPU then comes back from a tier too). Without the load's share a worker that could load a prefix from
-    the shared tier cost only the load more than its GPU holder, and where loads are cheap every small queue sent
-    requests away from their GPU hits (vsim tenants with eager tiers: GPU share of the hits 0.24-0.35, p90 mean
-    272 ms over ten seeds; with it 0.39-0.53, 255 ms)."""
+    `ttft_spread_weight` times what getting back what it pushes out costs. Tokens no tier there holds: their
+    prefill (what the copy evicts is recomputed). Tokens the worker loads from a lower tier while another worker's
+    GPU holds them: reloading as many tokens from the worker's DRAM tier (its agent keeps what its GPU evicts), at
+    the fleet's learned load speed, at most their load. Without a price for those a worker that could load a
+    prefix from the shared tier cost only the load more than its GPU holder, and where loads are cheap every small
+    queue sent requests away from their GPU hits (vsim tenants with eager tiers: GPU share of the hits 0.24-0.35,
+    p90 mean 272 ms over ten seeds; with it 0.39-0.53, 255 ms). Priced at their whole load (a shared-tier load
+    is 2.7 times a DRAM one), a GPU holder kept every request of its prefix until its queue was worth two loads,
+    so hits waited behind another tenant's cold prefill there (docs/ttft.md)."""
 
-    def __init__(self, options: TtftOptions) -> None:
+    def __init__(self, options: TtftOptions, load: LoadCost) -> None:
         self.weight = options.ttft_spread_weight
+        self.load = load
 
     def seconds(self, held_here: int, held_most: int, rate: PrefillRate, load_s: float = 0.0,
                 gpu_here: int = 0, gpu_most: int = 0) -> float:
         copied = max(0, held_most - held_here)
         cost = rate.seconds(Work.of(copied, held_here)) if copied else 0.0
-        if gpu_here < gpu_most:
-            cost += load_s
+        loaded = min(gpu_most, held_here) - gpu_here  # tokens loaded here that another worker's GPU holds
+        if loaded > 0 and load_s > 0:
+            cost += min(load_s, self.load.scale * self.load.load_seconds(CPU, loaded))
         return self.weight * cost
 
 
@@ -739,6 +774,7 @@ class Estimate:
     prefill: Work
     rank: int | None = None  # the data-parallel rank it is for (None: the worker is not a data-parallel engine)
     blocks_s: float = 0.0  # the wait for KV blocks beyond the queue, the step in progress and the tier loads
+    link_s: float = 0.0  # the tier loads' time at their links' rates, before `LoadCost.scale`
 
     @property
     def ttft_s(self) -> float:
@@ -790,7 +826,7 @@ class TtftAware(KvAware):
         self.ttft_options = options
         self.load = LoadCost(options)
         self.pressure = EnginePressure(options)
-        self.spread = SpreadCost(options)
+        self.spread = SpreadCost(options, self.load)
         self.share = RequestShare(options.ttft_balance_slack, options.ttft_balance_window)
         self.timings = EngineTimings(options.ttft_metrics_window_s)
         self.rates: dict[str, PrefillRate] = {}
@@ -924,7 +960,8 @@ class TtftAware(KvAware):
                 wait = ledger.wait(now, self.blocks_for_us(worker, ledger, now), need, self.decode_step_s(cache))
                 blocks_s = max(0.0, wait - queue_s - step_s - load_s)
         return Estimate(rate.overhead_s, queue_s, step_s, load_s, rate.seconds(prefill),
-                        self.pressure.seconds(worker, ours, blocks_known), queued, prefill, rank, blocks_s)
+                        self.pressure.seconds(worker, ours, blocks_known), queued, prefill, rank, blocks_s,
+                        load_s / self.load.scale)
 
     def decode_step_s(self, cache: str) -> float:
         """The time between a decoding request's tokens on the engine: the mean step its relayed streams show
@@ -1049,6 +1086,8 @@ class TtftAware(KvAware):
         observed = ttft_s - e.load_s - e.step_s - e.pressure_s - e.blocks_s
         for rate in (self.own_rate(routed.worker), self.fleet_rate):
             rate.learn(e.queued + e.prefill, min(observed, OUTLIER_RATIO * rate.predict(e.queued + e.prefill)))
+        # what its loads took: its first token less the rest of its prediction
+        self.load.learn(e.link_s, ttft_s - (e.ttft_s - e.load_s))
         rate = self.rate(routed.worker)
         metrics = self._ttft_metrics
         if metrics is not None:

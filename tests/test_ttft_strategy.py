@@ -400,9 +400,60 @@ def test_an_engines_prefill_histograms_make_a_sample_per_window() -> None:
 
 
 def test_a_copy_of_a_prefix_held_elsewhere_costs_its_prefill() -> None:
-    spread, rate = SpreadCost(OPTIONS), PrefillRate(OPTIONS)
+    spread, rate = SpreadCost(OPTIONS, LoadCost(OPTIONS)), PrefillRate(OPTIONS)
     assert spread.seconds(held_here=1024, held_most=1024, rate=rate) == 0.0
     assert abs(spread.seconds(held_here=0, held_most=1000, rate=rate) - 0.1) < 1e-12
+
+
+def test_a_copy_loaded_from_a_tier_costs_reloading_what_it_pushes_out_from_dram() -> None:
+    """Tokens a worker loads from a lower tier while another worker's GPU holds them: the copy pushes as many out of
+    its GPU into its own agent's DRAM, whence they come back: priced at that reload (50 us + 2,048 x 128 KiB at
+    25 GB/s: 10.79 ms), not at the shared-tier load that brought the copy (28.84 ms), and never above the load."""
+    load = LoadCost(OPTIONS)
+    spread, rate = SpreadCost(OPTIONS, load), PrefillRate(OPTIONS)
+    shared = load.load_seconds(SHARED, 2048)
+    assert abs(shared - (2e-3 + 2048 * 131072 / 10e9)) < 1e-15
+    dram = 50e-6 + 2048 * 131072 / 25e9
+    assert abs(spread.seconds(held_here=2048, held_most=2048, rate=rate, load_s=shared, gpu_here=0,
+                              gpu_most=2048) - dram) < 1e-15
+    # half of it on this GPU already: the other half is the copy
+    half = load.load_seconds(SHARED, 1024)
+    assert abs(spread.seconds(held_here=2048, held_most=2048, rate=rate, load_s=half, gpu_here=1024,
+                              gpu_most=2048) - (50e-6 + 1024 * 131072 / 25e9)) < 1e-15
+    # a load cheaper than the reload (a short one from DRAM itself, with less latency) costs at most itself
+    assert spread.seconds(held_here=2048, held_most=2048, rate=rate, load_s=0.001, gpu_here=0,
+                          gpu_most=2048) == 0.001
+    # no GPU holds it anywhere: loading it is no copy
+    assert spread.seconds(held_here=2048, held_most=2048, rate=rate, load_s=shared, gpu_here=0, gpu_most=0) == 0.0
+
+
+def test_tier_loads_are_priced_at_what_the_fleets_loads_take() -> None:
+    """The links say 28.84 ms for a 2,048-token shared-tier load; this fleet's loads take a tenth of that. Each
+    request that loaded teaches the fit (its first token less the rest of its prediction, against the links'
+    time): a fit through the origin, held towards 1 as four samples at the typical load (the same 2,048 tokens
+    here) would hold it, each sample counting half after 200. A stall (a first token 1 s late) is learned as five
+    times the load's price, no more."""
+    load = LoadCost(OPTIONS)
+    rate = PrefillRate(OPTIONS)
+    link = load.load_seconds(SHARED, 2048)
+    assert load.scale == 1.0 and load.plan({SHARED: 2048}, rate) == (link, 0)
+    decay = 0.5 ** (1 / 200)
+    n = 40
+    for _ in range(n):
+        load.learn(link, 0.1 * link)
+    seen = sum(decay ** k for k in range(n))  # the samples' weight after forgetting
+    expected = (seen * 0.1 + 4 * 1.0) / (seen + 4)
+    assert abs(load.scale - expected) < 1e-12 and 0.18 < load.scale < 0.19
+    seconds, recompute = load.plan({GPU: 1024, SHARED: 2048}, rate)
+    assert recompute == 0 and abs(seconds - expected * link) < 1e-15
+    before = load.scale
+    load.learn(link, 1.0)  # a stall: at most 5 x the price
+    after = (seen * decay * 0.1 * link * link + link * min(1.0, 5 * before * link) + 4 * link * link) / (
+        (seen * decay + 1 + 4) * link * link)
+    assert abs(load.scale - after) < 1e-12
+    off = LoadCost(dataclasses.replace(OPTIONS, ttft_learn_loads=False))
+    off.learn(link, 0.1 * link)
+    assert off.scale == 1.0
 
 
 def test_a_worker_over_its_share_of_recent_requests_is_at_its_cap_and_old_requests_fade() -> None:
@@ -471,9 +522,11 @@ def test_a_hot_prefix_spills_only_when_the_queue_outweighs_its_saving_and_the_co
 
 def test_a_prefix_in_the_shared_tier_spills_when_the_queue_outweighs_its_load_and_the_copy() -> None:
     """As above with the prefix also in the shared tier, where every worker can load it: another worker pays the
-    load (2 ms + 2,048 x 128 KiB at 10 GB/s: 28.8 ms) and, since worker 0's GPU holds the prefix, the copy,
-    priced at that load too. Without the copy's price every request whose holder had a queue worth more than a
-    load went elsewhere (live tenants with agents and the fleet's tier links: GPU hit rate 0.21-0.27)."""
+    load (2 ms + 2,048 x 128 KiB at 10 GB/s: 28.84 ms) and, since worker 0's GPU holds the prefix, the copy, priced
+    at reloading what it pushes out from that worker's DRAM (50 us + 2,048 x 128 KiB at 25 GB/s: 10.79 ms).
+    Without the copy's price every request whose holder had a queue worth more than a load went elsewhere (live
+    tenants with agents and the fleet's tier links: GPU hit rate 0.21-0.27); priced at the load itself (before),
+    the holder kept them until its queue was worth two loads: request 2 was the first to go."""
     strategy, workers, index, _ = make()
     system = tokens(1, 2048)
     keys = block_keys(system, BS, ROOT)
@@ -482,13 +535,59 @@ def test_a_prefix_in_the_shared_tier_spills_when_the_queue_outweighs_its_load_an
     burst = [request(system + tokens(100 + i, 400)) for i in range(40)]  # none has its first token yet
     placed = [strategy.choose(req, workers) for req in burst]
     first_spill = next(i for i, d in enumerate(placed) if d.worker is not workers[0])
-    # worker 0: 10 ms + 40 ms of prefill + 40 ms per request queued; elsewhere 10 + 28.8 (load) + 40 + 28.8
-    # (the copy) = 107.7 ms: request 2 (the third, 130 ms on worker 0) is the first to go elsewhere
-    assert first_spill == 2
+    # worker 0: 10 ms + 40 ms of prefill + 40 ms per request queued; elsewhere 10 + 28.84 (load) + 40 + 10.79
+    # (the copy) = 89.63 ms: request 1 (the second, 90 ms on worker 0) is the first to go elsewhere
+    assert first_spill == 1
     assert placed[first_spill].predicted_cached_tokens == 2048
     load = strategy.load.load_seconds(SHARED, 2048)
     predicted = placed[first_spill].predicted_ttft_s
     assert predicted is not None and abs(predicted - (0.01 + load + 0.04)) < 1e-9  # the copy's price is no wait
+
+
+def test_a_hit_does_not_wait_behind_another_prefill_on_its_holder_when_a_tier_has_it() -> None:
+    """The live tenants with agents: a tenant's holder has begun another tenant's first read (450 tokens here,
+    45 ms) when the tenant's next question comes. Waiting for it there: 10 + 45 + 6.4 = 61.4 ms. Loading it from
+    the shared tier on an idle worker: 10 + 28.84 + 6.4 = 45.2 ms, and the copy 10.79 ms (reloading what it
+    pushes out from that worker's DRAM): 56.0 ms, and it goes there. Priced at the shared-tier load (28.84 ms:
+    74.1 ms) the copy kept it on the holder, and the hits that waited behind other tenants' first reads were
+    ttft's p90 (vsim, the README's tenants at speedup 10 with the live fleet's tier links, seeds 0-9: round_robin
+    21.2 ms, ttft 30.4)."""
+    strategy, workers, index, clock = make()
+    system = tokens(1, 2048)
+    keys = block_keys(system, BS, ROOT)
+    index.add(workers[0].url, keys, GPU)
+    index.add(workers[0].url, keys, SHARED)
+    strategy.queue(workers[0].url).add(1, Work.of(450, 0), clock[0], 0.055, reported=True)
+    decision = strategy.choose(request(system + tokens(2, 64)), workers)
+    assert decision.worker is not workers[0] and decision.reason == HIT  # the shared tier holds it there too
+    assert decision.predicted_cached_tokens == 2048
+    load = strategy.load.load_seconds(SHARED, 2048)
+    assert decision.predicted_ttft_s is not None and abs(decision.predicted_ttft_s - (0.01 + load + 0.0064)) < 1e-9
+
+
+def test_the_gateway_learns_what_its_tier_loads_take_from_first_tokens() -> None:
+    """A request loads its 2,048-token prefix from worker 1's NVMe tier (priced 0.2 ms + 2,048 x 128 KiB at 5 GB/s:
+    53.9 ms) and its first token comes 0.9 of that sooner than predicted: the load took a tenth of its price. One
+    sample against the prior (four at 1, each as a typical 28.8 ms shared-tier load): 0.58 of the links' time from
+    then on."""
+    strategy, workers, index, _ = make()
+    system = tokens(1, 2048)
+    index.add(workers[1].url, block_keys(system, BS, ROOT), DISK)
+    req = request(system + tokens(2, 64))
+    decision = strategy.choose(req, workers)
+    link = strategy.load.load_seconds(DISK, 2048)
+    assert decision.worker is workers[1] and decision.predicted_ttft_s is not None
+    assert abs(decision.predicted_ttft_s - (0.01 + link + 0.0064)) < 1e-9
+    strategy.on_first_token(req, decision, decision.predicted_ttft_s - 0.9 * link)
+    strategy.request_ended(req, decision)
+    strategy.pending.discard(workers[1].url, req.block_keys)
+    typical = strategy.load.load_seconds(SHARED, 2048)
+    scale = (link * link * 0.1 + 4 * typical * typical) / (link * link + 4 * typical * typical)
+    assert abs(strategy.load.scale - scale) < 1e-12 and 0.58 < scale < 0.59
+    again = strategy.choose(request(system + tokens(3, 64)), workers)
+    assert again.worker is workers[1] and again.predicted_ttft_s is not None
+    # (its first token less the load it was priced at is under 0: the prefill fit learned nothing from it)
+    assert abs(again.predicted_ttft_s - (0.01 + scale * link + 0.0064)) < 1e-9
 
 
 def test_a_tie_band_does_not_give_up_a_hit() -> None:

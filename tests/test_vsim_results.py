@@ -110,12 +110,18 @@ PINNED: dict[str, dict[str, Any]] = {  # measured before the speed work of issue
     # spread cost, docs/ttft.md): lazy hit rate 0.4328 -> 0.4317 (GPU share 0.386 -> 0.393, NVMe 0.036 -> 0.028),
     # TTFTs the same; eager 0.355 -> 0.391 (GPU 0.291 -> 0.320), TTFT p50 5,917 -> 4,668, p90 12,511 -> 12,764, p99
     # 13,912 -> 16,239 ms (one seed of an overloaded fleet: mixed)
+    # Then, with tiers, by that copy priced at reloading what it pushes out from the worker's DRAM (at most its
+    # load) and tier loads priced at what the fleet's loads took, learned from first tokens (docs/ttft.md): lazy
+    # hit rate 0.432 -> 0.446, TTFT p50 / p90 / p99 4,600 / 10,359 / 15,898 -> 4,667 / 9,920 / 12,606 ms; eager
+    # 0.391 -> 0.378, 4,668 / 12,764 / 16,239 -> 5,441 / 10,678 / 15,018 (this seed; over the trace's seeds 0-11,
+    # medians, lazy 0.499 / 2,211 / 8,771 / 16,114 -> 0.484 / 2,158 / 8,592 / 14,865, eager 0.427 / 2,959 / 8,527 /
+    # 14,293 -> 0.407 / 2,730 / 9,198 / 13,402: an overloaded fleet, mixed)
     "ttft off": {"hit_rate": 0.449205709, "ttft_ms_p50": 4379.90788,
                 "row": "f23c0d0e54a9ef0d", "decisions": "3ac21516ce782da9"},
-    "ttft lazy": {"hit_rate": 0.431666538, "ttft_ms_p50": 4600.398613,
-                 "row": "3e2f663cd68f9346", "decisions": "1a8a2b7083597756"},
-    "ttft eager": {"hit_rate": 0.391369931, "ttft_ms_p50": 4667.989975,
-                  "row": "9d86e91bdb206fcf", "decisions": "62b55bc556aa7767"},
+    "ttft lazy": {"hit_rate": 0.446234197, "ttft_ms_p50": 4667.261044,
+                 "row": "392776006e110b60", "decisions": "703055d6ce625f1b"},
+    "ttft eager": {"hit_rate": 0.377816935, "ttft_ms_p50": 5441.334899,
+                  "row": "fdb7ebbf13adc1b3", "decisions": "3112a358c3bcb00b"},
 }
 
 
