@@ -20,10 +20,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 import torch
 
-from agent.client import AgentClient
+from agent.client import AgentClient, InPlaceChain
 from agent.host_pinning import CudaHostPinning, HostPinning, PinnedRegion
 from agent.kv_layout import STAGING_BYTES, BlockCopier, CacheLayer
 from agent.protocol import AgentError
@@ -166,8 +167,14 @@ class BlockMover:
 
     def save(self, hashes: Sequence[int], block_ids: Sequence[int], parent: int | None) -> Failure | None:
         """Hand these computed blocks (a chain after `parent`) to the agent; why not, if they were not."""
+        return self.save_chains([SavedChain(hashes, block_ids, parent)])
+
+    def save_chains(self, chains: Sequence[SavedChain]) -> Failure | None:
+        """Hand several chains to the agent (a step's saves, one per request) in as few batches as the shared
+        memory allows: one gather into it and one round trip per batch, not per chain; why not, if they were not
+        (a chain stored before a failure stays stored: storing it again on the retry changes nothing)."""
         def attempt() -> None:
-            self._save(hashes, block_ids, parent)
+            self._save(chains)
 
         failure = self._guarded("save", attempt)
         if failure is not None:
@@ -198,16 +205,19 @@ class BlockMover:
                 break
         return failure
 
-    def _save(self, hashes: Sequence[int], block_ids: Sequence[int], parent: int | None) -> None:
+    def _save(self, chains: Sequence[SavedChain]) -> None:
         staging = self._current()
-        step = max(1, staging.tensor.numel() // self.block_bytes)
-        for i in range(0, len(hashes), step):
-            ids = list(block_ids[i: i + step])
-            n = len(ids)
-            self.copier.gather(ids, self._rows(staging, n))
-            self.client.store_in_place(self.layout, list(hashes[i: i + step]),
-                                       [k * self.block_bytes for k in range(n)], [self.block_bytes] * n,
-                                       parent if i == 0 else hashes[i - 1])
+        room = max(1, staging.tensor.numel() // self.block_bytes)
+        for batch in _batches(chains, room):
+            ids = [b for chain in batch for b in chain.block_ids]
+            self.copier.gather(ids, self._rows(staging, len(ids)))
+            stores, row = [], 0
+            for chain in batch:
+                n = len(chain.hashes)
+                stores.append(InPlaceChain(chain.hashes, range(row * self.block_bytes, (row + n) * self.block_bytes,
+                                                               self.block_bytes), [self.block_bytes] * n, chain.parent))
+                row += n
+            self.client.store_chains_in_place(self.layout, stores)
 
     # -- the rest --------------------------------------------------------------------------------------------
 
@@ -220,6 +230,33 @@ class BlockMover:
 
     def close(self) -> None:
         self._reset()
+
+
+class SavedChain(NamedTuple):
+    """Computed blocks to save: their hashes, their ids in the cache, and the parent of the first."""
+
+    hashes: Sequence[int]
+    block_ids: Sequence[int]
+    parent: int | None
+
+
+def _batches(chains: Sequence[SavedChain], room: int) -> list[list[SavedChain]]:
+    """The chains in batches of at most `room` blocks (what the shared memory holds), in order; a chain longer
+    than that is cut into pieces, each piece's parent the block before it."""
+    batches: list[list[SavedChain]] = [[]]
+    used = 0
+    for chain in chains:
+        start = 0
+        while start < len(chain.hashes):
+            if used == room:
+                batches.append([])
+                used = 0
+            end = min(len(chain.hashes), start + room - used)
+            parent = chain.parent if start == 0 else chain.hashes[start - 1]
+            batches[-1].append(SavedChain(chain.hashes[start:end], chain.block_ids[start:end], parent))
+            used += end - start
+            start = end
+    return [batch for batch in batches if batch]
 
 
 class _Stale(Exception):

@@ -20,7 +20,7 @@ import mmap
 import os
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -51,6 +51,16 @@ from agent.protocol import (
 Buffer = bytes | bytearray | memoryview
 
 
+class InPlaceChain(NamedTuple):
+    """A chain of blocks already written into the client's shared memory: block i at `offsets[i]`, `lengths[i]`
+    bytes long, the first one's parent `parent`."""
+
+    hashes: Sequence[BlockHash]
+    offsets: Sequence[int]
+    lengths: Sequence[int]
+    parent: BlockHash | None = None
+
+
 class AgentClient:
     """`layout` and `block_bytes`, if given, are declared in Hello: the agent then refuses any other on this
     connection (a vLLM worker has exactly one of each). `circuit`, if given, is opened by a call the agent does
@@ -69,6 +79,7 @@ class AgentClient:
         self._shm: mmap.mmap | None = None
         self.shm: memoryview | None = None  # the shared region, valid while connected
         self.generation = 0  # bumped on every (re)connect: views of an older `shm` are stale
+        self.round_trips = 0  # writes of one or more requests answered in full (a batch of Stores is one)
 
     # -- connection ------------------------------------------------------------------------------------------
 
@@ -153,28 +164,38 @@ class AgentClient:
                 if self._sock is not None:  # the agent answered with an error: nothing to retry
                     raise
                 del exc
+        return self._call_many([request], fds)[0]
+
+    def _call_many(self, requests: Sequence[msgspec.Struct], fds: Sequence[int] = ()) -> list[Reply]:
+        """Requests sent together (one write), then their replies read in order: the agent answers a connection's
+        frames one after the other, so several requests cost one wake-up of each side, not one per request. Raises
+        AgentRefused, after reading every reply, if the agent refused any."""
         self.connect()
         sock = self._sock
         assert sock is not None
         try:
-            data = frame(request)
+            data = b"".join(frame(request) for request in requests)
             if fds:
                 if socket.send_fds(sock, [data], list(fds)) != len(data):
                     raise AgentError("hello frame sent in part")
             else:
                 sock.sendall(data)
-            (size,) = FRAME.unpack(self._recv_exact(sock, FRAME.size))
-            if size > MAX_FRAME:
-                raise AgentError(f"reply frame of {size} bytes")
-            reply = reply_decoder.decode(self._recv_exact(sock, size))
+            replies = []
+            for _ in requests:
+                (size,) = FRAME.unpack(self._recv_exact(sock, FRAME.size))
+                if size > MAX_FRAME:
+                    raise AgentError(f"reply frame of {size} bytes")
+                replies.append(reply_decoder.decode(self._recv_exact(sock, size)))
+            self.round_trips += 1
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.close()
             if isinstance(exc, TimeoutError):  # hung; a cut connection (a restart) is for the reconnect to judge
                 self._unanswered(exc)
             raise AgentError(f"tier agent call failed: {exc}") from exc
-        if isinstance(reply, ErrorReply):
-            raise AgentRefused(reply.message)
-        return reply
+        refused = next((reply for reply in replies if isinstance(reply, ErrorReply)), None)
+        if refused is not None:
+            raise AgentRefused(refused.message)
+        return replies
 
     def _unanswered(self, exc: Exception) -> None:
         if self.circuit is not None:
@@ -213,10 +234,14 @@ class AgentClient:
     def store_in_place(self, layout: int, hashes: Sequence[BlockHash], offsets: Sequence[int],
                        lengths: Sequence[int], parent: BlockHash | None = None) -> int:
         """Store blocks the caller already wrote into `self.shm` at these offsets."""
-        reply: StoreReply = self._expect(self._call(Store(layout=layout, hashes=list(hashes), parent=parent,
-                                                          offsets=list(offsets), lengths=list(lengths))),
-                                         StoreReply)
-        return reply.stored
+        return self.store_chains_in_place(layout, [InPlaceChain(hashes, offsets, lengths, parent)])[0]
+
+    def store_chains_in_place(self, layout: int, chains: Sequence[InPlaceChain]) -> list[int]:
+        """Store several chains the caller already wrote into `self.shm`, one `Store` each, sent together (a vLLM
+        step's saves: one round trip, not one per request); how many blocks of each the agent stored."""
+        replies = self._call_many([Store(layout=layout, hashes=list(c.hashes), parent=c.parent,
+                                         offsets=list(c.offsets), lengths=list(c.lengths)) for c in chains])
+        return [self._expect(reply, StoreReply).stored for reply in replies]
 
     def store(self, layout: int, hashes: Sequence[BlockHash], payloads: Sequence[Buffer],
               parent: BlockHash | None = None) -> int:

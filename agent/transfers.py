@@ -4,7 +4,9 @@ worker process, which alone uses the block mover and so the agent client, which 
 The step only queues work (`load`, `save`) and collects what finished (`finished_loads`, `saves_in_flight`);
 nothing it calls waits for the agent, except `wait_for_saves`, which the connector calls only when vLLM is about to
 reuse the blocks of a preempted request while a save still reads them. Loads go before saves: a load holds a
-request back from its first step, a save holds nothing but the blocks of a finished request. On a GPU the thread
+request back from its first step, a save holds nothing but the blocks of a finished request; the saves queued
+when the thread gets to them (a step's, one per request) go to the agent as one batch -- one gather into the
+shared memory, their Stores in one write, one wait for the replies -- not one round trip each. On a GPU the thread
 copies on its own CUDA stream, after an event the step recorded (the forward pass that computed a saved block, the
 zeroing of a block a load writes), and synchronises that stream before it reports a transfer done. A failure of
 any kind is the block mover's (counted, never raised); with the agent's circuit open every queued transfer fails at
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from agent.block_mover import BlockMover, Failure, LoadResult
+from agent.block_mover import BlockMover, Failure, LoadResult, SavedChain
 from kvcore.aio import name_native_thread
 
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
@@ -84,10 +86,12 @@ class TransferThread:
             self._loads.append(job)
             self._changed.notify_all()
 
-    def save(self, job: SaveJob) -> None:
+    def save(self, jobs: Sequence[SaveJob]) -> None:
+        """A step's saves, queued together: the thread hands every save queued by then to the agent at once."""
         with self._changed:
-            self._saves.append(job)
-            self._saving[job.req_id] += 1
+            for job in jobs:
+                self._saves.append(job)
+                self._saving[job.req_id] += 1
             self._changed.notify_all()
 
     def finished_loads(self) -> list[tuple[LoadJob, LoadResult]]:
@@ -137,42 +141,57 @@ class TransferThread:
         else:
             _leave_the_compute_cores()
         while True:
+            saves: list[SaveJob] = []
             with self._changed:
                 while not (self._loads or self._saves or self._stopping):
                     self._changed.wait()
                 if not (self._loads or self._saves):
                     return
-                job: LoadJob | SaveJob = self._loads.popleft() if self._loads else self._saves.popleft()
+                load = self._loads.popleft() if self._loads else None
+                if load is None:  # every save queued by now (a step's, or several), to the agent together
+                    saves, self._saves = list(self._saves), deque()
             try:
-                self._transfer(job)
+                if load is not None:
+                    self._load(load)
+                else:
+                    self._save(saves)
             except Exception:  # the mover counts its own failures; anything else must not kill the thread
                 log.exception("kvgate connector: unexpected error in the transfer thread")
 
-    def _transfer(self, job: LoadJob | SaveJob) -> None:
-        """Run one job; whatever happens, it is reported done (a load nobody reports holds its request forever)."""
+    def _load(self, job: LoadJob) -> None:
+        """Run one load; whatever happens, it is reported done (a load nobody reports holds its request forever)."""
         result = LoadResult(0, Failure.ERROR)
         try:
-            with self._on_stream(job.ready):
-                if isinstance(job, LoadJob):
-                    result = self.mover.load(job.hashes, job.block_ids)
-                elif not job.cancelled:
-                    self.mover.save(job.hashes, job.block_ids, job.parent)
+            with self._on_stream([job.ready]):
+                result = self.mover.load(job.hashes, job.block_ids)
         finally:
             with self._changed:
                 self._collect_failures()
-                if isinstance(job, LoadJob):
-                    self._done_loads.append((job, result))
-                else:
+                self._done_loads.append((job, result))
+                self._changed.notify_all()
+
+    def _save(self, jobs: list[SaveJob]) -> None:
+        """Run these saves (the ones not cancelled meanwhile) as one batch; whatever happens, they are reported
+        done."""
+        try:
+            live = [job for job in jobs if not job.cancelled]
+            if live:
+                with self._on_stream([job.ready for job in live]):
+                    self.mover.save_chains([SavedChain(job.hashes, job.block_ids, job.parent) for job in live])
+        finally:
+            with self._changed:
+                self._collect_failures()
+                for job in jobs:
                     self._saving[job.req_id] -= 1
                     if self._saving[job.req_id] <= 0:
                         del self._saving[job.req_id]
                 self._changed.notify_all()
 
-    def _on_stream(self, ready: Any) -> AbstractContextManager[Any]:
+    def _on_stream(self, ready: list[Any]) -> AbstractContextManager[Any]:
         if self._stream is None:
             return nullcontext()
-        if ready is not None:
-            self._stream.wait_event(ready)
+        for event in {id(e): e for e in ready if e is not None}.values():  # a step's saves share one event
+            self._stream.wait_event(event)
         on_stream: AbstractContextManager[Any] = torch.cuda.stream(self._stream)
         return on_stream
 

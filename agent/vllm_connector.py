@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from agent.block_mover import BlockMover, Failure, LoadResult
+from agent.block_mover import BlockMover, Failure, LoadResult, SavedChain
 from agent.breaker import AgentCircuit
 from agent.client import AgentClient
 from agent.cpu_tiles import request_amx_tiles
@@ -490,9 +490,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # one cannot have reached this step's KV: nothing here waits for another rank or stage.
             if meta.saves and self._transfers is not None:
                 ready = self._transfers.ready_event()  # after the forward pass that computed the blocks
-                for transfer in meta.saves:
-                    self._transfers.save(SaveJob(transfer.req_id, transfer.hashes, transfer.block_ids,
-                                                 transfer.parent, ready))
+                self._transfers.save([SaveJob(t.req_id, t.hashes, t.block_ids, t.parent, ready) for t in meta.saves])
             return
         if meta.loads and self._load_failed_on_any_rank():
             # A block that failed to load went through this step's forward pass as garbage, on this rank or
@@ -501,11 +499,8 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if meta.saves:
                 self._stats.count("save", "after_failed_load", len(meta.saves))
             return
-        if self._mover is None:
-            return
-        for transfer in meta.saves:
-            if self._mover.save(transfer.hashes, transfer.block_ids, transfer.parent) is not None:
-                return  # the agent is not there: the other saves of this step would fail the same way
+        if self._mover is not None and meta.saves:
+            self._mover.save_chains([SavedChain(t.hashes, t.block_ids, t.parent) for t in meta.saves])
 
     def _load_failed_on_any_rank(self) -> bool:
         """Whether a load of this step failed on any TP rank. Every rank has the same metadata, so every rank

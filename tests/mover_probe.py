@@ -7,6 +7,9 @@ answers one JSON command per stdin line with one JSON line on stdout:
   {"op": "save", "hashes": [...], "blocks": [...]}     -> {"failure": reason | null}   (from `source`)
   {"op": "load", "hashes": [...], "blocks": [...]}     -> {"loaded": n, "failure": reason | null, "correct": bool}
       (into `target`; `correct`: each loaded block equals the `source` block saved under its hash)
+  {"op": "save_step", "chains": [{"hashes": [...], "blocks": [...], "parent": h | null}, ...]}
+      -> {"done": bool, "round_trips": n}  (a step's saves through the connector's transfer thread, queued together;
+          the agent round trips they took)
   {"op": "counters"}                                   -> {"load": {reason: n}, "save": {reason: n}}
   {"op": "view_outlives_close"}                        -> {"mapped": bool}  (the staging view after client.close())
 """
@@ -21,6 +24,7 @@ import torch
 from agent.block_mover import BlockMover
 from agent.client import AgentClient
 from agent.kv_layout import describe_layers
+from agent.transfers import SaveJob, TransferThread
 
 NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM, LAYERS = 32, 2, 32, 32, 2
 LAYOUT = 0x1A7E
@@ -45,6 +49,7 @@ def main() -> None:
     mover = BlockMover(client, LAYOUT, describe_layers(target, NUM_BLOCKS))
     saver = BlockMover(client, LAYOUT, describe_layers(source, NUM_BLOCKS))
     saved: dict[int, int] = {}  # hash -> source block
+    transfers: TransferThread | None = None
     for line in sys.stdin:
         command = json.loads(line)
         op = command["op"]
@@ -62,6 +67,17 @@ def main() -> None:
                           for h, dst in zip(command["hashes"][: result.loaded], command["blocks"], strict=False)
                           for name in source)
             reply = {"loaded": result.loaded, "failure": result.failure, "correct": correct}
+        elif op == "save_step":
+            if transfers is None:
+                transfers = TransferThread(saver)  # from now on the only user of the client
+            before = client.round_trips
+            jobs = [SaveJob(f"r{i}", c["hashes"], c["blocks"], c.get("parent"))
+                    for i, c in enumerate(command["chains"])]
+            transfers.save(jobs)
+            done = transfers.wait_for_saves([job.req_id for job in jobs], 20)
+            for c in command["chains"]:
+                saved.update(zip(c["hashes"], c["blocks"], strict=True))
+            reply = {"done": done, "round_trips": client.round_trips - before}
         elif op == "counters":
             reply = {"load": {str(k): v for k, v in mover.load_failures.items()},
                      "save": {str(k): v for k, v in saver.save_failures.items()}}

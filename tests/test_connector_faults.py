@@ -77,6 +77,39 @@ def test_shared_memory_is_mapped_before_the_first_step_and_never_dangles(
     probe.close()
 
 
+def test_a_steps_saves_reach_the_agent_in_one_round_trip(
+        tmp_path: Path, agents: list[AgentProcess], probes: list[MoverProbe],
+        subprocess_env: dict[str, str]) -> None:
+    """The transfer thread hands every save queued by a step (one chain per request) to the agent together: one
+    gather, their Stores in one write, one wait for the replies. Before, one round trip per request: a saturated
+    replica's transfer thread and agent woke 8 times a step (issue 14 item 1). A batch larger than the shared memory
+    (8 blocks here) is cut into pieces that keep each chain's parents, and every block loads back as saved."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    probe = MoverProbe(agent.socket)
+    probes.append(probe)
+    assert probe("attach") == {"attached": True}
+    chains = [{"hashes": [100 + 10 * r, 101 + 10 * r], "blocks": [2 * r, 2 * r + 1], "parent": None} for r in range(4)]
+    assert probe("save_step", chains=chains) == {"done": True, "round_trips": 1}
+    for r, chain in enumerate(chains):
+        assert probe("load", hashes=chain["hashes"], blocks=[20 + 2 * r, 21 + 2 * r]) == {
+            "loaded": 2, "failure": None, "correct": True}
+    # 11 blocks in three chains through 8 blocks of shared memory: two batches, the second chain cut in two
+    long = [{"hashes": [200, 201, 202], "blocks": [0, 1, 2], "parent": None},
+            {"hashes": [300, 301, 302, 303, 304, 305], "blocks": [3, 4, 5, 6, 7, 8], "parent": 299},
+            {"hashes": [400, 401], "blocks": [9, 10], "parent": None}]
+    assert probe("save_step", chains=long) == {"done": True, "round_trips": 2}
+    assert probe("load", hashes=[300, 301, 302, 303, 304, 305], blocks=list(range(11, 17))) == {
+        "loaded": 6, "failure": None, "correct": True}
+    assert probe("load", hashes=[200, 201, 202], blocks=[17, 18, 19]) == {"loaded": 3, "failure": None,
+                                                                          "correct": True}
+    assert probe("load", hashes=[400, 401], blocks=[20, 21]) == {"loaded": 2, "failure": None, "correct": True}
+    with AgentClient(agent.socket, shm_bytes=0) as client:  # the cut chain is still one chain to the agent
+        assert client.lookup(0x1A7E, [300, 301, 302, 303, 304, 305]) == (6, "CCCCCC")
+    assert probe("counters") == {"load": {}, "save": {}}
+    probe.close()
+
+
 def test_without_an_agent_loads_fail_and_saves_drop_without_raising(
         tmp_path: Path, agents: list[AgentProcess], probes: list[MoverProbe],
         subprocess_env: dict[str, str]) -> None:
