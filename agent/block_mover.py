@@ -77,6 +77,11 @@ class BlockMover:
         self._staging: Staging | None = None
         self._logged: dict[str, float] = {}
 
+    @property
+    def batch_blocks(self) -> int:
+        """How many blocks one batch through the shared memory holds."""
+        return max(1, self.client.shm_bytes // self.block_bytes) if self.block_bytes else 1
+
     # -- shared memory ---------------------------------------------------------------------------------------
 
     def attach(self) -> bool:

@@ -6,7 +6,8 @@ nothing it calls waits for the agent, except `wait_for_saves`, which the connect
 reuse the blocks of a preempted request while a save still reads them. Loads go before saves: a load holds a
 request back from its first step, a save holds nothing but the blocks of a finished request; the saves queued
 when the thread gets to them (a step's, one per request) go to the agent as one batch -- one gather into the
-shared memory, their Stores in one write, one wait for the replies -- not one round trip each. On a GPU the thread
+shared memory, their Stores in one write, one wait for the replies -- not one round trip each, as many as one
+batch of the shared memory holds (so a load waits for one batch at most). On a GPU the thread
 copies on its own CUDA stream, after an event the step recorded (the forward pass that computed a saved block, the
 zeroing of a block a load writes), and synchronises that stream before it reports a transfer done. A failure of
 any kind is the block mover's (counted, never raised); with the agent's circuit open every queued transfer fails at
@@ -148,8 +149,11 @@ class TransferThread:
                 if not (self._loads or self._saves):
                     return
                 load = self._loads.popleft() if self._loads else None
-                if load is None:  # every save queued by now (a step's, or several), to the agent together
-                    saves, self._saves = list(self._saves), deque()
+                if load is None:  # the saves queued by now (a step's, or several), to the agent together -- as
+                    blocks = 0  # many as one batch of the shared memory holds, so a load waits for one batch at most
+                    while self._saves and (not saves or blocks + len(self._saves[0].hashes) <= self.mover.batch_blocks):
+                        saves.append(self._saves.popleft())
+                        blocks += len(saves[-1].hashes)
             try:
                 if load is not None:
                     self._load(load)

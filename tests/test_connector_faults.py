@@ -94,18 +94,19 @@ def test_a_steps_saves_reach_the_agent_in_one_round_trip(
     for r, chain in enumerate(chains):
         assert probe("load", hashes=chain["hashes"], blocks=[20 + 2 * r, 21 + 2 * r]) == {
             "loaded": 2, "failure": None, "correct": True}
-    # 11 blocks in three chains through 8 blocks of shared memory: two batches, the second chain cut in two
+    # 15 blocks in three chains through 8 blocks of shared memory: a batch holds at most 8 (a load queued meanwhile
+    # waits for one batch, not for every save), and the 10-block chain is cut in two, its parents kept
     long = [{"hashes": [200, 201, 202], "blocks": [0, 1, 2], "parent": None},
-            {"hashes": [300, 301, 302, 303, 304, 305], "blocks": [3, 4, 5, 6, 7, 8], "parent": 299},
-            {"hashes": [400, 401], "blocks": [9, 10], "parent": None}]
-    assert probe("save_step", chains=long) == {"done": True, "round_trips": 2}
-    assert probe("load", hashes=[300, 301, 302, 303, 304, 305], blocks=list(range(11, 17))) == {
-        "loaded": 6, "failure": None, "correct": True}
-    assert probe("load", hashes=[200, 201, 202], blocks=[17, 18, 19]) == {"loaded": 3, "failure": None,
+            {"hashes": list(range(300, 310)), "blocks": list(range(3, 13)), "parent": 299},
+            {"hashes": [400, 401], "blocks": [13, 14], "parent": None}]
+    assert probe("save_step", chains=long) == {"done": True, "round_trips": 4}
+    assert probe("load", hashes=list(range(300, 310)), blocks=list(range(15, 25))) == {
+        "loaded": 10, "failure": None, "correct": True}
+    assert probe("load", hashes=[200, 201, 202], blocks=[25, 26, 27]) == {"loaded": 3, "failure": None,
                                                                           "correct": True}
-    assert probe("load", hashes=[400, 401], blocks=[20, 21]) == {"loaded": 2, "failure": None, "correct": True}
+    assert probe("load", hashes=[400, 401], blocks=[28, 29]) == {"loaded": 2, "failure": None, "correct": True}
     with AgentClient(agent.socket, shm_bytes=0) as client:  # the cut chain is still one chain to the agent
-        assert client.lookup(0x1A7E, [300, 301, 302, 303, 304, 305]) == (6, "CCCCCC")
+        assert client.lookup(0x1A7E, list(range(300, 310))) == (10, "C" * 10)
     assert probe("counters") == {"load": {}, "save": {}}
     probe.close()
 
