@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import logging
+import math
 import mmap
 import os
 import socket
@@ -69,6 +71,7 @@ INLINE_STORE_BYTES = 2 * 2**20
 # the connector's 1 ms budget, and its request lost a step
 INLINE_STORE_PIECE_BYTES = 128 * 2**10
 INLINE_LOAD_BYTES = MAX_FRAME // 2  # an inline load's blocks, at most: its answer must fit one frame
+FIRST_FRAME_TIMEOUT_S = 10.0  # a connection that has not sent its Hello by then is dropped
 
 
 def request_bytes(request: Store) -> int:
@@ -92,13 +95,21 @@ async def _readable(sock: socket.socket) -> None:
         loop.remove_reader(sock.fileno())
 
 
-async def _recv(sock: socket.socket, size: int, fds: list[int]) -> bytes:
-    """Up to `size` bytes of a non-blocking socket, and the descriptors that came with them."""
+async def _recv(sock: socket.socket, size: int, fds: list[int], deadline: float) -> bytes:
+    """Up to `size` bytes of a non-blocking socket, and the descriptors that came with them; TimeoutError if
+    nothing came by `deadline` (the loop's clock). What is already there is read even past the deadline: this
+    process may not run at all for seconds on a busy machine (docs/agent.md), and a client whose Hello arrived
+    during such a stall must not be dropped for it when the deadline and the data are seen together."""
+    loop = asyncio.get_running_loop()
     while True:
-        await _readable(sock)
         try:
             data, more, _flags, _addr = socket.recv_fds(sock, size, 4)
         except BlockingIOError:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError("no first frame in time") from None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_readable(sock), left)
             continue
         fds += more
         if not data:
@@ -106,18 +117,20 @@ async def _recv(sock: socket.socket, size: int, fds: list[int]) -> bytes:
         return data
 
 
-async def _first_frame(sock: socket.socket, fds: list[int]) -> bytes:
+async def _first_frame(sock: socket.socket, fds: list[int], timeout_s: float = FIRST_FRAME_TIMEOUT_S) -> bytes:
     """The connection's first frame (Hello), the descriptors passed with it added to `fds` (a stream transport
-    would drop them): read on the loop, no thread held by a client that connects and says nothing."""
+    would drop them): read on the loop, no thread held by a client that connects and says nothing, which is
+    dropped after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
     head = b""
     while len(head) < FRAME.size:
-        head += await _recv(sock, FRAME.size - len(head), fds)
+        head += await _recv(sock, FRAME.size - len(head), fds, deadline)
     (size,) = FRAME.unpack(head)
     if size > MAX_HELLO:
         raise ValueError(f"first frame of {size} bytes is too large")
     body = b""
     while len(body) < size:
-        body += await _recv(sock, size - len(body), fds)
+        body += await _recv(sock, size - len(body), fds, deadline)
     return body
 
 
@@ -207,6 +220,7 @@ class TierAgent:
         self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        self._dropped_logged_at = -math.inf  # when a client dropped before its Hello was last logged
         self._presence: PresenceMap | None = None
         self.started_at = time.time()
 
@@ -314,6 +328,7 @@ class TierAgent:
     # -- background ------------------------------------------------------------------------------------------
 
     def _in_thread(self, fn: Callable[[], object]) -> Callable[[], Any]:
+        @functools.wraps(fn)  # (its name, for the log)
         async def run() -> None:
             await asyncio.get_running_loop().run_in_executor(self._upkeep, fn)
         return run
@@ -327,6 +342,9 @@ class TierAgent:
                     await asyncio.wait_for(result, max(30.0, interval * 10))
             except asyncio.CancelledError:
                 raise
+            except TimeoutError:  # (this process not run for long on a busy machine, or slow disks)
+                log.warning("agent upkeep %s took more than %.0f s; it goes on in its thread", fn.__qualname__,
+                            max(30.0, interval * 10))
             except Exception:
                 log.exception("agent upkeep task failed")
             await asyncio.sleep(interval)
@@ -374,9 +392,17 @@ class TierAgent:
         fds: list[int] = []
         try:
             sock.setblocking(False)
-            body = await asyncio.wait_for(_first_frame(sock, fds), 10.0)
+            body = await _first_frame(sock, fds)
         except (TimeoutError, OSError, ValueError, asyncio.CancelledError) as exc:
-            log.debug("client dropped before its first frame: %r", exc)
+            if isinstance(exc, TimeoutError | ValueError):  # (a client that connected and closed is no news)
+                self.metrics.request_errors.labels("hello").inc()
+                now = time.monotonic()
+                if now - self._dropped_logged_at >= 10:
+                    self._dropped_logged_at = now
+                    log.warning("client dropped before its Hello: %s (kvgate_agent_request_errors_total{op=hello} "
+                                "counts every one)", exc)
+            else:
+                log.debug("client dropped before its first frame: %r", exc)
             for fd in fds:
                 os.close(fd)
             sock.close()

@@ -25,8 +25,8 @@ import zmq
 from agent.block import HEADER_SIZE, BlockKey, key_name
 from agent.client import AgentClient
 from agent.config import AgentConfig
-from agent.protocol import FRAME, AgentError
-from agent.server import TierAgent
+from agent.protocol import FRAME, PROTOCOL_VERSION, AgentError, Hello, HelloReply, frame, reply_decoder
+from agent.server import FIRST_FRAME_TIMEOUT_S, TierAgent
 from agent.store import TierStore, build_nvme_tier
 from agent.tiers.base import StoreItem
 from agent.tiers.dram import DramTier
@@ -709,3 +709,40 @@ def test_the_agent_starts_no_thread_while_it_serves(tmp_path: Path, agents: list
     time.sleep(0.5)  # upkeep passes (every 0.2 s)
     after = {t.name for t in tasks.iterdir()}
     assert after - before == set(), f"threads started while serving: {sorted(after - before)} ({len(before)} before)"
+
+
+def test_a_hello_that_arrived_while_the_agent_was_not_running_is_answered(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """On a busy machine the agent may not run at all for seconds (docs/agent.md). A Hello that arrived during
+    such a stall, longer than the first-frame timeout, is answered when it runs again -- dropping it failed a
+    pipeline stage's reconnect after an agent restart --, while a connection that said nothing all that time is
+    dropped (counted as a Hello error)."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    assert agent.proc is not None
+    fds = Path(f"/proc/{agent.proc.pid}/fd")
+    before = len(list(fds.iterdir()))
+    talking, silent = connect(agent.socket), connect(agent.socket)
+    deadline = time.monotonic() + 10
+    while len(list(fds.iterdir())) < before + 2:  # both accepted ...
+        assert time.monotonic() < deadline, "the agent did not accept two connections"
+        time.sleep(0.01)
+    time.sleep(0.2)  # ... and waiting for their first frames: their clocks run
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    try:
+        talking.sendall(frame(Hello(shm_bytes=0, client="stalled", version=PROTOCOL_VERSION)))
+        time.sleep(FIRST_FRAME_TIMEOUT_S + 1)
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+    try:
+        talking.settimeout(10)
+        (size,) = FRAME.unpack(AgentClient._recv_exact(talking, FRAME.size))
+        reply = reply_decoder.decode(AgentClient._recv_exact(talking, size))
+        assert isinstance(reply, HelloReply) and reply.version == PROTOCOL_VERSION
+        silent.settimeout(10)
+        assert silent.recv(1) == b""  # dropped
+        assert agent.metric("kvgate_agent_request_errors_total", op="hello") == 1
+    finally:
+        talking.close()
+        silent.close()
+    assert "client dropped before its Hello" in agent.log_path.read_text()

@@ -76,6 +76,15 @@ def unanswered(server: EngineServer) -> float:
     return connector_failures(server, "load", "agent_unavailable")
 
 
+def connector_warnings(server: EngineServer) -> list[str]:
+    return [line for line in server.log_tail(5_000_000).splitlines() if "WARNING" in line and "kvgate" in line]
+
+
+def why(server: EngineServer) -> str:
+    """An assertion's message: every failure count of the connector and its last warnings (a str: shown whole)."""
+    return "\n".join([str(connector_failure_counts(server)), *connector_warnings(server)[-12:]])
+
+
 def complete_after_reset(server: EngineServer, agent: AgentProcess) -> tuple[replica.Completion, float]:
     """Reset the prefix cache and complete PROMPT; (the completion, the agent's DRAM hits it took)."""
     hits = agent.metric("kvgate_agent_hits_total", tier="dram")
@@ -125,9 +134,9 @@ def test_two_workers_store_their_own_shards_and_recompute_a_failed_one_on_both(
 
     # 1. the engine forgets its prefix cache: both workers load their own shards from the agent's DRAM
     loaded, hits = complete_after_reset(vllm, agent)
-    assert loaded == (text, logprobs, expected, prompt_tokens)
-    assert hits == 2 * blocks  # each worker its own
-    assert connector_failures(vllm, "load", "missing") == 0
+    assert loaded == (text, logprobs, expected, prompt_tokens), why(vllm)
+    assert hits == 2 * blocks, why(vllm)  # each worker its own
+    assert connector_failures(vllm, "load", "missing") == 0, why(vllm)
 
     # 2. the second worker's shards are gone (the agent restarted, its DRAM lost, their files deleted): the
     # scheduler still finds the first worker's, the second worker's load fails, and every worker recomputes
@@ -145,12 +154,11 @@ def test_two_workers_store_their_own_shards_and_recompute_a_failed_one_on_both(
     if asynchronous:  # (a synchronous load is counted as cached when planned, before it fails)
         assert again.cached == 0  # the whole prompt was computed again, on every worker
     # (the worker's warning and vLLM's count of it: both, with every count and the connector's warnings if not)
-    warnings = [line for line in vllm.log_tail(5_000_000).splitlines() if "WARNING" in line and "kvgate" in line]
-    why = "\n".join([str(connector_failure_counts(vllm)), *warnings[-10:]])  # (a str: shown whole)
-    assert any("could not be loaded (missing); vLLM recomputes them" in line for line in warnings), why
+    assert any("could not be loaded (missing); vLLM recomputes them" in line
+               for line in connector_warnings(vllm)), why(vllm)
     deadline = time.monotonic() + 10  # (the count reaches /metrics with a later step's stats)
     while connector_failures(vllm, "load", "missing") < 1:
-        assert time.monotonic() < deadline, why
+        assert time.monotonic() < deadline, why(vllm)
         time.sleep(0.2)
 
     # 3. the recomputed blocks were saved again: the second worker's shards are back, the same bytes, and load
@@ -158,6 +166,6 @@ def test_two_workers_store_their_own_shards_and_recompute_a_failed_one_on_both(
     assert len(back.keys() & theirs.keys()) >= blocks  # (the prompt's at least)
     assert all(back[h] == theirs[h] for h in back.keys() & theirs.keys())
     failures = connector_failures(vllm, "load", "missing")
-    assert complete_after_reset(vllm, agent)[0] == (text, logprobs, expected, prompt_tokens)
-    assert connector_failures(vllm, "load", "missing") == failures
-    assert unanswered(vllm) == 0  # every agent call was answered
+    assert complete_after_reset(vllm, agent)[0] == (text, logprobs, expected, prompt_tokens), why(vllm)
+    assert connector_failures(vllm, "load", "missing") == failures, why(vllm)
+    assert unanswered(vllm) == 0, why(vllm)  # every agent call was answered
