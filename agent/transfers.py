@@ -12,6 +12,14 @@ copies on its own CUDA stream, after an event the step recorded (the forward pas
 zeroing of a block a load writes), and synchronises that stream before it reports a transfer done. A failure of
 any kind is the block mover's (counted, never raised); with the agent's circuit open every queued transfer fails at
 once.
+
+On a CPU worker the thread runs by default on the worker's own core, beside the forward pass (`transfer_cores`:
+"worker"), not on the core vLLM reserves for connectors ("reserved"): it shares the GIL with the worker's main
+thread, which between steps spins in vLLM's shm_broadcast (`sched_yield`, the GIL let go and taken back every
+microsecond). From another core the thread gets the GIL only by CPython's forced switch (after its 5 ms switch
+interval), and the main thread then stops until that core runs the thread -- 7-9 stops a request on a 2-core
+replica, where that core also runs the API server, the scheduler and the agent. On the same core the main thread's
+`sched_yield` hands the core, and the GIL with it, to the thread.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from kvcore.aio import name_native_thread
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
 
 THREAD_NAME = "kvgate-xfer"  # the transfer thread's OS name (at most 15 characters)
+TRANSFER_CORES = ("reserved", "worker")  # where the thread runs when the caches are on the CPU
 
 
 @dataclass
@@ -55,8 +64,13 @@ class SaveJob:
 
 
 class TransferThread:
-    def __init__(self, mover: BlockMover) -> None:
+    def __init__(self, mover: BlockMover, cores: str = "worker") -> None:
+        """`cores` (CPU caches only): "worker", the worker's own (the forward pass's) cores; "reserved", the
+        parent's cores that the worker is not bound to (see the module's doc for why "worker" is the default)."""
+        if cores not in TRANSFER_CORES:
+            raise ValueError(f"transfer thread cores {cores!r}: one of {', '.join(TRANSFER_CORES)}")
         self.mover = mover
+        self.cores = cores
         self.load_failures: Counter[Failure] = Counter()  # taken by the connector's stats (under the lock)
         self.save_failures: Counter[Failure] = Counter()
         self._lock = threading.Lock()
@@ -139,7 +153,7 @@ class TransferThread:
         name_native_thread(THREAD_NAME)
         if self._device is not None:
             torch.cuda.set_device(self._device)
-        else:
+        elif self.cores == "reserved":
             _leave_the_compute_cores()
         while True:
             saves: list[SaveJob] = []
@@ -210,8 +224,9 @@ class TransferThread:
 def _leave_the_compute_cores() -> None:
     """vLLM's CPU worker binds itself, every thread it starts included, to its OpenMP cores, and reserves others
     for the scheduler and, with a KV connector, one more core per worker for the connector's threads
-    (vllm/utils/ompmultiprocessing.py). Run the transfer thread on those (the parent process's cores that the
-    worker is not bound to) rather than beside the forward pass; unchanged where there are none."""
+    (vllm/utils/ompmultiprocessing.py). With `transfer_cores: "reserved"`, run the transfer thread on those (the
+    parent process's cores that the worker is not bound to) rather than beside the forward pass; unchanged where
+    there are none."""
     try:
         bound = os.sched_getaffinity(0)
         others = os.sched_getaffinity(os.getppid()) - bound

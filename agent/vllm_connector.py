@@ -192,6 +192,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 tp_rank = pp_rank = 0
         self._layout = layout_id(vllm_config, extra, tp_rank, pp_rank)
         self._async = bool(extra.get("async_transfers", True))
+        self._transfer_cores = str(extra.get("transfer_cores", "worker"))
         self._timeout_s = timeout
         self._staging_bytes = int(extra.get("staging_bytes", STAGING_BYTES))
         shm_bytes = int(extra.get("shm_bytes", 256 * 2**20)) if role == KVConnectorRole.WORKER else 0
@@ -421,7 +422,8 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._mover = BlockMover(self._client, self._layout, layers, staging_bytes=self._staging_bytes)
         attached = self._mover.attach()
         if self._async:
-            self._transfers = TransferThread(self._mover)  # from now on the only user of the mover and the client
+            # from now on the only user of the mover and the client
+            self._transfers = TransferThread(self._mover, self._transfer_cores)
         log.info("kvgate connector: %d layers, %d bytes per block, shared memory %s, staging %s", len(layers),
                  self._mover.block_bytes, "mapped" if attached else "not mapped yet (no agent)",
                  "on the device" if self._mover.copier.staged else "straight into shared memory")

@@ -159,6 +159,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "async": {"async_transfers": True},
     "sync": {"async_transfers": False},
     "presence": {"async_transfers": True, "presence": True},
+    "xfer-reserved": {"async_transfers": True, "transfer_cores": "reserved"},
 }
 
 

@@ -7,6 +7,7 @@ of it in a real vLLM, with outputs identical to recomputation."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -163,3 +164,55 @@ def test_vllm_saves_loads_and_answers_identically_with_either_transfers(
         assert replica.complete(vllm, PROMPT) == (text, logprobs, expected, prompt_tokens)
     assert agent.metric("kvgate_agent_hits_total", tier="dram") >= 2 * expected // BLOCK_SIZE
     assert (", asynchronous transfers" if asynchronous else ", synchronous transfers") in vllm.log_tail(2_000_000)
+
+
+# Where the transfer thread runs on a CPU worker: this process stands in for vLLM's worker, bound to one core of
+# its parent's (the test's), as vLLM binds its CPU workers; the thread saves through a real agent either way.
+CORES_SCRIPT = """
+import json, os, sys, time
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from agent.client import AgentClient
+from agent.vllm_connector import BlockTransfer, KvgateConnector, KvgateConnectorMetadata
+
+model, socket, cores = sys.argv[1], sys.argv[2], sys.argv[3]
+worker_cpu = min(os.sched_getaffinity(os.getppid()))
+os.sched_setaffinity(0, {worker_cpu})  # as vLLM binds a CPU worker (every thread it starts inherits it)
+extra = {"agent_socket": socket, "shm_bytes": 1 << 20, "timeout_s": 5.0, "async_transfers": True,
+         "transfer_cores": cores}
+config = EngineArgs(model=model, max_model_len=512, kv_transfer_config={
+    "kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector", "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}).create_engine_config()
+worker = KvgateConnector(config, KVConnectorRole.WORKER, KVCacheConfig(32, [], []))
+caches = {f"l{i}": torch.randn(32, 2, 16, 64).to(torch.bfloat16) for i in range(2)}
+worker.register_kv_caches(caches)
+worker.bind_connector_metadata(KvgateConnectorMetadata(saves=[BlockTransfer("r", [3, 4], [701, 702])]))
+worker.start_load_kv(None)
+worker.wait_for_save()
+worker.clear_connector_metadata()
+done = worker._transfers.wait_for_saves(["r"], 30)  # the thread has run past where it places itself
+with AgentClient(socket, shm_bytes=0) as client:
+    stored = client.lookup(worker._layout, [701, 702])[0]
+thread_cpus = sorted(os.sched_getaffinity(worker._transfers._thread.native_id))
+worker.shutdown()
+print(json.dumps({"worker_cpu": worker_cpu, "thread_cpus": thread_cpus, "done": done, "stored": stored}))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core besides the worker's")
+@pytest.mark.parametrize("cores", ["reserved", "worker"])
+def test_the_transfer_thread_runs_where_transfer_cores_says(
+        cores: str, tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "4MiB")
+    agents.append(agent)
+    model = tmp_path / "model"
+    write_model(model)
+    out = run_in_vllm(CORES_SCRIPT, str(model), agent.socket, cores)
+    assert out["done"] and out["stored"] == 2
+    mine = sorted(os.sched_getaffinity(0))
+    if cores == "worker":
+        assert out["thread_cpus"] == [out["worker_cpu"]]
+    else:
+        assert out["thread_cpus"] == [c for c in mine if c != out["worker_cpu"]]
