@@ -113,10 +113,11 @@ class TierSettings:
                 "ttft_shared_gbps": self.shared_gbps, "ttft_cpu_latency_s": self.dram_latency_s,
                 "ttft_disk_latency_s": self.nvme_latency_s, "ttft_shared_latency_s": self.shared_latency_s}
 
-    def links(self) -> dict[str, TierLink]:
-        return {TierName.DRAM.code: TierLink(self.dram_gbps * 1e9, self.dram_latency_s),
-                TierName.NVME.code: TierLink(self.nvme_gbps * 1e9, self.nvme_latency_s),
-                TierName.SHARED.code: TierLink(self.shared_gbps * 1e9, self.shared_latency_s)}
+    def links(self, speedup: float = 1.0) -> dict[str, TierLink]:
+        """The links a replica's loads take, `speedup` times faster than these settings (`--tiers-sped-up`)."""
+        return {TierName.DRAM.code: TierLink(self.dram_gbps * 1e9 * speedup, self.dram_latency_s / speedup),
+                TierName.NVME.code: TierLink(self.nvme_gbps * 1e9 * speedup, self.nvme_latency_s / speedup),
+                TierName.SHARED.code: TierLink(self.shared_gbps * 1e9 * speedup, self.shared_latency_s / speedup)}
 
 
 @dataclass
@@ -170,7 +171,7 @@ class FleetSimulation:
                  gpu_blocks: int | None = None, max_model_len: int | None = None, tiers: TierSettings | None = None,
                  concurrency: int | None = None, arrivals: Sequence[float] | None = None,
                  event_delay_s: float = 0.002, metrics_interval_s: float = 1.0, seed: int = 0,
-                 speedup: float = 1.0, config_overrides: dict[str, Any] | None = None,
+                 speedup: float = 1.0, tiers_sped_up: bool = False, config_overrides: dict[str, Any] | None = None,
                  progress: Callable[[int, float], None] | None = None) -> None:
         if isinstance(requests, Workload):
             if vocab is None:
@@ -217,7 +218,9 @@ class FleetSimulation:
             fleet = FleetBackend(tiers.shared_blocks, clock=lambda: self.now)
             for r in self.replicas:
                 r.tiers = ReplicaAgent(tiers.agent_config(), tiers.dram_blocks, tiers.nvme_blocks, fleet)
-            self.links = tiers.links()
+            # the fleet's links; `ttft` is told the settings' own rates either way, as `kvgate bench compare` tells
+            # a live gateway the hardware's links while its `kvgate sim --speedup` replicas load that much faster
+            self.links = tiers.links(speedup if tiers_sped_up else 1.0)
         self.bytes_per_block = self.profile.model.kv_bytes_per_token * block_size
         self.event_delay_s = event_delay_s
         self.metrics_interval_s = metrics_interval_s
@@ -625,6 +628,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", type=float, default=1.0,
                         help="the engines run this many times faster than the profile (as `kvgate sim --speedup`; "
                         "TTFTs are then in the faster fleet's time)")
+    parser.add_argument("--tiers-sped-up", action="store_true",
+                        help="the tier links run --speedup times faster too, as the loads of `kvgate sim --speedup` "
+                        "replicas with agents do (kvgate bench compare --with-agents); `ttft` is still told the "
+                        "links' own rates, as a live gateway is")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-blocks", type=int, default=None, help="per replica (default: the profile's)")
     parser.add_argument("--tiers", choices=["off", "on", "both"], default="both")
@@ -656,6 +663,7 @@ class VsimJob:
     concurrency: int | None
     config_overrides: dict[str, Any] = field(default_factory=dict)
     speedup: float = 1.0
+    tiers_sped_up: bool = False
 
     @property
     def label(self) -> str:
@@ -722,6 +730,7 @@ def simulate(job: VsimJob, progress: Callable[[int, float], None] | None = None)
     sim = FleetSimulation(source, strategy=name, replicas=job.replicas, profile=job.profile,
                           block_size=job.block_size, gpu_blocks=job.gpu_blocks, tiers=job.tiers,
                           concurrency=job.concurrency, seed=args.seed, speedup=job.speedup,
+                          tiers_sped_up=job.tiers_sped_up,
                           config_overrides={**own, **job.config_overrides}, progress=progress)
     row = sim.run()
     row["strategy"] = job.strategy  # a variant's row is named by its whole entry
@@ -763,7 +772,8 @@ def run(args: argparse.Namespace) -> int:
     settings = TierSettings(dram_blocks=args.dram_blocks, nvme_blocks=args.nvme_blocks,
                             shared_blocks=args.shared_blocks, write_policy=args.write_policy)
     jobs = [VsimJob(vars(args), strategy, n, args.profile, args.block_size, args.gpu_blocks,
-                    settings if tiered else None, args.concurrency, speedup=args.speedup)
+                    settings if tiered else None, args.concurrency, speedup=args.speedup,
+                    tiers_sped_up=args.tiers_sped_up)
             for n in [int(x) for x in args.replicas.split(",")] for tiered in tier_modes
             for strategy in args.strategies.split(",")]
     print(f"{source.name}: {source.count} requests, {bound.query_tokens} prompt tokens; ideal single-cache hit rate "
@@ -781,7 +791,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "benchmark": "vsim", "command": shlex.join(["kvgate", *sys.argv[1:]]),
         "workload": {"name": source.name, "params": source.params}, "profile": args.profile,
-        "speedup": args.speedup,
+        "speedup": args.speedup, "tiers_sped_up": args.tiers_sped_up,
         "block_size": args.block_size, "tier_settings": settings.__dict__, "upper_bound": bound.hit_rate,
         "ttft_limit": limit, "jobs": args.jobs, "wall_s": wall_s, "peak_total_rss_mb": outcome.peak_rss_mb,
         "peak_total_pss_mb": outcome.peak_pss_mb,

@@ -18,6 +18,7 @@ from bench.traces import ConversationShape, conversation_trace, write_trace
 from bench.vsim import FleetSimulation, TierSettings
 from bench.workloads import IdealCache, PromptVocabulary, Workload, WorkloadRequest, ideal_hit_rate
 from kvcore.config import ConfigError
+from kvcore.kv_events import SHARED
 from tests.test_bench_compare import compare_args
 
 
@@ -152,6 +153,38 @@ def test_a_sped_up_fleet_runs_every_step_that_many_times_faster(tiny_model_dir: 
         assert abs(rows[0][p] / rows[1][p] - 10.0) < 1e-6, p
     with pytest.raises(ValueError):
         PROFILES["llama-3.1-8b-l4"].sped_up(0.0)
+
+
+def test_tiers_sped_up_load_as_much_faster_as_the_engines_and_ttft_is_told_the_links_own_rates(
+        tiny_model_dir: Path) -> None:
+    """`--tiers-sped-up`: the tier links of a sped-up fleet run that much faster too, as the synchronous loads of
+    `kvgate sim --speedup` replicas with agents do (`kvgate bench compare --with-agents`), while `ttft` is told the
+    links' own rates, as `bench compare` tells a live gateway. round_robin over eager tiers on 2 replicas: every
+    prompt's second request loads its prefix from the shared tier on the other replica. With the links sped up
+    alike, every TTFT at speedup 10 is a tenth of speedup 1's, the same tokens from each tier; without, the loads
+    keep their time."""
+    vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
+    requests = [WorkloadRequest([t] * 1024 + list(range(100 + 32 * i, 132 + 32 * i)), 4)
+                for i, t in enumerate([1, 1, 2, 2, 3, 3, 1, 2])]
+    tiers = TierSettings(write_policy="eager")
+
+    def run(speedup: float, sped_up: bool) -> dict[str, Any]:
+        return FleetSimulation(Workload("tenants", requests), vocab, strategy="round_robin", replicas=2,
+                               gpu_blocks=400, profile="llama-3.1-8b-l4", concurrency=1, tiers=tiers,
+                               speedup=speedup, tiers_sped_up=sped_up).run()
+
+    slow, fast, fleet_only = run(1.0, False), run(10.0, True), run(10.0, False)
+    assert slow["hit_rate_by_tier"] == fast["hit_rate_by_tier"] and slow["hit_rate_by_tier"]["shared"] > 0
+    for p in ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99"):
+        assert abs(slow[p] / fast[p] - 10.0) < 1e-6, p
+    # the wait before a loading request's first step is its load: 2 ms + 1,024 x 128 KiB at 10 GB/s = 15.4 ms
+    assert abs(slow["wait_ms_p90"] - 15.42177) < 1e-3 and abs(fast["wait_ms_p90"] - 1.542177) < 1e-4
+    assert abs(fleet_only["wait_ms_p90"] - slow["wait_ms_p90"]) < 1e-6  # without: the links' own time
+    sim = FleetSimulation(Workload("tenants", requests), vocab, strategy="ttft", replicas=2, gpu_blocks=400,
+                          profile="llama-3.1-8b-l4", concurrency=1, tiers=tiers, speedup=10.0, tiers_sped_up=True)
+    link = sim.strategy.load.links[SHARED]  # type: ignore[attr-defined]
+    assert link.bytes_per_s == tiers.shared_gbps * 1e9 and link.latency_s == tiers.shared_latency_s
+    assert sim.links["S"].bytes_per_s == 10 * tiers.shared_gbps * 1e9
 
 
 def test_ttft_routes_a_fleet_ten_times_faster_as_it_routes_the_fleet(tiny_model_dir: Path) -> None:
