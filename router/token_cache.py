@@ -191,12 +191,13 @@ class TokenCache:
                 return Encoded(ids, keys, len(ids))
             spliced = self._splice(tokenizer, entry, data, lookup.shared)
             if spliced is not None:
-                ids, ends, kept, same = spliced
+                ids_bytes, ends_bytes, kept, same = spliced
+                ids = _u32(ids_bytes)
                 reused = min(same // self.block_size, len(cached_keys)) if cached_root == root else 0
                 keys = list(cached_keys[:reused])
                 keys += chain_keys(ids[reused * self.block_size:], self.block_size, keys[-1] if keys else root)
                 self.hits += 1
-                self._store(entry, _entry(data, seed, ids.tobytes(), ends.tobytes(), links, root, keys))
+                self._store(entry, _entry(data, seed, ids_bytes, ends_bytes, links, root, keys))
                 return Encoded(ids, keys, kept)
             self.seam_mismatches += 1
         ids, ends = self._encode(tokenizer, text, lookup.add_special_tokens)
@@ -225,10 +226,10 @@ class TokenCache:
         return entry, _common_prefix(entry[0], data, start, min(len(data), len(entry[0]), start + CHUNK))
 
     def _splice(self, tokenizer: ModelTokenizer, entry: _Entry, data: bytes,
-                shared: int) -> tuple[array[int], array[int], int, int] | None:
+                shared: int) -> tuple[bytes, bytes, int, int] | None:
         """The ids of the text `data` as the cached ids up to a seam inside the `shared` prefix plus the encoding of the
-        rest, with the token ends known, how many ids were kept and how many leading ids are the cached ones (kept
-        and verified); None when the seam does not verify."""
+        rest, with the token ends known (both as uint32 bytes, as an entry keeps them), how many ids were kept and
+        how many leading ids are the cached ones (kept and verified); None when the seam does not verify."""
         cached_ids, cached_ends = entry[2], entry[3]
         limit = shared - SEAM_MARGIN
         ends: Sequence[int] = memoryview(cached_ends).cast("I")
@@ -248,8 +249,10 @@ class TokenCache:
         window, window_ends = self._encode(tokenizer, data[at:].decode("utf-8", "surrogatepass"), False, at)
         if window[:OVERLAP_TOKENS].tobytes() != cached_ids[4 * start:4 * seam]:
             return None
-        kept_ends = ends[:start] if isinstance(ends, array) else _u32(cached_ends[:4 * start])
-        return _u32(cached_ids[:4 * start]) + window, kept_ends + window_ends, start, seam
+        # each joined straight from the buffers: one copy of the kept part, not a slice, an array and a sum of them
+        kept_ends = memoryview(ends)[:start] if isinstance(ends, array) else memoryview(cached_ends)[:4 * start]
+        return (b"".join((memoryview(cached_ids)[:4 * start], window)), b"".join((kept_ends, window_ends)), start,
+                seam)
 
     def _encode(self, tokenizer: ModelTokenizer, text: str, add_special_tokens: bool,
                 at: int = 0) -> tuple[array[int], array[int]]:

@@ -92,9 +92,26 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))  # what `getattr` finds on a plain dict: its type's attributes, nothing else
+_ABSENT = object()
+
+
+class _ChatEnvironment(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with `message.field` on a plain dict looked up without raising: the sandbox's
+    `getattr` tries the attribute first, and for a dict key (`message.tool_calls`, `tool_call.function`) that is
+    an AttributeError, then a KeyError when the key is absent, per message and render. The answer is the same:
+    a dict's attributes are its type's (it has no instance `__dict__` and no `__getattr__`), so for any other name
+    `getattr` raises and the item (or undefined) is what the sandbox returns."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRIBUTES:
+            value = obj.get(attribute, _ABSENT)
+            return self.undefined(obj=obj, name=attribute) if value is _ABSENT else value
+        return super().getattr(obj, attribute)
+
+
 def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _ChatEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -156,3 +156,30 @@ def test_compiled_templates_hold_their_globals_flat() -> None:
     assert compiled.render() == "True 4 1 [0, 1] 3"
     with pytest.raises(TokenizationError, match="rejected"):  # raise_exception, through the renderer
         ChatRenderer({}, {"default": "{{ raise_exception('no') }}"}).render_chat([{"role": "user", "content": "x"}])
+
+
+def test_attribute_lookups_on_dicts_are_the_sandboxes(tok: ModelTokenizer) -> None:
+    """The chat environment looks up `message.field` on a plain dict without raising (router/tokenizer.py,
+    `_ChatEnvironment`): every kind of name renders as jinja's own immutable sandbox renders it -- a key, an absent
+    key, a dict method, a key that shadows one, a private or internal name, a mutating method, and a dict subclass."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from router.tokenizer import _ENV
+
+    class Subclass(dict[str, Any]):
+        def __getattr__(self, name: str) -> str:
+            return f"attr:{name}"
+
+    template = ("{% for m in messages %}[{{ m.role }}|{{ m.content }}|{{ m.tool_calls is defined }}|"
+                "{{ m.name | default('none') }}|{{ m.items() | list | length }}|{{ m.get('role') }}|"
+                "{{ m.keys is defined }}|{{ m.values is string }}|{{ m.__class__ is defined }}|"
+                "{{ m._private is defined }}|{{ m.update is defined }}|{{ m.copy is defined }}]{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [1]},
+                {"role": "tool", "content": "x", "name": "f", "values": "shadowed", "_private": 1},
+                Subclass(role="sub", content="y")]
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    want = plain.from_string(template).render(messages=messages)
+    assert _ENV.from_string(template).render(messages=messages) == want
+    assert want.startswith("[user|hi|False|none|2|user|True|False|False|False|False|True][assistant|None|True|")
+    assert "[tool|x|False|f|5|tool|True|False|" in want and "[attr:role|attr:content|True|attr:name|" in want
