@@ -6,8 +6,12 @@ with a bootstrap 95% confidence interval.
 
 `python -m bench.connector_throughput [--model tiny|wide --cycles 6 --requests 16 --concurrency 8 --prompt-words 120
 --modes async[,sync,presence,MODE@REV] --out out/connector_throughput.json]`. `presence` is `async` with the
-scheduler's bitmap on (agent/presence.py); `MODE@REV` runs a mode with the connector and an agent of its own from git
+scheduler's bitmap on (agent/presence.py); `xfer-reserved` is `async` with the transfer thread on the core vLLM
+reserves for connectors; `MODE@REV` runs a mode with the connector and an agent of its own from git
 revision REV, so a before/after pair is measured in one run (connector modes are also paired with each other).
+Diagnostics, each the real connector with one cost taken away (bench/connector_variants.py): `nosave` plans no
+save, `nosave-presence` neither saves nor asks the agent, `noop` is a connector that does nothing (vLLM's connector
+machinery alone).
 The tiny model's forward pass is a small share of a
 request (vLLM's own overhead is most of it) and it writes about 36 times Llama-3.1-8B's KV bytes per FLOP of
 forward pass, so whatever the connector costs per request or per byte weighs far more than on a real model;
@@ -45,7 +49,7 @@ from bench.make_model import LLAMA_3_1_8B, MODEL_SHAPES, forward_costs, write_mo
 from bench.overhead import _descendants, named_threads_cpu_seconds, tree_cpu_seconds
 from bench.procs import exit_on_sigterm
 from bench.sim.launch import AgentSettings, agent_process
-from bench.vllm_engine import BLOCK_SIZE, MODEL_NAME, EngineServer, start_engine
+from bench.vllm_engine import BLOCK_SIZE, CONNECTOR, MODEL_NAME, EngineServer, start_engine
 
 
 def _complete(url: str, prompt: str, max_tokens: int) -> tuple[int, int]:
@@ -133,6 +137,16 @@ def pin_off_the_workers(server_pids: list[int], other_pids: list[int]) -> list[i
     return sorted(free)
 
 
+def pin_tree(root: int, cpus: set[int]) -> None:
+    """Every thread of this process tree onto these CPUs."""
+    for pid in _descendants(root):
+        for tid in _tasks(pid):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:
+                continue
+
+
 def affinities(roots: list[int]) -> dict[str, list[int]]:
     """The CPUs each process of these trees may run on (its main thread's), by `comm-pid`."""
     found: dict[str, list[int]] = {}
@@ -160,7 +174,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"async_transfers": False},
     "presence": {"async_transfers": True, "presence": True},
     "xfer-reserved": {"async_transfers": True, "transfer_cores": "reserved"},
+    # diagnostics (bench/connector_variants.py): async with no save planned; and with no lookup round trip either
+    "nosave": {"async_transfers": True},
+    "nosave-presence": {"async_transfers": True, "presence": True},
+    "noop": {},  # vLLM's connector machinery alone: a connector that does nothing
 }
+# modes whose servers load another connector class than agent.vllm_connector's (this tree's modes only)
+CONNECTORS: dict[str, str] = {"nosave": "bench.connector_variants:NoSaveConnector",
+                              "nosave-presence": "bench.connector_variants:NoSaveConnector",
+                              "noop": "bench.connector_variants:NoopConnector"}
 
 
 def parse_mode(mode: str) -> tuple[str, str | None]:
@@ -327,6 +349,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="pause between rounds: vLLM's engine core busy-waits for 1 s after its last step")
     parser.add_argument("--no-pin", action="store_true",
                         help="leave vLLM's API servers, engine cores, the agent and the load generator unpinned")
+    parser.add_argument("--rev-agent-cpus", default=None,
+                        help="run the agents of MODE@REV modes on these CPUs (e.g. 0: beside the forward pass, off "
+                             "the core the API servers and engine cores are pinned to); with REV this tree's own "
+                             "commit, a paired diagnostic of what the agent costs where it runs")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     try:
@@ -363,7 +389,8 @@ def main(argv: list[str] | None = None) -> None:
             for mode, (variant, rev) in parsed.items():
                 servers[mode] = start_engine("vllm", model, work / mode.replace("@", "-"),
                                              agent_socket=agents[rev].socket_path,
-                                             connector_extra=VARIANTS[variant], root=trees[rev])
+                                             connector_extra=VARIANTS[variant], root=trees[rev],
+                                             connector=CONNECTORS.get(variant, CONNECTOR))
             for name, server in servers.items():  # warm-up
                 saturate(server, f"warm-{name}", argparse.Namespace(**{**vars(args), "requests": 8}))
             if not args.no_pin:
@@ -371,6 +398,13 @@ def main(argv: list[str] | None = None) -> None:
                                              [a.pid for a in agents.values() if a.pid is not None])
             print(f"# API servers, engine cores, agents and load generator pinned to CPUs {pinned}" if pinned
                   else "# nothing pinned", flush=True)
+            if args.rev_agent_cpus is not None:
+                cpus = {int(c) for c in args.rev_agent_cpus.split(",")}
+                for rev, agent in agents.items():
+                    if rev is not None and agent.pid is not None:
+                        pin_tree(agent.pid, cpus)
+                print(f"# the agents of {', '.join(str(r) for r in agents if r)} moved to CPUs {sorted(cpus)}",
+                      flush=True)
             print(f"# CPUs by process: {affinities([s.proc.pid for s in servers.values() if s.proc is not None])}",
                   flush=True)
             half_len = 1 + len(modes)

@@ -36,6 +36,7 @@ MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 HASH_SEED = "0"  # PYTHONHASHSEED for every engine, so NONE_HASH is known
 EVENTS_TOPIC = "kv-events"
+CONNECTOR = "agent.vllm_connector:KvgateConnector"  # module:Class of the KV connector a server with an agent loads
 
 
 @functools.cache
@@ -115,16 +116,17 @@ def _wait_healthy(server: EngineServer, timeout: float) -> None:
 def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = "sha256",
                  timeout: float = 240.0, extra_args: list[str] | None = None,
                  agent_socket: str | None = None, connector_extra: dict[str, Any] | None = None,
-                 root: Path | None = None) -> EngineServer:
+                 root: Path | None = None, connector: str = CONNECTOR) -> EngineServer:
     """Start a real vLLM (`kind="vllm"`) or `kvgate sim` (`kind="sim"`) with the conformance flags; a real vLLM
-    with `agent_socket` loads the tier agent listening there as its KV connector (agent/vllm_connector.py),
-    `connector_extra` added to its `kv_connector_extra_config`, the connector imported from `root` (this checkout by
-    default). A start that lost one of its ports to another
+    with `agent_socket` loads the tier agent listening there as its KV connector (`connector`, "module:Class",
+    agent/vllm_connector.py's by default), `connector_extra` added to its `kv_connector_extra_config`, the connector
+    imported from `root` (this checkout by default). A start that lost one of its ports to another
     process between choosing and binding it (likely on a busy machine: vLLM binds them a minute later) is retried
     on new ports."""
     def start() -> EngineServer:
         return _start_engine(kind, model_dir, log_dir, hash_algo=hash_algo, timeout=timeout, extra_args=extra_args,
-                             agent_socket=agent_socket, connector_extra=connector_extra, root=root)
+                             agent_socket=agent_socket, connector_extra=connector_extra, root=root,
+                             connector=connector)
 
     for _ in range(2):
         try:
@@ -137,7 +139,8 @@ def start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str = 
 
 def _start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str, timeout: float,
                   extra_args: list[str] | None, agent_socket: str | None,
-                  connector_extra: dict[str, Any] | None, root: Path | None = None) -> EngineServer:
+                  connector_extra: dict[str, Any] | None, root: Path | None = None,
+                  connector: str = CONNECTOR) -> EngineServer:
     port, events_port, replay_port = free_port(), free_port(), free_port()
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
                  "replay_endpoint": f"tcp://*:{replay_port}", "topic": EVENTS_TOPIC}
@@ -155,10 +158,11 @@ def _start_engine(kind: str, model_dir: Path, log_dir: Path, *, hash_algo: str, 
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
         if agent_socket is not None:
-            connector = {"kv_connector": "KvgateConnector", "kv_connector_module_path": "agent.vllm_connector",
-                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                         "kv_connector_extra_config": {"agent_socket": agent_socket, **(connector_extra or {})}}
-            cmd += ["--kv-transfer-config", json.dumps(connector)]
+            module, _, name = connector.partition(":")
+            config = {"kv_connector": name, "kv_connector_module_path": module,
+                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                      "kv_connector_extra_config": {"agent_socket": agent_socket, **(connector_extra or {})}}
+            cmd += ["--kv-transfer-config", json.dumps(config)]
             # the connector is imported from this checkout; with a connector the worker must leave a core free
             env.update(PYTHONPATH=str(root or ROOT), VLLM_CPU_NUM_OF_RESERVED_CPU="1")
     elif kind == "sim":

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from bench.connector_throughput import (
+    CONNECTORS,
     VARIANTS,
     bootstrap_median_ci,
     model_summary,
@@ -74,6 +75,8 @@ def test_modes_name_a_variant_and_optionally_a_revision() -> None:
     assert VARIANTS["presence"] == {"async_transfers": True, "presence": True}
     with pytest.raises(ValueError):
         parse_mode("fast")
+    assert set(CONNECTORS) <= set(VARIANTS)  # a diagnostic connector class belongs to a mode
+    assert all(path.count(":") == 1 for path in CONNECTORS.values())
 
 
 def test_two_connector_modes_are_paired_with_each_other_too() -> None:
