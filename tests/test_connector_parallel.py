@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -30,6 +33,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 # load that each do, and its own computation
 CALL_BOUND_S = 240.0
 COMPLETION_BOUND_S = 600.0
+
+T = TypeVar("T")
 
 LAYOUT_LINE = re.compile(r"kvgate connector \((SCHEDULER|WORKER)\): agent \S+, layout ([0-9a-f]{16})")
 
@@ -76,11 +81,6 @@ def settled_blocks(server: EngineServer, agent: AgentProcess, nvme: Path,
     return stored_blocks(nvme)
 
 
-def unanswered(server: EngineServer) -> float:
-    """Loads failed because the agent did not answer (a call timed out, or the circuit it opened was open)."""
-    return connector_failures(server, "load", "agent_unavailable")
-
-
 def connector_warnings(server: EngineServer) -> list[str]:
     return [line for line in server.log_tail(5_000_000).splitlines() if "WARNING" in line and "kvgate" in line]
 
@@ -88,6 +88,50 @@ def connector_warnings(server: EngineServer) -> list[str]:
 def why(server: EngineServer) -> str:
     """An assertion's message: every failure count of the connector and its last warnings (a str: shown whole)."""
     return "\n".join([str(connector_failure_counts(server)), *connector_warnings(server)[-12:]])
+
+
+TRIPPED = "running WITHOUT it"  # a worker's circuit opened: an agent call went unanswered for the whole timeout
+CLOSED = "answers again after"  # ... and closed again
+UNANSWERED_LOAD = "could not be loaded (agent_unavailable)"
+
+
+class Stalls:
+    """Steps of the test run again while one of their agent calls went unanswered for the whole timeout.
+
+    This VM now and then stops one of its two CPUs for 30-107 s (the kernel's "workqueue lockup ... stuck for Ns";
+    docs/agent.md), with whatever process runs there, and for longer than that the agent answered no call of the
+    replica's workers (both time out together; the circuit's probe is answered a second later). Which bytes go where
+    is what this test checks, not how fast: a step during which a worker's circuit opened is done again, at most
+    `attempts` times; a wrong byte, a miss where a hit belongs or a hit where a miss belongs still fails it, and so
+    does a load that failed `agent_unavailable` outside such a step."""
+
+    def __init__(self, server: EngineServer, attempts: int = 3) -> None:
+        self.server = server
+        self.attempts = attempts
+        self.excused = 0  # loads failed agent_unavailable in steps done again
+
+    def count(self, marker: str) -> int:
+        return sum(marker in line for line in connector_warnings(self.server))
+
+    def step(self, what: str, run: Callable[[], T]) -> T:
+        for attempt in range(1, self.attempts + 1):
+            tripped, unanswered_loads = self.count(TRIPPED), self.count(UNANSWERED_LOAD)
+            result = run()
+            if self.count(TRIPPED) == tripped:
+                return result
+            self.excused += self.count(UNANSWERED_LOAD) - unanswered_loads
+            deadline = time.monotonic() + 2 * CALL_BOUND_S  # every circuit closed again before the next attempt
+            while self.count(CLOSED) < self.count(TRIPPED):
+                assert time.monotonic() < deadline, why(self.server)
+                time.sleep(1)
+            print(f"{what}: an agent call went unanswered (attempt {attempt} of {self.attempts}):\n"
+                  f"{why(self.server)}", file=sys.stderr)
+        raise AssertionError(f"{what}: an agent call went unanswered in each of {self.attempts} attempts\n"
+                             f"{why(self.server)}")
+
+    def check(self) -> None:
+        """Every load failed for want of an answer was in a step done again."""
+        assert self.count(UNANSWERED_LOAD) == self.excused, why(self.server)
 
 
 def complete_after_reset(server: EngineServer, agent: AgentProcess) -> tuple[replica.Completion, float]:
@@ -140,24 +184,29 @@ def test_two_workers_store_their_own_shards_and_recompute_a_failed_one_on_both(
     assert all(mine[h] != theirs[h] for h in mine)  # ... each worker's own shard (other KV heads or layers)
     assert {len(p) for p in mine.values()} == {len(p) for p in theirs.values()}
 
+    stalls = Stalls(vllm)
+
     # 1. the engine forgets its prefix cache: both workers load their own shards from the agent's DRAM
-    loaded, hits = complete_after_reset(vllm, agent)
+    loaded, hits = stalls.step("1", lambda: complete_after_reset(vllm, agent))
     assert loaded == (text, logprobs, expected, prompt_tokens), why(vllm)
     assert hits == 2 * blocks, why(vllm)  # each worker its own
     assert connector_failures(vllm, "load", "missing") == 0, why(vllm)
 
     # 2. the second worker's shards are gone (the agent restarted, its DRAM lost, their files deleted): the
     # scheduler still finds the first worker's, the second worker's load fails, and every worker recomputes
-    settled_blocks(vllm, agent, nvme)  # (no save of the last request still on its way to an agent that is gone)
-    agent.stop()
-    for path in (nvme / "blocks").rglob(f"{other_layout:016x}-*"):
-        path.unlink()
-    agent.start()
-    left = stored_blocks(nvme)
-    assert set(left) == {scheduler_layout}
-    assert agent.metric("kvgate_agent_tier_blocks", tier="nvme") == len(left[scheduler_layout])
-    reset_prefix_cache(vllm, timeout_s=300)
-    again = replica.complete(vllm, PROMPT, timeout_s=COMPLETION_BOUND_S)
+    def restart_without_theirs() -> replica.Completion:
+        settled_blocks(vllm, agent, nvme)  # (no save of the last request still on its way to an agent that is gone)
+        agent.stop()
+        for path in (nvme / "blocks").rglob(f"{other_layout:016x}-*"):
+            path.unlink()
+        agent.start()
+        left = stored_blocks(nvme)
+        assert set(left) == {scheduler_layout}
+        assert agent.metric("kvgate_agent_tier_blocks", tier="nvme") == len(left[scheduler_layout])
+        reset_prefix_cache(vllm, timeout_s=300)
+        return replica.complete(vllm, PROMPT, timeout_s=COMPLETION_BOUND_S)
+
+    again = stalls.step("2", restart_without_theirs)
     assert again.output == (text, logprobs)
     if asynchronous:  # (a synchronous load is counted as cached when planned, before it fails)
         assert again.cached == 0  # the whole prompt was computed again, on every worker
@@ -174,6 +223,7 @@ def test_two_workers_store_their_own_shards_and_recompute_a_failed_one_on_both(
     assert len(back.keys() & theirs.keys()) >= blocks  # (the prompt's at least)
     assert all(back[h] == theirs[h] for h in back.keys() & theirs.keys())
     failures = connector_failures(vllm, "load", "missing")
-    assert complete_after_reset(vllm, agent)[0] == (text, logprobs, expected, prompt_tokens), why(vllm)
+    reloaded, _hits = stalls.step("3", lambda: complete_after_reset(vllm, agent))
+    assert reloaded == (text, logprobs, expected, prompt_tokens), why(vllm)
     assert connector_failures(vllm, "load", "missing") == failures, why(vllm)
-    assert unanswered(vllm) == 0, why(vllm)  # every agent call was answered
+    stalls.check()  # every other agent call was answered
