@@ -12,6 +12,14 @@ tokenizers whose pipeline it reproduces: no normalizer or NFC (ASCII is NFC alre
 a Split + ByteLevel sequence, a deterministic BPE model, plain added tokens. `WordEncoder.build` checks its ids
 against the tokenizer's on samples and gives None on any difference; tests/test_word_encoder.py checks it as a
 property.
+
+With GPT-2's own pattern (the ByteLevel pre-tokenizer's) a piece of text is cut at single spaces first: no word of
+that pattern spans a space that is followed by a character other than whitespace (a word takes a space only in front),
+and none is decided by what follows such a space, so the words of `a b c` are those of `a`, ` b` and ` c`, each chunk
+looked up whole (`WordEncoder._chunks`): one `str.split` and one C loop of dict lookups per piece, not one regex match
+and one Python step per word (Python's `re` took about 0.4 us per match). Whitespace at a piece's end is words of its
+own; a piece with a space before whitespace goes word by word. In process (load 1-6, minimum of 15 alternating rounds):
+a chat prompt's 270-character window 24.5 -> 19.8 us, a whole 4,000-character prompt 253 -> 151 us.
 """
 
 from __future__ import annotations
@@ -105,6 +113,12 @@ class WordEncoder:
         # tuples of ints it was: the collector untracks a dict once its tuples are, and the next new word tracked it
         # again in the youngest generation, so the next young collection walked all of its up to MAX_WORDS entries)
         self._words: dict[str, bytes] = {}
+        # with GPT-2's pattern, pieces are cut at spaces first (the module's docstring): the ids of a piece's first
+        # chunk (or of a text not cut so), and of each later chunk with the space in front of it, by the chunk (dicts
+        # of strings and bytes too)
+        self._by_spaces = pattern == _GPT2_ASCII
+        self._heads: dict[str, bytes] = {}
+        self._spaced: dict[str, bytes] = {}
 
     @classmethod
     def build(cls, tokenizer: Tokenizer) -> WordEncoder | None:
@@ -140,6 +154,8 @@ class WordEncoder:
             if ids is None or ids.tolist() != tokenizer.encode(sample, add_special_tokens=False).ids:
                 return None
         encoder._words.clear()
+        encoder._heads.clear()
+        encoder._spaced.clear()
         return encoder
 
     def encode(self, text: str) -> array[int] | None:
@@ -147,31 +163,93 @@ class WordEncoder:
         if not text.isascii():
             return None
         ids = array("I")
-        add = ids.frombytes
         pieces = [text]
         for added in self._added:
             pieces = [part for piece in pieces for part in
                       ((piece,) if piece in self._added_ids else added.split(piece)) if part]
-        words, translate, split = self._words, self._bytes, self._split.findall
+        by_spaces = self._by_spaces
         for piece in pieces:
             tid = self._added_ids.get(piece)
             if tid is not None:
                 ids.append(tid)
                 continue
-            in_piece = split(piece)
-            if sum(map(len, in_piece)) != len(piece):
-                return None  # text the pattern does not match: Split keeps it as a piece of its own
-            for word in in_piece:
-                found = words.get(word)
+            if by_spaces:
+                # whitespace at the end is words of its own (no word spans from other text into whitespace)
+                body = piece.rstrip(_WHITESPACE)
+                # no space before whitespace (substring searches: a regex search cost 2.5 us per 200 characters)
+                if not ("  " in body or " \n" in body or " \t" in body or " \r" in body or " \x0b" in body
+                        or " \x0c" in body):
+                    found = self._chunks(body)
+                    if found is None:
+                        return None
+                    ids.frombytes(found)
+                    piece = piece[len(body):]
+                    if not piece:
+                        continue
+                found = self._heads.get(piece)  # whitespace (a newline between turns), or what is not cut at spaces
                 if found is None:
-                    tokens = self._model.tokenize(word.translate(translate))
-                    found = array("I", [token.id for token in tokens]).tobytes()
-                    if len(word) <= MAX_WORD_CHARS:
-                        if len(words) >= MAX_WORDS:
-                            words.clear()
-                        words[word] = found
-                add(found)
+                    found = self._word_ids(piece)
+                    if found is not None:
+                        _remember(self._heads, piece, found)
+            else:
+                found = self._word_ids(piece)
+            if found is None:
+                return None
+            ids.frombytes(found)
         return ids
+
+    def _chunks(self, piece: str) -> bytes | None:
+        """The ids (uint32 bytes) of a piece in which every space is followed by a character other than whitespace,
+        cut at its spaces (GPT-2's pattern only: the module's docstring); b"" for an empty one."""
+        chunks = piece.split(" ")
+        head = chunks[0]
+        first = self._heads.get(head) if head else b""
+        if first is None:
+            first = self._word_ids(head)
+            if first is None:
+                return None
+            _remember(self._heads, head, first)
+        spaced = self._spaced
+        rest = chunks[1:]
+        found = [*map(spaced.get, rest)]  # one C loop: most chunks are words seen before
+        if None in found:
+            for i, chunk in enumerate(rest):
+                if found[i] is None:
+                    ids = self._word_ids(" " + chunk)
+                    if ids is None:
+                        return None
+                    found[i] = ids
+                    _remember(spaced, chunk, ids)
+        return first + b"".join(found)  # type: ignore[arg-type]  # no None left
+
+    def _word_ids(self, piece: str) -> bytes | None:
+        """The ids (uint32 bytes) of a piece without added tokens, word by word; None where the pattern does not
+        cover it (Split keeps such text as a piece of its own)."""
+        in_piece = self._split.findall(piece)
+        if sum(map(len, in_piece)) != len(piece):
+            return None
+        words, translate = self._words, self._bytes
+        out = []
+        for word in in_piece:
+            found = words.get(word)
+            if found is None:
+                tokens = self._model.tokenize(word.translate(translate))
+                found = array("I", [token.id for token in tokens]).tobytes()
+                _remember(words, word, found)
+            out.append(found)
+        return b"".join(out)
+
+
+_GPT2_ASCII = ascii_pattern(GPT2_PATTERN)
+_WHITESPACE = " \t\n\x0b\x0c\r"  # as _SPACE, the characters themselves
+
+
+def _remember(cache: dict[str, bytes], key: str, ids: bytes) -> None:
+    """Cache the ids of a word or chunk of at most MAX_WORD_CHARS characters; the cache starts over when full."""
+    if len(key) <= MAX_WORD_CHARS:
+        if len(cache) >= MAX_WORDS:
+            cache.clear()
+        cache[key] = ids
 
 
 def _pre_tokenizer_pattern(pre: dict[str, Any] | None) -> str | None:

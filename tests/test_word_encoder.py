@@ -69,6 +69,38 @@ def test_model_tokenizer_ids_and_ends_unchanged(model_tok: ModelTokenizer, text:
     assert (ends[-1] if ends else 0) == len(text.encode("utf-8", "surrogatepass"))
 
 
+# words and the like, each followed by a single space mostly, sometimes none, two, or a space before a newline
+spaced_texts = st.lists(st.tuples(
+    st.one_of(st.sampled_from(["word", "x" * 70, "5:", "'s", "don't", "\n", "\t", "\r\n", "?!", "<|im_end|>", "\x1c",
+                               "\x0b", "a1"]), st.text("ab1.'\n\t", max_size=6)),
+    st.sampled_from([" ", " ", " ", "", "  ", " \n"])), max_size=30).map(lambda parts: "".join(w + s for w, s in parts))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=spaced_texts)
+def test_text_cut_at_spaces_first_gives_the_tokenizers_ids(tiny: Tokenizer, text: str) -> None:
+    """With GPT-2's pattern a piece is cut at its spaces and each chunk looked up whole; spaces that GPT-2 joins
+    to what comes before (before whitespace, at a piece's end) leave the piece to the word-by-word path."""
+    encoder = WordEncoder.build(tiny)
+    assert encoder is not None and encoder._by_spaces
+    for _ in range(2):  # the second time from the chunk caches
+        ids = encoder.encode(text)
+        assert ids is not None and ids.tolist() == tiny.encode(text, add_special_tokens=False).ids
+
+
+def test_chunks_are_cached_with_gpt2s_pattern_only(tiny: Tokenizer, split_style: Tokenizer) -> None:
+    """The chunk caches fill for GPT-2's pattern; another pattern (Llama 3's joins punctuation to the letters after
+    it, across no space but also not at one) keeps to words."""
+    text = "Question 12: the router's cache keeps\nprompts, warm. "
+    gpt2, llama = WordEncoder.build(tiny), WordEncoder.build(split_style)
+    assert gpt2 is not None and llama is not None and not llama._by_spaces
+    for encoder, tok in ((gpt2, tiny), (llama, split_style)):
+        ids = encoder.encode(text)
+        assert ids is not None and ids.tolist() == tok.encode(text, add_special_tokens=False).ids
+    assert {"12:", "the", "router's"} <= gpt2._spaced.keys() and "Question" in gpt2._heads
+    assert not llama._spaced and not llama._heads
+
+
 def test_non_ascii_text_is_left_to_the_tokenizer(tiny: Tokenizer) -> None:
     encoder = WordEncoder.build(tiny)
     assert encoder is not None
@@ -119,6 +151,7 @@ def test_long_words_are_not_cached(tiny: Tokenizer) -> None:
     ids = encoder.encode(text)
     assert ids is not None and ids.tolist() == tiny.encode(text, add_special_tokens=False).ids
     assert encoder._words and max(map(len, encoder._words)) <= MAX_WORD_CHARS
+    assert encoder._spaced and max(map(len, [*encoder._spaced, *encoder._heads])) <= MAX_WORD_CHARS
 
 
 def test_cached_words_are_not_objects_the_cycle_collector_walks(tiny: Tokenizer) -> None:
@@ -144,4 +177,4 @@ def test_new_words_do_not_put_the_word_cache_in_the_youngest_generation(tiny: To
     gc.collect()
     for i in range(3):
         encoder.encode(f"a new number {10**6 + i}")
-        assert not gc.is_tracked(encoder._words)
+        assert not any(map(gc.is_tracked, (encoder._words, encoder._heads, encoder._spaced)))
