@@ -107,12 +107,11 @@ class KvAware(Strategy):
         """Per worker: the prompt tokens the index (or, untrusted, the trie) says are cached there, and the
         prefill tokens that saves given the tier each block is on. A data-parallel engine is judged by its best
         rank (which `choose` then names in the decision)."""
-        trusted = self._trusted
-        if keys and not any(trusted(cache) for worker in workers for _, cache in self._caches_of(worker)):
+        if keys and not self._any_trusted(workers):
             # no worker's events can be trusted (none has a stream, or each stream has a gap): what `holdings` says
             # then, the trie and the requests in flight, without a Holding per worker
             bs, guessed, match = self.balance.block_size, self.balance.trie.match(keys), self.pending.match
-            tokens = [min(max(guessed.get(w.url, 0), match(keys, w.url)) * bs, cacheable) for w in workers]
+            tokens = [min(match(keys, w.url, guessed.get(w.url, 0)) * bs, cacheable) for w in workers]
             return tokens, [float(t) for t in tokens]
         cached: list[int] = []
         saved: list[float] = []
@@ -123,6 +122,14 @@ class KvAware(Strategy):
                 continue
             saved.append(max(held.saved, held.affinity))
         return cached, saved
+
+    def _any_trusted(self, workers: Sequence[Worker]) -> bool:
+        trusted = self._trusted
+        for worker in workers:  # written out: a generator in any() cost more than the calls
+            for _, cache in self._caches_of(worker):
+                if trusted(cache):
+                    return True
+        return False
 
     def holdings(self, keys: Sequence[int], workers: Sequence[Worker], cacheable: int) -> list[Holding]:
         """Per worker: the leading prompt tokens it holds, by tier, as the index (or, untrusted, the trie) says;
@@ -171,7 +178,7 @@ class KvAware(Strategy):
                     best.rank = self._next_rank.setdefault(url, 0)
                     self._turned.add(url)
             if best is None:  # no trustworthy events: the approximate trie, as `prefix` does
-                blocks = max(guessed.get(url, 0), pending.match(keys, url))
+                blocks = pending.match(keys, url, guessed.get(url, 0))
                 tokens = min(blocks * bs, cacheable)
                 # a worker whose events are trusted announced none of it: only requests in flight put it there
                 announced = bool(known) and any(cache in known for _, cache in worker_caches)
@@ -313,16 +320,18 @@ class PendingBlocks:
             counts.discarded = Counter()
             counts.limit = 2 * len(counts.added) + self.COMPACT_MIN
 
-    def match(self, keys: Sequence[int], worker: str) -> int:
+    def match(self, keys: Sequence[int], worker: str, at_least: int = 0) -> int:
+        """How many leading `keys` the cache has pending, or `at_least` if that is more (what the trie says it was
+        sent: when the key after those is not pending, nor is any later one, and one probe answers)."""
         counts = self._by_worker.get(worker)
-        if counts is None or not keys:
-            return 0
+        if counts is None or len(keys) <= at_least:
+            return at_least
         added_get, discarded_get = counts.added.get, counts.discarded.get
-        first = keys[0]
-        if added_get(first, 0) <= discarded_get(first, 0):
-            return 0
+        probe = keys[at_least]
+        if added_get(probe, 0) <= discarded_get(probe, 0):
+            return at_least
         # `leading_run` written out: a callback per probe would cost more than the search does
-        lo, hi = 1, len(keys)
+        lo, hi = at_least + 1, len(keys)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             key = keys[mid - 1]

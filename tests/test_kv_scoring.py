@@ -218,6 +218,8 @@ def test_pending_blocks_are_the_multiset_of_the_runs_in_flight() -> None:
                 for prefix in prefixes:  # the binary search over the multiset, as before the two counters
                     held = leading_run(prefix, want)
                     assert pending.match(prefix, cache) == held
+                    for at_least in range(len(prefix) + 2):  # what the trie says, one probe past it
+                        assert pending.match(prefix, cache, at_least) == max(held, at_least)
 
 
 def test_without_trusted_events_the_prediction_is_the_holdings_of_trie_and_requests_in_flight() -> None:
