@@ -122,7 +122,8 @@ class PrefixTrie:
         """For each worker sent a prefix of `keys` within the TTL: how many leading blocks it was sent.
 
         A worker sent a prefix was sent every shorter prefix too (insertion touches the whole path with one
-        timestamp), so "fresh at depth d" is monotone in d and each worker's depth is a binary search."""
+        timestamp), so "fresh at depth d" is monotone in d and each worker's depth is one probe of the deepest known
+        block, or else a binary search."""
         mask = self._mask
         if not keys or (root := keys[0]) not in self._parent[root & mask]:
             self._last_known = (keys, 0)
@@ -138,11 +139,20 @@ class PrefixTrie:
         else:
             wanted = first.keys() if workers is None else [w for w in workers if w in first]
         out: dict[str, int] = {}
+        deepest = keys[known - 1]
+        deepest_shard = deepest & mask
+        deepest_sent = sent_to[deepest_shard][deepest]
         for url in wanted:
             if first[url] < fresh_after:
                 continue
+            # the deepest known block first: a prefix is mostly sent to one worker, whole (one probe, no search)
+            sent = ((used[deepest_shard][deepest] if deepest_sent == url else None) if isinstance(deepest_sent, str)
+                    else deepest_sent.get(url))
+            if sent is not None and sent >= fresh_after:
+                out[url] = known
+                continue
             # `leading_run` written out: a callback per probe would cost more than the whole lookup does
-            lo, hi = 1, known  # blocks sent to `url` lately: at least the first, at most every known one
+            lo, hi = 1, known - 1  # blocks sent to `url` lately: at least the first, not the deepest known one
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 key = keys[mid - 1]
