@@ -34,7 +34,7 @@ import shlex
 import sys
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -46,6 +46,7 @@ from agent.config import AgentConfig
 from agent.tiers.base import TierName
 from bench import vsim_report, workloads
 from bench.calibrate import ttft_options
+from bench.sim.hash_map import U64Map
 from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
 from bench.sim.offload import TierLink, transfer_seconds
 from bench.sim.perf_model import PROFILES, Profile, load_profile
@@ -56,7 +57,7 @@ from bench.sweep import Job, run_sweep
 from bench.traces import Trace, TraceError, TraceSource
 from bench.workloads import PromptVocabulary, RequestSource, Workload, WorkloadSource
 from kvcore.config import ConfigError, load_config
-from kvcore.kv_events import GPU, BlockStored, KvEvent
+from kvcore.kv_events import DISK, GPU, BlockHash, BlockStored, KvEvent
 from kvcore.vllm_hash import BlockHasher, Digest
 from kvgate.serve import assemble
 from router.block_keys import block_keys, chain_key, root_key
@@ -208,10 +209,13 @@ class FleetSimulation:
         self.kv: KvEventApplier | None = None
         self.sources = [EventSource(r.url, f"vsim://{r.index}") for r in self.replicas]
         if self.strategy.uses_kv_events:
+            # the NVMe tier's maps in arrays (`U64Map`): the engines' digests and the gateway's keys are 64-bit ints,
+            # and its blocks are most of the index's (1.4 M on the conversation trace at 8 replicas); a mask of
+            # workers fits 64 bits up to 64 replicas
             index = InMemoryKvIndex()
-            index.compact_tables()
+            index.compact_tables({DISK: U64Map} if replicas <= 64 else None)
             self.kv = KvEventApplier(index, GatewayMetrics(), lambda url: MODEL, clock=lambda: self.now)
-            self.kv.compact_tables()
+            self.kv.compact_tables({DISK: cast(Callable[[], MutableMapping[BlockHash, int]], U64Map)})
             self.strategy.attach_kv(self.kv.index, lambda url: True)
         self.tier_settings = tiers
         if tiers is not None:

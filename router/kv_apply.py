@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from prometheus_client import Counter
 
@@ -46,6 +47,8 @@ SLICE_BLOCKS = 2048  # blocks applied between two chances for the event loop to 
 WAIT_S = 30.0  # how long an announcement without token ids waits for the engine to name its block
 WAIT_MAX = 65_536  # announcements waiting at most, over all sources (the oldest give up first)
 LEARNED_MAX = 65_536  # blocks learned from answers per source at most (the oldest are dropped first)
+# tier -> what makes a source's map of engine hash -> gateway key there where not a dict (`compact_tables`)
+HoldingTables = Mapping[str, Callable[[], MutableMapping[BlockHash, BlockKey]]]
 # cache kinds whose blocks cover the whole prefix (vLLM's KVCacheSpecKind); None: a model with one group
 FULL_PREFIX_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
 _U32 = 1 << 32
@@ -59,22 +62,31 @@ class _Holdings:
     """What one source says it holds: per tier, engine hash -> gateway key (one entry per block: a fleet's tiers
     announce millions), and for sources that announce copies (`counted`) the copies beyond the first."""
 
-    __slots__ = ("extra", "tiers", "trims")
+    __slots__ = ("extra", "tables", "tiers", "trims")
 
-    def __init__(self) -> None:
-        self.tiers: dict[str, dict[BlockHash, BlockKey]] = {}
+    def __init__(self, tables: HoldingTables) -> None:
+        self.tiers: dict[str, MutableMapping[BlockHash, BlockKey]] = {}
         self.extra: dict[tuple[BlockHash, str], int] = {}
         self.trims: dict[str, TableTrim] = {}
+        self.tables = tables
+
+    def table(self, tier: str) -> MutableMapping[BlockHash, BlockKey]:
+        """The map of `tier` (made, empty, if it has none)."""
+        keys = self.tiers.get(tier)
+        if keys is None:
+            make = self.tables.get(tier)
+            keys = self.tiers[tier] = make() if make is not None else {}
+        return keys
 
     def trim(self, tier: str, inserted: int) -> None:
         """After `inserted` blocks were added on `tier`: its map kept at a copy's table size
         (`KvEventApplier.compact_tables`)."""
         keys = self.tiers.get(tier)
-        if keys is not None:
+        if type(keys) is dict:
             trim = self.trims.get(tier)
             if trim is None:
                 trim = self.trims[tier] = TableTrim()
-            trim.check(keys, inserted)
+            trim.check(cast(dict[BlockHash, BlockKey], keys), inserted)
 
     def __len__(self) -> int:
         return sum(len(keys) for keys in self.tiers.values())
@@ -186,15 +198,19 @@ class KvEventApplier:
         self._waiting: dict[tuple[str, BlockHash], list[_Waiting]] = {}  # (model, engine hash) -> announcements
         self._waiting_count = 0
         self._compact = False  # see compact_tables
+        self._tables: HoldingTables = {}  # see compact_tables
         metrics.kv_index_entries.set_function(index.entries)
         metrics.kv_waiting_announcements.set_function(self.waiting)
 
-    def compact_tables(self) -> None:
+    def compact_tables(self, tables: HoldingTables | None = None) -> None:
         """From now on keep what sources hold and content identity at the table size a copy of their maps would
         have (`TableTrim`): half the memory of maps whose entries come and go, for copying a map into itself (tens
         of ms per 100,000 entries) whenever CPython would grow it. For long simulations (`kvgate bench vsim`); a
-        live gateway would stall its event loop meanwhile."""
+        live gateway would stall its event loop meanwhile. `tables`: tiers whose maps of engine hash -> gateway
+        key are made by a factory instead of as dicts (a replay's NVMe tier in arrays, bench/sim/hash_map.py), for
+        sources heard from afterwards."""
         self._compact = True
+        self._tables = dict(tables or {})
         self.identity.compact = True
 
     # --- batches ------------------------------------------------------------------------------------------------
@@ -211,7 +227,7 @@ class KvEventApplier:
         event loop run there). Stops early if the source is forgotten meanwhile."""
         held = self._held.get(source)
         if held is None:
-            held = self._held[source] = _Holdings()
+            held = self._held[source] = _Holdings(self._tables)
             self._sources.setdefault(source.cache, []).append(source)
         worker = source.cache  # the index's name for the cache this source describes (a DP rank has its own)
         model = self._model_of(source.worker)
@@ -274,7 +290,7 @@ class KvEventApplier:
         held = self._held.get(source)
         if not held:
             return
-        self._held[source] = _Holdings()
+        self._held[source] = _Holdings(self._tables)
         for tier, keys in held.tiers.items():
             self.index.remove(source.cache, list(keys.values()), tier)
 
@@ -409,7 +425,7 @@ class KvEventApplier:
             most = self.identity.max_blocks
             keys = held.tiers.get(tier)
             if keys is None:
-                keys = held.tiers[tier] = {}
+                keys = held.table(tier)
             extra = held.extra
             waiting = self._waiting
             for engine_hash, key in zip(hashes, block_keys(tokens, size, parent), strict=True):
@@ -546,7 +562,7 @@ def _hold(held: _Holdings, engine_hash: BlockHash, tier: str, key: BlockKey, cou
     reference count where the protocol announces copies (`counted`)."""
     keys = held.tiers.get(tier)
     if keys is None:
-        keys = held.tiers[tier] = {}
+        keys = held.table(tier)
     if engine_hash not in keys:
         keys[engine_hash] = key
         return True

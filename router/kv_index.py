@@ -13,10 +13,11 @@ from __future__ import annotations
 import abc
 import math
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, repeat
 from operator import mul, or_
+from typing import cast
 
 from kvcore.dict_tables import TableTrim
 from kvcore.kv_events import CPU, DISK, GPU, SHARED
@@ -98,19 +99,25 @@ class InMemoryKvIndex(KvBlockIndex):
         self._ids: dict[str, int] = {}
         self._free_ids: list[int] = []
         # tier -> key -> bit mask of worker ids holding it there
-        self._masks: dict[str, dict[BlockKey, int]] = {tier: {} for tier in TIERS}
+        self._masks: dict[str, MutableMapping[BlockKey, int]] = {tier: {} for tier in TIERS}
         self._gpu, self._cpu, self._disk, self._shared = (self._masks[t] for t in TIERS)
         self._trims: dict[str, TableTrim] | None = None  # see compact_tables
         self._arrivals: dict[int, _Arrivals] = {}
         self._entries = 0
         self.dropped = 0
 
-    def compact_tables(self) -> None:
+    def compact_tables(self, tables: Mapping[str, Callable[[], MutableMapping[BlockKey, int]]] | None = None) -> None:
         """From now on keep each tier's map at the table size a copy of it would have (`TableTrim`): half the
         memory of maps whose entries come and go, for copying a map into itself (tens of ms per 100,000 entries)
         whenever CPython would grow it. For long simulations (`kvgate bench vsim`); a live gateway would stall its
-        event loop meanwhile."""
-        self._trims = {tier: TableTrim() for tier in TIERS}
+        event loop meanwhile. `tables`: tiers whose map (key -> bit mask of worker ids) is made by a factory instead
+        of a dict (a replay's NVMe tier in arrays, bench/sim/hash_map.py); before anything is added."""
+        for tier, make in (tables or {}).items():
+            if self._masks[tier]:
+                raise ValueError(f"the {tier} map is not empty")
+            self._masks[tier] = make()
+        self._gpu, self._cpu, self._disk, self._shared = (self._masks[t] for t in TIERS)
+        self._trims = {tier: TableTrim() for tier, masks in self._masks.items() if type(masks) is dict}
 
     def _id(self, worker: str) -> int:
         wid = self._ids.get(worker)
@@ -208,8 +215,8 @@ class InMemoryKvIndex(KvBlockIndex):
             if not (first.get(key, 0) | second.get(key, 0) | third.get(key, 0)) & bit:  # new to the worker
                 log.append(key)
             masks[key] = mask | bit
-        if self._trims is not None:
-            self._trims[tier].check(masks, len(masks) - known)
+        if self._trims is not None and (trim := self._trims.get(tier)) is not None:
+            trim.check(cast(dict[BlockKey, int], masks), len(masks) - known)
         new = len(log) - before
         if new:
             self._entries += new
