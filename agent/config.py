@@ -48,6 +48,10 @@ class AgentConfig:
     dram_capacity: int = option(2**30, "DRAM tier byte bound (0 = no DRAM tier)", parse=parse_bytes)
     dram_high_watermark: float = option(0.95, "DRAM fill fraction above which background demotion starts")
     dram_low_watermark: float = option(0.85, "DRAM fill fraction background demotion brings usage down to")
+    dram_prefault: bool = option(False, "when the first client declares its block size (Hello), fill the DRAM "
+                                 "tier up to its capacity with buffers of that size whose pages are mapped, in the "
+                                 "background: stores then copy into mapped memory, no page faults (the agent's "
+                                 "memory is the whole capacity from then on)")
 
     nvme_dir: str = option("", "directory of the NVMe tier (empty = no NVMe tier)")
     nvme_layout: str = option("segments", "segments: append-only segment log (sequential writes, FIFO "

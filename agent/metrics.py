@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from agent.store import TierStore
 from agent.tiers.base import TierName
+from agent.tiers.dram import DramTier
 
 LATENCY_BUCKETS = (0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
@@ -62,6 +63,20 @@ class TierCollector(Collector):
         yield CounterMetricFamily("kvgate_agent_dropped_background_writes",
                                   "write-throughs / demotions skipped because too many bytes were in flight",
                                   value=flow.dropped_background_writes)
+        dram = self.store.dram
+        if isinstance(dram, DramTier):
+            buffers_now = dram.buffer_stats()
+            yield GaugeMetricFamily("kvgate_agent_dram_free_buffer_bytes", "bytes of DRAM block buffers ready for "
+                                    "the next stores (recycled or pre-faulted: their pages mapped)",
+                                    value=buffers_now.free_bytes)
+            yield GaugeMetricFamily("kvgate_agent_dram_prefaulting", "1 while the DRAM tier is being pre-faulted "
+                                    "(--dram-prefault)", value=int(dram.prefaulting))
+            buffers = CounterMetricFamily("kvgate_agent_dram_buffers", "blocks stored into DRAM by where their "
+                                          "buffer came from: reused (recycled or pre-faulted) or new (allocated: its "
+                                          "pages are faulted by the copy)", labels=["source"])
+            buffers.add_metric(["reused"], buffers_now.reused)
+            buffers.add_metric(["new"], buffers_now.new)
+            yield buffers
 
 
 class AgentMetrics:

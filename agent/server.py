@@ -22,6 +22,7 @@ import mmap
 import os
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,7 @@ from agent.protocol import (
     request_decoder,
 )
 from agent.store import TierStore
+from agent.tiers.dram import DramTier
 from agent.tiers.shared import RedisSharedTier
 from kvcore.aio import started_executor
 from kvcore.kv_events import KvEventPublisher
@@ -222,6 +224,10 @@ class TierAgent:
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         self._dropped_logged_at = -math.inf  # when a client dropped before its Hello was last logged
         self._presence: PresenceMap | None = None
+        # the DRAM tier's pre-faulting (config.dram_prefault), started by the first Hello that declares a block size
+        self._prefault = started_executor(1, "kvgate-agent-prefault") if self._prefaultable() else None
+        self._prefault_started = False
+        self._stopping = threading.Event()
         self.started_at = time.time()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -291,6 +297,9 @@ class TierAgent:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._upkeep.shutdown(wait=True, cancel_futures=True)
         self._scrapes.shutdown(wait=True, cancel_futures=True)
+        self._stopping.set()
+        if self._prefault is not None:
+            self._prefault.shutdown(wait=True, cancel_futures=True)
         await asyncio.to_thread(self.store.drain, 5.0)
         self.store.close(wait=False)
         if self._presence is not None:
@@ -488,6 +497,7 @@ class TierAgent:
                     conn.attach(fds[0], request.shm_bytes)
                     self.metrics.shm_clients.inc()
                 conn.declare(request.layout, request.block_bytes)
+                self._start_prefault(request.block_bytes)
                 return HelloReply(version=PROTOCOL_VERSION, pid=os.getpid(),
                                   shm_bytes=len(conn.view) if conn.view is not None else 0)
             if isinstance(request, Stats):
@@ -498,6 +508,26 @@ class TierAgent:
             if op == "hello":
                 log.warning("client refused at hello: %s", exc)
             return ErrorReply(message=f"{type(exc).__name__}: {exc}")
+
+    def _prefaultable(self) -> bool:
+        return self.config.dram_prefault and isinstance(self.store.dram, DramTier)
+
+    def _start_prefault(self, block_bytes: int) -> None:
+        """The first client that declares a block size has the DRAM tier pre-faulted in it (in the background)."""
+        if self._prefault is None or self._prefault_started or block_bytes <= 0:
+            return
+        self._prefault_started = True
+        dram = self.store.dram
+        assert isinstance(dram, DramTier)
+        dram.prefaulting = True  # from now on, not from when the thread gets to it
+
+        def run() -> None:
+            started = time.monotonic()
+            added = dram.prefault(block_bytes, self._stopping)
+            log.info("DRAM tier: %.0f MiB of %d-byte block buffers pre-faulted in %.1f s", added / 2**20,
+                     block_bytes, time.monotonic() - started)
+
+        self._prefault.submit(run)
 
     async def _lookup(self, request: Lookup) -> LookupReply:
         started = time.perf_counter()

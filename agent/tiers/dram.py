@@ -7,7 +7,9 @@ recently used leaf, found in a heap of leaves by last use: a scan of the LRU ord
 every parent older than its children first -- the heads of prefixes whose rest was saved in later steps, which
 pile up at the old end -- for every block evicted.
 The checksum is computed lazily (when a block leaves for NVMe or the shared tier): memory of this process is
-trusted like the rest of it, and skipping the hash keeps stores at memcpy speed.
+trusted like the rest of it, and skipping the hash keeps stores at memcpy speed. A block's buffer comes from the
+tier's pool (agent/tiers/buffers.py): the buffer of a block that left, once nothing reads it any more, or one
+pre-faulted by `prefault`, so a store is a copy into pages already mapped.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from agent.block import BlockKey
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
+from agent.tiers.buffers import BlockBuffers, BufferStats, touch
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +51,8 @@ class DramTier:
         self._ticks = itertools.count()
         self._used = 0
         self._unentered: DramBlock | None = None  # see _store_locked
+        self._buffers = BlockBuffers(capacity)
+        self.prefaulting = False
         self._lock = threading.Lock()
 
     # -- interface -------------------------------------------------------------------------------------------
@@ -118,7 +123,9 @@ class DramTier:
                 # head, which is what a lookup can use, and refuse its tail
                 self.stats.refused += 1
                 return False
-        block = DramBlock(bytearray(payload), None, digest)
+        data = self._buffers.take(size, self._used)
+        data[:] = payload  # (the same length: a copy in place)
+        block = DramBlock(data, None, digest)
         if parent is not None:
             parent_block = blocks.get(parent)
             if parent_block is not None:
@@ -179,6 +186,37 @@ class DramTier:
     def upkeep(self) -> None:
         pass
 
+    def prefault(self, size: int, stop: threading.Event | None = None, batch: int = 64) -> int:
+        """Fill the pool with free buffers of `size` bytes whose pages are mapped, until they and the resident
+        blocks reach the capacity; blocks of that size are then stored with a plain copy. Slow (the kernel maps
+        every page: seconds per GiB here): run it off the event loop; `stop` ends it early. Bytes added."""
+        added = 0
+        self.prefaulting = True
+        try:
+            while size > 0 and not (stop is not None and stop.is_set()):
+                with self._lock:
+                    buffers = self._buffers
+                    fits = (self.capacity - self._used - buffers.free_bytes - buffers.returned_bytes) // size
+                n = min(batch, fits)
+                if n <= 0:
+                    break
+                fresh = [bytearray(size) for _ in range(n)]
+                for buf in fresh:  # outside the lock: stores go on meanwhile
+                    touch(buf)
+                with self._lock:
+                    for buf in fresh:
+                        if not self._buffers.room(size, self._used):
+                            break
+                        self._buffers.add_free(buf)
+                        added += size
+        finally:
+            self.prefaulting = False
+        return added
+
+    def buffer_stats(self) -> BufferStats:
+        with self._lock:
+            return self._buffers.stats()
+
     def close(self) -> None:
         pass
 
@@ -234,6 +272,7 @@ class DramTier:
     def _remove_locked(self, key: BlockKey, block: DramBlock) -> None:
         del self._blocks[key]
         self._used -= len(block.data)
+        self._buffers.give_back(block.data)  # reused once whoever still reads the block (a demotion) is done
         parent_block = block.counted_by
         if parent_block is not None and block.parent is not None and self._blocks.get(block.parent) is parent_block:
             parent_block.children -= 1
@@ -241,5 +280,13 @@ class DramTier:
                 heapq.heappush(self._leaves, (parent_block.used, block.parent))
 
     def _report(self, removed: list[Removed]) -> None:
-        if removed and self.on_removed is not None:
-            self.on_removed(removed)
+        """Hand blocks that left to the listener (with their bytes, where evicted), then settle their buffers: the
+        caller's list is emptied, so what nobody else holds is free to reuse now."""
+        if not removed:
+            return
+        if self.on_removed is not None:
+            self.on_removed(list(removed))
+        n = len(removed)
+        removed.clear()
+        with self._lock:
+            self._buffers.settle(n, self._used)
