@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import random
@@ -76,7 +77,8 @@ def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tu
     threads = thread_stats([server.proc.pid, *pids])
     server_cpu = tree_cpu_seconds(server.proc.pid)
     transfer_cpu = named_threads_cpu_seconds(server.proc.pid, TRANSFER_THREAD)
-    agent_cpu = sum(tree_cpu_seconds(pid) for pid in pids)
+    agent_ns = sum(tree_cpu_ns(pid) for pid in pids)
+    agent_faults = sum(minor_faults(pid) for pid in pids)
     words = " ".join(f"w{i} alpha beta gamma" for i in range(args.prompt_words))
     prompts = [f"{salt} request {i} {words}" for i in range(args.requests)]
     start = time.monotonic()
@@ -85,7 +87,8 @@ def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tu
     seconds = time.monotonic() - start
     server_cpu = tree_cpu_seconds(server.proc.pid) - server_cpu
     transfer_cpu = named_threads_cpu_seconds(server.proc.pid, TRANSFER_THREAD) - transfer_cpu
-    agent_cpu = sum(tree_cpu_seconds(pid) for pid in pids) - agent_cpu
+    agent_cpu = (sum(tree_cpu_ns(pid) for pid in pids) - agent_ns) / 1e9
+    agent_faults = sum(minor_faults(pid) for pid in pids) - agent_faults
     threads_after = thread_stats([server.proc.pid, *pids])
     steps = _metric(server.url + "/metrics", STEPS_METRIC) - steps
     prompt_tokens = sum(u[0] for u in usages)
@@ -96,10 +99,46 @@ def saturate(server: EngineServer, salt: str, args: argparse.Namespace, pids: tu
             "cpu_ms_per_request": 1000 * (server_cpu + agent_cpu) / len(prompts),
             "agent_cpu_ms_per_request": 1000 * agent_cpu / len(prompts),
             "transfer_cpu_ms_per_request": 1000 * transfer_cpu / len(prompts),
+            "agent_minor_faults_per_request": agent_faults / len(prompts),
             "engine_steps": steps, "threads": thread_deltas(threads, threads_after, len(prompts))}
 
 
 STEPS_METRIC = "vllm:iteration_tokens_total_count"  # engine steps that scheduled tokens
+
+
+def tree_cpu_ns(pid: int) -> int:
+    """CPU nanoseconds so far of every thread of a process and every process below it (schedstat: where /proc's
+    stat counts 10 ms ticks, too coarse for the agent's 1-2 ms a request)."""
+    total = 0
+    for p in _descendants(pid):
+        for tid in _tasks(p):
+            try:
+                with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total
+
+
+def minor_faults(pid: int) -> int:
+    """Minor page faults so far of a process and every process below it (a fault that mapped a page, no I/O)."""
+    total = 0
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                total += int(f.read().rsplit(")", 1)[1].split()[7])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def wait_for_prefault(metrics_url: str, timeout_s: float = 300.0) -> float:
+    """Wait until the agent's DRAM tier is no longer being pre-faulted (an agent without the metric: at once);
+    seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s and _metric(metrics_url, "kvgate_agent_dram_prefaulting") > 0:
+        time.sleep(0.5)
+    return time.monotonic() - started
 
 
 def _metric(url: str, name: str) -> float:
@@ -301,6 +340,8 @@ def summarize(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
             "median_cpu_ms_per_request": statistics.median(r["cpu_ms_per_request"] for r in mine),
             "median_agent_cpu_ms_per_request": statistics.median(r["agent_cpu_ms_per_request"] for r in mine),
             "median_transfer_cpu_ms_per_request": statistics.median(r["transfer_cpu_ms_per_request"] for r in mine),
+            "median_agent_minor_faults_per_request": statistics.median(
+                r.get("agent_minor_faults_per_request", 0.0) for r in mine),
             "median_engine_steps": statistics.median(r.get("engine_steps", 0.0) for r in mine),
             "median_threads": median_threads([r.get("threads", {}) for r in mine])}
     for mode in modes:
@@ -338,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="the agent's DRAM tier: the default never fills in a run (every block stored lands on "
                              "memory the agent has not touched yet, a page fault per page); one smaller than what a "
                              "run stores is full and recycles evicted blocks' memory, as a replica's agent does")
+    parser.add_argument("--agent-prefault", action=argparse.BooleanOptionalAction, default=True,
+                        help="this tree's agent pre-faults its DRAM tier (--dram-prefault; other revisions' agents "
+                             "run as those revisions do by default); the rounds start once it is done")
     parser.add_argument("--cycles", type=int, default=6, help="ABBA cycles: each gives every variant 2 rounds")
     parser.add_argument("--requests", type=int, default=16, help="requests per round")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -380,7 +424,10 @@ def main(argv: list[str] | None = None) -> None:
             env = dict(os.environ)
             if tree is not None:
                 env["PYTHONPATH"] = str(tree)
-            agents[rev] = agent_process(index, work, None, settings, BLOCK_SIZE, env)
+            mine = settings
+            if rev is None and args.agent_prefault:
+                mine = dataclasses.replace(settings, extra_args=("--dram-prefault",))
+            agents[rev] = agent_process(index, work, None, mine, BLOCK_SIZE, env)
         servers: dict[str, EngineServer] = {}
         try:
             for agent in agents.values():
@@ -393,6 +440,9 @@ def main(argv: list[str] | None = None) -> None:
                                              connector=CONNECTORS.get(variant, CONNECTOR))
             for name, server in servers.items():  # warm-up
                 saturate(server, f"warm-{name}", argparse.Namespace(**{**vars(args), "requests": 8}))
+            for rev, agent in agents.items():
+                waited = wait_for_prefault(agent.metrics_url)
+                print(f"# agent of {rev or 'this tree'}: waited {waited:.1f} s for its DRAM pre-faulting", flush=True)
             if not args.no_pin:
                 pinned = pin_off_the_workers([s.proc.pid for s in servers.values() if s.proc is not None],
                                              [a.pid for a in agents.values() if a.pid is not None])
@@ -440,8 +490,9 @@ def main(argv: list[str] | None = None) -> None:
         s = summary[name]
         print(f"# {name:<8} median {s['median_tokens_per_s']:8.1f} tokens/s ({s['median_tokens_per_s_fast_mode']:.1f} "
               f"in fast-mode rounds); slow-mode rounds {s['slow_mode_rounds']} of {s['rounds']}; CPU per request "
-              f"{s['median_cpu_ms_per_request']:.1f} ms (agent {s['median_agent_cpu_ms_per_request']:.1f}, transfer "
-              f"thread {s['median_transfer_cpu_ms_per_request']:.1f})")
+              f"{s['median_cpu_ms_per_request']:.1f} ms (agent {s['median_agent_cpu_ms_per_request']:.2f}, transfer "
+              f"thread {s['median_transfer_cpu_ms_per_request']:.1f}); agent minor page faults per request "
+              f"{s['median_agent_minor_faults_per_request']:.0f}")
         print(f"#   engine steps per round {s['median_engine_steps']:.0f}; threads, CPU ms / voluntary / involuntary "
               "context switches per request: " + "; ".join(
                   f"{t} {v[0]:.2f} / {v[1]:.1f} / {v[2]:.1f}" for t, v in sorted(
