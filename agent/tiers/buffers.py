@@ -108,13 +108,19 @@ class BlockBuffers:
             if sys.getrefcount(buf) > _ALONE:
                 returned.append(buf)  # still read (a demotion, a write-through, a view of its bytes)
                 continue
-            n = len(buf)
-            self.returned_bytes -= n
-            if self.free_bytes + n + resident <= self.capacity:
-                self._free.setdefault(n, []).append(buf)
-                self.free_bytes += n
-                if n == size:
-                    return
+            if self._release(buf, resident) and len(buf) == size:
+                return
+
+    def _release(self, buf: bytearray, resident: int) -> bool:
+        """A returned buffer nothing reads any more leaves the returned ones: free where the bound has room (True),
+        else to the allocator."""
+        n = len(buf)
+        self.returned_bytes -= n
+        if self.free_bytes + n + resident > self.capacity:
+            return False
+        self._free.setdefault(n, []).append(buf)
+        self.free_bytes += n
+        return True
 
     def settle(self, recent: int, resident: int) -> None:
         """The last `recent` returned buffers were just handed to whoever reads evicted blocks, and that is done:
@@ -127,11 +133,7 @@ class BlockBuffers:
             if sys.getrefcount(buf) > _ALONE:
                 still_read.append(buf)
                 continue
-            n = len(buf)
-            self.returned_bytes -= n
-            if self.free_bytes + n + resident <= self.capacity:
-                self._free.setdefault(n, []).append(buf)
-                self.free_bytes += n
+            self._release(buf, resident)
         returned.extend(reversed(still_read))
         if returned:  # and the oldest: buffers whose readers (demotions) finished since
             self._reclaim(None, resident)

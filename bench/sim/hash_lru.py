@@ -174,19 +174,7 @@ class HashLru:
 
     def _free(self, i: int) -> None:
         """Empty slot `i`, shifting back the entries after it that probed past it."""
-        places, log, mask = self._places, self._log, self._mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            place = places[j]
-            if place == EMPTY:
-                break
-            home = log[place] & mask
-            # the entry at j may move to i unless its home lies cyclically in (i, j]
-            if (home <= i < j) or (i < j < home) or (j < home <= i):
-                places[i] = place
-                i = j
-        places[i] = EMPTY
+        free_slot(self._places, self._log, self._mask, i)
         self._live -= 1
 
     def _compact(self) -> None:
@@ -218,3 +206,20 @@ class HashLru:
             while places[i] != EMPTY:
                 i = (i + 1) & mask
             places[i] = place
+
+
+def free_slot(places: array[int], hashes: array[int], mask: int, i: int) -> None:
+    """Empty slot `i` of a linear-probing table of `places` into `hashes`, shifting back the entries after it that
+    probed past it (so no lookup stops early at the hole)."""
+    j = i
+    while True:
+        j = (j + 1) & mask
+        place = places[j]
+        if place == EMPTY:
+            break
+        home = hashes[place] & mask
+        # the entry at j may move to i unless its home lies cyclically in (i, j]
+        if (home <= i < j) or (i < j < home) or (j < home <= i):
+            places[i] = place
+            i = j
+    places[i] = EMPTY

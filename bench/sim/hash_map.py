@@ -9,7 +9,8 @@ from array import array
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
-EMPTY = -1
+from bench.sim.hash_lru import EMPTY, free_slot
+
 _MISSING: Any = object()
 
 
@@ -108,19 +109,7 @@ class U64Map(MutableMapping[int, int]):
             places[j] = place
         keys.pop()
         values.pop()
-        # empty slot i, shifting back the entries after it that probed past it
-        j = i
-        while True:
-            j = (j + 1) & mask
-            place = places[j]
-            if place == EMPTY:
-                break
-            home = keys[place] & mask
-            # the entry at j may move to i unless its home lies cyclically in (i, j]
-            if (home <= i < j) or (i < j < home) or (j < home <= i):
-                places[i] = place
-                i = j
-        places[i] = EMPTY
+        free_slot(places, keys, mask, i)
         return value
 
     def clear(self) -> None:
