@@ -5,10 +5,7 @@ only the bytes it was given while blocks are evicted, demoted and their buffers 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from agent.client import AgentClient
 from agent.tiers.base import Removed
@@ -95,14 +92,6 @@ def test_prefault_fills_up_to_the_bound_and_the_bound_holds_for_every_size() -> 
     for i in range(32):
         half.store(key(i), payload(i))
     assert half.prefault(SIZE) == 32 * SIZE  # what is resident counts
-
-
-@pytest.fixture
-def agents() -> Iterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
-        agent.stop()
 
 
 def minor_faults(pid: int) -> int:
