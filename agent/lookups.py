@@ -33,7 +33,7 @@ class LookupTooSlow(Exception):
 class _Pending:
     span: tuple[int, int]  # (first block asked, blocks asked): a moved local prefix hit asks again
     future: Future[Answer]
-    started: float
+    started: float  # when the request was first asked about: its span may change, its wait is counted from here
 
 
 class SchedulerLookups:
@@ -52,9 +52,11 @@ class SchedulerLookups:
         the same call with the same span collects it). Raises what the lookup raised, or LookupTooSlow."""
         pending = self._pending.get(req_id)
         if pending is None or pending.span != span:
+            started = time.monotonic()
             if pending is not None:  # the question changed: a lookup of the old span still queued is not asked
                 pending.future.cancel()
-            pending = _Pending(span, self._submit(list(hashes)), time.monotonic())
+                started = pending.started  # (and the request has waited since its first question)
+            pending = _Pending(span, self._submit(list(hashes)), started)
             self._pending[req_id] = pending
         if not pending.future.done() and self._budget_s > 0:
             start = time.monotonic()

@@ -317,3 +317,29 @@ def test_a_superseded_or_abandoned_lookup_is_not_asked() -> None:
     finally:
         held.set()
         lookups.close()
+
+
+def test_a_request_whose_question_keeps_changing_is_given_up_on_in_time() -> None:
+    """A request waits for the agent at most `give_up_s` in all, however often its question changes (its local
+    prefix hit grows while another request computes the same prefix, step after step): before, each new span
+    started the clock again, so a request asked anew on every step, with the agent slower than a step, was told
+    "not known yet" for ever -- the engine deferred it until the agent went away."""
+    from agent.lookups import LookupTooSlow, SchedulerLookups
+
+    def lookup(hashes: Sequence[int]) -> tuple[int, str]:
+        time.sleep(0.05)  # slower than a step
+        return len(hashes), "C" * len(hashes)
+
+    lookups = SchedulerLookups(lookup, wait_s=0.0, give_up_s=0.3)
+    try:
+        began = time.monotonic()
+        with pytest.raises(LookupTooSlow):
+            for step in range(1_000):
+                span = (step % 2, 8 - step % 2)
+                assert lookups.answer("moving", span, list(range(span[0], 8))) is None
+                lookups.next_step()
+                time.sleep(0.01)
+        assert 0.3 <= time.monotonic() - began < 1.0
+        assert lookups.waiting == 0
+    finally:
+        lookups.close()
