@@ -262,6 +262,8 @@ class FleetSimulation:
 
     def _flush_events(self, replica: VirtualReplica) -> None:
         """The step's engine events (and the tier events they cause) go to the applier after `event_delay_s`."""
+        if not replica.pool.events and (replica.tiers is None or not replica.tiers.has_events()):
+            return  # most steps: a decode token inside a block, nothing cached, stored or evicted
         events = replica.pool.take_events()
         if events:
             self._pending_events.append((replica.index, events))
@@ -389,10 +391,12 @@ class FleetSimulation:
         replica.busy = True
         replica.out = out
         now = self.now
+        sizes = []
         for c in out.chunks:
             if c.request.scheduled_time < 0:
                 c.request.scheduled_time = now
-        duration = self.profile.step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks])
+            sizes.append((c.num_new_tokens, c.num_context_tokens))
+        duration = self.profile.step_time(sizes)
         replica.step_end = now + duration
         self._push(replica.step_end, "step", replica)
 

@@ -106,14 +106,14 @@ class SimRequest:
 
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     request: SimRequest
     num_new_tokens: int
     num_context_tokens: int  # tokens of this sequence already in the KV cache before the step
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_preempted: int = 0
@@ -186,21 +186,24 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         kv = self.kv
+        allocate = kv.allocate_slots
+        running = self.running  # (preemption pops from it; only update_from_output replaces it)
+        last_position = self.max_model_len - 1
         scheduled_running: list[SimRequest] = []
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             computed = request.num_computed_tokens
-            num_new = min(len(request.all_token_ids) - computed, budget, self.max_model_len - 1 - computed)
+            num_new = min(len(request.all_token_ids) - computed, budget, last_position - computed)
             if num_new <= 0:
                 i += 1
                 continue
             while True:
-                ok = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, (),
-                                       request.block_hashes, request.all_token_ids, request.first_block_extra)
+                ok = allocate(request.request_id, computed, num_new, (), request.block_hashes,
+                              request.all_token_ids, request.first_block_extra)
                 if ok:
                     break
-                victim = self.running.pop()  # the newest running request (FCFS priority)
+                victim = running.pop()  # the newest running request (FCFS priority)
                 if victim in scheduled_running:
                     # it was already scheduled this step: undo its chunk
                     scheduled_running.remove(victim)
@@ -215,7 +218,7 @@ class Scheduler:
                     break
             if not ok:
                 break
-            out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
+            out.chunks.append(ScheduledChunk(request, num_new, computed))
             scheduled_running.append(request)
             budget -= num_new
             i += 1

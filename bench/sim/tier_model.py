@@ -185,6 +185,11 @@ class FleetBackend:
         expiry = self._expiry.get(key[1])
         return expiry is not None and expiry > self.clock()
 
+    def has_many(self, keys: Iterable[BlockKey]) -> list[bool]:
+        """`has` of each key, at one moment (a probe asks about every block of a prompt it does not know)."""
+        get, now = self._expiry.get, self.clock()
+        return [(expiry := get(h)) is not None and expiry > now for _layout, h in keys]
+
     def delete(self, key: BlockKey) -> None:
         self._expiry.remove(key[1])
 
@@ -297,8 +302,14 @@ class FleetSharedTier(SharedTier):
                 results.append(None)
         return results
 
+    def contains(self, key: BlockKey) -> bool:
+        """`SharedTier.contains` on the hash-keyed index, without a call per layer: every lookup and probe asks
+        it for each block after the GPU prefix hit."""
+        entry = self._hashes._entries.get(key[1])  # (its HashLru, this module's own)
+        return entry is not None and entry[0] > self.clock()
+
     def _exists_many(self, keys: list[BlockKey]) -> list[bool]:
-        return [self.backend.has(key) for key in keys]
+        return self.backend.has_many(keys)
 
     def _delete(self, key: BlockKey) -> None:
         self.backend.delete(key)
@@ -417,6 +428,9 @@ class ReplicaAgent:
 
     def maintain(self) -> None:
         self.store.maintain()
+
+    def has_events(self) -> bool:
+        return bool(self.store.events)
 
     def events(self) -> list[KvEvent]:
         return self.store.drain_events()
