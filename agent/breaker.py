@@ -16,8 +16,11 @@ import time
 from collections.abc import Callable
 
 from agent.protocol import AgentRefused
+from kvcore.aio import name_native_thread
 
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
+
+THREAD_NAME = "kvgate-probe"  # the probing thread's OS name (at most 15 characters)
 
 
 class AgentCircuit:
@@ -47,11 +50,12 @@ class AgentCircuit:
                         "vLLM computes every block -- until it answers again (probed every %.1f s)",
                         self.name, reason, self.probe_interval_s)
             if self._prober is None:
-                self._prober = threading.Thread(target=self._probe_until_back, name="kvgate-agent-probe",
+                self._prober = threading.Thread(target=self._probe_until_back, name=THREAD_NAME,
                                                  daemon=True)
                 self._prober.start()
 
     def _probe_until_back(self) -> None:
+        name_native_thread(THREAD_NAME)
         refused = ""  # why the agent last refused a probe: said once, when it changes
         while not self._stop.wait(self.probe_interval_s):
             try:

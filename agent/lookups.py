@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
+from kvcore.aio import name_native_thread
+
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
 
 THREAD_NAME = "kvgate-lookup"
@@ -99,6 +101,7 @@ class SchedulerLookups:
         return future
 
     def _run(self) -> None:
+        name_native_thread(THREAD_NAME)  # so a stalled engine's threads can be told apart (tests/vllm_replica.py)
         while (job := self._jobs.get()) is not None:
             future, hashes = job
             if not future.set_running_or_notify_cancel():

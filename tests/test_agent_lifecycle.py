@@ -33,6 +33,7 @@ from tests.vllm_replica import (
     loadable_tokens,
     reset_prefix_cache,
     start_vllm,
+    thread_states,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -102,10 +103,11 @@ class Traffic(threading.Thread):
 
 
 def engine_state(server: EngineServer) -> list[str]:
-    """What a stalled engine's log says of its queues and of the connector: its last stats lines and warnings."""
+    """What a stalled engine's log says of its queues and of the connector (its last stats lines and warnings),
+    and where its processes' threads wait (the connector's kvgate-xfer, kvgate-lookup and kvgate-probe among them)."""
     lines = server.log_tail(2_000_000).splitlines()
     said = [line for line in lines if "Engine 000:" in line or ("kvgate" in line and "WARN" in line)]
-    return [line[-400:] for line in said[-12:]]
+    return [line[-400:] for line in said[-12:]] + thread_states(server.proc.pid)
 
 
 def computed(server: EngineServer) -> dict[str, Completion]:

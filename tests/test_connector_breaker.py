@@ -5,6 +5,7 @@ the real KvgateConnector in the vLLM venv."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -181,3 +182,22 @@ def test_the_connector_runs_without_a_hung_agent_and_rejoins(
     assert out["hung_errors"] == [[3, 4]] * 5  # every load recomputed
     assert out["loud"] == 1
     assert out["rejoined"] and out["after"] == []  # the blocks saved before the hang load again
+
+
+def test_the_probing_thread_is_named_for_the_kernel() -> None:
+    """The circuit's probing thread carries its name as an OS thread name (see tests/vllm_replica.thread_states)."""
+    from agent.breaker import THREAD_NAME
+    from tests.vllm_replica import thread_states
+
+    def unanswered() -> None:
+        raise AgentError("no agent")
+
+    circuit = AgentCircuit(unanswered, probe_interval_s=0.05)
+    circuit.trip("a test")
+    try:
+        deadline = time.monotonic() + 10
+        while not any(THREAD_NAME in line for line in thread_states(os.getpid(), ("kvgate",))):
+            assert time.monotonic() < deadline, thread_states(os.getpid())
+            time.sleep(0.01)
+    finally:
+        circuit.close()

@@ -343,3 +343,22 @@ def test_a_request_whose_question_keeps_changing_is_given_up_on_in_time() -> Non
         assert lookups.waiting == 0
     finally:
         lookups.close()
+
+
+def test_the_lookup_thread_is_named_for_the_kernel() -> None:
+    """The lookup thread carries its name as an OS thread name, so a stalled engine's failure report
+    (tests/vllm_replica.thread_states) says where it waits."""
+    from agent.lookups import THREAD_NAME, SchedulerLookups
+
+    def named() -> dict[str, str]:  # thread id -> its state line
+        return {line.split()[0]: line for line in replica.thread_states(os.getpid(), ("kvgate",))
+                if THREAD_NAME in line}
+
+    others = named()  # (other tests' lookup threads may still be about)
+    lookups = SchedulerLookups(lambda hashes: (len(hashes), "C" * len(hashes)), wait_s=5.0, give_up_s=5.0)
+    try:
+        assert lookups.answer("r", (0, 1), [7]) == (1, "C")
+        mine = [line for tid, line in named().items() if tid not in others]
+        assert len(mine) == 1 and " S " in mine[0], mine  # asleep, waiting for the next question
+    finally:
+        lookups.close()

@@ -3,6 +3,7 @@ the end-to-end tests: started by PID in its own process group, asked for complet
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -115,6 +116,52 @@ def reset_prefix_cache(server: EngineServer, timeout_s: float = 30.0) -> None:
                 return
         assert time.monotonic() < deadline, "vLLM kept refusing to reset its prefix cache"
         time.sleep(0.05)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (from /proc: the replica's API server, engine core and workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])  # after the command name, which may hold spaces
+            children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+def thread_states(pid: int, wanted: tuple[str, ...] = ("VLLM", "kvgate")) -> list[str]:
+    """Where each thread of `pid`'s process tree whose OS name starts with one of `wanted` is, as the kernel sees
+    it: name, state, kernel wait channel, system call (number, first argument) and what that argument names if it
+    is a descriptor -- what a stalled replica is waiting for (the connector names its threads kvgate-*)."""
+    states = []
+    for proc in process_tree(pid):
+        try:
+            tasks = sorted(Path(f"/proc/{proc}/task").iterdir())
+        except OSError:  # (gone meanwhile)
+            continue
+        for task in tasks:
+            try:
+                name = (task / "comm").read_text().strip()
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                wchan = (task / "wchan").read_text().strip() or "-"
+                syscall = (task / "syscall").read_text().split()
+            except OSError:
+                continue
+            if not name.startswith(wanted):
+                continue
+            call = " ".join(syscall[:2])
+            if len(syscall) > 1 and int(syscall[1], 16) < 1 << 20:  # a small first argument: a descriptor, maybe
+                with contextlib.suppress(OSError):
+                    call += " -> " + os.readlink(f"/proc/{proc}/fd/{int(syscall[1], 16)}")
+            states.append(f"{proc}/{task.name} {name} {state} {wchan} syscall {call}")
+    return states
 
 
 def loadable_tokens(prompt_tokens: int, block_size: int = BLOCK_SIZE) -> int:
