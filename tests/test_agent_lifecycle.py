@@ -110,6 +110,15 @@ def engine_state(server: EngineServer) -> list[str]:
     return [line[-400:] for line in said[-12:]] + thread_states(server.proc.pid)
 
 
+def another_core() -> dict[str, str]:
+    """The environment that puts a second engine's worker on a core of its own. vLLM's automatic binding puts every
+    engine's worker on the same core (CPU 0 of two, the other reserved for the API servers, schedulers and the
+    agent), and two engines at once there starve each other for minutes: one decoding at 0.3 tokens/s while the
+    other served 83 requests, a request past its 120 s timeout on a slower machine. The last core instead."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[-1])} if len(cpus) > 1 else {}
+
+
 def computed(server: EngineServer) -> dict[str, Completion]:
     """Each of PROMPTS computed from scratch (nothing to load), the reference its later answers must equal."""
     references = {}
@@ -282,7 +291,8 @@ def test_two_vllms_of_two_layouts_on_one_agent(weighted_model: Path, tmp_path: P
     one = start_vllm(weighted_model, tmp_path / "logs-1", agent.socket)
     servers.append(one)
     references = computed(one)
-    other = start_vllm(weighted_model, tmp_path / "logs-2", agent.socket, block_size=2 * BLOCK_SIZE)
+    other = start_vllm(weighted_model, tmp_path / "logs-2", agent.socket, block_size=2 * BLOCK_SIZE,
+                       env_extra=another_core())
     servers.append(other)
     hits = agent.metric("kvgate_agent_hits_total", tier="dram")
     own = {p: complete(other, p, MAX_TOKENS) for p in PROMPTS}
