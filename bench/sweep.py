@@ -1,6 +1,6 @@
 """Running many simulations side by side: one fresh process per configuration, `jobs` at a time, a progress bar
-per configuration (requests done, simulated time, ETA), and, when the run is interrupted (Ctrl-C), the
-configurations that finished.
+per configuration (requests done, simulated time, ETA), and, when the run is interrupted (Ctrl-C, or SIGTERM from a
+job system, `timeout` or Kubernetes), the configurations that finished.
 
 Each configuration runs in a process of its own, started fresh (`spawn`) with the same hash seed, so its result
 depends on the configuration alone: the same whether it ran with `--jobs 1` or beside others. The processes
@@ -18,6 +18,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -110,8 +111,8 @@ def run_sweep(jobs: Sequence[Job[J]], runner: Callable[[J, Progress], dict[str, 
               show_progress: bool = True, on_result: Callable[[int, dict[str, Any]], None] | None = None
               ) -> SweepOutcome:
     """Run `runner(job.spec, progress)` for every job, each in a fresh process, `processes` at a time.
-    `on_result(index, result)` is called in this process as each one finishes. Ctrl-C stops the sweep: what
-    finished is returned, with `interrupted` set."""
+    `on_result(index, result)` is called in this process as each one finishes. Ctrl-C or SIGTERM stops the sweep:
+    what finished is returned, with `interrupted` set."""
     os.environ.setdefault("PYTHONHASHSEED", "0")  # the processes' hash seed: results never depend on it
     ctx = multiprocessing.get_context("spawn")
     reports = ctx.Queue()
@@ -127,6 +128,7 @@ def run_sweep(jobs: Sequence[Job[J]], runner: Callable[[J, Progress], dict[str, 
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i].cost) if processes > 1 else range(len(jobs))
     pending = {i: pool.apply_async(_call, (runner, i, jobs[i].spec)) for i in order}
     memory = _TreeMemory()
+    stop_on_terminate = _TerminateAsInterrupt()
     try:
         while pending:
             _drain(reports, bars, states)
@@ -156,11 +158,32 @@ def run_sweep(jobs: Sequence[Job[J]], runner: Callable[[J, Progress], dict[str, 
         outcome.interrupted = True
         pool.terminate()
     finally:
+        stop_on_terminate.close()
         pool.join()
         _drain(reports, bars, states)
         for bar in bars:
             bar.close()
     return outcome
+
+
+class _TerminateAsInterrupt:
+    """Until `close()`: SIGTERM (what a job system, `timeout` or Kubernetes sends) raises KeyboardInterrupt in the
+    main thread, as Ctrl-C does, so a stopped sweep keeps what finished. The configurations' processes are started
+    fresh and keep SIGTERM's default, which is how the pool ends them. Elsewhere than in the main thread, nothing."""
+
+    def __init__(self) -> None:
+        self._installed = threading.current_thread() is threading.main_thread()
+        # None: a handler not set from Python, restored as the default
+        self._previous = signal.signal(signal.SIGTERM, self._interrupt) if self._installed else None
+
+    @staticmethod
+    def _interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    def close(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
 
 
 @dataclass

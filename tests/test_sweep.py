@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
 from typing import Any
+
+import pytest
 
 from bench.sweep import Job, Progress, run_sweep
 
@@ -44,3 +49,34 @@ def test_a_replays_process_imports_no_http_stack_or_redis() -> None:
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'aiohttp', 'redis', 'dns'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+STOPPED_SWEEP = """
+from bench.sweep import Job, run_sweep
+from tests.test_sweep import sleeper
+
+outcome = run_sweep([Job("quick", 1, 0.05), Job("slow", 1, 120.0)], sleeper, processes=1, show_progress=False,
+                    on_result=lambda i, _row: print("finished", i, flush=True))
+print("interrupted" if outcome.interrupted else "ran to the end", sorted(outcome.results), flush=True)
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stopped_sweep_keeps_what_finished(stop: signal.Signals) -> None:
+    """Ctrl-C, or SIGTERM as a job system, `timeout` or Kubernetes sends it, while the second of two configurations
+    runs: the sweep ends at once with the first's result, and exits normally (before, SIGTERM killed it with
+    nothing written)."""
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_SWEEP], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "finished 0"
+        time.sleep(0.5)  # the slow one is running
+        proc.send_signal(stop)
+        out, err = proc.communicate(timeout=60)
+    finally:  # the sweep's session: itself and, had it left any, its configurations' processes
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, err
+    assert out.strip() == "interrupted [0]", err
