@@ -28,15 +28,26 @@ async def timed(http: aiohttp.ClientSession, url: str, prompt: list[int], max_to
     return first, time.perf_counter() - t0
 
 
+async def warmed_up(http: aiohttp.ClientSession, url: str) -> str:
+    """`url`, after one small request: the first request to a new replica, on a new client session, paid 15-20 ms
+    of one-off work (connection, first calls) that no profile models, up to 100 ms beside two busy loops."""
+    await timed(http, url, [5] * 16, 1)
+    return url
+
+
 async def test_ttft_and_decode_follow_the_profile(sim_fleet: Callable[..., SimFleet],
                                                   http: aiohttp.ClientSession) -> None:
     fleet = sim_fleet(1, speedup=1.0, extra_args=["--max-model-len", "8192", "--no-kv-events"])
-    url = fleet.urls[0]
-    prompt = [(i * 7919) % 4000 + 5 for i in range(4096)]
-    ttft, total = await timed(http, url, prompt, 20)
+    url = await warmed_up(http, fleet.urls[0])
     predicted = PROFILE.prefill_time(4096)
     assert predicted > 0.1
-    assert predicted * 0.97 <= ttft <= predicted + SLACK_S, (ttft, predicted)
+    # two cold prompts: neither may beat the model; the better, the one less delayed by whatever else the machine
+    # runs, lands within the slack (beside two busy loops one of them came 54 ms over, the slack's 60 ms)
+    prompts = [[(i * seed) % 4000 + 5 for i in range(4096)] for seed in (7919, 104729)]
+    runs = [await timed(http, url, prompt, 20) for prompt in prompts]
+    assert all(predicted * 0.97 <= ttft for ttft, _ in runs), (runs, predicted)
+    (ttft, total), prompt = min(zip(runs, prompts, strict=True))
+    assert ttft <= predicted + SLACK_S, (ttft, predicted)
     decode = sum(PROFILE.decode_step_time(1, 4096 + i) for i in range(19))
     assert decode * 0.95 <= total - ttft <= decode + SLACK_S, (total - ttft, decode)
     # the same prompt again: 4080 of 4096 tokens cached, only the last block is recomputed
@@ -87,12 +98,13 @@ async def test_queueing_follows_the_scheduler(sim_fleet: Callable[..., SimFleet]
     import asyncio
 
     fleet = sim_fleet(1, speedup=1.0, extra_args=["--max-num-seqs", "8", "--no-kv-events"])
+    url = await warmed_up(http, fleet.urls[0])
     prompts = [[(i * 131 + j * 7) % 4000 + 5 for j in range(512)] for i in range(16)]
     t0 = time.perf_counter()
 
     async def one(prompt: list[int]) -> tuple[float, float]:
         start = time.perf_counter() - t0
-        first, last = await timed(http, fleet.urls[0], prompt, 32)
+        first, last = await timed(http, url, prompt, 32)
         return start + first, start + last   # on the common clock
 
     results = await asyncio.gather(*(one(p) for p in prompts))
