@@ -59,17 +59,23 @@ async def test_ttft_and_decode_follow_the_profile(sim_fleet: Callable[..., SimFl
 
 async def test_speedup_divides_every_duration(sim_fleet: Callable[..., SimFleet],
                                               http: aiohttp.ClientSession) -> None:
-    fleet = sim_fleet(1, speedup=10.0, extra_args=["--max-model-len", "16384", "--no-kv-events"])
-    predicted = PROFILE.prefill_time(16000) / 10
-    # Three cold prompts (nothing shared): none may beat the model; the best, the one least delayed by whatever
-    # else the machine runs, lands within the slack (a 16,000-token body costs more to send than the others).
-    ttfts = []
+    fleet = sim_fleet(1, speedup=4.0, extra_args=["--max-model-len", "16384", "--no-kv-events"])
+    url = await warmed_up(http, fleet.urls[0])
+    predicted, predicted_hit = PROFILE.prefill_time(16000) / 4, PROFILE.prefill_time(16, 15984) / 4
+    # Three cold prompts (nothing shared), each sent again (all but its last block cached): none may beat the
+    # model. A 16,000-token body costs 15-40 ms to send, parse and hash, which the model lacks (beside the model's
+    # 60 ms at speedup 10 it took up to 36 of the slack's 60 ms here, more on a slower CPU); the same body again
+    # costs the same, so the best cold TTFT is judged against the model plus what the best repeat took beyond
+    # its own. At speedup 4 a speedup applied half or not at all is 150 ms or more over.
+    colds, hits = [], []
     for seed in (104729, 7919, 6151):
         prompt = [(i * seed + seed) % 4000 + 5 for i in range(16000)]
-        ttft, _ = await timed(http, fleet.urls[0], prompt, 1)
-        ttfts.append(ttft)
-    assert all(predicted * 0.97 <= ttft for ttft in ttfts), (ttfts, predicted)
-    assert min(ttfts) <= predicted + SLACK_S, (ttfts, predicted)
+        colds.append((await timed(http, url, prompt, 1))[0])
+        hits.append((await timed(http, url, prompt, 1))[0])
+    assert all(predicted * 0.97 <= ttft for ttft in colds), (colds, predicted)
+    assert all(predicted_hit * 0.97 <= ttft for ttft in hits), (hits, predicted_hit)
+    body_s = min(hits) - predicted_hit
+    assert min(colds) <= predicted + body_s + SLACK_S, (colds, predicted, hits, predicted_hit)
 
 
 def offline_makespan(prompts: list[list[int]], max_tokens: int, max_num_seqs: int) -> float:
