@@ -76,14 +76,18 @@ async def post(http: aiohttp.ClientSession, url: str, body: bytes) -> int:
 @pytest.mark.parametrize("strategy", ["round_robin", "prefix"])
 async def test_a_32_mib_token_id_prompt_does_not_stall_health(huge_body: bytes, tmp_path: Path,
                                                              tiny_model_dir: Path, strategy: str) -> None:
-    """It stalled /health 2.8 s (round_robin) and 8.9 s (prefix): parsed, checked and hashed on the loop."""
+    """It stalled /health 1.7-2.8 s (round_robin) and 8.9 s (prefix): parsed, checked and hashed on the loop. Off
+    the loop it still waits 0.10-0.25 s at load 3 (the body's 32 MiB read, passed on and answered on two cores shared
+    by this test, its worker and the gateway), 0.33-1.0 s beside two busy loops at load 6-7; CI's CPU is about half as
+    fast. The bound is 1 s, a third of the deployed liveness probe's timeout (docker/k8s/gateway.yaml), below any
+    stall seen before."""
     async with raw_worker(answer) as worker, gateway(
             [worker], tmp_path, "--strategy", strategy, "--model-dir", str(tiny_model_dir)) as url, \
             aiohttp.ClientSession() as http:
         await post(http, url, orjson.dumps({"model": "tiny", "prompt": "warm up", "max_tokens": 1}))
         status, slowest = await health_while(http, url, post(http, url, huge_body))
         assert status == 200
-        assert slowest < 0.5, f"/health waited {slowest * 1000:.0f} ms"
+        assert slowest < 1.0, f"/health waited {slowest * 1000:.0f} ms"
         assert await metric(http, url, "kvgate_oversized_prompts_total") == 1
 
 
