@@ -50,7 +50,7 @@ from bench.sim.hash_map import U64Map
 from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
 from bench.sim.offload import TierLink, transfer_seconds
 from bench.sim.perf_model import PROFILES, Profile, load_profile
-from bench.sim.scheduler import Scheduler, SimRequest
+from bench.sim.scheduler import Scheduler, SchedulerOutput, SimRequest
 from bench.sim.tier_model import UPKEEP_S, FleetBackend, ReplicaAgent
 from bench.stats import percentile
 from bench.sweep import Job, run_sweep
@@ -67,7 +67,7 @@ from router.kv_index import InMemoryKvIndex
 from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
 from router.pool import Worker
-from router.routing import Decision, RouteRequest
+from router.routing import Decision, RouteRequest, Strategy
 from strategies import strategy_class
 from strategies.balance import PrefillBalance
 from strategies.kv import KvAware
@@ -226,6 +226,9 @@ class FleetSimulation:
             # a live gateway the hardware's links while its `kvgate sim --speedup` replicas load that much faster
             self.links = tiers.links(speedup if tiers_sped_up else 1.0)
         self.bytes_per_block = self.profile.model.kv_bytes_per_token * block_size
+        # a step that only decodes is repeated in place (`Scheduler.repeat_decodes`) unless the strategy hears of
+        # every chunk (`ttft` times the engines' steps by them)
+        self._repeat_decodes = type(self.strategy).on_chunk is Strategy.on_chunk
         self.event_delay_s = event_delay_s
         self.metrics_interval_s = metrics_interval_s
         self.concurrency = concurrency
@@ -391,16 +394,21 @@ class FleetSimulation:
         replica.busy = True
         replica.out = out
         now = self.now
-        sizes = []
         for c in out.chunks:
             if c.request.scheduled_time < 0:
                 c.request.scheduled_time = now
-            sizes.append((c.num_new_tokens, c.num_context_tokens))
-        duration = self.profile.step_time(sizes)
-        replica.step_end = now + duration
+        self._start_step(replica, out)
+
+    def _start_step(self, replica: VirtualReplica, out: SchedulerOutput) -> None:
+        duration = self.profile.step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks])
+        replica.step_end = self.now + duration
         self._push(replica.step_end, "step", replica)
 
     def _step_done(self, replica: VirtualReplica) -> None:
+        if self._repeat_decodes and replica.scheduler.repeat_decodes(replica.out):
+            # what the rest would do for such a step: tokens that nobody hears of, no event, the same batch again
+            self._start_step(replica, replica.out)
+            return
         sampled, finished = replica.scheduler.update_from_output(replica.out, self.now)
         strategy = self.strategy
         for sim in sampled:

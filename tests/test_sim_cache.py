@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench.sim.kv_cache import BlockPool, KvCacheManager
-from bench.sim.scheduler import Scheduler, SimRequest, Status
+from bench.sim.scheduler import Scheduler, SchedulerOutput, SimRequest, Status
 from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from kvcore.vllm_hash import event_hash, make_block_hasher
 
@@ -223,6 +223,47 @@ def test_events_rebuild_the_block_set_at_every_step(seed: int) -> None:
         if r.status == Status.FINISHED:
             assert len(r.output_token_ids) == r.max_tokens and r.finish_reason == "length"
             assert r.block_hashes == hashes(r.all_token_ids)
+
+
+def _step_state(s: Scheduler, out: SchedulerOutput) -> tuple[Any, ...]:
+    """What a step and the engine after it are: the chunks, every request's tokens and blocks, the pool."""
+    return ([(c.request.request_id, c.num_new_tokens, c.num_context_tokens) for c in out.chunks],
+            [(r.request_id, r.status, list(r.all_token_ids), r.num_computed_tokens, r.first_token_time,
+              list(r.block_hashes),
+              [b.block_id for b in s.kv.tables[r.request_id].blocks] if r.request_id in s.kv.tables else None)
+             for r in s.requests.values()],
+            s.kv.pool.free_order(), s.kv.pool.cached_hashes())
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_repeated_decode_steps_are_the_steps_the_scheduler_makes(seed: int) -> None:
+    """`repeat_decodes` against `update_from_output` + `schedule` on the same random workload (shared prefixes,
+    a tiny cache, preemptions, requests arriving and ending at random steps): after every step the same chunks,
+    tokens, block tables, free queue, cached blocks and KV events; and it does repeat most decode steps, and
+    refuses the steps that fill or need a block, finish a request or admit one."""
+    rng = random.Random(seed)
+    plain = make(num_blocks=24, max_num_seqs=4, budget=16, max_model_len=64)
+    fast = make(num_blocks=24, max_num_seqs=4, budget=16, max_model_len=64)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([4, 8, 12]))] for _ in range(4)]
+    out_plain, out_fast = plain.schedule(), fast.schedule()
+    repeated = refused = 0
+    for step in range(600):
+        if rng.random() < 0.08:
+            prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 10))]
+            max_tokens = rng.randrange(1, 40)
+            plain.add_request(req(f"r{step}", prompt, max_tokens))
+            fast.add_request(req(f"r{step}", prompt, max_tokens))
+        plain.update_from_output(out_plain, float(step))
+        out_plain = plain.schedule()
+        if fast.repeat_decodes(out_fast):
+            repeated += 1
+        else:
+            refused += bool(out_fast.chunks)
+            fast.update_from_output(out_fast, float(step))
+            out_fast = fast.schedule()
+        assert _step_state(fast, out_fast) == _step_state(plain, out_plain), f"step {step}"
+        assert fast.kv.pool.take_events() == plain.kv.pool.take_events(), f"step {step}"
+    assert repeated > 100 and refused > 100
 
 
 def test_a_new_request_is_admitted_only_if_its_whole_prompt_fits() -> None:

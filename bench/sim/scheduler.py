@@ -304,6 +304,45 @@ class Scheduler:
             out.saves.append((hashes[first:full], hashes[first - 1] if first > 0 else None))
             request.num_saved_blocks = full
 
+    def repeat_decodes(self, out: SchedulerOutput) -> bool:
+        """Apply the finished step `out` and make `out` the next step, where that is all `update_from_output` and
+        `schedule` would do: `out` gave every running request a decode token and nothing else, nothing waits, no
+        request has a listener, and with this token no request finishes or fills a block, nor does the next one
+        need a block or cache one. Then the tokens are appended and each chunk is one token further on (no
+        request gets its first token, nothing is allocated, freed or cached: no KV event). False, and nothing
+        changed, otherwise (`update_from_output`, then `schedule`). Most steps of a long decode are such steps."""
+        chunks = out.chunks
+        running = self.running
+        if self.waiting or out.num_preempted or out.saves or out.load_s or len(chunks) != len(running):
+            return False
+        bs = self.block_size
+        last = self.max_model_len - 1
+        tables = self.kv.tables
+        caching = self.kv.enable_caching
+        for chunk, request in zip(chunks, running, strict=True):
+            n_tokens = len(request.all_token_ids)
+            n_out = len(request.output_token_ids)
+            stop_at = request.stop_at
+            if (chunk.request is not request or chunk.num_new_tokens != 1 or request.num_computed_tokens != n_tokens
+                    or not n_out or request.listener is not None
+                    or n_out + 1 >= request.max_tokens or (stop_at is not None and n_out + 1 >= stop_at)
+                    or n_tokens + 1 >= last or (n_tokens + 1) % bs == 0):
+                return False
+            table = tables.get(request.request_id)
+            if table is None or n_tokens + 1 > len(table.blocks) * bs or (
+                    caching and min(n_tokens + 1, len(request.block_hashes) * bs) // bs > table.num_cached):
+                return False
+        for chunk in chunks:
+            request = chunk.request
+            outputs = request.output_token_ids
+            plan = request.output_plan
+            token = plan[len(outputs) % len(plan)]
+            outputs.append(token)
+            request.all_token_ids.append(token)
+            chunk.num_context_tokens = request.num_computed_tokens
+            request.num_computed_tokens += 1
+        return True
+
     def update_from_output(self, out: SchedulerOutput, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """Apply a finished step: sample one token for every request whose KV is now complete.
 
