@@ -50,7 +50,7 @@ from bench.sim.hash_map import U64Map
 from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
 from bench.sim.offload import TierLink, transfer_seconds
 from bench.sim.perf_model import PROFILES, Profile, load_profile
-from bench.sim.scheduler import Scheduler, SchedulerOutput, SimRequest
+from bench.sim.scheduler import Scheduler, SimRequest
 from bench.sim.tier_model import UPKEEP_S, FleetBackend, ReplicaAgent
 from bench.stats import percentile
 from bench.sweep import Job, run_sweep
@@ -397,17 +397,19 @@ class FleetSimulation:
         for c in out.chunks:
             if c.request.scheduled_time < 0:
                 c.request.scheduled_time = now
-        self._start_step(replica, out)
+        self._start_step(replica, self.profile.step_time([(c.num_new_tokens, c.num_context_tokens)
+                                                          for c in out.chunks]))
 
-    def _start_step(self, replica: VirtualReplica, out: SchedulerOutput) -> None:
-        duration = self.profile.step_time([(c.num_new_tokens, c.num_context_tokens) for c in out.chunks])
+    def _start_step(self, replica: VirtualReplica, duration: float) -> None:
         replica.step_end = self.now + duration
         self._push(replica.step_end, "step", replica)
 
     def _step_done(self, replica: VirtualReplica) -> None:
         if self._repeat_decodes and replica.scheduler.repeat_decodes(replica.out):
             # what the rest would do for such a step: tokens that nobody hears of, no event, the same batch again
-            self._start_step(replica, replica.out)
+            chunks = replica.out.chunks
+            self._start_step(replica, self.profile.decodes_time(
+                len(chunks), sum([c.num_context_tokens for c in chunks])))
             return
         sampled, finished = replica.scheduler.update_from_output(replica.out, self.now)
         strategy = self.strategy

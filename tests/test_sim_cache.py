@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from bench.sim.kv_cache import BlockPool, KvCacheManager
+from bench.sim.perf_model import PROFILES
 from bench.sim.scheduler import Scheduler, SchedulerOutput, SimRequest, Status
 from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from kvcore.vllm_hash import event_hash, make_block_hasher
@@ -298,3 +299,14 @@ def test_a_hash_held_by_two_blocks_is_found_until_both_are_evicted() -> None:
     assert pool.cached_hashes() == {event_hash(h): 1}
     pool.get_new_blocks(1)
     assert pool.get_cached_block(h) is None and pool.cached_hashes() == {}
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_a_decode_step_takes_what_step_time_says_to_the_last_bit(profile: str) -> None:
+    """`decodes_time` (a decode step from its sequences and their context in all, as the virtual-time fleet
+    prices a repeated step) against `step_time` over each sequence's chunk: equal floats, not close ones."""
+    rng = random.Random(profile)
+    model = PROFILES[profile]
+    for _ in range(2000):
+        contexts = [rng.randrange(1, 1 << rng.choice([4, 12, 20])) for _ in range(rng.randrange(1, 300))]
+        assert model.decodes_time(len(contexts), sum(contexts)) == model.step_time([(1, c) for c in contexts])

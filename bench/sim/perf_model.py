@@ -91,7 +91,6 @@ class Profile:
         `chunks` holds, per scheduled sequence, (new tokens computed this step, tokens already in its KV cache).
         A decode is (1, context); a prefill chunk is (uncached tokens, cached or already computed tokens).
         """
-        m = self.model
         tokens = 0
         attention = 0.0
         kv_read = 0
@@ -100,8 +99,17 @@ class Profile:
             # each new token attends to the context and, causally, to half of the new tokens on average
             attention += new * (context + new / 2)
             kv_read += context + new
+        return self._step_seconds(tokens, attention, kv_read)
+
+    def decodes_time(self, sequences: int, context: int) -> float:
+        """`step_time` of a step that decodes a token for each of `sequences` sequences with `context` tokens in
+        their KV caches in all (the same seconds: each one's attention term, its context + 0.5, adds up exactly)."""
+        return self._step_seconds(sequences, context + sequences / 2, context + sequences)
+
+    def _step_seconds(self, tokens: int, attention: float, kv_read: int) -> float:
         if tokens == 0:
             return 0.0
+        m = self.model
         rate = self.peak_flops * self.mfu
         compute = (2.0 * m.params * tokens
                    + 4.0 * m.layers * m.heads * m.head_dim * attention / self.attention_efficiency) / rate
@@ -122,7 +130,7 @@ class Profile:
 
     def decode_step_time(self, batch_size: int, context: int) -> float:
         """One decode step of `batch_size` sequences of `context` tokens each."""
-        return self.step_time([(1, context)] * batch_size)
+        return self.decodes_time(batch_size, batch_size * context)
 
 
 # Llama-3.1-8B: 8.03 B parameters, 32 layers, 32 query heads, 8 KV heads, head_dim 128 (config.json on the hub).

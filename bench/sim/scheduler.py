@@ -143,6 +143,8 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.num_preemptions_total = 0
+        self._repeating: SchedulerOutput | None = None  # the step `repeat_decodes` repeats, and how often more
+        self._repeats = 0
 
     def add_request(self, request: SimRequest) -> None:
         if request.request_id in self.requests:
@@ -157,6 +159,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None or request.finished:
             return
+        self._repeating = None
         if request.status == Status.RUNNING:
             self.running.remove(request)
         else:
@@ -178,6 +181,7 @@ class Scheduler:
     def preempt_all(self) -> int:
         """Move every running request back to the waiting queue (newest first, so FIFO order is kept)."""
         n = len(self.running)
+        self._repeating = None
         while self.running:
             self._preempt(self.running.pop())
         return n
@@ -311,28 +315,14 @@ class Scheduler:
         need a block or cache one. Then the tokens are appended and each chunk is one token further on (no
         request gets its first token, nothing is allocated, freed or cached: no KV event). False, and nothing
         changed, otherwise (`update_from_output`, then `schedule`). Most steps of a long decode are such steps."""
-        chunks = out.chunks
-        running = self.running
-        if self.waiting or out.num_preempted or out.saves or out.load_s or len(chunks) != len(running):
+        if self.waiting:
             return False
-        bs = self.block_size
-        last = self.max_model_len - 1
-        tables = self.kv.tables
-        caching = self.kv.enable_caching
-        for chunk, request in zip(chunks, running, strict=True):
-            n_tokens = len(request.all_token_ids)
-            n_out = len(request.output_token_ids)
-            stop_at = request.stop_at
-            if (chunk.request is not request or chunk.num_new_tokens != 1 or request.num_computed_tokens != n_tokens
-                    or not n_out or request.listener is not None
-                    or n_out + 1 >= request.max_tokens or (stop_at is not None and n_out + 1 >= stop_at)
-                    or n_tokens + 1 >= last or (n_tokens + 1) % bs == 0):
-                return False
-            table = tables.get(request.request_id)
-            if table is None or n_tokens + 1 > len(table.blocks) * bs or (
-                    caching and min(n_tokens + 1, len(request.block_hashes) * bs) // bs > table.num_cached):
-                return False
-        for chunk in chunks:
+        if out is not self._repeating:
+            self._repeating, self._repeats = out, self._repeats_of(out)
+        if not self._repeats:
+            return False
+        self._repeats -= 1
+        for chunk in out.chunks:
             request = chunk.request
             outputs = request.output_token_ids
             plan = request.output_plan
@@ -343,10 +333,39 @@ class Scheduler:
             request.num_computed_tokens += 1
         return True
 
+    def _repeats_of(self, out: SchedulerOutput) -> int:
+        """How many times in a row `repeat_decodes` can repeat `out` while nothing is added: the fewest tokens
+        before a request of it would finish, fill a block or need one."""
+        chunks = out.chunks
+        running = self.running
+        if out.num_preempted or out.saves or out.load_s or len(chunks) != len(running):
+            return 0
+        bs = self.block_size
+        last = self.max_model_len - 1
+        tables = self.kv.tables
+        caching = self.kv.enable_caching
+        repeats = last
+        for chunk, request in zip(chunks, running, strict=True):
+            n_tokens = len(request.all_token_ids)
+            n_out = len(request.output_token_ids)
+            table = tables.get(request.request_id)
+            if (chunk.request is not request or chunk.num_new_tokens != 1 or request.num_computed_tokens != n_tokens
+                    or not n_out or request.listener is not None or table is None
+                    or (caching and min(n_tokens + 1, len(request.block_hashes) * bs) // bs > table.num_cached)):
+                return 0
+            # the k-th repeat appends token n_tokens + k + 1 and output n_out + k + 1: it must not end the
+            # request or fill a block, and the step after it needs a slot in the request's blocks
+            repeats = min(repeats, request.max_tokens - n_out - 1, last - n_tokens - 1, -(n_tokens + 1) % bs,
+                          len(table.blocks) * bs - n_tokens)
+            if request.stop_at is not None:
+                repeats = min(repeats, request.stop_at - n_out - 1)
+        return max(repeats, 0)
+
     def update_from_output(self, out: SchedulerOutput, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """Apply a finished step: sample one token for every request whose KV is now complete.
 
         Returns the requests that got a token and, among them, those that finished."""
+        self._repeating = None
         touched: list[SimRequest] = []
         finished: list[SimRequest] = []
         bs = self.block_size
