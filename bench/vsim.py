@@ -60,7 +60,7 @@ from kvcore.config import ConfigError, load_config
 from kvcore.kv_events import DISK, GPU, BlockHash, BlockStored, KvEvent
 from kvcore.vllm_hash import BlockHasher, Digest
 from kvgate.serve import assemble
-from router.block_keys import block_keys, chain_key, root_key
+from router.block_keys import block_keys, chain_key, chain_keys, root_key
 from router.config import WorkerSpec
 from router.kv_apply import KvEventApplier
 from router.kv_index import InMemoryKvIndex
@@ -578,11 +578,12 @@ class SharedDigests:
     computes them, as far as a recent prompt had them: a replay's tiers, use counters and block pools hold a
     digest per block, by the million, and each replica that computes a block (round_robin sends a conversation's
     every turn elsewhere) made an object of its own for it (48 bytes). The digests are those `engine_hashes`
-    gives (the values are checked equal); only which object holds them changes.
+    gives; only which object holds them changes.
 
     A prompt's blocks are taken `SEGMENT` at a time; a segment is named by the gateway's key of its last block
-    (chained: it names the whole prefix up to there), and the last `KEPT` segments used are kept (when there are
-    more, the older half is forgotten)."""
+    (chained: it names the whole prefix up to there, so a segment named so before is not hashed again -- two
+    prefixes whose 64-bit keys collided would be one prefix to the gateway too), and the last `KEPT` segments
+    used are kept (when there are more, the older half is forgotten)."""
 
     SEGMENT = 32  # blocks: 512 tokens at vLLM's 16
     KEPT = 1 << 13
@@ -593,18 +594,21 @@ class SharedDigests:
 
     def of(self, token_ids: Sequence[int], keys: Sequence[int]) -> list[Digest]:
         """`engine_hashes(token_ids)`, `keys` being the gateway's keys of the same blocks."""
-        digests = engine_hashes(token_ids, self.block_size)
-        segments = self._segments
+        ids = array("I", token_ids)
+        bs = self.block_size
         step = self.SEGMENT
-        for end in range(step, len(digests) + 1, step):
+        segments = self._segments
+        digests: list[Digest] = []
+        parent = ENGINE_ROOT
+        for end in range(step, len(keys) + 1, step):
             key = keys[end - 1]
-            own = tuple(digests[end - step:end])
             known = segments.pop(key, None)
-            if known is None or known != own:  # (unequal only if two prefixes' keys collided)
-                segments[key] = own
-            else:
-                segments[key] = known  # the most recently used again
-                digests[end - step:end] = known
+            if known is None:
+                known = tuple(cast(list[Digest], chain_keys(ids[(end - step) * bs:end * bs], bs, parent)))
+            segments[key] = known  # the most recently used
+            digests += known
+            parent = cast(int, known[-1])
+        digests += cast(list[Digest], chain_keys(ids[len(digests) * bs:], bs, parent))
         if len(segments) > self.KEPT:
             self._segments = dict(itertools.islice(segments.items(), len(segments) // 2, None))
         return digests
