@@ -257,6 +257,7 @@ def test_repeated_decode_steps_are_the_steps_the_scheduler_makes(seed: int) -> N
         plain.update_from_output(out_plain, float(step))
         out_plain = plain.schedule()
         if fast.repeat_decodes(out_fast):
+            assert out_fast.chunks
             repeated += 1
         else:
             refused += bool(out_fast.chunks)
@@ -264,7 +265,7 @@ def test_repeated_decode_steps_are_the_steps_the_scheduler_makes(seed: int) -> N
             out_fast = fast.schedule()
         assert _step_state(fast, out_fast) == _step_state(plain, out_plain), f"step {step}"
         assert fast.kv.pool.take_events() == plain.kv.pool.take_events(), f"step {step}"
-    assert repeated > 100 and refused > 100
+    assert repeated > 100 and refused > 100, (repeated, refused)
 
 
 def test_a_new_request_is_admitted_only_if_its_whole_prompt_fits() -> None:

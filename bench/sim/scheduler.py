@@ -338,7 +338,7 @@ class Scheduler:
         before a request of it would finish, fill a block or need one."""
         chunks = out.chunks
         running = self.running
-        if out.num_preempted or out.saves or out.load_s or len(chunks) != len(running):
+        if not chunks or out.num_preempted or out.saves or out.load_s or len(chunks) != len(running):
             return 0
         bs = self.block_size
         last = self.max_model_len - 1
