@@ -207,7 +207,7 @@ def kvgate_program(args: list[str]) -> list[str]:
 
 
 def valkey_program(args: list[str]) -> list[str]:
-    from tests.conftest import valkey_server_binary
+    from bench.procs import valkey_server_binary
 
     assert args and args[0] in ("valkey-server", "redis-server"), args
     return [valkey_server_binary(), *args[1:]]

@@ -17,7 +17,8 @@ import pytest
 
 from bench.procs import free_port
 from bench.standin import StandinBehaviour
-from router.config import ConfigError, GatewayConfig, WorkerSpec
+from kvcore.config import ConfigError
+from router.config import GatewayConfig, WorkerSpec
 from router.metrics import GatewayMetrics
 from router.pool import WorkerPool
 from router.tokenizer import ModelTokenizer
@@ -391,8 +392,14 @@ async def test_client_templates_render_in_the_sandbox_within_budget(http: aiohtt
             """A good template renders: a sandbox process is up (one replacing a killed one takes a while to start
             on a loaded machine, and a render finding none free in time counts as "busy")."""
             before = renders(gw).get("ok", 0)
-            await eventually(lambda: (asyncio.ensure_future(post(http, gw.url + "/v1/chat/completions", chat(own)))
-                                      and renders(gw).get("ok", 0) > before), timeout=20, interval=0.3)
+            tries: list[asyncio.Task[tuple[int, Any]]] = []
+
+            def rendered() -> bool:
+                tries.append(asyncio.ensure_future(post(http, gw.url + "/v1/chat/completions", chat(own))))
+                return renders(gw).get("ok", 0) > before
+
+            await eventually(rendered, timeout=20, interval=0.3)
+            await asyncio.gather(*tries, return_exceptions=True)
 
         await sandbox_ready()
         rss_before = _rss_bytes()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agent.block import HEADER_SIZE
+from agent.block import HEADER_SIZE, BlockKey
 from agent.config import AgentConfig
 from agent.metrics import AgentMetrics
 from agent.policy import TierPolicy, UseCounter
@@ -72,14 +72,14 @@ def test_lazy_demotes_on_pressure_and_promotes_on_hit(tmp_path: Path) -> None:
     assert store.nvme is not None and store.nvme.usage().blocks == 0  # nothing moves without pressure
     store.store_chain(LAYOUT, list(range(100, 105)), [payload(i) for i in range(100, 105)])
     store.drain()
-    assert store.nvme.usage().blocks == 5 and store.flow.demotions["nvme"] == 5
+    assert store.nvme.usage().blocks == 5 and store.flow.demotions[TierName.NVME] == 5
     assert store.shared is not None and store.shared.usage().blocks == 0
     count, where = store.lookup(LAYOUT, list(range(10)))
     assert count == 10 and where.count("D") == 5 and where.count("C") == 5
     buffers = outs(10)
     assert store.load_chain(LAYOUT, list(range(10)), buffers) == [SIZE] * 10
     assert [bytes(b) for b in buffers] == [payload(i) for i in range(10)]
-    assert store.flow.promotions["nvme"] == 5
+    assert store.flow.promotions[TierName.NVME] == 5
     assert store.dram is not None and all(store.dram.contains((LAYOUT, i)) for i in range(10))
     events = store.drain_events()
     assert len(media(events, BlockRemoved)["CPU"]) >= 5
@@ -126,7 +126,7 @@ def test_nvme_pressure_demotes_to_shared(tmp_path: Path) -> None:
     assert count == 8 and where == "SSSSSSDD"
     buffers = outs(8)
     assert store.load_chain(LAYOUT, list(range(8)), buffers) == [SIZE] * 8
-    assert bytes(buffers[0]) == payload(0) and store.flow.promotions["shared"] == 0  # no DRAM tier
+    assert bytes(buffers[0]) == payload(0) and store.flow.promotions[TierName.SHARED] == 0  # no DRAM tier
 
 
 def test_load_stops_at_the_first_missing_or_bad_block(tmp_path: Path) -> None:
@@ -154,7 +154,7 @@ def test_shared_blocks_of_another_replica(valkey: ValkeyServer, tmp_path: Path) 
     assert b.load_chain(LAYOUT, [1, 2, 3], buffers) == [SIZE] * 3
     assert bytes(buffers[2]) == payload(3)
     assert b.lookup(LAYOUT, [1, 2, 3]) == (3, "CCC")  # promoted
-    assert b.flow.promotions["shared"] == 3
+    assert b.flow.promotions[TierName.SHARED] == 3
     a.close()
     b.close()
 
@@ -269,7 +269,7 @@ def test_demotion_before_eviction_moves_blocks_in_groups(tmp_path: Path) -> None
         store.store_chain(LAYOUT, [i], [payload(i)])
     writes.clear()
     store.maintain()
-    assert store.flow.demotions["shared"] >= 15
+    assert store.flow.demotions[TierName.SHARED] >= 15
     assert writes.count(TierName.SHARED) == 1, writes
     count, where = store.lookup(LAYOUT, list(range(24)))
     assert count == 24 and where.count("S") >= 15
@@ -369,9 +369,9 @@ def test_the_use_counter_forgets_its_oldest_half_when_full() -> None:
     and in a chain alike, with their counts."""
     rng = random.Random(3)
     one, chains = UseCounter(limit=10), UseCounter(limit=10)
-    reference: dict[tuple[int, int], int] = {}
+    reference: dict[BlockKey, int] = {}
     for _ in range(300):
-        keys = [(0, rng.randrange(40)) for _ in range(rng.randint(1, 6))]
+        keys: list[BlockKey] = [(0, rng.randrange(40)) for _ in range(rng.randint(1, 6))]
         expected = []
         for key in keys:
             reference[key] = reference.get(key, 0) + 1

@@ -354,7 +354,8 @@ def test_a_client_shrinking_its_shared_memory_cannot_kill_the_agent(tmp_path: Pa
         os.close(fd)
         os.unlink(path)
     time.sleep(0.2)
-    assert agent.proc is not None and agent.proc.poll() is None, f"the agent died: {agent.proc.returncode}"
+    proc = agent.proc
+    assert proc is not None and proc.poll() is None, f"the agent died: {proc and proc.returncode}"
     sealed = os.memfd_create("kvgate-sealed", os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(sealed, 16 * BLOCK)

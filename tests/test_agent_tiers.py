@@ -21,9 +21,9 @@ from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.segments import SegmentNvmeTier
 from agent.tiers.shared import FsSharedTier, RedisSharedTier
-from bench.procs import free_port, spawn_valkey, wait_for_port
+from bench.procs import free_port, spawn_valkey, valkey_server_binary, wait_for_port
 from bench.procs import stop as stop_process
-from tests.conftest import ROOT, ValkeyServer, valkey_server_binary
+from tests.conftest import ROOT, ValkeyServer
 
 LAYOUT = 0xABCDEF
 

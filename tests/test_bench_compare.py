@@ -22,6 +22,7 @@ from bench.report import write_markdown
 from bench.sim.launch import start_sim_fleet
 from bench.targets import TargetSettings, parse_target
 from bench.vsim import FleetSimulation, TierSettings
+from bench.workload_options import build_workload
 from bench.workloads import PromptVocabulary
 
 STRATEGIES = ("round_robin", "prefix", "kv", "ttft")
@@ -92,7 +93,7 @@ def test_virtual_time_agrees_with_the_live_fleet(live_report: tuple[dict[str, An
     report, out = live_report
     vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
     args = compare_args(out, tiny_model_dir)
-    workload = compare.build_workload(args, vocab)
+    workload = build_workload(args, vocab)
     live = {t["policy"]: t["fleet"] for t in report["targets"]}
     for strategy in STRATEGIES:
         sim = FleetSimulation(workload, vocab, strategy=strategy, replicas=2, block_size=16,
@@ -109,7 +110,7 @@ def test_virtual_time_agrees_with_the_live_fleet(live_report: tuple[dict[str, An
 
 def test_tiers_turn_gpu_misses_into_tier_hits(tiny_model_dir: Path) -> None:
     vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
-    workload = compare.build_workload(compare_args(Path("."), tiny_model_dir), vocab)
+    workload = build_workload(compare_args(Path("."), tiny_model_dir), vocab)
     plain = FleetSimulation(workload, vocab, strategy="round_robin", replicas=2, gpu_blocks=40,
                             concurrency=2).run()
     tiered = FleetSimulation(workload, vocab, strategy="round_robin", replicas=2, gpu_blocks=40, concurrency=2,

@@ -24,9 +24,9 @@ def keys(ids: list[int], bs: int = 16) -> list[int]:
 
 def test_expansion_is_deterministic_and_shares_exactly_the_ids_blocks(vocab: PromptVocabulary,
                                                                      tiny_model_dir: Path) -> None:
-    a = TraceRecord(0, 1500, 8, (1, 2, 3))
-    b = TraceRecord(1, 1536, 8, (1, 2, 4))
-    c = TraceRecord(2, 1024, 8, (5, 2))
+    a = TraceRecord(0, 1500, 8, [1, 2, 3])
+    b = TraceRecord(1, 1536, 8, [1, 2, 4])
+    c = TraceRecord(2, 1024, 8, [5, 2])
     ea, eb, ec = (expand_record(r, vocab) for r in (a, b, c))
     assert (len(ea), len(eb), len(ec)) == (1500, 1536, 1024)
     # a fresh vocabulary (another process, another run) expands the same ids to the same tokens
@@ -48,8 +48,8 @@ def test_expansion_is_deterministic_and_shares_exactly_the_ids_blocks(vocab: Pro
 
 
 def test_shrunk_blocks_keep_the_sharing(vocab: PromptVocabulary) -> None:
-    a = expand_record(TraceRecord(0, 1500, 8, (1, 2, 3)), vocab, block_tokens=32)
-    b = expand_record(TraceRecord(0, 1536, 8, (1, 2, 4)), vocab, block_tokens=32)
+    a = expand_record(TraceRecord(0, 1500, 8, [1, 2, 3]), vocab, block_tokens=32)
+    b = expand_record(TraceRecord(0, 1536, 8, [1, 2, 4]), vocab, block_tokens=32)
     assert len(a) == 94 and len(b) == 96 and a[:64] == b[:64] and a[64:] != b[64:94]
 
 

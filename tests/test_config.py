@@ -7,6 +7,7 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,7 +74,8 @@ def test_unknown_key_in_file(tmp_path: Path) -> None:
 def test_serve_help_documents_every_option() -> None:
     out = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    names = [f.name for options in (GatewayConfig, *option_classes()) for f in dataclasses.fields(options)]
+    classes: list[type[Any]] = [GatewayConfig, *option_classes()]
+    names = [f.name for options in classes for f in dataclasses.fields(options)]
     assert "prefix_prefill_weight" in names and "kv_cost_cpu" in names
     for name in names:
         assert "--" + name.replace("_", "-") in out, name

@@ -227,14 +227,14 @@ def k8s_documents() -> list[dict[str, Any]]:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert sorted(kustomization["resources"]) == sorted(
         p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-    docs = []
+    docs: list[dict[str, Any]] = []
     for name in kustomization["resources"]:
         docs.extend(d for d in yaml.safe_load_all((K8S / name).read_text()) if d)
     return docs
 
 
 def test_k8s_manifests_pass_the_schema_check() -> None:
-    import kubernetes_validate
+    import kubernetes_validate  # type: ignore[import-untyped]
 
     docs = k8s_documents()
     for doc in docs:

@@ -23,7 +23,8 @@ from bench.procs import free_port, wait_http
 from bench.procs import stop as stop_process
 from bench.sim.launch import SimFleet
 from bench.workloads import PromptVocabulary
-from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex
+from kvcore.kv_events import CPU, GPU, SHARED
+from router.kv_index import InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from tests.agent_process import AgentProcess

@@ -29,10 +29,9 @@ from hypothesis import strategies as st
 
 from bench.procs import free_port
 from bench.procs import stop as stop_process
-from kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
+from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.block_keys import block_keys
 from router.kv_apply import MAX_EVENT_BLOCKS
-from router.kv_index import GPU
 from router.kv_recovery import MAX_BATCH_BYTES, REPLAY_BURST
 from tests.conftest import eventually, kvgate_command, running_standin
 from tests.test_kv_events_in import BS, ROOT, TOKENS, WORKER, connected, held, hub_and_publisher, metric

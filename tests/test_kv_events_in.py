@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -21,8 +22,12 @@ from bench.kv_bench import measure_entry_bytes
 from bench.procs import free_port
 from kvcore import dict_tables
 from kvcore.kv_events import (
+    CPU,
     END_OF_REPLAY,
+    GPU,
+    SHARED,
     AllBlocksCleared,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     KvEvent,
@@ -31,7 +36,7 @@ from kvcore.kv_events import (
 )
 from router.block_keys import block_keys, root_key
 from router.kv_apply import ContentIdentity, KvEventApplier, _Names
-from router.kv_index import CPU, GPU, SHARED, InMemoryKvIndex
+from router.kv_index import InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from tests.conftest import eventually, running_gateway, running_standin
@@ -112,7 +117,7 @@ def _bind(sock: zmq.asyncio.Socket, port: int) -> None:
 
 
 @asynccontextmanager
-async def hub_and_publisher(**kw: float) -> AsyncIterator[tuple[KvEventHub, Publisher, GatewayMetrics]]:
+async def hub_and_publisher(**kw: Any) -> AsyncIterator[tuple[KvEventHub, Publisher, GatewayMetrics]]:
     ctx = zmq.asyncio.Context()
     publisher = Publisher(ctx)
     metrics = GatewayMetrics()
@@ -125,7 +130,7 @@ async def hub_and_publisher(**kw: float) -> AsyncIterator[tuple[KvEventHub, Publ
         ctx.destroy(0)
 
 
-def stored(hashes: list[int], tokens: list[int], parent: int | None = None, medium: str = "GPU") -> BlockStored:
+def stored(hashes: list[BlockHash], tokens: list[int], parent: int | None = None, medium: str = "GPU") -> BlockStored:
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, medium=medium)
 
 
@@ -351,7 +356,8 @@ def test_index_lookup_matches_a_brute_force_model() -> None:
     """Random adds and removes over workers and tiers; every lookup equals the definition computed naively."""
     import random
 
-    from router.kv_index import DISK, TIERS
+    from kvcore.kv_events import DISK
+    from router.kv_index import TIERS
 
     rng = random.Random(7)
     index = InMemoryKvIndex()
@@ -377,7 +383,7 @@ def test_index_lookup_matches_a_brute_force_model() -> None:
         shared = {k for held in model.values() for k, t in held if t == SHARED}
         for w in asked:
             mine = model.get(w, set())
-            expect, by_tier = 0, {}
+            expect, by_tier = 0, dict[str, int]()
             for key in probe:
                 tiers = [t for t in TIERS if (key, t) in mine] or ([SHARED] if key in shared else [])
                 if not tiers:

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from bench.procs import free_port
-from router.kv_index import GPU
+from kvcore.kv_events import GPU
 from tests.conftest import RunningGateway, eventually, running_gateway
 from tests.test_kv_recovery import CuttableProxy
 from tests.test_prefix_fleet import prefix_cache_counters, send, words

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from kvcore import dict_tables
-from router.kv_index import CPU, DISK, GPU, SHARED, InMemoryKvIndex
+from kvcore.kv_events import CPU, DISK, GPU, SHARED
+from router.kv_index import InMemoryKvIndex
 
 
 def _reference_step(order: dict[str, dict[int, set[str]]], worker: str, keys: list[int], tier: str,

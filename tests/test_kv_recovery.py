@@ -15,7 +15,8 @@ import pytest
 
 from bench.procs import free_port
 from bench.vllm_engine import ensure_vllm_venv
-from router.kv_index import GPU, InMemoryKvIndex
+from kvcore.kv_events import GPU
+from router.kv_index import InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
 from tests.conftest import eventually

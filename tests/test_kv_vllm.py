@@ -13,8 +13,7 @@ import zmq.asyncio
 
 from bench.drift import DriftSettings, measure, print_table
 from bench.vllm_engine import EngineServer, start_engine
-from kvcore.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from router.kv_index import GPU
+from kvcore.kv_events import END_OF_REPLAY, GPU, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from tests.conftest import eventually, running_gateway
 from tests.test_prefix_fleet import words
 

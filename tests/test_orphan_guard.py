@@ -47,7 +47,7 @@ def run_starter(script: str) -> tuple[subprocess.Popen[str], list[int]]:
     starter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert starter.stdout is not None
-    pids = []
+    pids: list[int] = []
     for line in starter.stdout:
         if line.strip() == "ready":
             return starter, pids

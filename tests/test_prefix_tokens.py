@@ -31,7 +31,7 @@ from router.prompt_tokens import (
     parse_model_dirs,
     resolve_model_dir,
 )
-from router.requests import Prompt, parse_body, read_payload, with_tenant
+from router.requests import LargePrompt, Prompt, parse_body, read_payload, with_tenant
 from router.tokenizer import ModelTokenizer
 from tests.conftest import eventually, running_gateway, running_standin
 
@@ -48,7 +48,7 @@ def words(seed: int, n: int) -> str:
 def prompt(path: str, body: dict[str, Any]) -> Prompt:
     """The typed prompt of a request body, as the gateway's edge reads it."""
     found = read_payload(path, body, model_required=False).prompt
-    assert found is not None
+    assert found is not None and not isinstance(found, LargePrompt)
     return found
 
 
@@ -104,9 +104,9 @@ async def test_text_mode_blocks_characters_and_never_collides_with_token_keys() 
     prompts = service([])
     system = "You are a support agent for ACME. " * 40
     a = await prompts.keys(prompt(CHAT, {"messages": [{"role": "system", "content": system},
-                                                     {"role": "user", "content": "first question? " * 10}]}), "m", {})
+                                                     {"role": "user", "content": "first question? " * 10}]}), "m")
     b = await prompts.keys(prompt(CHAT, {"messages": [{"role": "system", "content": system},
-                                                     {"role": "user", "content": "another one! " * 10}]}), "m", {})
+                                                     {"role": "user", "content": "another one! " * 10}]}), "m")
     assert a.mode == TEXT and a.token_ids is None
     assert a.prompt_tokens == pytest.approx((len(system) + 160) / 4, abs=5)
     shared = len(system) // 64  # 16 tokens x 4 characters per block
@@ -131,7 +131,7 @@ async def test_tenants_with_different_salts_never_share_keys(tiny_model_dir: Pat
     async def forwarded(extra: dict[str, Any], tenant: str | None) -> tuple[str | None, list[int]]:
         raw = orjson.dumps({**body, **extra})
         sent, api = with_tenant(raw, parse_body(CHAT, raw, model_required=True), tenant)
-        assert api.prompt is not None
+        assert api.prompt is not None and not isinstance(api.prompt, LargePrompt)
         found = await prompts.keys(api.prompt, "tiny")
         return orjson.loads(sent).get("cache_salt"), list(found.block_keys)
 

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.overhead import _descendants
 from bench.procs import free_port, stop, wait_http
-from router.config import ConfigError, GatewayConfig
+from kvcore.config import ConfigError
+from router.config import GatewayConfig
 from router.processes import merge_expositions
 from tests.conftest import kvgate_command, running_standin
 

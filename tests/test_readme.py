@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -19,7 +20,8 @@ README = (ROOT / "README.md").read_text()
 
 def test_every_gateway_option_is_documented() -> None:
     """The gateway's own options and every strategy's."""
-    for options in (GatewayConfig, *option_classes()):
+    classes: list[type[Any]] = [GatewayConfig, *option_classes()]
+    for options in classes:
         for f in dataclasses.fields(options):
             assert f"`--{f.name.replace('_', '-')}`" in README, f.name
             assert f"KVGATE_{f.name.upper()}" in README, f.name

@@ -24,7 +24,7 @@ HASHER, _ = make_block_hasher("sha256")
 
 def sha(parent: bytes | None, tokens: Sequence[int], extra: Any = None) -> bytes:
     assert extra is None
-    return HASHER(parent, tokens)
+    return HASHER(parent, tokens, None)
 
 
 def hashes(tokens: Sequence[int]) -> list[bytes]:

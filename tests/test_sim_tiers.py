@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from agent.block import checksum
+from agent.block import BlockKey, checksum
 from agent.config import AgentConfig
 from agent.policy import UseCounter
-from agent.tiers.base import StoreItem
+from agent.tiers.base import StoreItem, TierName
 from agent.tiers.dram import DramTier
 from bench.sim import hash_lru
 from bench.sim.hash_lru import HashLru
@@ -52,7 +52,7 @@ def test_lazy_tiers_demote_under_pressure_and_promote_on_hit() -> None:
     stored, removed = media(events, BlockStored), media(events, BlockRemoved)
     assert sorted(stored["CPU"]) == [1, 1, 2, 2, *range(3, 11)] and sorted(removed["CPU"]) == list(range(1, 9))
     assert sorted(stored["DISK"]) == list(range(1, 9)) and sorted(removed["DISK"]) == [1, 2, 3, 4]
-    assert sorted(stored["SHARED"]) == [1, 2, 3, 4] and a.store.flow.promotions["shared"] == 2
+    assert sorted(stored["SHARED"]) == [1, 2, 3, 4] and a.store.flow.promotions[TierName.SHARED] == 2
 
 
 def test_replicas_share_through_the_fleet_store_until_the_ttl() -> None:
@@ -65,7 +65,7 @@ def test_replicas_share_through_the_fleet_store_until_the_ttl() -> None:
     assert media(a.events(), BlockStored)["SHARED"] == [1, 2, 3]  # eager: written through at once
     assert b.load([1, 2, 3, 4]) == "SSS"  # b asks the fleet store about blocks it does not know, then loads
     assert b.load([1, 2, 3]) == "CCC"  # promoted into b's DRAM
-    assert b.store.flow.promotions["shared"] == 3
+    assert b.store.flow.promotions[TierName.SHARED] == 3
     clock.now = 61.0  # past the TTL on the virtual clock
     c = ReplicaAgent(config, dram_blocks=8, nvme_blocks=0, fleet=fleet)
     assert c.load([1, 2, 3]) == ""
@@ -233,7 +233,7 @@ def test_the_hash_keyed_use_counter_counts_and_forgets_as_the_agents(limit: int)
     hashes = [rng.randrange(1 << 64) & ~0xFFFF | rng.randrange(4) for _ in range(4 * limit + 8)]
     ours, chains, agents = HashUseCounter(limit), HashUseCounter(limit), UseCounter(limit)
     for _ in range(500):
-        keys = [(0, rng.choice(hashes)) for _ in range(rng.randint(1, 6))]
+        keys: list[BlockKey] = [(0, rng.choice(hashes)) for _ in range(rng.randint(1, 6))]
         expected = [agents.bump(key[1]) for key in keys]  # type: ignore[arg-type]
         assert [ours.bump(key) for key in keys] == expected and chains.bump_all(keys) == expected
         assert [ours.get((0, h)) for h in hashes] == [agents.get(h) for h in hashes]  # type: ignore[arg-type]

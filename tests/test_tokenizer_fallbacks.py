@@ -16,7 +16,7 @@ from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
 from router.prompt_tokens import TEXT, TOKENS, PromptTokens
-from router.requests import read_payload
+from router.requests import LargePrompt, read_payload
 from router.tokenizer import ModelTokenizer
 from tests.conftest import running_gateway, running_standin
 
@@ -44,7 +44,7 @@ def model_with_template(source: Path, target: Path, template: str | None) -> Pat
 
 async def keys_of(prompts: PromptTokens, path: str, body: dict[str, Any]) -> Any:
     found = read_payload(path, {"model": "tiny", **body}, model_required=False).prompt
-    assert found is not None
+    assert found is not None and not isinstance(found, LargePrompt)
     return await prompts.keys(found, "tiny")
 
 

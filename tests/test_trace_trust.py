@@ -19,9 +19,10 @@ import aiohttp
 import pytest
 
 from bench import calibrate, workloads
-from bench.loadgen import RequestResult, closed_loop, fleet_summary, open_loop, percentile, request_body, scrape
+from bench.loadgen import RequestResult, closed_loop, fleet_summary, open_loop, request_body, scrape
 from bench.procs import free_port, stop, wait_http
 from bench.sim.perf_model import PROFILES, load_profile
+from bench.stats import percentile
 from bench.traces import Trace, TraceSource
 from bench.vsim import FleetSimulation
 from bench.workloads import PromptVocabulary

@@ -188,7 +188,8 @@ def test_only_requests_in_flight_hold_prompts(tmp_path: Path, vocab: PromptVocab
     source = TraceSource(Trace(path), vocab)
 
     class Counting:
-        name, params, count, longest, timed = "t", {}, source.count, source.longest, True
+        name, count, longest, timed = "t", source.count, source.longest, True
+        params: dict[str, object] = {}
 
         def __iter__(self):  # type: ignore[no-untyped-def]
             for arrival in source:

@@ -20,7 +20,7 @@ from kvcore.kv_events import GPU
 from router.block_keys import block_keys
 from router.pool import Worker, parse_cache_config
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS, read_payload
-from router.routing import Decision
+from router.routing import Decision, RouteRequest
 from strategies.balance import HIT
 from strategies.ttft import BlockLedger, OutputLength, TtftAware, _Holder, block_wait
 from tests.conftest import eventually, running_gateway
@@ -99,7 +99,8 @@ def test_output_lengths_are_learned_as_a_share_of_max_tokens_or_a_mean() -> None
     assert abs(output.share - (2 / 3 + (1.0 - 2 / 3) / 1.75)) < 1e-12
 
 
-def setup_blocked(options: Any) -> tuple[TtftAware, list[Worker], list[float], Any, Decision]:
+def setup_blocked(options: Any) -> tuple[TtftAware, list[Worker], list[float], list[int],
+                                         tuple[RouteRequest, Decision]]:
     """Two workers with 40 usable blocks each (641 tokens). Worker 0 holds a 320-token prefix and decodes a
     480-token request that has generated 50 of its 200 tokens (34 blocks)."""
     strategy, workers, index, clock = make(2, options)

@@ -98,11 +98,11 @@ def test_linear_fit_keeps_weights_non_negative_and_forgets_old_samples() -> None
     fit = LinearFit([0.0, 1e-4], [1.0, 200.0], prior_weight=2, half_life=20)
     rng = random.Random(3)
     for _ in range(200):
-        x = rng.uniform(1, 400)
-        fit.add((1.0, x), 0.004 * x)
+        u = rng.uniform(1, 400)
+        fit.add((1.0, u), 0.004 * u)
     for _ in range(200):  # the worker became twice as fast: recent samples win
-        x = rng.uniform(1, 400)
-        fit.add((1.0, x), 0.002 * x)
+        u = rng.uniform(1, 400)
+        fit.add((1.0, u), 0.002 * u)
     assert abs(fit.weights[1] - 0.002) / 0.002 < 0.1  # from 0.004: the prior holds it back a little
 
 
@@ -301,7 +301,8 @@ def test_a_worker_whose_step_has_just_begun_waits_its_rest() -> None:
     assert chosen[False].worker.url.endswith(":9000") and chosen[False].reason == HIT
     assert chosen[True].worker.url.endswith(":9001")
     # worker 1: 10 ms overhead + 38.4 ms of prefill (384 tokens) + the 1 ms left of its step
-    assert chosen[True].predicted_ttft_s is not None and abs(chosen[True].predicted_ttft_s - 0.0494) < 1e-6
+    predicted = chosen[True].predicted_ttft_s
+    assert predicted is not None and abs(predicted - 0.0494) < 1e-6
     strategy, workers, _, clock = make(2)
     step_streams(strategy, workers[0], [1000.0 + 0.15 * i for i in range(6)], clock)
     workers[0].in_flight = 2
@@ -810,7 +811,12 @@ async def test_the_gateway_reports_each_streamed_first_token(http: aiohttp.Clien
         strategy: Any = gw.gateway.strategy
         seen: list[bool] = []
         choose = strategy.choose
-        strategy.choose = lambda request, workers: seen.append(request.stream) or choose(request, workers)
+
+        def seeing(request: Any, workers: Any) -> Any:
+            seen.append(request.stream)
+            return choose(request, workers)
+
+        strategy.choose = seeing
         for _ in range(3):
             body = {"model": "tiny", "prompt": "hello there", "stream": True}
             async with http.post(gw.url + "/v1/completions", json=body) as resp:

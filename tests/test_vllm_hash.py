@@ -22,8 +22,8 @@ def test_matches_vllm_vectors(algo: str, monkeypatch: pytest.MonkeyPatch) -> Non
     assert [event_hash(d) for d in block_hashes(tokens, 32, algo)] == chain
     assert event_hash(block_hashes(tokens, 32, algo, cache_salt="t1")[0]) == salted
     hasher, to_event = make_block_hasher(algo)
-    first = hasher(None, tokens[:32])
-    assert [to_event(first), to_event(hasher(first, tokens[32:64]))] == chain
+    first = hasher(None, tokens[:32], None)
+    assert [to_event(first), to_event(hasher(first, tokens[32:64], None))] == chain
 
 
 def test_seed_rule(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,5 +35,5 @@ def test_seed_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert block_hashes(list(range(32)), 32) != block_hashes(list(range(32)), 32, seed="vllm-none-hash")
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
     hasher, to_event = make_block_hasher("sha256")
-    digest = hasher(None, range(32))
+    digest = hasher(None, range(32), None)
     assert to_event(digest) == digest and len(digest) == 32

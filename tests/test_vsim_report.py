@@ -11,11 +11,12 @@ from typing import Any
 import orjson
 import pytest
 
-from bench import compare, vsim, vsim_report, workloads
-from bench.loadgen import percentile
+from bench import vsim, vsim_report, workloads
 from bench.sim.perf_model import PROFILES
+from bench.stats import percentile
 from bench.traces import ConversationShape, conversation_trace, write_trace
 from bench.vsim import FleetSimulation, TierSettings
+from bench.workload_options import build_workload
 from bench.workloads import IdealCache, PromptVocabulary, Workload, WorkloadRequest, ideal_hit_rate
 from kvcore.config import ConfigError
 from kvcore.kv_events import SHARED
@@ -28,17 +29,19 @@ def test_the_limit_is_each_prefill_alone_with_the_ideal_hit() -> None:
     assert ideal.requests == [(4096, 0), (4196, 4096)]
     limit = vsim_report.ttft_limit(ideal, profile)
     times = sorted([profile.prefill_time(4096, 0), profile.prefill_time(100, 4096)])
-    assert abs(limit["ttft_ms_p50"] - (times[0] + times[1]) / 2 * 1e3) < 1e-9  # interpolated, as vsim does
+    p50 = limit["ttft_ms_p50"]
+    assert p50 is not None and abs(p50 - (times[0] + times[1]) / 2 * 1e3) < 1e-9  # interpolated, as vsim does
     assert vsim_report.ttft_limit(IdealCache(0, 0), profile)["ttft_ms_p90"] is None
 
 
 def test_rows_are_measured_against_round_robin_of_their_own_fleet_and_the_limit() -> None:
-    rows = [{"strategy": "round_robin", "replicas": 8, "tiers": False, "ttft_ms_p50": 300.0, "ttft_ms_p90": 1000.0,
-             "ttft_ms_p99": 2000.0},
-            {"strategy": "ttft", "replicas": 8, "tiers": False, "ttft_ms_p50": 100.0, "ttft_ms_p90": 1000.0,
-             "ttft_ms_p99": 3000.0},
-            {"strategy": "ttft", "replicas": 16, "tiers": False, "ttft_ms_p50": 100.0, "ttft_ms_p90": 1.0,
-             "ttft_ms_p99": 1.0}]
+    rows: list[dict[str, Any]] = [
+        {"strategy": "round_robin", "replicas": 8, "tiers": False, "ttft_ms_p50": 300.0, "ttft_ms_p90": 1000.0,
+         "ttft_ms_p99": 2000.0},
+        {"strategy": "ttft", "replicas": 8, "tiers": False, "ttft_ms_p50": 100.0, "ttft_ms_p90": 1000.0,
+         "ttft_ms_p99": 3000.0},
+        {"strategy": "ttft", "replicas": 16, "tiers": False, "ttft_ms_p50": 100.0, "ttft_ms_p90": 1.0,
+         "ttft_ms_p99": 1.0}]
     vsim_report.add_gaps(rows, {"ttft_ms_p50": 50.0, "ttft_ms_p90": 1000.0, "ttft_ms_p99": 1000.0})
     assert rows[1]["ttft_speedup_over_round_robin"]["p50"] == 3.0
     assert rows[1]["ttft_gap_closed"]["p50"] == 0.8
@@ -49,7 +52,7 @@ def test_rows_are_measured_against_round_robin_of_their_own_fleet_and_the_limit(
 
 def test_vsim_records_ttft_predictions_and_plots_them(tiny_model_dir: Path, tmp_path: Path) -> None:
     vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
-    workload = compare.build_workload(compare_args(Path("."), tiny_model_dir), vocab)
+    workload = build_workload(compare_args(Path("."), tiny_model_dir), vocab)
     rows = [FleetSimulation(workload, vocab, strategy=strategy, replicas=2, gpu_blocks=40, concurrency=2,
                             tiers=TierSettings(dram_blocks=64, nvme_blocks=64)).run()
             for strategy in ("round_robin", "ttft")]
@@ -57,8 +60,9 @@ def test_vsim_records_ttft_predictions_and_plots_them(tiny_model_dir: Path, tmp_
     prediction = rows[1]["ttft_prediction"]
     assert len(prediction["pairs"]) == rows[1]["completed"]
     assert prediction["median_abs_relative_error"] < 0.5
-    report = {"workload": {"name": "tenants", "params": {}}, "profile": "llama-3.1-8b-h100", "upper_bound": 0.5,
-              "ttft_limit": {"ttft_ms_p50": 1.0, "ttft_ms_p90": 2.0, "ttft_ms_p99": 3.0}, "results": rows}
+    report: dict[str, Any] = {
+        "workload": {"name": "tenants", "params": {}}, "profile": "llama-3.1-8b-h100", "upper_bound": 0.5,
+        "ttft_limit": {"ttft_ms_p50": 1.0, "ttft_ms_p90": 2.0, "ttft_ms_p99": 3.0}, "results": rows}
     vsim_report.add_gaps(rows, report["ttft_limit"])
     assert vsim_report.write_prediction_plot(report, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
@@ -81,7 +85,8 @@ def test_rows_report_the_wait_before_each_requests_first_step(tiny_model_dir: Pa
     workload = Workload("two", [first, second, alone])
     row = FleetSimulation(workload, vocab, strategy="round_robin", replicas=1, gpu_blocks=2000).run()
     waits = sorted([0.0, 0.0, step * 3 / 4])
-    assert abs(row["step_wait_ms_p90"] / (percentile(waits, 0.9) * 1e3) - 1) < 0.01
+    expected = percentile(waits, 0.9)
+    assert expected is not None and abs(row["step_wait_ms_p90"] / (expected * 1e3) - 1) < 0.01
     assert row["step_wait_ms_p50"] == 0.0 and row["wait_ms_p50"] == 0.0
     assert abs(row["wait_ms_p90"] - row["step_wait_ms_p90"]) < 1e-6
     assert row["ttft_ms_p99"] > (step * 3 / 4 + profile.prefill_time(64, 0)) * 1e3 * 0.99

@@ -19,6 +19,7 @@ from bench import vsim
 from bench.traces import ConversationShape, Trace, TraceSource, conversation_trace, write_trace
 from bench.workloads import PromptVocabulary
 from kvcore import dict_tables
+from router.block_keys import block_keys, root_key
 
 SMALL_TIERS = vsim.TierSettings(dram_blocks=300, nvme_blocks=1200, shared_blocks=4000)
 CONFIGS = [(s, tiers) for tiers in ("off", "lazy", "eager")
@@ -142,7 +143,8 @@ def test_every_clock_a_replay_reads_is_virtual(trace: Path, vocab: PromptVocabul
     sim = vsim.FleetSimulation(TraceSource(Trace(trace, report=None), vocab, block_tokens=32), strategy=strategy,
                                replicas=2, gpu_blocks=400)
     sim.now = 12_345.0
-    balance = sim.strategy.balance
+    strategy_of_sim: Any = sim.strategy
+    balance = strategy_of_sim.balance
     assert balance.clock() == balance.trie.clock() == 12_345.0
     if sim.kv is not None:
         assert sim.kv._clock() == 12_345.0
@@ -176,16 +178,16 @@ def test_prompts_sharing_a_prefix_share_its_digest_objects() -> None:
     of a conversation, on another replica) gets the first one's int objects for them, and its own after; a
     segment forgotten (beyond `KEPT`) is computed again."""
     digests = vsim.SharedDigests(16)
-    root = vsim.root_key("m")
+    root = root_key("m")
     first = list(range(1000, 1000 + 16 * 40))
     second = first[: 16 * 32] + list(range(5000, 5000 + 16 * 40))
-    a = digests.of(first, vsim.block_keys(first, 16, root))
-    b = digests.of(second, vsim.block_keys(second, 16, root))
+    a = digests.of(first, block_keys(first, 16, root))
+    b = digests.of(second, block_keys(second, 16, root))
     assert a == vsim.engine_hashes(first, 16) and b == vsim.engine_hashes(second, 16)
     assert all(x is y for x, y in zip(a[:32], b[:32], strict=True))
     assert a[32] != b[32] and not any(x is y for x, y in zip(a[32:], b[32:40], strict=True))
     digests.KEPT = 2  # three segments now (first's, second's two): the older half, first's, is forgotten
     other = list(range(9000, 9000 + 16 * 32))
-    digests.of(other, vsim.block_keys(other, 16, root))
-    c = digests.of(first, vsim.block_keys(first, 16, root))
+    digests.of(other, block_keys(other, 16, root))
+    c = digests.of(first, block_keys(first, 16, root))
     assert c == a and not any(x is y for x, y in zip(a[:32], c[:32], strict=True))

@@ -32,7 +32,12 @@ def main() -> int:
     publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{args.port}", replay_endpoint=f"tcp://*:{args.replay_port}",
                                   topic=args.topic)
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+
+    def stop_at_eof() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=stop_at_eof, daemon=True).start()
     bs = args.block_size
     print(json.dumps({"events": f"tcp://127.0.0.1:{args.port}", "replay": f"tcp://127.0.0.1:{args.replay_port}",
                       "first_hash": FIRST_HASH, "window": args.window}), flush=True)
@@ -45,7 +50,7 @@ def main() -> int:
                 lora_name=None)]
             if i >= args.window:
                 events.append(BlockRemoved(block_hashes=[FIRST_HASH + i - args.window], medium="GPU"))
-            publisher.publish(KVEventBatch(ts=time.time(), events=events))  # type: ignore[arg-type]
+            publisher.publish(KVEventBatch(ts=time.time(), events=events))
             i += 1
             time.sleep(args.interval_s)
     finally:
