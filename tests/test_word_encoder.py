@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, pre_tokenizers
 
-from router.tokenizer import ModelTokenizer
+from router.tokenizer import PARALLEL_CHARS, ModelTokenizer
 from router.word_encoder import MAX_WORD_CHARS, WordEncoder, ascii_pattern
 
 # Llama 3's split pattern (Qwen 2's differs only in \p{N} vs \p{N}{1,3})
@@ -68,6 +68,25 @@ def test_model_tokenizer_ids_and_ends_unchanged(model_tok: ModelTokenizer, text:
     assert list(ids) == tok.encode(text, add_special_tokens=special)
     assert (ends[-1] if ends else 0) == len(text.encode("utf-8", "surrogatepass"))
 
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(ascii_texts, min_size=1, max_size=8), special=st.booleans())
+def test_long_ascii_text_takes_the_word_cache(model_tok: ModelTokenizer, parts: list[str], special: bool) -> None:
+    """A prompt longer than `PARALLEL_CHARS` goes through the word cache too (a document of words seen before costs
+    a fifth of the tokenizer's time), with the tokenizer's ids; it went to the tokenizer's threads whole."""
+    tok = model_tok
+    words = tok._words
+    assert words is not None
+    lines: list[str] = []
+    while sum(map(len, lines)) <= PARALLEL_CHARS:
+        lines.append(f"{parts[len(lines) % len(parts)]} document{len(lines) % 97} words.\n")
+    text = "".join(lines)
+    for cache in (words._words, words._heads, words._spaced):
+        cache.clear()
+    ids, _ = tok.encode_with_some_ends(text, add_special_tokens=special)
+    assert list(ids) == tok.encode(text, add_special_tokens=special)
+    assert len(words._words) + len(words._heads) + len(words._spaced) > 50
 
 # words and the like, each followed by a single space mostly, sometimes none, two, or a space before a newline
 spaced_texts = st.lists(st.tuples(
