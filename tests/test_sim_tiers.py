@@ -242,9 +242,9 @@ def test_the_hash_keyed_use_counter_counts_and_forgets_as_the_agents(limit: int)
 
 @pytest.mark.parametrize("low_bits", [2, 12])
 def test_the_hash_lru_is_an_ordered_dict(low_bits: int) -> None:
-    """`HashLru` (a log and a table of places) against an OrderedDict: touches, adds, removals and the oldest
-    taken, over hashes that share their low bits (long probe runs, deletions shifting them back) or do not, through
-    its growth and the rewrites of its log."""
+    """`HashLru` (a log and a table of places) against an OrderedDict: touches, adds, uses (touch or add in one
+    probe), removals and the oldest taken, over hashes that share their low bits (long probe runs, deletions
+    shifting them back) or do not, through its growth and the rewrites of its log."""
     rng = random.Random(low_bits)
     hashes = [rng.randrange(1 << 64) & ~((1 << low_bits) - 1) | rng.randrange(1 << low_bits) for _ in range(3000)]
     hashes[0] = 0
@@ -254,11 +254,12 @@ def test_the_hash_lru_is_an_ordered_dict(low_bits: int) -> None:
         op = rng.random()
         if op < 0.5:
             held = h in reference
-            assert lru.touch(h) == held
+            assert (lru.use(h) if op < 0.25 else lru.touch(h)) == held
             if held:
                 reference.move_to_end(h)
             else:
-                lru.add(h)
+                if op >= 0.25:
+                    lru.add(h)
                 reference[h] = None
         elif op < 0.7:
             assert lru.remove(h) == (reference.pop(h, 0) is None)

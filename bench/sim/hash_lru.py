@@ -82,6 +82,32 @@ class HashLru:
             i = (i + 1) & mask
         return False
 
+    def use(self, h: Hash) -> bool:
+        """Make `h` the most recently used, adding it if it is not held (`touch`, else `add`, in one probe);
+        whether it was held."""
+        places, log, mask = self._places, self._log, self._mask
+        i: int = h & mask
+        while (place := places[i]) != EMPTY:
+            if log[place] == h:
+                places[i] = len(log)
+                log.append(h)
+                if self._values is not None:
+                    self._values.append(self._values[place])
+                if len(log) > 2 * self._live + STALE_SLACK:
+                    self._compact()
+                return True
+            i = (i + 1) & mask
+        places[i] = len(log)  # the empty slot its probe ended at: where `add` puts it
+        log.append(h)
+        if self._values is not None:
+            self._values.append(None)
+        self._live += 1
+        if 2 * self._live > len(self._places):
+            self._grow()
+        elif len(self._log) > 2 * self._live + STALE_SLACK:
+            self._compact()
+        return False
+
     def add(self, h: Hash, value: Any = None) -> None:
         """Hold `h` (not held yet) as the most recently used."""
         places, log, mask = self._places, self._log, self._mask

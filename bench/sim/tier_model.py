@@ -27,7 +27,7 @@ from agent.store import TierStore
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 from agent.tiers.dram import DramTier
 from agent.tiers.shared import SharedTier
-from bench.sim.hash_lru import Hash, HashLru
+from bench.sim.hash_lru import EMPTY, Hash, HashLru
 from kvcore.kv_events import KvEvent
 
 LAYOUT = 0
@@ -77,17 +77,24 @@ class NvmeModel:
         capacity = self.capacity
         evicted: list[Removed] = []
         held = 0
+        size = len(lru)
         for item in items:
             key = item.key[1]
-            if lru.touch(key):
+            if size < capacity:  # (most writes: the tier is kept below its high watermark) one probe
+                if not lru.use(key):
+                    size += 1
+                    self.stats.stores += 1
+            elif lru.touch(key):
                 pass
             elif capacity < 1:
                 self.stats.refused += 1
                 continue
             else:
-                while len(lru) >= capacity:
+                while size >= capacity:
                     evicted.append(Removed((LAYOUT, lru.pop_oldest()), _HELD))
+                    size -= 1
                 lru.add(key)
+                size += 1
                 self.stats.stores += 1
             held += 1
         self.stats.evictions += len(evicted)
@@ -108,7 +115,17 @@ class NvmeModel:
         return [self.read_into(key, out, touch) for key, out in zip(keys, outs, strict=True)]
 
     def contains(self, key: BlockKey) -> bool:
-        return key[1] in self._lru
+        """`key[1] in self._lru`, its probe written out: the agent's store asks before and after every write of
+        a block to NVMe (a Python call fewer per question)."""
+        lru = self._lru
+        places, log, mask = lru._places, lru._log, lru._mask  # (its HashLru, this module's own)
+        h: int = key[1]  # type: ignore[assignment]
+        i = h & mask
+        while (place := places[i]) != EMPTY:
+            if log[place] == h:
+                return True
+            i = (i + 1) & mask
+        return False
 
     def held(self, key: BlockKey) -> HeldBlock | None:
         return _HELD if key[1] in self._lru else None
