@@ -40,6 +40,9 @@ from tokenizers import Tokenizer, decoders, normalizers
 from router.word_encoder import WordEncoder
 
 PARALLEL_CHARS = 8192  # texts longer than this that the word cache cannot encode go to the tokenizer's own threads
+# ... and every text longer than this: the word cache's regular expressions each run over the whole text in one call
+# holding the GIL (about 4 ms per 64 KiB here, 60 ms for a MiB), where the tokenizer's batch call releases it
+WORD_CACHE_MAX_CHARS = 64 * 1024
 # token ends summed per C call: the GIL can change hands only between calls, and one call over a 300,000-token prompt
 # held it for 100 ms (9,600 tokens: 5 ms), the event loop waiting meanwhile
 ENDS_STEP = 4096
@@ -465,13 +468,14 @@ class ModelTokenizer:
             step = min(4 * step, ENDS_STEP)
 
     def _encode_ids(self, text: str, add_special_tokens: bool) -> array[int]:
-        """Ids from the word cache when it can (router/word_encoder.py: ASCII text, whatever its length: a cold
-        32,000-character prompt of seen words in 3-8 ms against 40-60 ms through the tokenizer, one of new words in
-        80 against 210 ms), else from the tokenizer: on the calling thread below `PARALLEL_CHARS` (the batch call
-        would hand it to the tokenizer's own thread pool and wait, and on a busy machine each hand-over waits for a
-        core), a longer text on the tokenizer's threads, without the GIL."""
+        """Ids from the word cache when it can (router/word_encoder.py: ASCII text up to `WORD_CACHE_MAX_CHARS`: a
+        cold 32,000-character document of words seen before for a fifth of the tokenizer's CPU), else from the
+        tokenizer: on the calling thread below `PARALLEL_CHARS` (the batch call would hand it to the tokenizer's own
+        thread pool and wait, and on a busy machine each hand-over waits for a core), a longer text on the
+        tokenizer's threads, without the GIL."""
         words, front = self._words, self._front_ids
-        if words is not None and (front is not None or not add_special_tokens):
+        if (words is not None and len(text) <= WORD_CACHE_MAX_CHARS
+                and (front is not None or not add_special_tokens)):
             plain = words.encode(text)
             if plain is not None:
                 if not (add_special_tokens and front):

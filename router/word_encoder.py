@@ -36,6 +36,10 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 MAX_WORDS = 1 << 16  # cached words; the cache starts over when full
 MAX_WORD_CHARS = 64  # longer words (a run of spaces, base64) are encoded every time: they rarely repeat, and a
 # client sending long unique words must not grow the cache to MAX_WORDS times their size
+# a word longer than this is left to the tokenizer's threads (`encode` answers None): its BPE is one C call that holds
+# the GIL throughout (a 100,000-letter word about 60 ms, 400,000 letters 250 ms), where the tokenizer's batch call
+# releases it; 4,096 letters take about 1 ms
+MAX_BPE_CHARS = 4096
 _SPACE = " \\t\\n\\x0b\\x0c\\r"  # Unicode White_Space within ASCII (not \x1c-\x1f, which Python's \s includes)
 # an escape in a class, and outside one, for ASCII text
 _ESCAPES = {r"\p{L}": ("A-Za-z", "[A-Za-z]"), r"\p{N}": ("0-9", "[0-9]"), r"\s": (_SPACE, f"[{_SPACE}]"),
@@ -159,7 +163,8 @@ class WordEncoder:
         return encoder
 
     def encode(self, text: str) -> array[int] | None:
-        """`text`'s ids as uint32, or None (not ASCII, or a split the pattern does not reproduce)."""
+        """`text`'s ids as uint32, or None (not ASCII, a split the pattern does not reproduce, or a new word over
+        `MAX_BPE_CHARS`)."""
         if not text.isascii():
             return None
         ids = array("I")
@@ -224,7 +229,7 @@ class WordEncoder:
 
     def _word_ids(self, piece: str) -> bytes | None:
         """The ids (uint32 bytes) of a piece without added tokens, word by word; None where the pattern does not
-        cover it (Split keeps such text as a piece of its own)."""
+        cover it (Split keeps such text as a piece of its own) or a new word is over `MAX_BPE_CHARS`."""
         in_piece = self._split.findall(piece)
         if sum(map(len, in_piece)) != len(piece):
             return None
@@ -233,6 +238,8 @@ class WordEncoder:
         for word in in_piece:
             found = words.get(word)
             if found is None:
+                if len(word) > MAX_BPE_CHARS:
+                    return None
                 tokens = self._model.tokenize(word.translate(translate))
                 found = array("I", [token.id for token in tokens]).tobytes()
                 _remember(words, word, found)

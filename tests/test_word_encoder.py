@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, pre_tokenizers
 
-from router.tokenizer import PARALLEL_CHARS, ModelTokenizer
-from router.word_encoder import MAX_WORD_CHARS, WordEncoder, ascii_pattern
+from router.tokenizer import PARALLEL_CHARS, WORD_CACHE_MAX_CHARS, ModelTokenizer
+from router.word_encoder import MAX_BPE_CHARS, MAX_WORD_CHARS, WordEncoder, ascii_pattern
 
 # Llama 3's split pattern (Qwen 2's differs only in \p{N} vs \p{N}{1,3})
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -74,7 +74,8 @@ def test_model_tokenizer_ids_and_ends_unchanged(model_tok: ModelTokenizer, text:
 @given(parts=st.lists(ascii_texts, min_size=1, max_size=8), special=st.booleans())
 def test_long_ascii_text_takes_the_word_cache(model_tok: ModelTokenizer, parts: list[str], special: bool) -> None:
     """A prompt longer than `PARALLEL_CHARS` goes through the word cache too (a document of words seen before costs
-    a fifth of the tokenizer's time), with the tokenizer's ids; it went to the tokenizer's threads whole."""
+    a fifth of the tokenizer's time), with the tokenizer's ids; it went to the tokenizer's threads whole. One longer
+    than `WORD_CACHE_MAX_CHARS` still does."""
     tok = model_tok
     words = tok._words
     assert words is not None
@@ -87,6 +88,13 @@ def test_long_ascii_text_takes_the_word_cache(model_tok: ModelTokenizer, parts: 
     ids, _ = tok.encode_with_some_ends(text, add_special_tokens=special)
     assert list(ids) == tok.encode(text, add_special_tokens=special)
     assert len(words._words) + len(words._heads) + len(words._spaced) > 50
+    # ... up to WORD_CACHE_MAX_CHARS: the cache's regular expressions each run over the whole text holding the GIL
+    for cache in (words._words, words._heads, words._spaced):
+        cache.clear()
+    longer = text * (WORD_CACHE_MAX_CHARS // len(text) + 1)
+    ids, _ = tok.encode_with_some_ends(longer, add_special_tokens=special)
+    assert list(ids) == tok.encode(longer, add_special_tokens=special)
+    assert not (words._words or words._heads or words._spaced)
 
 # words and the like, each followed by a single space mostly, sometimes none, two, or a space before a newline
 spaced_texts = st.lists(st.tuples(
@@ -172,6 +180,17 @@ def test_long_words_are_not_cached(tiny: Tokenizer) -> None:
     assert encoder._words and max(map(len, encoder._words)) <= MAX_WORD_CHARS
     assert encoder._spaced and max(map(len, [*encoder._spaced, *encoder._heads])) <= MAX_WORD_CHARS
 
+
+
+def test_a_word_too_long_for_one_bpe_call_is_left_to_the_tokenizer(tiny: Tokenizer) -> None:
+    """A new word over `MAX_BPE_CHARS` letters would be one BPE call holding the GIL (the tokenizer's batch call
+    releases it): the encoder answers None and the caller goes there."""
+    encoder = WordEncoder.build(tiny)
+    assert encoder is not None
+    longest = "ab" * (MAX_BPE_CHARS // 2 - 1)  # with the space before it, a word of MAX_BPE_CHARS - 1
+    ids = encoder.encode(f"a {longest} b")
+    assert ids is not None and ids.tolist() == tiny.encode(f"a {longest} b", add_special_tokens=False).ids
+    assert encoder.encode(f"a {longest}xyz b") is None
 
 def test_cached_words_are_not_objects_the_cycle_collector_walks(tiny: Tokenizer) -> None:
     """Up to MAX_WORDS cached words: each a list was one more object every full collection walks with the GIL held."""
