@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import loadgen, vsim_report, workloads
+from bench import loadgen, machine, vsim_report, workloads
 from bench.make_model import bench_model_dir
 from bench.report import write_markdown, write_plots
 from bench.sim.launch import AgentSettings, SimFleet, start_sim_fleet
@@ -196,6 +196,8 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any traffic
     balance_abs = args.peer_balance_abs or max(2, round(args.concurrency / args.replicas))
     settings = TargetSettings(bs, MODEL, model_dir, balance_abs, args.peer_balance_rel, out / "logs")
+    before = machine.probe()
+    print(before.describe(), flush=True)
     report: dict[str, Any] = {
         "benchmark": "compare", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
@@ -250,6 +252,9 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             fleet.stop()
     # the gateway's predicted TTFT for the worker it chose (its X-Kvgate-Predicted-Ttft-Ms) against the client's
+    after = machine.probe()
+    print(after.describe(), flush=True)
+    report["machine"]["speed"] = machine.probes(before, after)
     panels = [{**row, "title": row["name"], "observed_label": "client's TTFT (ms)"} for row in report["targets"]]
     if vsim_report.write_prediction_plot({"results": panels}, out / "ttft_predicted.png"):
         report["prediction_plot"] = "ttft_predicted.png"

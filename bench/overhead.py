@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench import machine
 from bench.procs import CLOCK_TICKS, exit_on_sigterm, free_port, spawn_kvgate, stop, wait_http
 
 QUESTION_CHARS = 200
@@ -424,6 +425,8 @@ def run(args: argparse.Namespace) -> int:
 
     from bench.make_model import write_model
 
+    before = machine.probe()
+    print(before.describe())
     ports = [free_port() for _ in range(args.workers)]
     standins = spawn_kvgate(["standin", *itertools.chain.from_iterable(("--port", str(p)) for p in ports)])
     targets = _targets(args)
@@ -483,10 +486,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"/health while {st.target} takes {st.requests} cold {st.api} prompts of {st.prompt_chars} characters "
               f"(c{st.concurrency}): p50 {st.health_p50_ms:.1f} ms, p99 {st.health_p99_ms:.1f} ms, max "
               f"{st.health_max_ms:.1f} ms over {st.health_probes} probes, {st.errors} errors")
+    after = machine.probe()
+    print(after.describe())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "benchmark": "overhead", "python": sys.version.split()[0], "cpus": os.cpu_count(),
+        "machine_speed": machine.probes(before, after),
         "requests_per_round": args.requests, "rounds": args.rounds, "workers": args.workers,
         "system_prompts": args.system_prompts, "question_chars": QUESTION_CHARS, "processes": args.processes,
         "targets": targets, "skipped": skipped, "results": [asdict(r) for r in results],

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
+from bench import machine
 from bench.sim.perf_model import Profile, load_profile
 from bench.sweep import Job, run_sweep
 from bench.traces import TraceError
@@ -274,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
     bound = source.ideal(args.block_size)
     print(f"{source.name}: {source.count} requests, {bound.query_tokens:,} prompt tokens, ideal single-cache hit "
           f"rate {bound.hit_rate:.3f}; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
+    before = machine.probe()
+    print(before.describe(), flush=True)
     started = time.perf_counter()
     outcome = run_sweep([Job(p.label(), source.count, job, cost=job.cost)
                          for p, job in zip(points, jobs, strict=True)], simulate,
@@ -285,11 +288,14 @@ def run(args: argparse.Namespace) -> int:
         row["point"] = {**points[i].__dict__, "tier_gb": points[i].tier_gb}
         rows.append(row)
     choice = smallest(rows, slo)
+    after = machine.probe()
+    print(after.describe(), flush=True)
     summary = {"benchmark": "plan", "command": "kvgate bench plan " + " ".join(sys.argv[sys.argv.index("plan") + 1:])
                if "plan" in sys.argv else "(called from Python)",
                "workload": {"name": source.name, "params": source.params}, "requests": source.count,
                "profile": profile.name, "block_size": args.block_size, "slo": slo, "upper_bound": bound.hit_rate,
-               "jobs": args.jobs, "wall_s": time.perf_counter() - started, "peak_total_rss_mb": outcome.peak_rss_mb,
+               "jobs": args.jobs, "wall_s": time.perf_counter() - started,
+               "machine_speed": machine.probes(before, after), "peak_total_rss_mb": outcome.peak_rss_mb,
                "interrupted": outcome.interrupted,
                "unfinished": [points[i].label() for i in range(len(points)) if i not in outcome.results],
                "errors": {points[i].label(): e for i, e in outcome.errors.items()},

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from agent.config import AgentConfig
 from agent.tiers.base import TierName
-from bench import vsim_report, workloads
+from bench import machine, vsim_report, workloads
 from bench.calibrate import ttft_options
 from bench.sim.hash_map import U64Map
 from bench.sim.kv_cache import BlockPool, KvBlock, KvCacheManager
@@ -801,11 +801,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"{source.name}: {source.count} requests, {bound.query_tokens} prompt tokens; ideal single-cache hit rate "
           f"{bound.hit_rate:.3f}, TTFT limit p50 {limit['ttft_ms_p50'] or 0:.0f} p90 {limit['ttft_ms_p90'] or 0:.0f} "
           f"ms; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
+    before = machine.probe()
+    print(before.describe(), flush=True)
     started = time.perf_counter()
     outcome = run_sweep([Job(job.label, source.count, job, cost=job.cost) for job in jobs], simulate,
                         processes=args.jobs, show_progress=not args.no_progress,
                         on_result=lambda i, row: print_row(describe_row(row)))
     wall_s = time.perf_counter() - started
+    after = machine.probe()
+    print(after.describe(), flush=True)
     results = [outcome.results[i] for i in sorted(outcome.results)]
     vsim_report.add_gaps(results, limit)
     out = Path(args.out)
@@ -815,7 +819,8 @@ def run(args: argparse.Namespace) -> int:
         "workload": {"name": source.name, "params": source.params}, "profile": args.profile,
         "speedup": args.speedup, "tiers_sped_up": args.tiers_sped_up,
         "block_size": args.block_size, "tier_settings": settings.__dict__, "upper_bound": bound.hit_rate,
-        "ttft_limit": limit, "jobs": args.jobs, "wall_s": wall_s, "peak_total_rss_mb": outcome.peak_rss_mb,
+        "ttft_limit": limit, "jobs": args.jobs, "wall_s": wall_s, "machine_speed": machine.probes(before, after),
+        "peak_total_rss_mb": outcome.peak_rss_mb,
         "peak_total_pss_mb": outcome.peak_pss_mb,
         "interrupted": outcome.interrupted,
         "unfinished": [jobs[i].label for i in range(len(jobs)) if i not in outcome.results],

@@ -257,3 +257,10 @@ async def health_while(http: aiohttp.ClientSession, gw_url: str, work: Any) -> t
         done.set()
         await prober
     return result, slowest
+
+
+def recorded_speed(report: dict[str, Any]) -> bool:
+    """A benchmark report's machine probes (bench/machine.py), before and after its run, each of every kind."""
+    return set(report) == {"before", "after"} and all(
+        probe["python_us"] > 0 and probe["syscall_ns"] > 0 and probe["loopback_us"] > 0 and probe["load_1m"] >= 0
+        for probe in report.values())

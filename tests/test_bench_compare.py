@@ -24,6 +24,7 @@ from bench.targets import TargetSettings, parse_target
 from bench.vsim import FleetSimulation, TierSettings
 from bench.workload_options import build_workload
 from bench.workloads import PromptVocabulary
+from tests.conftest import recorded_speed
 
 STRATEGIES = ("round_robin", "prefix", "kv", "ttft")
 WORKLOAD = {"workload": "tenants", "tenants": 4, "users": 3, "requests_per_user": 2, "prefix_tokens": 256,
@@ -57,6 +58,7 @@ def test_short_comparison_writes_every_output(live_report: tuple[dict[str, Any],
     assert (out / "ttft_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     on_disk = orjson.loads((out / "report.json").read_bytes())
     assert [t["name"] for t in on_disk["targets"]] == [f"kvgate:{s}" for s in STRATEGIES]
+    assert recorded_speed(on_disk["machine"]["speed"])
     bound = report["upper_bound"]["hit_rate"]
     assert 0.5 < bound < 1
     for target in report["targets"]:

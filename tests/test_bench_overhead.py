@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from bench.overhead import Workload, add_arguments, run
+from tests.conftest import recorded_speed
 
 
 def test_workload_shares_system_prompts_and_never_repeats_a_question() -> None:
@@ -38,6 +39,7 @@ def test_overhead_benchmark_runs_and_reports(tmp_path: Path) -> None:
                for r in report["results"])
     assert [s["api"] for s in report["health_stalls"]] == ["chat", "completions"]
     assert all(s["health_probes"] > 0 and s["errors"] == 0 for s in report["health_stalls"])
+    assert recorded_speed(report["machine_speed"])
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (Path(__file__).resolve().parent.parent / ".git").exists(),

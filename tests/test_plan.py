@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from bench.plan import parse_duration
+from tests.conftest import recorded_speed
 from tests.test_traces import conversations
 
 
@@ -31,6 +32,7 @@ def test_the_plan_is_the_smallest_configuration_meeting_the_objective(tmp_path: 
     result = orjson.loads((tmp_path / "plan" / "plan.json").read_bytes())
     rows = result["results"]
     assert len(rows) == 2 * 2 * 2 * 2 and result["slo"] == {"p90": 0.2}
+    assert recorded_speed(result["machine_speed"])
     meeting = [r for r in rows if r["ttft_ms_p90"] <= 200]
     assert meeting and len(meeting) < len(rows), [(r["point"], r["ttft_ms_p90"]) for r in rows]
     choice = result["choice"]

@@ -30,6 +30,7 @@ from bench.traces import (
     write_trace,
 )
 from bench.workloads import PromptVocabulary, ideal_hit_rate
+from tests.conftest import recorded_speed
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +152,7 @@ def test_jobs_side_by_side_give_the_results_of_one_at_a_time(tmp_path: Path, tin
     assert comparable(runs[1]) == comparable(runs[2])
     assert all(r["completed"] == 120 for r in runs[2]["results"])
     assert 0 < runs[2]["peak_total_pss_mb"] < runs[2]["peak_total_rss_mb"]  # shared pages counted once, not thrice
+    assert recorded_speed(runs[1]["machine_speed"]) and recorded_speed(runs[2]["machine_speed"])
 
 
 @pytest.mark.timeout(300)
