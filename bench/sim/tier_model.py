@@ -27,7 +27,7 @@ from agent.store import TierStore
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 from agent.tiers.dram import DramTier
 from agent.tiers.shared import SharedTier
-from bench.sim.hash_lru import EMPTY, Hash, HashLru
+from bench.sim.hash_lru import Hash, HashLru
 from kvcore.kv_events import KvEvent
 
 LAYOUT = 0
@@ -115,17 +115,7 @@ class NvmeModel:
         return [self.read_into(key, out, touch) for key, out in zip(keys, outs, strict=True)]
 
     def contains(self, key: BlockKey) -> bool:
-        """`key[1] in self._lru`, its probe written out: the agent's store asks before and after every write of
-        a block to NVMe (a Python call fewer per question)."""
-        lru = self._lru
-        places, log, mask = lru._places, lru._log, lru._mask  # (its HashLru, this module's own)
-        h: int = key[1]  # type: ignore[assignment]
-        i = h & mask
-        while (place := places[i]) != EMPTY:
-            if log[place] == h:
-                return True
-            i = (i + 1) & mask
-        return False
+        return key[1] in self._lru
 
     def held(self, key: BlockKey) -> HeldBlock | None:
         return _HELD if key[1] in self._lru else None
