@@ -102,6 +102,14 @@ class TierSettings:
     nvme_admit_reuse: int = 1
     shared_admit_reuse: int = 1
 
+    def dram_note(self, gpu_blocks: int) -> str | None:
+        """A warning when the DRAM tier cannot hold more than a replica's GPU cache: a stored block enters DRAM as it
+        is computed, so DRAM then keeps about what the GPU keeps and is almost never hit."""
+        if self.dram_blocks > gpu_blocks:
+            return None
+        return (f"note: --dram-blocks {self.dram_blocks:,} is not larger than a replica's GPU cache "
+                f"({gpu_blocks:,} blocks): DRAM keeps about what the GPU keeps and will rarely be hit")
+
     def agent_config(self) -> AgentConfig:
         """The agent's settings (everything not named here: the agent's defaults, watermarks and TTL included)."""
         return AgentConfig(write_policy=self.write_policy, promote_on_hit=self.promote_on_hit,
@@ -803,6 +811,9 @@ def run(args: argparse.Namespace) -> int:
           f"ms; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
     before = machine.probe()
     print(before.describe(), flush=True)
+    note = settings.dram_note(args.gpu_blocks or profile.num_gpu_blocks(args.block_size)) if any(tier_modes) else None
+    if note:
+        print(note, file=sys.stderr, flush=True)
     started = time.perf_counter()
     outcome = run_sweep([Job(job.label, source.count, job, cost=job.cost) for job in jobs], simulate,
                         processes=args.jobs, show_progress=not args.no_progress,

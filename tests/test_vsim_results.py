@@ -191,3 +191,13 @@ def test_prompts_sharing_a_prefix_share_its_digest_objects() -> None:
     digests.of(other, block_keys(other, 16, root))
     c = digests.of(first, block_keys(first, 16, root))
     assert c == a and not any(x is y for x, y in zip(a[:32], c[:32], strict=True))
+
+
+def test_a_dram_tier_no_larger_than_the_gpu_cache_is_pointed_out() -> None:
+    """vsim's default DRAM tier (20,000 blocks) is smaller than an H100 replica's GPU cache (25,243): DRAM then holds
+    what the GPU holds, and its hit rate reads 0.000 with nothing said."""
+    settings = vsim.TierSettings(dram_blocks=20_000)
+    note = settings.dram_note(25_243)
+    assert note is not None and "--dram-blocks 20,000" in note and "(25,243 blocks)" in note
+    assert settings.dram_note(20_000) is not None
+    assert settings.dram_note(19_999) is None
