@@ -24,6 +24,7 @@ step that made them, plus `--event-delay-s`), the sim's engine lag.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import gc
 import heapq
@@ -165,6 +166,10 @@ class VirtualReplica:
                              kv_block_size=block_size)
         self.busy = False
         self.step_end = 0.0  # when the step in progress ends (while busy)
+        self.step_seq = -1  # the queue's sequence number of that step's end (an entry with another is cancelled)
+        # while the engine repeats a decode step in place: when each of those steps ends, the last one's end queued
+        # (`FleetSimulation._repeat_run`)
+        self.run_ends: list[float] = []
         self.out: Any = None
         self.tiers: ReplicaAgent | None = None
         self.upkeep_due = False
@@ -386,6 +391,8 @@ class FleetSimulation:
         return seconds if n else 0.0
 
     def _admit(self, replica: VirtualReplica, sim: SimRequest, req: VRequest) -> None:
+        if replica.run_ends:
+            self._cut_run(replica)
         sim.arrival_time = req.arrival
         req.step_wait = replica.step_end - self.now if replica.busy else 0.0
         replica.scheduler.add_request(sim)
@@ -409,15 +416,47 @@ class FleetSimulation:
                                                           for c in out.chunks]))
 
     def _start_step(self, replica: VirtualReplica, duration: float) -> None:
-        replica.step_end = self.now + duration
-        self._push(replica.step_end, "step", replica)
+        self._step_ends(replica, self.now + duration)
+
+    def _step_ends(self, replica: VirtualReplica, at: float) -> None:
+        """The replica's step in progress ends `at` (an end queued before is cancelled)."""
+        replica.step_end = at
+        replica.step_seq = next(self._seq)
+        heapq.heappush(self._queue, (at, replica.step_seq, "step", replica))
+
+    def _repeat_run(self, replica: VirtualReplica, repeats: int) -> None:
+        """The step that just ended is repeated in place `repeats` times in a row (`Scheduler.repeat_decodes`: what
+        the rest would do for such a step, tokens that nobody hears of, no event, the same batch again): one end is
+        queued, after them all, and the tokens are appended then, or where a request is admitted meanwhile up to
+        the step in progress (`_cut_run`). Each step's end is the previous one's plus its time, as step by step."""
+        chunks = replica.out.chunks
+        n = len(chunks)
+        context = sum([c.request.num_computed_tokens for c in chunks])  # each repeat's own context, n more each
+        decodes_time = self.profile.decodes_time
+        at = self.now
+        ends = replica.run_ends
+        for k in range(repeats):
+            at += decodes_time(n, context + k * n)
+            ends.append(at)
+        self._step_ends(replica, at)
+
+    def _cut_run(self, replica: VirtualReplica) -> None:
+        """A request is admitted during a run of repeated steps: the steps that ended before now (and the one in
+        progress, the batch it repeats) happen; the one in progress ends the run. (An arrival at the very time a
+        step ends comes first, as the queue orders it.)"""
+        ends = replica.run_ends
+        done = bisect.bisect_left(ends, self.now) + 1
+        replica.scheduler.repeat_decodes(replica.out, done)
+        if done < len(ends):
+            self._step_ends(replica, ends[done - 1])
+        replica.run_ends = []
 
     def _step_done(self, replica: VirtualReplica) -> None:
-        if self._repeat_decodes and replica.scheduler.repeat_decodes(replica.out):
-            # what the rest would do for such a step: tokens that nobody hears of, no event, the same batch again
-            chunks = replica.out.chunks
-            self._start_step(replica, self.profile.decodes_time(
-                len(chunks), sum([c.num_context_tokens for c in chunks])))
+        if replica.run_ends:  # the end of a run of repeated steps: they happen now, then this one as any other
+            replica.scheduler.repeat_decodes(replica.out, len(replica.run_ends))
+            replica.run_ends = []
+        elif self._repeat_decodes and (repeats := replica.scheduler.decode_repeats(replica.out)):
+            self._repeat_run(replica, repeats)
             return
         sampled, finished = replica.scheduler.update_from_output(replica.out, self.now)
         strategy = self.strategy
@@ -521,12 +560,13 @@ class FleetSimulation:
                 self._push_arrival(first)
         self._push(0.0, "scrape")
         while self._queue:
-            at, _, kind, payload = heapq.heappop(self._queue)
+            at, seq, kind, payload = heapq.heappop(self._queue)
             self.now = at
             if kind == "arrive":
                 self._arrive(payload)
             elif kind == "step":
-                self._step_done(payload)
+                if seq == payload.step_seq:  # (else cancelled)
+                    self._step_done(payload)
             elif kind == "admit":
                 self._admit(*payload)
             elif kind == "events":

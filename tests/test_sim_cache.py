@@ -268,6 +268,44 @@ def test_repeated_decode_steps_are_the_steps_the_scheduler_makes(seed: int) -> N
     assert repeated > 100 and refused > 100, (repeated, refused)
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_run_of_repeated_decode_steps_is_as_many_single_repeats(seed: int) -> None:
+    """`repeat_decodes(out, k)` against k calls of `repeat_decodes(out)`: the same chunks, tokens and blocks
+    after it, for every k up to `decode_repeats` (which counts exactly the single repeats that succeed); beyond
+    it, nothing changes."""
+    rng = random.Random(seed)
+    single = make(num_blocks=24, max_num_seqs=4, budget=16, max_model_len=64)
+    run = make(num_blocks=24, max_num_seqs=4, budget=16, max_model_len=64)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([4, 8, 12]))] for _ in range(4)]
+    out_single, out_run = single.schedule(), run.schedule()
+    runs = 0
+    for step in range(600):
+        if rng.random() < 0.08:
+            prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 10))]
+            max_tokens = rng.randrange(1, 40)
+            single.add_request(req(f"r{step}", prompt, max_tokens))
+            run.add_request(req(f"r{step}", prompt, max_tokens))
+        repeats = run.decode_repeats(out_run)
+        if repeats:
+            before = _step_state(run, out_run)
+            assert not run.repeat_decodes(out_run, repeats + 1)
+            assert _step_state(run, out_run) == before
+            k = rng.randint(1, repeats)
+            assert run.repeat_decodes(out_run, k)
+            for _ in range(k):
+                assert single.repeat_decodes(out_single)
+            runs += k > 1
+            if k == repeats:
+                assert not single.repeat_decodes(out_single)
+        else:
+            assert not single.repeat_decodes(out_single)
+            for s, out in ((single, out_single), (run, out_run)):
+                s.update_from_output(out, float(step))
+            out_single, out_run = single.schedule(), run.schedule()
+        assert _step_state(run, out_run) == _step_state(single, out_single), f"step {step}"
+    assert runs > 10, runs
+
+
 def test_a_new_request_is_admitted_only_if_its_whole_prompt_fits() -> None:
     """vLLM 0.32's scheduler_reserve_full_isl: the first chunk fitting is not enough."""
     s = make(num_blocks=9, budget=8, max_model_len=32)

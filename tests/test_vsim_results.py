@@ -135,6 +135,33 @@ def test_replays_give_the_pinned_results(monkeypatch: pytest.MonkeyPatch, trace:
     assert replay(trace, vocab, strategy, tiers) == PINNED[f"{strategy} {tiers}"]
 
 
+@pytest.mark.parametrize(("strategy", "tiers"), [("round_robin", "off"), ("kv", "lazy")])
+def test_runs_of_repeated_decode_steps_are_the_steps_one_by_one(monkeypatch: pytest.MonkeyPatch, trace: Path,
+                                                                 vocab: PromptVocabulary, strategy: str,
+                                                                 tiers: str) -> None:
+    """A replica that repeats a decode step queues one end for the whole run (`_repeat_run`), cut where a request
+    is admitted meanwhile (`_cut_run`): the same result and decisions as a replay that makes every step anew, and
+    such runs were cut."""
+    cuts = 0
+    cut_run = vsim.FleetSimulation._cut_run
+
+    def counted(self: vsim.FleetSimulation, replica: vsim.VirtualReplica) -> None:
+        nonlocal cuts
+        cuts += 1
+        cut_run(self, replica)
+
+    monkeypatch.setattr(vsim.FleetSimulation, "_cut_run", counted)
+    settings = None if tiers == "off" else dataclasses.replace(SMALL_TIERS, write_policy=tiers)
+    results = []
+    for repeat in (False, True):
+        sim = vsim.FleetSimulation(TraceSource(Trace(trace, report=None), vocab, block_tokens=32),
+                                   strategy=strategy, replicas=4, gpu_blocks=400, tiers=settings)
+        sim._repeat_decodes = repeat
+        results.append(fingerprint(sim.run(), sim.decisions))
+    assert results[0] == results[1]
+    assert cuts > 10, cuts
+
+
 @pytest.mark.parametrize("strategy", ["prefix", "kv", "ttft"])
 def test_every_clock_a_replay_reads_is_virtual(trace: Path, vocab: PromptVocabulary, strategy: str) -> None:
     """The prefix trie's TTL ran on the wall clock: a whole-trace replay that took longer than the TTL (600 s) to

@@ -308,30 +308,38 @@ class Scheduler:
             out.saves.append((hashes[first:full], hashes[first - 1] if first > 0 else None))
             request.num_saved_blocks = full
 
-    def repeat_decodes(self, out: SchedulerOutput) -> bool:
+    def repeat_decodes(self, out: SchedulerOutput, times: int = 1) -> bool:
         """Apply the finished step `out` and make `out` the next step, where that is all `update_from_output` and
         `schedule` would do: `out` gave every running request a decode token and nothing else, nothing waits, no
         request has a listener, and with this token no request finishes or fills a block, nor does the next one
         need a block or cache one. Then the tokens are appended and each chunk is one token further on (no
         request gets its first token, nothing is allocated, freed or cached: no KV event). False, and nothing
-        changed, otherwise (`update_from_output`, then `schedule`). Most steps of a long decode are such steps."""
-        if self.waiting:
+        changed, otherwise (`update_from_output`, then `schedule`). Most steps of a long decode are such steps.
+        `times`: that many such steps in a row at once (the same as as many calls), or none where fewer are left
+        (`decode_repeats`)."""
+        if self.decode_repeats(out) < times or times < 1:
             return False
-        if out is not self._repeating:
-            self._repeating, self._repeats = out, self._repeats_of(out)
-        if not self._repeats:
-            return False
-        self._repeats -= 1
+        self._repeats -= times
         for chunk in out.chunks:
             request = chunk.request
             outputs = request.output_token_ids
             plan = request.output_plan
-            token = plan[len(outputs) % len(plan)]
-            outputs.append(token)
-            request.all_token_ids.append(token)
-            chunk.num_context_tokens = request.num_computed_tokens
-            request.num_computed_tokens += 1
+            n_out = len(outputs)
+            tokens = [plan[(n_out + k) % len(plan)] for k in range(times)]
+            outputs += tokens
+            request.all_token_ids += tokens
+            chunk.num_context_tokens = request.num_computed_tokens + times - 1
+            request.num_computed_tokens += times
         return True
+
+    def decode_repeats(self, out: SchedulerOutput) -> int:
+        """How many times in a row `repeat_decodes` can repeat the finished step `out` from here, as long as no
+        request is added (0 while one waits)."""
+        if self.waiting:
+            return 0
+        if out is not self._repeating:
+            self._repeating, self._repeats = out, self._repeats_of(out)
+        return self._repeats
 
     def _repeats_of(self, out: SchedulerOutput) -> int:
         """How many times in a row `repeat_decodes` can repeat `out` while nothing is added: the fewest tokens
