@@ -8,7 +8,8 @@ queue replaces the clock: arrivals, engine steps and metric scrapes happen at th
 Mooncake trace over 8-64 replicas replays in minutes.
 
 Tiers (`--tiers`): each replica runs the tier agent's own tier stack (bench/sim/tier_model.py: the agent's
-`TierStore`, policies and DRAM tier over stand-in bytes, NVMe as an LRU model, one shared store for the fleet):
+`TierStore` and policies over stand-in bytes, its DRAM tier's prefix order and NVMe as an LRU modelled, one
+shared store for the fleet):
 every chain of blocks the engine computes is handed to it, as the connector does; `lazy` demotes what DRAM and
 NVMe push out, `eager` writes through to NVMe and shared at once; a block enters NVMe / shared only after
 `admit_reuse` uses; a hit on NVMe / shared is promoted to DRAM; the watermark upkeep runs every 0.2 s. At

@@ -16,7 +16,7 @@ from agent.tiers.base import StoreItem, TierName
 from agent.tiers.dram import DramTier
 from bench.sim import hash_lru
 from bench.sim.hash_lru import HashLru
-from bench.sim.tier_model import FleetBackend, HashKeyedIndex, HashUseCounter, NvmeModel, ReplicaAgent
+from bench.sim.tier_model import DramModel, FleetBackend, HashKeyedIndex, HashUseCounter, NvmeModel, ReplicaAgent
 from kvcore.kv_events import BlockRemoved, BlockStored
 
 
@@ -122,6 +122,51 @@ def test_the_nvme_model_is_the_dram_tier_without_prefix_order(monkeypatch: pytes
                                                                                 key=lambda k: full._blocks[k].used)
     assert removed["slim"] == removed["full"] and sum(map(len, removed["full"])) > 500
     assert vars(slim.stats) | {"lock": None} == vars(full.stats) | {"lock": None}
+
+
+@pytest.mark.parametrize("longest", [8, 150])
+def test_the_dram_model_is_the_agents_dram_tier(longest: int) -> None:
+    """The simulator's DRAM model (`DramModel`: hashes, no bytes) stores, refuses, answers, evicts and hands down
+    exactly as the agent's DRAM tier in prefix order under a random mix of operations: chains (each block the
+    parent of the next, some continuing a resident block, some repeating one), promotions, reads, touches,
+    deletions and upkeep; chains of up to 150 blocks into 50 make the tier refuse their tails and evict blocks of
+    the chain being stored. A removed block is handed down with its key alone: the tiers below take nothing else
+    of it."""
+    rng = random.Random(5)
+    slim, full = DramModel(50, 0.9, 0.6), DramTier(50, 0.9, 0.6)
+    removed: dict[str, list[Any]] = {"slim": [], "full": []}
+    slim.on_removed = lambda r: removed["slim"].append([(x.key, x.block is None) for x in r])
+    full.on_removed = lambda r: removed["full"].append([(x.key, x.block is None) for x in r])
+    out = memoryview(bytearray(1))
+    stores = 0
+    for _ in range(3000):
+        keys = [(0, rng.randrange(120 if longest < 50 else 400)) for _ in range(rng.randint(1, longest))]
+        op = rng.random()
+        if op < 0.4:
+            first = (0, rng.randrange(400)) if rng.random() < 0.5 else None
+            items = [StoreItem(k, b"\x00", checksum(b"\x00"), parent)
+                     for k, parent in zip(keys, [first, *keys[:-1]], strict=True)]
+            held = slim.store_many(items)
+            assert held == full.store_many(items)
+            stores += held
+        elif op < 0.7:
+            touch = rng.random() < 0.8
+            assert slim.read_many(keys, [out] * len(keys), touch) == full.read_many(keys, [out] * len(keys), touch)
+        elif op < 0.8:
+            slim.touch(keys)
+            full.touch(keys)
+        elif op < 0.9:
+            assert slim.delete(keys[0]) == full.delete(keys[0])
+        elif slim.above_high_watermark() or full.above_high_watermark():
+            assert slim.above_high_watermark() and full.above_high_watermark()
+            slim.evict_to_low_watermark()
+            full.evict_to_low_watermark()
+        assert [slim.contains(k) for k in keys] == [full.contains(k) for k in keys]
+        assert [slim.held(k) is None for k in keys] == [full.held(k) is None for k in keys]
+        assert slim.usage() == full.usage() and list(slim.block_keys()) == list(full.block_keys())
+    assert removed["slim"] == removed["full"] and sum(map(len, removed["full"])) > 500 and stores > 1000
+    assert vars(slim.stats) | {"lock": None} == vars(full.stats) | {"lock": None}
+    assert (full.stats.refused > 0) == (longest > 50)
 
 
 def test_the_fleet_store_is_an_exact_lru(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,11 +1,11 @@
 """The tier agent in virtual time (`kvgate bench vsim --tiers`): the agent's own `TierStore` -- its write policy,
-admission by reuse, promotion, demotion and watermarks (agent/store.py, agent/policy.py), its DRAM tier's
-eviction in prefix order, its shared tier's index and TTL -- over tiers that keep one stand-in byte per block, so
-capacities count blocks.
+admission by reuse, promotion, demotion and watermarks (agent/store.py, agent/policy.py), its shared tier's index
+and TTL -- over tiers that keep one stand-in byte per block, so capacities count blocks.
 
-Modelled rather than run: NVMe is exact LRU, the DRAM tier's bookkeeping without prefix order (the order
-of the agent's `files` layout; the default segment log drops the oldest eighth at a time), and like DRAM it hands
-a block it pushes out to the tier below (the agent copies NVMe's eviction candidates down before its upkeep
+Modelled rather than run: DRAM, as the agent's DRAM tier's eviction in prefix order over block hashes without
+bytes (tested against the agent's tier); NVMe, as exact LRU, the DRAM tier's bookkeeping without prefix order (the
+order of the agent's `files` layout; the default segment log drops the oldest eighth at a time), and like DRAM it
+hands a block it pushes out to the tier below (the agent copies NVMe's eviction candidates down before its upkeep
 evicts them). The fleet's Redis is a dict on the virtual clock: TTL from the last write, a bound in blocks with
 least-recently-used eviction nobody is told of, as Redis's allkeys-lru. Each replica's agent has its own
 shared-tier index and asks the backend about the blocks it does not know before a lookup (the connector with
@@ -14,18 +14,19 @@ shared-tier index and asks the backend about the blocks it does not know before 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
-from typing import ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 from agent.block import BlockKey, checksum
 from agent.config import AgentConfig
 from agent.policy import UseCounter
 from agent.store import TierStore
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
-from agent.tiers.dram import DramTier
 from agent.tiers.shared import SharedTier
 from bench.sim.hash_lru import Hash, HashLru
 from kvcore.kv_events import KvEvent
@@ -49,6 +50,195 @@ class InlineExecutor(Executor):
         except BaseException as exc:
             future.set_exception(exc)
         return future
+
+
+# one block of `DramModel`: [last use, resident children, parent hash, the parent's entry that counts it]
+_USED, _CHILDREN, _PARENT, _COUNTED_BY = range(4)
+
+
+class DramModel:
+    """The DRAM tier of the model: the agent's DRAM tier (agent/tiers/dram.py) in prefix order -- the least
+    recently used leaf goes first, a block whose child is resident waits for it, a chain longer than the tier
+    keeps its head -- over block hashes, without bytes: per block a small list (last use, resident children,
+    parent, the parent's entry that counts it), no buffer, no `DramBlock`, no lock. Every block is the same
+    one-byte stand-in, so capacities count blocks and one held block (`_HELD`) stands for each one that moves down
+    (the tiers below take a block's key alone, not its parent). Tested against the agent's tier
+    (tests/test_sim_tiers.py)."""
+
+    name = TierName.DRAM
+
+    def __init__(self, capacity: int, high_watermark: float, low_watermark: float) -> None:
+        self.capacity = capacity
+        self.high_bytes = int(capacity * high_watermark)
+        self.low_bytes = int(capacity * low_watermark)
+        self.stats = TierStats()
+        self.on_removed: RemovalListener | None = None
+        self._blocks: dict[Hash, list[Any]] = {}
+        # (last use, hash) of leaves; an entry is stale once the block is gone, used again or a parent again
+        self._leaves: list[tuple[int, Hash]] = []
+        self._ticks = itertools.count()
+        self._unentered: list[Any] | None = None  # see store_many
+
+    def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
+        return self.store_many([StoreItem(key, payload, digest)]) == 1
+
+    def store_many(self, items: Sequence[StoreItem]) -> int:
+        """As the agent's tier: a new block whose child is the next item is entered as a leaf only if it still is
+        one once that child is stored."""
+        evicted: list[Removed] = []
+        held = 0
+        refused: BlockKey | None = None
+        last = len(items) - 1
+        blocks = self._blocks
+        deferred: tuple[list[Any], Hash] | None = None  # the block stored just before, without its leaf entry
+        for i, (key, _payload, _digest, parent) in enumerate(items):
+            if parent is not None and parent == refused:  # the rest of a chain the tier cannot hold whole
+                self.stats.refused += 1
+                refused = key
+            elif self._store(key[1], None if parent is None else parent[1], evicted,
+                             i == last or items[i + 1].parent != key):
+                held += 1
+            else:
+                refused = key
+            if deferred is not None:
+                block, h = deferred
+                if block[_CHILDREN] == 0 and blocks.get(h) is block:
+                    heapq.heappush(self._leaves, (block[_USED], h))
+                deferred = None
+            if self._unentered is not None:
+                deferred, self._unentered = (self._unentered, key[1]), None
+        self._report(evicted)
+        return held
+
+    def _store(self, h: Hash, parent: Hash | None, evicted: list[Removed], leaf: bool) -> bool:
+        if self.capacity < 1:
+            self.stats.refused += 1
+            return False
+        blocks = self._blocks
+        existing = blocks.get(h)
+        if existing is not None:
+            self._use(h, existing)
+            return True
+        if len(blocks) >= self.capacity:
+            evicted += self._evict(self.capacity - 1, protect=parent)
+            if len(blocks) >= self.capacity:  # what is left is this block's own ancestors
+                self.stats.refused += 1
+                return False
+        block: list[Any] = [0, 0, None, None]
+        if parent is not None:
+            parent_block = blocks.get(parent)
+            if parent_block is not None:
+                parent_block[_CHILDREN] += 1
+                block[_PARENT] = parent
+                block[_COUNTED_BY] = parent_block
+        blocks[h] = block
+        if leaf:
+            self._use(h, block)
+        else:
+            block[_USED] = next(self._ticks)
+            self._unentered = block
+        self.stats.stores += 1
+        return True
+
+    def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
+        h = key[1]
+        block = self._blocks.get(h)
+        if block is None:
+            self.stats.misses += 1
+            return None
+        out[:1] = _STAND_IN
+        if touch:
+            self._use(h, block)
+        self.stats.hits += 1
+        return 1
+
+    def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
+        return [self.read_into(key, out, touch) for key, out in zip(keys, outs, strict=True)]
+
+    def held(self, key: BlockKey) -> HeldBlock | None:
+        return _HELD if key[1] in self._blocks else None
+
+    def contains(self, key: BlockKey) -> bool:
+        return key[1] in self._blocks
+
+    def delete(self, key: BlockKey) -> bool:
+        block = self._blocks.get(key[1])
+        if block is None:
+            return False
+        self._remove(key[1], block)
+        self._report([Removed(key)])
+        return True
+
+    def usage(self) -> TierUsage:
+        return TierUsage(len(self._blocks), len(self._blocks), self.capacity)
+
+    def block_keys(self) -> Iterable[BlockKey]:
+        return [(LAYOUT, h) for h in self._blocks]
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """A prefix chain used: children first, so each parent ends up more recent than its child."""
+        blocks = self._blocks
+        for _layout, h in reversed(keys):
+            block = blocks.get(h)
+            if block is not None:
+                self._use(h, block)
+
+    def above_high_watermark(self) -> bool:
+        return len(self._blocks) > self.high_bytes
+
+    def evict_to_low_watermark(self) -> None:
+        self._report(self._evict(self.low_bytes))
+
+    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
+        return []  # an eviction hands over the (stand-in) bytes itself
+
+    def upkeep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _use(self, h: Hash, block: list[Any]) -> None:
+        block[_USED] = used = next(self._ticks)
+        if block[_CHILDREN] == 0:
+            heapq.heappush(self._leaves, (used, h))
+            if len(self._leaves) > 2 * len(self._blocks) + 1024:  # mostly stale entries: rebuild
+                self._leaves = [(b[_USED], k) for k, b in self._blocks.items() if b[_CHILDREN] == 0]
+                heapq.heapify(self._leaves)
+
+    def _evict(self, target: int, protect: Hash | None = None) -> list[Removed]:
+        """Evict least recently used leaves until at most `target` blocks are left."""
+        evicted: list[Removed] = []
+        spared: list[tuple[int, Hash]] = []
+        blocks = self._blocks
+        leaves = self._leaves
+        while len(blocks) > target and leaves:
+            used, h = heapq.heappop(leaves)
+            block = blocks.get(h)
+            if block is None or block[_USED] != used or block[_CHILDREN]:
+                continue  # stale
+            if h == protect:
+                spared.append((used, h))
+                continue
+            self._remove(h, block)
+            evicted.append(Removed((LAYOUT, h), _HELD))
+        for entry in spared:  # the parent of the block being stored: still a leaf, still that old
+            heapq.heappush(leaves, entry)
+        self.stats.evictions += len(evicted)
+        return evicted
+
+    def _remove(self, h: Hash, block: list[Any]) -> None:
+        blocks = self._blocks
+        del blocks[h]
+        parent_block: list[Any] | None = block[_COUNTED_BY]
+        if parent_block is not None and parent_block is blocks.get(block[_PARENT]):
+            parent_block[_CHILDREN] -= 1
+            if parent_block[_CHILDREN] == 0:  # a leaf again, as old as its last use
+                heapq.heappush(self._leaves, (parent_block[_USED], block[_PARENT]))
+
+    def _report(self, removed: list[Removed]) -> None:
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)
 
 
 class NvmeModel:
@@ -411,7 +601,7 @@ class ReplicaAgent:
     """One replica's tier agent: the agent's `TierStore` over the model's tiers."""
 
     def __init__(self, config: AgentConfig, dram_blocks: int, nvme_blocks: int, fleet: FleetBackend) -> None:
-        dram = (DramTier(dram_blocks, config.dram_high_watermark, config.dram_low_watermark)
+        dram = (DramModel(dram_blocks, config.dram_high_watermark, config.dram_low_watermark)
                 if dram_blocks > 0 else None)
         nvme = (NvmeModel(nvme_blocks, config.nvme_high_watermark, config.nvme_low_watermark)
                 if nvme_blocks > 0 else None)
