@@ -172,36 +172,46 @@ class WordEncoder:
         for added in self._added:
             pieces = [part for piece in pieces for part in
                       ((piece,) if piece in self._added_ids else added.split(piece)) if part]
-        by_spaces = self._by_spaces
+        by_spaces, heads = self._by_spaces, self._heads
         for piece in pieces:
             tid = self._added_ids.get(piece)
             if tid is not None:
                 ids.append(tid)
                 continue
             if by_spaces:
-                # whitespace at the end is words of its own (no word spans from other text into whitespace)
-                body = piece.rstrip(_WHITESPACE)
-                # no space before whitespace (substring searches: a regex search cost 2.5 us per 200 characters)
-                if not ("  " in body or " \n" in body or " \t" in body or " \r" in body or " \x0b" in body
-                        or " \x0c" in body):
-                    found = self._chunks(body)
-                    if found is None:
-                        return None
-                    ids.frombytes(found)
-                    piece = piece[len(body):]
-                    if not piece:
-                        continue
-                found = self._heads.get(piece)  # whitespace (a newline between turns), or what is not cut at spaces
+                # a short piece seen before whole (a chat template's text between its tokens: "assistant\n", "\n",
+                # a system prompt's last words before its end token): one lookup, not a cut and a lookup per chunk
+                found = heads.get(piece)
                 if found is None:
-                    found = self._word_ids(piece)
+                    found = self._piece_ids(piece)
                     if found is not None:
-                        _remember(self._heads, piece, found)
+                        _remember(heads, piece, found)
             else:
                 found = self._word_ids(piece)
             if found is None:
                 return None
             ids.frombytes(found)
         return ids
+
+    def _piece_ids(self, piece: str) -> bytes | None:
+        """The ids (uint32 bytes) of a piece between added tokens, with GPT-2's pattern: cut at its spaces, the
+        whitespace at its end words of its own (no word spans from other text into whitespace); word by word where
+        a space comes before whitespace."""
+        body = piece.rstrip(_WHITESPACE)
+        # a space before whitespace (substring searches: a regex search cost 2.5 us per 200 characters)
+        if "  " in body or " \n" in body or " \t" in body or " \r" in body or " \x0b" in body or " \x0c" in body:
+            return self._word_ids(piece)
+        found = self._chunks(body)
+        tail = piece[len(body):]
+        if found is None or not tail:
+            return found
+        spaces = self._heads.get(tail)  # whitespace: a newline between turns
+        if spaces is None:
+            spaces = self._word_ids(tail)
+            if spaces is None:
+                return None
+            _remember(self._heads, tail, spaces)
+        return found + spaces
 
     def _chunks(self, piece: str) -> bytes | None:
         """The ids (uint32 bytes) of a piece in which every space is followed by a character other than whitespace,

@@ -128,6 +128,22 @@ def test_chunks_are_cached_with_gpt2s_pattern_only(tiny: Tokenizer, split_style:
     assert not llama._spaced and not llama._heads
 
 
+def test_a_short_piece_between_added_tokens_is_looked_up_whole(
+    tiny: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat template's text between its tokens ("assistant\\n", a system prompt's last words before its end token)
+    comes from the cache in one lookup the second time: the piece is not cut at its spaces again."""
+    encoder = WordEncoder.build(tiny)
+    assert encoder is not None and encoder._by_spaces
+    text = "<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nthe last words  of it\n<|im_end|>"
+    first = encoder.encode(text)
+    monkeypatch.setattr(encoder, "_chunks", lambda piece: pytest.fail(f"{piece!r} cut again"))
+    monkeypatch.setattr(encoder, "_word_ids", lambda piece: pytest.fail(f"{piece!r} split again"))
+    again = encoder.encode(text)
+    assert first is not None and again == first
+    assert first.tolist() == tiny.encode(text, add_special_tokens=False).ids
+
+
 def test_non_ascii_text_is_left_to_the_tokenizer(tiny: Tokenizer) -> None:
     encoder = WordEncoder.build(tiny)
     assert encoder is not None
