@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -84,68 +85,20 @@ def test_admission_by_reuse_keeps_one_off_blocks_out_of_the_lower_tiers() -> Non
     assert stored["DISK"] == [1] and stored["SHARED"] == [1]
 
 
-@pytest.mark.parametrize("longest", [8, 150])
-def test_the_nvme_model_is_the_dram_tier_without_prefix_order(monkeypatch: pytest.MonkeyPatch, longest: int) -> None:
-    """The simulator's slim NVMe model (hashes in use order, `HashLru`) answers, evicts and hands down exactly as
-    the agent's DRAM tier without prefix order, the exact LRU it stands for, under a random mix of operations;
-    chains of up to 150 blocks into 50 make one write evict many blocks, among them blocks it wrote or touched
-    itself, and the log is rewritten often."""
-    monkeypatch.setattr(hash_lru, "STALE_SLACK", 3)
-    rng = random.Random(7)
-    slim, full = NvmeModel(50, 0.9, 0.6), DramTier(50, 0.9, 0.6, prefix_order=False)
-    removed: dict[str, list[Any]] = {"slim": [], "full": []}
-    slim.on_removed = lambda r: removed["slim"].append([(x.key, None if x.block is None else x.block.item(x.key))
-                                                        for x in r])
-    full.on_removed = lambda r: removed["full"].append([(x.key, None if x.block is None else x.block.item(x.key))
-                                                        for x in r])
-    out = memoryview(bytearray(1))
-    for _ in range(3000):
-        keys = [(0, rng.randrange(120 if longest < 50 else 400)) for _ in range(rng.randint(1, longest))]
-        op = rng.random()
-        if op < 0.4:
-            items = [StoreItem(k, b"\x00", checksum(b"\x00"), (0, 999)) for k in keys]
-            assert slim.store_many(items) == full.store_many(items)
-        elif op < 0.7:
-            touch = rng.random() < 0.8
-            assert slim.read_many(keys, [out] * len(keys), touch) == full.read_many(keys, [out] * len(keys), touch)
-        elif op < 0.8:
-            slim.touch(keys)
-            full.touch(keys)
-        elif op < 0.9:
-            assert slim.delete(keys[0]) == full.delete(keys[0])
-        elif slim.above_high_watermark() or full.above_high_watermark():
-            assert slim.above_high_watermark() and full.above_high_watermark()
-            slim.evict_to_low_watermark()
-            full.evict_to_low_watermark()
-        assert [slim.contains(k) for k in keys] == [full.contains(k) for k in keys]
-        assert slim.usage() == full.usage() and list(slim.block_keys()) == sorted(full.block_keys(),
-                                                                                key=lambda k: full._blocks[k].used)
-    assert removed["slim"] == removed["full"] and sum(map(len, removed["full"])) > 500
-    assert vars(slim.stats) | {"lock": None} == vars(full.stats) | {"lock": None}
-
-
-@pytest.mark.parametrize("longest", [8, 150])
-def test_the_dram_model_is_the_agents_dram_tier(longest: int) -> None:
-    """The simulator's DRAM model (`DramModel`: hashes, no bytes) stores, refuses, answers, evicts and hands down
-    exactly as the agent's DRAM tier in prefix order under a random mix of operations: chains (each block the
-    parent of the next, some continuing a resident block, some repeating one), promotions, reads, touches,
-    deletions and upkeep; chains of up to 150 blocks into 50 make the tier refuse their tails and evict blocks of
-    the chain being stored. A removed block is handed down with its key alone: the tiers below take nothing else
-    of it."""
-    rng = random.Random(5)
-    slim, full = DramModel(50, 0.9, 0.6), DramTier(50, 0.9, 0.6)
-    removed: dict[str, list[Any]] = {"slim": [], "full": []}
-    slim.on_removed = lambda r: removed["slim"].append([(x.key, x.block is None) for x in r])
-    full.on_removed = lambda r: removed["full"].append([(x.key, x.block is None) for x in r])
+def same_under_random_operations(slim: DramModel | NvmeModel, full: DramTier, rng: random.Random, longest: int,
+                                 items_of: Callable[[list[BlockKey]], list[StoreItem]],
+                                 agree: Callable[[list[BlockKey]], None]) -> int:
+    """Drive a model and the agent's tier through the same 3,000 random operations (stores of `items_of` the
+    keys, reads with and without touching, touches, deletions, upkeep) and require the same answers after each,
+    `agree` besides, and the same stats at the end. Returns the blocks stored."""
     out = memoryview(bytearray(1))
     stores = 0
     for _ in range(3000):
-        keys = [(0, rng.randrange(120 if longest < 50 else 400)) for _ in range(rng.randint(1, longest))]
+        distinct = 120 if longest < 50 else 400
+        keys: list[BlockKey] = [(0, rng.randrange(distinct)) for _ in range(rng.randint(1, longest))]
         op = rng.random()
         if op < 0.4:
-            first = (0, rng.randrange(400)) if rng.random() < 0.5 else None
-            items = [StoreItem(k, b"\x00", checksum(b"\x00"), parent)
-                     for k, parent in zip(keys, [first, *keys[:-1]], strict=True)]
+            items = items_of(keys)
             held = slim.store_many(items)
             assert held == full.store_many(items)
             stores += held
@@ -162,10 +115,61 @@ def test_the_dram_model_is_the_agents_dram_tier(longest: int) -> None:
             slim.evict_to_low_watermark()
             full.evict_to_low_watermark()
         assert [slim.contains(k) for k in keys] == [full.contains(k) for k in keys]
-        assert [slim.held(k) is None for k in keys] == [full.held(k) is None for k in keys]
-        assert slim.usage() == full.usage() and list(slim.block_keys()) == list(full.block_keys())
-    assert removed["slim"] == removed["full"] and sum(map(len, removed["full"])) > 500 and stores > 1000
+        assert slim.usage() == full.usage()
+        agree(keys)
     assert vars(slim.stats) | {"lock": None} == vars(full.stats) | {"lock": None}
+    return stores
+
+
+@pytest.mark.parametrize("longest", [8, 150])
+def test_the_nvme_model_is_the_dram_tier_without_prefix_order(monkeypatch: pytest.MonkeyPatch, longest: int) -> None:
+    """The simulator's slim NVMe model (hashes in use order, `HashLru`) answers, evicts and hands down exactly as
+    the agent's DRAM tier without prefix order, the exact LRU it stands for, under a random mix of operations;
+    chains of up to 150 blocks into 50 make one write evict many blocks, among them blocks it wrote or touched
+    itself, and the log is rewritten often."""
+    monkeypatch.setattr(hash_lru, "STALE_SLACK", 3)
+    slim, full = NvmeModel(50, 0.9, 0.6), DramTier(50, 0.9, 0.6, prefix_order=False)
+    removed: dict[str, list[Any]] = {"slim": [], "full": []}
+    slim.on_removed = lambda r: removed["slim"].append([(x.key, None if x.block is None else x.block.item(x.key))
+                                                        for x in r])
+    full.on_removed = lambda r: removed["full"].append([(x.key, None if x.block is None else x.block.item(x.key))
+                                                        for x in r])
+
+    def items_of(keys: list[BlockKey]) -> list[StoreItem]:
+        return [StoreItem(k, b"\x00", checksum(b"\x00"), (0, 999)) for k in keys]
+
+    def agree(keys: list[BlockKey]) -> None:
+        assert list(slim.block_keys()) == sorted(full.block_keys(), key=lambda k: full._blocks[k].used)
+
+    same_under_random_operations(slim, full, random.Random(7), longest, items_of, agree)
+    assert removed["slim"] == removed["full"] and sum(map(len, removed["full"])) > 500
+
+
+@pytest.mark.parametrize("longest", [8, 150])
+def test_the_dram_model_is_the_agents_dram_tier(longest: int) -> None:
+    """The simulator's DRAM model (`DramModel`: hashes, no bytes) stores, refuses, answers, evicts and hands down
+    exactly as the agent's DRAM tier in prefix order under a random mix of operations: chains (each block the
+    parent of the next, some continuing a resident block, some repeating one), promotions, reads, touches,
+    deletions and upkeep; chains of up to 150 blocks into 50 make the tier refuse their tails and evict blocks of
+    the chain being stored. A removed block is handed down with its key alone: the tiers below take nothing else
+    of it."""
+    rng = random.Random(5)
+    slim, full = DramModel(50, 0.9, 0.6), DramTier(50, 0.9, 0.6)
+    removed: dict[str, list[Any]] = {"slim": [], "full": []}
+    slim.on_removed = lambda r: removed["slim"].append([(x.key, x.block is None) for x in r])
+    full.on_removed = lambda r: removed["full"].append([(x.key, x.block is None) for x in r])
+
+    def items_of(keys: list[BlockKey]) -> list[StoreItem]:
+        first = (0, rng.randrange(400)) if rng.random() < 0.5 else None
+        return [StoreItem(k, b"\x00", checksum(b"\x00"), parent)
+                for k, parent in zip(keys, [first, *keys[:-1]], strict=True)]
+
+    def agree(keys: list[BlockKey]) -> None:
+        assert [slim.held(k) is None for k in keys] == [full.held(k) is None for k in keys]
+        assert list(slim.block_keys()) == list(full.block_keys())
+
+    stores = same_under_random_operations(slim, full, rng, longest, items_of, agree)
+    assert removed["slim"] == removed["full"] and sum(map(len, removed["full"])) > 500 and stores > 1000
     assert (full.stats.refused > 0) == (longest > 50)
 
 

@@ -56,7 +56,32 @@ class InlineExecutor(Executor):
 _USED, _CHILDREN, _PARENT, _COUNTED_BY = range(4)
 
 
-class DramModel:
+class _ModelTier:
+    """What the DRAM and NVMe models share: a capacity in blocks with the agent's watermarks, stats, the removal
+    listener, and no bytes to copy down or keep up."""
+
+    def __init__(self, capacity: int, high_watermark: float, low_watermark: float) -> None:
+        self.capacity = capacity
+        self.high_bytes = int(capacity * high_watermark)
+        self.low_bytes = int(capacity * low_watermark)
+        self.stats = TierStats()
+        self.on_removed: RemovalListener | None = None
+
+    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
+        return []  # an eviction hands over the (stand-in) bytes itself
+
+    def upkeep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _report(self, removed: list[Removed]) -> None:
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)
+
+
+class DramModel(_ModelTier):
     """The DRAM tier of the model: the agent's DRAM tier (agent/tiers/dram.py) in prefix order -- the least
     recently used leaf goes first, a block whose child is resident waits for it, a chain longer than the tier
     keeps its head -- over block hashes, without bytes: per block a small list (last use, resident children,
@@ -68,11 +93,7 @@ class DramModel:
     name = TierName.DRAM
 
     def __init__(self, capacity: int, high_watermark: float, low_watermark: float) -> None:
-        self.capacity = capacity
-        self.high_bytes = int(capacity * high_watermark)
-        self.low_bytes = int(capacity * low_watermark)
-        self.stats = TierStats()
-        self.on_removed: RemovalListener | None = None
+        super().__init__(capacity, high_watermark, low_watermark)
         self._blocks: dict[Hash, list[Any]] = {}
         # (last use, hash) of leaves; an entry is stale once the block is gone, used again or a parent again
         self._leaves: list[tuple[int, Hash]] = []
@@ -189,15 +210,6 @@ class DramModel:
     def evict_to_low_watermark(self) -> None:
         self._report(self._evict(self.low_bytes))
 
-    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
-        return []  # an eviction hands over the (stand-in) bytes itself
-
-    def upkeep(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
     def _use(self, h: Hash, block: list[Any]) -> None:
         block[_USED] = used = next(self._ticks)
         if block[_CHILDREN] == 0:
@@ -236,12 +248,8 @@ class DramModel:
             if parent_block[_CHILDREN] == 0:  # a leaf again, as old as its last use
                 heapq.heappush(self._leaves, (parent_block[_USED], block[_PARENT]))
 
-    def _report(self, removed: list[Removed]) -> None:
-        if removed and self.on_removed is not None:
-            self.on_removed(removed)
 
-
-class NvmeModel:
+class NvmeModel(_ModelTier):
     """The NVMe tier of the model: exact LRU over block keys, which is what the agent's DRAM tier without prefix
     order does, kept as the block hashes in use order (`HashLru`: arrays, no object per block) instead of a block
     object, a byte buffer and heap entries per block (NVMe holds ten times DRAM's blocks; this is most of a tiered
@@ -252,11 +260,7 @@ class NvmeModel:
     name = TierName.NVME
 
     def __init__(self, capacity: int, high_watermark: float, low_watermark: float) -> None:
-        self.capacity = capacity
-        self.high_bytes = int(capacity * high_watermark)
-        self.low_bytes = int(capacity * low_watermark)
-        self.stats = TierStats()
-        self.on_removed: RemovalListener | None = None
+        super().__init__(capacity, high_watermark, low_watermark)
         self._lru = HashLru()  # block hashes, least recently used first
 
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
@@ -335,19 +339,6 @@ class NvmeModel:
         victims = [lru.pop_oldest() for _ in range(max(0, len(lru) - self.low_bytes))]
         self.stats.evictions += len(victims)
         self._report([Removed((LAYOUT, key), _HELD) for key in victims])
-
-    def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
-        return []  # an eviction hands over the (stand-in) bytes itself
-
-    def upkeep(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def _report(self, removed: list[Removed]) -> None:
-        if removed and self.on_removed is not None:
-            self.on_removed(removed)
 
 
 class FleetBackend:
