@@ -236,6 +236,23 @@ def _step_state(s: Scheduler, out: SchedulerOutput) -> tuple[Any, ...]:
             s.kv.pool.free_order(), s.kv.pool.cached_hashes())
 
 
+def _twin_schedulers(rng: random.Random) -> tuple[Scheduler, Scheduler, list[list[int]]]:
+    """Two equal schedulers with a tiny cache, and four shared prompt prefixes for their random workload."""
+    twins = [make(num_blocks=24, max_num_seqs=4, budget=16, max_model_len=64) for _ in range(2)]
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([4, 8, 12]))] for _ in range(4)]
+    return twins[0], twins[1], prefixes
+
+
+def _maybe_arrive(rng: random.Random, step: int, prefixes: list[list[int]], *schedulers: Scheduler) -> None:
+    """One step of the random workload: now and then the same new request (a shared prefix and a few tokens of its
+    own) to every scheduler."""
+    if rng.random() < 0.08:
+        prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 10))]
+        max_tokens = rng.randrange(1, 40)
+        for scheduler in schedulers:
+            scheduler.add_request(req(f"r{step}", prompt, max_tokens))
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_repeated_decode_steps_are_the_steps_the_scheduler_makes(seed: int) -> None:
     """`repeat_decodes` against `update_from_output` + `schedule` on the same random workload (shared prefixes,
@@ -243,17 +260,11 @@ def test_repeated_decode_steps_are_the_steps_the_scheduler_makes(seed: int) -> N
     tokens, block tables, free queue, cached blocks and KV events; and it does repeat most decode steps, and
     refuses the steps that fill or need a block, finish a request or admit one."""
     rng = random.Random(seed)
-    plain = make(num_blocks=24, max_num_seqs=4, budget=16, max_model_len=64)
-    fast = make(num_blocks=24, max_num_seqs=4, budget=16, max_model_len=64)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([4, 8, 12]))] for _ in range(4)]
+    plain, fast, prefixes = _twin_schedulers(rng)
     out_plain, out_fast = plain.schedule(), fast.schedule()
     repeated = refused = 0
     for step in range(600):
-        if rng.random() < 0.08:
-            prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 10))]
-            max_tokens = rng.randrange(1, 40)
-            plain.add_request(req(f"r{step}", prompt, max_tokens))
-            fast.add_request(req(f"r{step}", prompt, max_tokens))
+        _maybe_arrive(rng, step, prefixes, plain, fast)
         plain.update_from_output(out_plain, float(step))
         out_plain = plain.schedule()
         if fast.repeat_decodes(out_fast):
@@ -274,17 +285,11 @@ def test_a_run_of_repeated_decode_steps_is_as_many_single_repeats(seed: int) -> 
     after it, for every k up to `decode_repeats` (which counts exactly the single repeats that succeed); beyond
     it, nothing changes."""
     rng = random.Random(seed)
-    single = make(num_blocks=24, max_num_seqs=4, budget=16, max_model_len=64)
-    run = make(num_blocks=24, max_num_seqs=4, budget=16, max_model_len=64)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([4, 8, 12]))] for _ in range(4)]
+    single, run, prefixes = _twin_schedulers(rng)
     out_single, out_run = single.schedule(), run.schedule()
     runs = 0
     for step in range(600):
-        if rng.random() < 0.08:
-            prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 10))]
-            max_tokens = rng.randrange(1, 40)
-            single.add_request(req(f"r{step}", prompt, max_tokens))
-            run.add_request(req(f"r{step}", prompt, max_tokens))
+        _maybe_arrive(rng, step, prefixes, single, run)
         repeats = run.decode_repeats(out_run)
         if repeats:
             before = _step_state(run, out_run)
