@@ -43,6 +43,7 @@ from typing import Any, TextIO, cast
 
 import orjson
 from tqdm import tqdm
+from xxhash import xxh3_64_intdigest
 
 from agent.config import AgentConfig
 from agent.tiers.base import TierName
@@ -62,7 +63,7 @@ from kvcore.config import ConfigError, load_config
 from kvcore.kv_events import DISK, GPU, BlockHash, BlockStored, KvEvent
 from kvcore.vllm_hash import BlockHasher, Digest
 from kvgate.serve import assemble
-from router.block_keys import block_keys, chain_key, chain_keys, root_key
+from router.block_keys import BlockKey, block_keys, chain_key, chain_keys, root_key
 from router.config import WorkerSpec
 from router.kv_apply import KvEventApplier
 from router.kv_index import InMemoryKvIndex
@@ -138,6 +139,7 @@ class VRequest:
     index: int
     token_ids: list[int]
     keys: list[int]
+    digests: list[Digest]  # the engines' digests of the same blocks
     max_tokens: int
     arrival: float = 0.0
     replica: int = -1
@@ -248,7 +250,7 @@ class FleetSimulation:
         self.concurrency = concurrency
         self.progress = progress
         self.root = root_key(MODEL)
-        self._digests = SharedDigests(block_size)
+        self._blocks = PromptBlocks(block_size, self.root)
         self._arrivals = enumerate(requests)
         self._queue: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
@@ -322,8 +324,8 @@ class FleetSimulation:
         if taken is None:
             return None
         i, arrival = taken
-        return VRequest(i, arrival.token_ids, block_keys(arrival.token_ids, self.block_size, self.root),
-                        arrival.max_tokens, arrival.at or 0.0)
+        keys, digests = self._blocks.of(arrival.token_ids)
+        return VRequest(i, arrival.token_ids, keys, digests, arrival.max_tokens, arrival.at or 0.0)
 
     def _arrive(self, req: VRequest) -> None:
         req.arrival = self.now
@@ -346,8 +348,7 @@ class FleetSimulation:
         self.decisions.append(replica.index)
         replica.requests += 1
         replica.prompt_tokens += len(req.token_ids)
-        sim = SimRequest(str(req.index), req.token_ids, req.max_tokens, [5] * 8,
-                         self._digests.of(req.token_ids, req.keys), self.now)
+        sim = SimRequest(str(req.index), req.token_ids, req.max_tokens, [5] * 8, req.digests, self.now)
         sim.listener = None
         sim.scheduled_time = -1.0  # not yet: set by the first step that schedules it
         delay = 0.0
@@ -622,45 +623,59 @@ class FleetSimulation:
         return out
 
 
-class SharedDigests:
-    """The engines' digests of a prompt's blocks, as the same int objects for every prompt and replica that
-    computes them, as far as a recent prompt had them: a replay's tiers, use counters and block pools hold a
-    digest per block, by the million, and each replica that computes a block (round_robin sends a conversation's
-    every turn elsewhere) made an object of its own for it (48 bytes). The digests are those `engine_hashes`
-    gives; only which object holds them changes.
+class PromptBlocks:
+    """The gateway's keys and the engines' digests of a prompt's full blocks, kept by segments of `SEGMENT` blocks:
+    a trace's prompts repeat their prefixes (a conversation's every turn is its whole history again), so most of
+    a prompt's segments were seen before, and each costs one hash of its tokens instead of two per block (the
+    keys and digests of the conversation trace cost the sweep's eight replays 2-3 ms per request each).
 
-    A prompt's blocks are taken `SEGMENT` at a time; a segment is named by the gateway's key of its last block
-    (chained: it names the whole prefix up to there, so a segment named so before is not hashed again -- two
-    prefixes whose 64-bit keys collided would be one prefix to the gateway too), and the last `KEPT` segments
-    used are kept (when there are more, the older half is forgotten)."""
+    A segment is named by a hash of its tokens chained to the name of the segment before it: a name stands for
+    the whole prefix up to the segment's end, as a block key does (two prefixes whose 64-bit names collided would
+    be one prefix, as for the gateway's keys). The last `KEPT` segments used are kept (when there are more, the
+    older half is forgotten). A segment's keys and digests are the same int objects for every prompt and replica
+    that has it: a replay's tiers, use counters and block pools hold a digest per block by the million, and each
+    replica that computes a block (round_robin sends a conversation's every turn elsewhere) made an object of its
+    own for it (48 bytes). The values are those `block_keys` and `engine_hashes` give; only which objects hold
+    them changes."""
 
     SEGMENT = 32  # blocks: 512 tokens at vLLM's 16
     KEPT = 1 << 13
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, root: BlockKey) -> None:
         self.block_size = block_size
-        self._segments: dict[int, tuple[Digest, ...]] = {}  # key of a segment's last block -> its digests
+        self.root = root
+        # a segment's name -> its keys and its digests
+        self._segments: dict[int, tuple[tuple[BlockKey, ...], tuple[Digest, ...]]] = {}
 
-    def of(self, token_ids: Sequence[int], keys: Sequence[int]) -> list[Digest]:
-        """`engine_hashes(token_ids)`, `keys` being the gateway's keys of the same blocks."""
+    def of(self, token_ids: Sequence[int]) -> tuple[list[BlockKey], list[Digest]]:
+        """(`block_keys(token_ids, block_size, root)`, `engine_hashes(token_ids, block_size)`)."""
         ids = array("I", token_ids)
+        data = memoryview(ids).cast("B")
         bs = self.block_size
-        step = self.SEGMENT
+        span = self.SEGMENT * bs  # tokens
+        size = ids.itemsize
         segments = self._segments
+        keys: list[BlockKey] = []
         digests: list[Digest] = []
-        parent = ENGINE_ROOT
-        for end in range(step, len(keys) + 1, step):
-            key = keys[end - 1]
-            known = segments.pop(key, None)
+        name = key = self.root
+        digest = ENGINE_ROOT
+        for end in range(span, len(ids) + 1, span):
+            name = xxh3_64_intdigest(data[(end - span) * size:end * size], name)
+            known = segments.pop(name, None)
             if known is None:
-                known = tuple(cast(list[Digest], chain_keys(ids[(end - step) * bs:end * bs], bs, parent)))
-            segments[key] = known  # the most recently used
-            digests += known
-            parent = cast(int, known[-1])
-        digests += cast(list[Digest], chain_keys(ids[len(digests) * bs:], bs, parent))
+                tokens = ids[end - span:end]
+                known = (tuple(chain_keys(tokens, bs, key)),
+                         tuple(cast(list[Digest], chain_keys(tokens, bs, digest))))
+            segments[name] = known  # the most recently used
+            keys += known[0]
+            digests += known[1]
+            key, digest = known[0][-1], cast(int, known[1][-1])
+        rest = ids[len(keys) * bs:]
+        keys += chain_keys(rest, bs, key)
+        digests += cast(list[Digest], chain_keys(rest, bs, digest))
         if len(segments) > self.KEPT:
             self._segments = dict(itertools.islice(segments.items(), len(segments) // 2, None))
-        return digests
+        return keys, digests
 
 
 def engine_hashes(token_ids: Sequence[int], block_size: int) -> list[Digest]:

@@ -200,24 +200,24 @@ def test_a_replay_makes_no_garbage_cycles(trace: Path, vocab: PromptVocabulary, 
     assert gc.isenabled()
 
 
-def test_prompts_sharing_a_prefix_share_its_digest_objects() -> None:
-    """`SharedDigests` gives `engine_hashes`' values; a second prompt with the same first 32 blocks (another turn
-    of a conversation, on another replica) gets the first one's int objects for them, and its own after; a
-    segment forgotten (beyond `KEPT`) is computed again."""
-    digests = vsim.SharedDigests(16)
+def test_prompts_sharing_a_prefix_share_its_key_and_digest_objects() -> None:
+    """`PromptBlocks` gives `block_keys`' and `engine_hashes`' values; a second prompt with the same first 32 blocks
+    (another turn of a conversation, on another replica) gets the first one's int objects for them, and its own
+    after; a segment forgotten (beyond `KEPT`) is computed again."""
     root = root_key("m")
-    first = list(range(1000, 1000 + 16 * 40))
+    blocks = vsim.PromptBlocks(16, root)
+    first = list(range(1000, 1000 + 16 * 40 + 7))
     second = first[: 16 * 32] + list(range(5000, 5000 + 16 * 40))
-    a = digests.of(first, block_keys(first, 16, root))
-    b = digests.of(second, block_keys(second, 16, root))
-    assert a == vsim.engine_hashes(first, 16) and b == vsim.engine_hashes(second, 16)
-    assert all(x is y for x, y in zip(a[:32], b[:32], strict=True))
-    assert a[32] != b[32] and not any(x is y for x, y in zip(a[32:], b[32:40], strict=True))
-    digests.KEPT = 2  # three segments now (first's, second's two): the older half, first's, is forgotten
-    other = list(range(9000, 9000 + 16 * 32))
-    digests.of(other, block_keys(other, 16, root))
-    c = digests.of(first, block_keys(first, 16, root))
-    assert c == a and not any(x is y for x, y in zip(a[:32], c[:32], strict=True))
+    a, b = blocks.of(first), blocks.of(second)
+    for prompt, (keys, digests) in ((first, a), (second, b)):
+        assert keys == block_keys(prompt, 16, root) and digests == vsim.engine_hashes(prompt, 16)
+    for x, y in ((a[0], b[0]), (a[1], b[1])):  # keys, then digests
+        assert all(p is q for p, q in zip(x[:32], y[:32], strict=True))
+        assert x[32] != y[32] and not any(p is q for p, q in zip(x[32:], y[32:40], strict=True))
+    blocks.KEPT = 2  # three segments now (first's, second's two): the older half, first's, is forgotten
+    blocks.of(list(range(9000, 9000 + 16 * 32)))
+    c = blocks.of(first)
+    assert c == a and not any(p is q for p, q in zip(a[1][:32], c[1][:32], strict=True))
 
 
 def test_a_dram_tier_no_larger_than_the_gpu_cache_is_pointed_out() -> None:
