@@ -13,11 +13,22 @@ import pytest
 from agent.block import BlockKey, checksum
 from agent.config import AgentConfig
 from agent.policy import UseCounter
+from agent.store import TierStore
 from agent.tiers.base import StoreItem, TierName
 from agent.tiers.dram import DramTier
 from bench.sim import hash_lru
 from bench.sim.hash_lru import HashLru
-from bench.sim.tier_model import DramModel, FleetBackend, HashKeyedIndex, HashUseCounter, NvmeModel, ReplicaAgent
+from bench.sim.tier_model import (
+    DramModel,
+    FleetBackend,
+    FleetSharedTier,
+    HashKeyedIndex,
+    HashUseCounter,
+    InlineExecutor,
+    ModelTierStore,
+    NvmeModel,
+    ReplicaAgent,
+)
 from kvcore.kv_events import BlockRemoved, BlockStored
 
 
@@ -171,6 +182,54 @@ def test_the_dram_model_is_the_agents_dram_tier(longest: int) -> None:
     stores = same_under_random_operations(slim, full, rng, longest, items_of, agree)
     assert removed["slim"] == removed["full"] and sum(map(len, removed["full"])) > 500 and stores > 1000
     assert (full.stats.refused > 0) == (longest > 50)
+
+
+def stack_state(store: TierStore) -> tuple[Any, ...]:
+    """What a tier store shows the world: its events, flows, and each tier's contents, usage and stats."""
+    tiers = [(t.name, sorted(t.block_keys()), t.usage(), vars(t.stats) | {"lock": None}) for t in store.tiers]
+    flow = (store.flow.promotions, store.flow.demotions, store.flow.write_through, store.flow.dropped_background_writes)
+    return store.drain_events(), flow, tiers, store.background_bytes
+
+
+@pytest.mark.parametrize(("policy", "nvme_admit", "uses_limit", "nvme_blocks"),
+                         [("lazy", 1, 262_144, 60), ("lazy", 1, 262_144, 25), ("lazy", 2, 40, 60),
+                          ("eager", 2, 40, 60)])
+def test_the_model_store_moves_blocks_down_as_the_agents_store(policy: str, nvme_admit: int, uses_limit: int,
+                                                               nvme_blocks: int) -> None:
+    """The simulation's store (`ModelTierStore`: blocks a model tier pushes out move down as hashes) announces,
+    demotes, counts and leaves every tier exactly as the agent's `TierStore` over the same tiers, under a random
+    mix of saves, loads (promotions), deletions and upkeep: DRAM and NVMe past their capacity and watermarks,
+    demotions into NVMe and on into the shared tier, an NVMe smaller than DRAM (a demotion pushes out blocks it
+    brought), blocks NVMe admits only when reused, a use counter that forgets (a forgotten block goes nowhere)."""
+    rng = random.Random(3)
+    config = AgentConfig(write_policy=policy, nvme_admit_reuse=nvme_admit, shared_admit_reuse=1, shared_ttl_s=50)
+    clock = Clock()
+
+    def tiers() -> dict[str, Any]:
+        return {"dram": DramModel(40, 0.9, 0.6), "nvme": NvmeModel(nvme_blocks, 0.9, 0.6),
+                "shared": FleetSharedTier(FleetBackend(150, clock), config.shared_ttl_s)}
+
+    ours = ModelTierStore(config, **tiers(), uses_limit=uses_limit)
+    agents = TierStore(config, **tiers(), executor=InlineExecutor(), chain_events=False)
+    agents.uses = HashUseCounter(uses_limit)
+    for _ in range(1500):
+        clock.now += rng.random()
+        hashes = [rng.randrange(300) for _ in range(rng.randint(1, 30))]
+        op, parent, tier = rng.random(), rng.choice([None, 7]), rng.randrange(2)
+        for store in (ours, agents):
+            if op < 0.45:
+                store.store_chain(0, hashes, [b"\x00"] * len(hashes), parent, [None] * len(hashes))
+            elif op < 0.75:
+                count, _where = store.lookup(0, hashes)
+                store.load_chain(0, hashes[:count], [memoryview(bytearray(1))] * count)
+            elif op < 0.8:
+                store.tiers[tier].delete((0, hashes[0]))
+            else:
+                store.maintain()
+        assert stack_state(ours) == stack_state(agents)
+        assert [ours.lookup(0, [h]) for h in hashes] == [agents.lookup(0, [h]) for h in hashes]
+    moved = ours.flow.demotions if policy == "lazy" else ours.flow.write_through
+    assert moved[TierName.NVME] > 50 and moved[TierName.SHARED] > 50 and ours.tiers[1].stats.evictions > 50
 
 
 def test_the_fleet_store_is_an_exact_lru(monkeypatch: pytest.MonkeyPatch) -> None:
