@@ -11,6 +11,7 @@ comes from the scheduler. `speedup` divides every duration alike. Parameters and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -106,14 +107,21 @@ class Profile:
         their KV caches in all (the same seconds: each one's attention term, its context + 0.5, adds up exactly)."""
         return self._step_seconds(sequences, context + sequences / 2, context + sequences)
 
+    @functools.cached_property
+    def _roofline(self) -> tuple[float, float, float, float, float, float, float]:
+        """`_step_seconds`' factors, each computed as its formula does (the same floats): every engine step of a
+        replay needs them, and read through the model's fields and properties they cost as much as the formula."""
+        m = self.model
+        return (2.0 * m.params, 4.0 * m.layers * m.heads * m.head_dim, self.attention_efficiency,
+                self.peak_flops * self.mfu, m.weight_bytes, m.kv_bytes_per_token,
+                self.hbm_bytes_per_s * self.bandwidth_efficiency)
+
     def _step_seconds(self, tokens: int, attention: float, kv_read: int) -> float:
         if tokens == 0:
             return 0.0
-        m = self.model
-        rate = self.peak_flops * self.mfu
-        compute = (2.0 * m.params * tokens
-                   + 4.0 * m.layers * m.heads * m.head_dim * attention / self.attention_efficiency) / rate
-        memory = (m.weight_bytes + kv_read * m.kv_bytes_per_token) / (self.hbm_bytes_per_s * self.bandwidth_efficiency)
+        matmul, attend, attention_efficiency, rate, weights, kv_per_token, bandwidth = self._roofline
+        compute = (matmul * tokens + attend * attention / attention_efficiency) / rate
+        memory = (weights + kv_read * kv_per_token) / bandwidth
         return self.step_overhead_s + max(compute, memory)
 
     def prefill_time(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
