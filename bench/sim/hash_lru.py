@@ -8,6 +8,9 @@ from array import array
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 # a 64-bit int: the simulation's block hashes, typed as the agent's `BlockHash` (int | bytes) where they come from
 Hash = Any
 EMPTY = -1
@@ -206,18 +209,22 @@ class HashLru:
     def _compact(self) -> None:
         """The log without its stale appearances (once they outnumber the live ones by STALE_SLACK)."""
         # the live appearances are the ones the table points at: in log order, renumbered in place
-        renumber = array("i", [EMPTY]) * (len(self._log) + 1)  # [-1] (an empty slot) stays empty
-        for new, old in enumerate(self._rewrite()):
-            renumber[old] = new
-        self._places = array("i", map(renumber.__getitem__, self._places))
+        renumber = np.full(len(self._log) + 1, EMPTY, dtype=np.int32)  # [-1] (an empty slot) stays empty
+        live = self._rewrite()
+        renumber[live] = np.arange(len(live), dtype=np.int32)
+        self._places = _int_array(renumber[np.frombuffer(self._places, dtype=np.int32)])
 
-    def _rewrite(self) -> list[int]:
-        """The log (and values) without stale appearances; the places of the live ones in the old log."""
-        live = sorted(filter(EMPTY.__ne__, self._places))
-        log = self._log
-        self._log = array("Q", map(log.__getitem__, live))
+    def _rewrite(self) -> npt.NDArray[np.int64]:
+        """The log (and values) without stale appearances; the places of the live ones in the old log. In numpy:
+        a log of a million appearances, its table and its values were rewritten through a Python int each (the
+        rewrites were a fifth of the LRU's time in a tiered replay)."""
+        places = np.frombuffer(self._places, dtype=np.int32)
+        live = np.sort(places[places != EMPTY]).astype(np.int64)
+        log = array("Q")
+        log.frombytes(np.frombuffer(self._log, dtype=np.uint64)[live].tobytes())
+        self._log = log
         if self._values is not None:
-            self._values = list(map(self._values.__getitem__, live))
+            self._values = list(map(self._values.__getitem__, live.tolist()))
         self._head = 0
         return live
 
@@ -232,6 +239,13 @@ class HashLru:
             while places[i] != EMPTY:
                 i = (i + 1) & mask
             places[i] = place
+
+
+def _int_array(values: npt.NDArray[np.int32]) -> array[int]:
+    """A table of places (`array('i')`) holding these."""
+    table = array("i")
+    table.frombytes(values.tobytes())
+    return table
 
 
 def free_slot(places: array[int], hashes: array[int], mask: int, i: int) -> None:
