@@ -505,6 +505,26 @@ class FleetSharedTier(SharedTier):
                 gone.append(Removed(oldest[0]))
         self._report(gone)
 
+    def store_new(self, hashes: list[Hash]) -> list[Hash]:
+        """`NvmeModel.store_new` for the shared tier: `SharedTier.store_many` of the blocks it does not hold yet
+        (one write to the backend, their index entries the newest), as hashes; those it holds afterwards."""
+        now = self.clock()
+        get = self._hashes._entries.get
+        fresh = [h for h in hashes if (entry := get(h)) is None or entry[0] <= now]
+        if not fresh:
+            return fresh
+        if not self.available or now < self._writes_down_until:
+            self.stats.add("refused", len(fresh))
+            return []
+        self.backend.put([(LAYOUT, h) for h in fresh], self.ttl_s)  # (the backend keeps no bytes: no seal)
+        entry = (self._expiry(), self.seal.prefix_size + len(_STAND_IN))
+        with self._lock:
+            put = self._hashes._entries.put
+            for h in fresh:
+                put(h, entry)
+        self.stats.add("stores", len(fresh))
+        return fresh if entry[0] > now else []
+
     def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
         self.backend.put([key for key, _prefix, _payload in items], self.ttl_s)
 
@@ -622,14 +642,14 @@ class HashUseCounter(UseCounter):
 class ModelTierStore(TierStore):
     """The agent's `TierStore` over the model's tiers, taking the blocks a model tier pushes out as their hashes:
     `TierStore._removed` and the lazy demotion it starts (`_write_down`, `_write`, `_announce`) for blocks that all
-    carry the same stand-in bytes, into the NVMe model without a `Removed`, a `StoreItem` and four calls per block
-    (a DRAM tier past its high watermark moves thousands at a time: a fifth to a third of round_robin's CPU with
-    tiers). Into the shared tier they go as in the agent. Its use counter is keyed by hash (`HashUseCounter`); one
-    `BlockStored` per tier and write, as vsim's gateway wants (`chain_events=False`). Tested against `TierStore`
-    over the same tiers (tests/test_sim_tiers.py)."""
+    carry the same stand-in bytes, into the NVMe model and the shared tier without a `Removed`, a `StoreItem`, a
+    seal and four calls per block (a DRAM tier past its high watermark moves thousands at a time: a fifth to a
+    third of round_robin's CPU with tiers, NVMe's upkeep an eighth). Its use counter is keyed by hash
+    (`HashUseCounter`); one `BlockStored` per tier and write, as vsim's gateway wants (`chain_events=False`).
+    Tested against `TierStore` over the same tiers (tests/test_sim_tiers.py)."""
 
     def __init__(self, config: AgentConfig, *, dram: DramModel | None, nvme: NvmeModel | None,
-                 shared: SharedTier | None, uses_limit: int = 262_144) -> None:
+                 shared: FleetSharedTier | None, uses_limit: int = 262_144) -> None:
         super().__init__(config, dram=dram, nvme=nvme, shared=shared, executor=InlineExecutor(), chain_events=False)
         self.uses: HashUseCounter = HashUseCounter(uses_limit)
         for tier in (dram, nvme):
@@ -652,18 +672,15 @@ class ModelTierStore(TierStore):
             self._background(sum(map(len, descent.values())), self._move_down, descent)
 
     def _move_down(self, descent: dict[TierName, list[Hash]]) -> None:
-        """`TierStore._write_down` of demoted blocks: into the NVMe model as hashes, into the shared tier as the
-        agent writes them."""
+        """`TierStore._write_down` of demoted blocks, as hashes."""
         for name, hashes in descent.items():
             tier = self._tier(name)
-            if isinstance(tier, NvmeModel):
-                taken = tier.store_new(hashes)
-                if taken:
-                    self.events.append(BlockStored(block_hashes=taken, parent_block_hash=None,
-                                                   block_size=self.config.block_size, medium=tier.name.medium))
-                self.flow.add("demotions", name, len(taken))
-            else:
-                self._write_down({name: [((LAYOUT, h), _HELD) for h in hashes]}, "demotions")
+            assert isinstance(tier, NvmeModel | FleetSharedTier)
+            taken = tier.store_new(hashes)
+            if taken:
+                self.events.append(BlockStored(block_hashes=taken, parent_block_hash=None,
+                                               block_size=self.config.block_size, medium=tier.name.medium))
+            self.flow.add("demotions", name, len(taken))
 
 
 class ReplicaAgent:
