@@ -196,11 +196,12 @@ def stack_state(store: TierStore) -> tuple[Any, ...]:
                           ("eager", 2, 40, 60)])
 def test_the_model_store_moves_blocks_down_as_the_agents_store(policy: str, nvme_admit: int, uses_limit: int,
                                                                nvme_blocks: int) -> None:
-    """The simulation's store (`ModelTierStore`: blocks a model tier pushes out move down as hashes) announces,
-    demotes, counts and leaves every tier exactly as the agent's `TierStore` over the same tiers, under a random
-    mix of saves, loads (promotions), deletions and upkeep: DRAM and NVMe past their capacity and watermarks,
-    demotions into NVMe and on into the shared tier, an NVMe smaller than DRAM (a demotion pushes out blocks it
-    brought), blocks NVMe admits only when reused, a use counter that forgets (a forgotten block goes nowhere)."""
+    """The simulation's store (`ModelTierStore`: saves into DRAM and blocks a model tier pushes out, as hashes)
+    announces, demotes, counts and leaves every tier exactly as the agent's `TierStore` over the same tiers, under
+    a random mix of saves, loads (promotions), deletions and upkeep: DRAM and NVMe past their capacity and
+    watermarks, chains longer than DRAM (it refuses their tails, which go below), demotions into NVMe and on into
+    the shared tier (its TTL passing), an NVMe smaller than DRAM (a demotion pushes out blocks it brought), blocks
+    NVMe admits only when reused, a use counter that forgets (a forgotten block goes nowhere)."""
     rng = random.Random(3)
     config = AgentConfig(write_policy=policy, nvme_admit_reuse=nvme_admit, shared_admit_reuse=1, shared_ttl_s=50)
     clock = Clock()
@@ -214,7 +215,10 @@ def test_the_model_store_moves_blocks_down_as_the_agents_store(policy: str, nvme
     agents.uses = HashUseCounter(uses_limit)
     for _ in range(1500):
         clock.now += rng.random()
-        hashes = [rng.randrange(300) for _ in range(rng.randint(1, 30))]
+        if rng.random() < 0.9:
+            hashes = [rng.randrange(300) for _ in range(rng.randint(1, 30))]
+        else:  # longer than DRAM: it refuses the tail, which goes below
+            hashes = rng.sample(range(300), rng.randint(41, 80))
         op, parent, tier = rng.random(), rng.choice([None, 7]), rng.randrange(2)
         for store in (ours, agents):
             if op < 0.45:

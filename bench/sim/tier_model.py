@@ -18,12 +18,12 @@ import heapq
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
 from concurrent.futures import Executor, Future
 from functools import partial
 from typing import Any, ParamSpec, TypeVar, cast
 
-from agent.block import BlockKey, checksum
+from agent.block import BlockHash, BlockKey, checksum
 from agent.config import AgentConfig
 from agent.policy import UseCounter
 from agent.store import TierStore
@@ -116,21 +116,29 @@ class DramModel(_ModelTier):
     def store(self, key: BlockKey, payload: Buffer, digest: int | None = None) -> bool:
         return self.store_many([StoreItem(key, payload, digest)]) == 1
 
+    @property
+    def hashes(self) -> KeysView[Hash]:
+        """The blocks held, by hash (a live view: `h in dram.hashes` asks without a call)."""
+        return self._blocks.keys()
+
     def store_many(self, items: Sequence[StoreItem]) -> int:
-        """As the agent's tier: a new block whose child is the next item is entered as a leaf only if it still is
-        one once that child is stored."""
+        return self.store_hashes([item.key[1] for item in items],
+                                 [None if item.parent is None else item.parent[1] for item in items])
+
+    def store_hashes(self, hashes: Sequence[Hash], parents: Sequence[Hash | None]) -> int:
+        """`store_many` of blocks by hash, each with its parent's. As the agent's tier: a new block whose child is
+        the next one is entered as a leaf only if it still is one once that child is stored."""
         evicted: list[Hash] = []
         held = 0
-        refused: BlockKey | None = None
-        last = len(items) - 1
+        refused: Hash | None = None
+        last = len(hashes) - 1
         blocks = self._blocks
         deferred: tuple[list[Any], Hash] | None = None  # the block stored just before, without its leaf entry
-        for i, (key, _payload, _digest, parent) in enumerate(items):
+        for i, (key, parent) in enumerate(zip(hashes, parents, strict=True)):
             if parent is not None and parent == refused:  # the rest of a chain the tier cannot hold whole
                 self.stats.refused += 1
                 refused = key
-            elif self._store(key[1], None if parent is None else parent[1], evicted,
-                             i == last or items[i + 1].parent != key):
+            elif self._store(key, parent, evicted, i == last or parents[i + 1] != key):
                 held += 1
             else:
                 refused = key
@@ -140,7 +148,7 @@ class DramModel(_ModelTier):
                     heapq.heappush(self._leaves, (block[_USED], h))
                 deferred = None
             if self._unentered is not None:
-                deferred, self._unentered = (self._unentered, key[1]), None
+                deferred, self._unentered = (self._unentered, key), None
         self._push_out(evicted)
         return held
 
@@ -210,9 +218,12 @@ class DramModel(_ModelTier):
         return [(LAYOUT, h) for h in self._blocks]
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
+        self.touch_hashes([h for _layout, h in keys])
+
+    def touch_hashes(self, hashes: Sequence[Hash]) -> None:
         """A prefix chain used: children first, so each parent ends up more recent than its child."""
         blocks = self._blocks
-        for _layout, h in reversed(keys):
+        for h in reversed(hashes):
             block = blocks.get(h)
             if block is not None:
                 self._use(h, block)
@@ -602,10 +613,14 @@ class HashUseCounter(UseCounter):
         return self._bump(key[1])
 
     def bump_all(self, keys: list[BlockKey]) -> list[int]:
+        return self.bump_hashes([h for _layout, h in keys])
+
+    def bump_hashes(self, chain: Sequence[Hash]) -> list[int]:
+        """`bump_all` by hash."""
         out = []
         places, hashes, uses, mask = self._places, self._hashes, self._uses, self._size - 1
-        for _layout, h in keys:  # `_bump` written out: a chain's every block is counted
-            i: int = h & mask  # type: ignore[operator]
+        for h in chain:  # `_bump` written out: a chain's every block is counted
+            i: int = h & mask
             while (place := places[i]) >= 0:
                 if hashes[place] == h:
                     n = uses[place] = uses[place] + 1
@@ -613,7 +628,7 @@ class HashUseCounter(UseCounter):
                 i = (i + 1) & mask
             else:
                 places[i] = len(hashes)
-                hashes.append(h)  # type: ignore[arg-type]
+                hashes.append(h)
                 uses.append(1)
                 n = 1
                 if len(hashes) > self.limit:
@@ -640,13 +655,13 @@ class HashUseCounter(UseCounter):
 
 
 class ModelTierStore(TierStore):
-    """The agent's `TierStore` over the model's tiers, taking the blocks a model tier pushes out as their hashes:
-    `TierStore._removed` and the lazy demotion it starts (`_write_down`, `_write`, `_announce`) for blocks that all
-    carry the same stand-in bytes, into the NVMe model and the shared tier without a `Removed`, a `StoreItem`, a
-    seal and four calls per block (a DRAM tier past its high watermark moves thousands at a time: a fifth to a
-    third of round_robin's CPU with tiers, NVMe's upkeep an eighth). Its use counter is keyed by hash
-    (`HashUseCounter`); one `BlockStored` per tier and write, as vsim's gateway wants (`chain_events=False`).
-    Tested against `TierStore` over the same tiers (tests/test_sim_tiers.py)."""
+    """The agent's `TierStore` over the model's tiers, moving blocks as their hashes where the agent's store makes a
+    `StoreItem`, a `Removed`, a seal and several calls per block: a chain saved into the DRAM model
+    (`store_chain`), and the blocks a model tier pushes out (`TierStore._removed` and the lazy demotion it starts,
+    `_write_down`, `_write`, `_announce`) into the NVMe model and the shared tier -- a DRAM tier past its high
+    watermark moves thousands at a time, a fifth to a third of round_robin's CPU with tiers. Its use counter is
+    keyed by hash (`HashUseCounter`); one `BlockStored` per tier and write, as vsim's gateway wants
+    (`chain_events=False`). Tested against `TierStore` over the same tiers (tests/test_sim_tiers.py)."""
 
     def __init__(self, config: AgentConfig, *, dram: DramModel | None, nvme: NvmeModel | None,
                  shared: FleetSharedTier | None, uses_limit: int = 262_144) -> None:
@@ -655,6 +670,31 @@ class ModelTierStore(TierStore):
         for tier in (dram, nvme):
             if tier is not None:
                 tier.on_pushed_out = partial(self._pushed_out, tier)
+
+    def store_chain(self, layout: int, hashes: Sequence[BlockHash], payloads: Sequence[Buffer],
+                    parent: BlockHash | None = None, digests: Sequence[int | None] | None = None) -> int:
+        """`TierStore.store_chain` into the DRAM model as hashes (lazy, without a presence map: the simulation's
+        saves; the blocks DRAM refuses go below as the agent stores them)."""
+        dram = self.dram
+        if not isinstance(dram, DramModel) or self.policy.eager or self.presence is not None:
+            return super().store_chain(layout, hashes, payloads, parent, digests)
+        uses = self.uses.bump_hashes(hashes)
+        held = dram.hashes
+        parents = [parent, *hashes[:-1]]
+        fresh = [i for i, h in enumerate(hashes) if h not in held]
+        if fresh:  # `TierStore._write`
+            dram.store_hashes([hashes[i] for i in fresh], [parents[i] for i in fresh])
+            taken = [h for i in fresh if (h := hashes[i]) in held]
+            if taken:
+                self.events.append(BlockStored(block_hashes=taken, parent_block_hash=None,
+                                               block_size=self.config.block_size, medium=dram.name.medium))
+        dram.touch_hashes(hashes)
+        refused = [i for i, h in enumerate(hashes) if h not in held]
+        if not refused:
+            return len(hashes)
+        below = [(StoreItem((layout, hashes[i]), payloads[i], digests[i] if digests else None,
+                            None if (p := parents[i]) is None else (layout, p)), uses[i]) for i in refused]
+        return len(hashes) - len(refused) + self.store_refused(below)
 
     def _pushed_out(self, tier: DramModel | NvmeModel, hashes: list[Hash]) -> None:
         """`TierStore._removed` for blocks a model tier pushed out, each with its (stand-in) bytes in hand."""
