@@ -448,14 +448,23 @@ class KvEventApplier:
         else:
             # an agent or offload tier announcing blocks the engine named (or will name) with their tokens
             named = self.identity.names(model).keys
+            keys = held.tiers.get(tier)
+            extra = held.extra
             for engine_hash in hashes:
                 known = named.get(engine_hash)
                 if known is None:
                     known = self._key_of(model, worker, engine_hash)
                 if known is None:
                     self._wait(model, engine_hash, source, tier)
-                elif _hold(held, engine_hash, tier, known, counted):
+                    continue
+                # `_hold` written out: a tier agent announces every block it writes
+                if keys is None:
+                    keys = held.table(tier)
+                if engine_hash not in keys:
+                    keys[engine_hash] = known
                     new_keys.append(known)
+                elif counted:
+                    extra[(engine_hash, tier)] = extra.get((engine_hash, tier), 0) + 1
         if new_keys:
             if self._compact:
                 held.trim(tier, len(new_keys))
@@ -466,18 +475,22 @@ class KvEventApplier:
         gone = []
         learned = self._learned.get(source) if tier == GPU else None
         holdings = held.tiers.get(tier) or {}
+        extra = held.extra
         for engine_hash in hashes:
-            if engine_hash not in holdings:
-                if model is not None:
-                    self._unwait(model, engine_hash, source, tier)
-                    if learned:
-                        key = self.identity.get(model, engine_hash)
-                        if key is not None and learned.pop(key, 0) is None:
-                            gone.append(key)
-                continue  # removals of unknown blocks are normal (e.g. after a reset)
-            key = held.release(engine_hash, tier)
+            if extra and engine_hash in holdings:  # a source announcing copies may hold more than one
+                key = held.release(engine_hash, tier)
+                if key is not None:
+                    gone.append(key)
+                continue
+            key = holdings.pop(engine_hash, None)  # `release`, for a block held once: one probe, not two
             if key is not None:
                 gone.append(key)
+            elif model is not None:  # removals of unknown blocks are normal (e.g. after a reset)
+                self._unwait(model, engine_hash, source, tier)
+                if learned:
+                    key = self.identity.get(model, engine_hash)
+                    if key is not None and learned.pop(key, 0) is None:
+                        gone.append(key)
         if gone:
             self.index.remove(source.cache, gone, tier)
 

@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, repeat
-from operator import mul, or_
+from operator import and_, or_
 from typing import cast
 
 from kvcore.dict_tables import TableTrim
@@ -25,6 +25,8 @@ from router.block_keys import BlockKey
 
 TIERS = (GPU, CPU, DISK, SHARED)
 _BIT = {tier: 1 << i for i, tier in enumerate(TIERS)}
+_NOTHING: dict[BlockKey, int] = {}  # read in place of a tier's map while that one is empty (see `_other_gets`)
+MaskGet = Callable[[BlockKey, int], int]  # a tier map's `get`: key, 0 -> the bit mask of the workers holding it
 
 
 def tier_of(medium: str | None) -> str:
@@ -100,7 +102,8 @@ class InMemoryKvIndex(KvBlockIndex):
         self._free_ids: list[int] = []
         # tier -> key -> bit mask of worker ids holding it there
         self._masks: dict[str, MutableMapping[BlockKey, int]] = {tier: {} for tier in TIERS}
-        self._gpu, self._cpu, self._disk, self._shared = (self._masks[t] for t in TIERS)
+        self._others: dict[str, list[MutableMapping[BlockKey, int]]] = {}  # see _mapped
+        self._mapped()
         self._trims: dict[str, TableTrim] | None = None  # see compact_tables
         self._arrivals: dict[int, _Arrivals] = {}
         self._entries = 0
@@ -116,8 +119,21 @@ class InMemoryKvIndex(KvBlockIndex):
             if self._masks[tier]:
                 raise ValueError(f"the {tier} map is not empty")
             self._masks[tier] = make()
-        self._gpu, self._cpu, self._disk, self._shared = (self._masks[t] for t in TIERS)
+        self._mapped()
         self._trims = {tier: TableTrim() for tier, masks in self._masks.items() if type(masks) is dict}
+
+    def _mapped(self) -> None:
+        """Name each tier's map, and for each tier the maps of the others, the dicts first: whether a worker holds
+        a block on another tier is asked in that order and stops at the first yes, and a dict's `get` is a C call
+        where a `U64Map`'s is a Python one."""
+        self._gpu, self._cpu, self._disk, self._shared = (self._masks[t] for t in TIERS)
+        self._others = {tier: sorted((masks for t, masks in self._masks.items() if t != tier),
+                                     key=lambda masks: type(masks) is not dict) for tier in TIERS}
+
+    def _other_gets(self, tier: str) -> tuple[MaskGet, MaskGet, MaskGet]:
+        """The `get` of the three other tiers' maps (`_mapped`'s order), an empty one's as an empty dict's."""
+        first, second, third = (cast(MaskGet, masks.get if masks else _NOTHING.get) for masks in self._others[tier])
+        return first, second, third
 
     def _id(self, worker: str) -> int:
         wid = self._ids.get(worker)
@@ -142,16 +158,25 @@ class InMemoryKvIndex(KvBlockIndex):
             return runs
         ends: dict[int, int] = {}
         live = wanted
-        # per block, the workers holding it on any tier (all of them where it is in the shared tier): a lazy chain
-        # of C maps, so the Python loop below does one test per block and stops where the last run ends
+        # per block, the workers holding it on the GPU or in DRAM: a lazy chain of C maps, so the Python loop below
+        # does one test per block and stops where the last run ends. The tiers below (NVMe, the shared tier: all
+        # workers hold what it holds) are read only for a block some worker still in the running holds on
+        # neither: a prompt's blocks are mostly where they were computed or loaded (99% of them in a replay with
+        # tiers), and the NVMe map is the largest and, in a replay, the slowest to read (`U64Map`)
         masks: Iterator[int] = map(gpu.get, keys, repeat(0))
-        if lower:
+        if cpu:
             masks = map(or_, masks, map(cpu.get, keys, repeat(0)))
-            masks = map(or_, masks, map(disk.get, keys, repeat(0)))
-            if shared:
-                masks = map(or_, masks, map(mul, map(shared.__contains__, keys), repeat(wanted)))
-        for i, held in enumerate(masks):
+        below = bool(disk or shared)
+        disk_get = disk.get
+        for i, held in enumerate(masks if live else ()):
             if held & live != live:
+                if below:
+                    key = keys[i]
+                    held |= disk_get(key, 0)
+                    if key in shared:
+                        held |= wanted
+                    if held & live == live:
+                        continue
                 held &= live
                 gone = live & ~held
                 while gone:
@@ -181,21 +206,28 @@ class InMemoryKvIndex(KvBlockIndex):
                 continue
             counted.append((wid, blocks, run.by_tier))
         if counted:
-            # each block by the cheapest tier the worker holds it on (none of its own: the shared tier). A
-            # prompt's blocks come in runs held alike (a system prompt, then a question): the three masks are read
-            # in one C pass, and each run of equal masks is counted once for all workers
+            # each block by the cheapest tier the worker holds it on (none of its own: the shared tier), the tiers
+            # named in the order of their first block (the order the strategy sums them in). A prompt's blocks come
+            # in runs held alike (a system prompt, then a question): the GPU and DRAM masks are read in one C pass,
+            # each run of equal masks is counted once for all workers, and the NVMe map is read only for the
+            # blocks of a run that a worker holds on neither
             head = keys[: max(blocks for _wid, blocks, _by_tier in counted)]
             start = 0
-            for (on_gpu, on_cpu, on_disk), same in groupby(zip(map(gpu.get, head, repeat(0)),
-                                                              map(cpu.get, head, repeat(0)),
-                                                              map(disk.get, head, repeat(0)), strict=True)):
+            for (on_gpu, on_cpu), same in groupby(zip(map(gpu.get, head, repeat(0)), map(cpu.get, head, repeat(0)),
+                                                      strict=True)):
                 end = start + len(list(same))
                 for wid, blocks, by_tier in counted:
                     n = min(blocks, end) - start
-                    if n > 0:
-                        tier = (GPU if on_gpu >> wid & 1 else CPU if on_cpu >> wid & 1
-                                else DISK if on_disk >> wid & 1 else SHARED)
+                    if n <= 0:
+                        continue
+                    if on_gpu >> wid & 1 or on_cpu >> wid & 1:
+                        tier = GPU if on_gpu >> wid & 1 else CPU
                         by_tier[tier] = by_tier.get(tier, 0) + n
+                        continue
+                    for on_disk, alike in groupby(map(and_, map(disk_get, head[start:start + n], repeat(0)),
+                                                      repeat(1 << wid))):
+                        tier = DISK if on_disk else SHARED
+                        by_tier[tier] = by_tier.get(tier, 0) + len(list(alike))
                 start = end
         return runs
 
@@ -206,13 +238,14 @@ class InMemoryKvIndex(KvBlockIndex):
         log = arrivals.keys
         before = len(log)
         masks = self._masks[tier]
-        first, second, third = (m for t, m in self._masks.items() if t != tier)
+        get = masks.get
+        first, second, third = self._other_gets(tier)
         known = len(masks)
         for key in keys:
-            mask = masks.get(key, 0)
+            mask = get(key, 0)
             if mask & bit:
                 continue
-            if not (first.get(key, 0) | second.get(key, 0) | third.get(key, 0)) & bit:  # new to the worker
+            if not (first(key, 0) & bit or second(key, 0) & bit or third(key, 0) & bit):  # new to the worker
                 log.append(key)
             masks[key] = mask | bit
         if self._trims is not None and (trim := self._trims.get(tier)) is not None:
@@ -233,17 +266,18 @@ class InMemoryKvIndex(KvBlockIndex):
         # `_drop` for one tier, inline: evictions remove a block per call, the largest share of an index's updates
         bit = 1 << wid
         masks = self._masks[tier]
-        first, second, third = (m for t, m in self._masks.items() if t != tier)
+        get = masks.get
+        first, second, third = self._other_gets(tier)
         gone = 0
         for key in keys:
-            mask = masks.get(key, 0)
+            mask = get(key, 0)
             if not mask & bit:
                 continue
             if mask == bit:
                 del masks[key]
             else:
                 masks[key] = mask ^ bit
-            if not (first.get(key, 0) | second.get(key, 0) | third.get(key, 0)) & bit:  # the worker's last tier
+            if not (first(key, 0) & bit or second(key, 0) & bit or third(key, 0) & bit):  # the worker's last tier
                 gone += 1
         if gone:
             self._entries -= gone
