@@ -132,8 +132,9 @@ class InMemoryKvIndex(KvBlockIndex):
 
     def _other_gets(self, tier: str) -> tuple[MaskGet, MaskGet, MaskGet]:
         """The `get` of the three other tiers' maps (`_mapped`'s order), an empty one's as an empty dict's."""
-        first, second, third = (cast(MaskGet, masks.get if masks else _NOTHING.get) for masks in self._others[tier])
-        return first, second, third
+        first, second, third = self._others[tier]
+        nothing = _NOTHING.get
+        return first.get if first else nothing, second.get if second else nothing, third.get if third else nothing
 
     def _id(self, worker: str) -> int:
         wid = self._ids.get(worker)
