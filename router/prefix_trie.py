@@ -151,20 +151,26 @@ class PrefixTrie:
             if sent is not None and sent >= fresh_after:
                 out[url] = known
                 continue
-            # `leading_run` written out: a callback per probe would cost more than the whole lookup does
-            lo, hi = 1, known - 1  # blocks sent to `url` lately: at least the first, not the deepest known one
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                key = keys[mid - 1]
-                shard = key & mask
-                entry = sent_to[shard][key]
-                sent = (used[shard][key] if entry == url else None) if isinstance(entry, str) else entry.get(url)
-                if sent is not None and sent >= fresh_after:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out[url] = lo
+            # blocks sent to `url` lately: at least the first, not the deepest known one
+            out[url] = self._sent_since(keys, 1, known - 1, url, fresh_after)
         return out
+
+    def _sent_since(self, keys: Sequence[BlockKey], lo: int, hi: int, worker: str, since: float) -> int:
+        """How many leading `keys` (nodes all) were sent to `worker` at `since` or later, known to be between `lo`
+        and `hi`: monotone in depth, as a node is marked with its ancestors, so a binary search (`leading_run`
+        written out: a callback per probe would cost more than the whole lookup does)."""
+        sent_to, used, mask = self._workers, self._used, self._mask
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            key = keys[mid - 1]
+            shard = key & mask
+            entry = sent_to[shard][key]
+            sent = (used[shard][key] if entry == worker else None) if isinstance(entry, str) else entry.get(worker)
+            if sent is not None and sent >= since:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # --- update -----------------------------------------------------------------------------------------------
 
@@ -200,18 +206,7 @@ class PrefixTrie:
         path: they are found by binary search, and only the nodes after them are marked (no walk up the parents,
         no check per node)."""
         counts, used, sent_to, mask = self._worker_nodes, self._used, self._workers, self._mask
-        lo, hi = 0, depth
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            key = keys[mid - 1]
-            shard = key & mask
-            entry = sent_to[shard][key]
-            sent = (used[shard][key] if entry == worker else None) if isinstance(entry, str) else entry.get(worker)
-            if sent is not None and sent >= now:
-                lo = mid
-            else:
-                hi = mid - 1
-        for node in keys[lo:depth]:
+        for node in keys[self._sent_since(keys, 0, depth, worker, now):depth]:
             shard = node & mask
             workers = sent_to[shard][node]
             if isinstance(workers, str):
