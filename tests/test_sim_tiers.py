@@ -330,7 +330,7 @@ def test_the_tier_models_hold_a_block_in_a_few_bytes() -> None:
                 index[key] = (0.0, 1)
                 if len(index) > 12_000:
                     index.popitem(last=False)
-    for lru in (nvme._lru, fleet._expiry, index._entries):
+    for lru in (nvme._lru, fleet._expiry, index.by_hash):
         assert len(lru) == 12_000
         arrays = lru._log.itemsize * len(lru._log) + lru._places.itemsize * len(lru._places)
         assert arrays <= 40 * len(lru)

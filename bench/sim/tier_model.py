@@ -435,32 +435,33 @@ class HashKeyedIndex:
     entries on the conversation trace) take about 250 MB less (and without a dict entry, 70 MB less again). The
     ordered dict's operations the shared tier uses, taking and giving block keys."""
 
-    __slots__ = ("_entries",)
+    __slots__ = ("by_hash",)
 
     def __init__(self) -> None:
-        self._entries = HashLru(values=True)
+        # the entries by block hash: the model's shared tier reads and writes them so, a write at a time
+        self.by_hash = HashLru(values=True)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.by_hash)
 
     def __contains__(self, key: BlockKey) -> bool:
-        return key[1] in self._entries
+        return key[1] in self.by_hash
 
     def __iter__(self) -> Iterator[BlockKey]:
-        return ((LAYOUT, h) for h in self._entries)
+        return ((LAYOUT, h) for h in self.by_hash)
 
     def __setitem__(self, key: BlockKey, value: tuple[float, int]) -> None:
-        self._entries.set(key[1], value)  # (a new value for a key keeps its place, as in an ordered dict)
+        self.by_hash.set(key[1], value)  # (a new value for a key keeps its place, as in an ordered dict)
 
     def __delitem__(self, key: BlockKey) -> None:
-        if not self._entries.remove(key[1]):
+        if not self.by_hash.remove(key[1]):
             raise KeyError(key)
 
     def get(self, key: BlockKey, default: tuple[float, int] | None = None) -> tuple[float, int] | None:
-        return cast("tuple[float, int] | None", self._entries.get(key[1], default))
+        return cast("tuple[float, int] | None", self.by_hash.get(key[1], default))
 
     def pop(self, key: BlockKey, default: tuple[float, int] | None = None) -> tuple[float, int] | None:
-        entries = self._entries
+        entries = self.by_hash
         value = entries.get(key[1], _MISSING)
         if value is _MISSING:
             return default
@@ -468,16 +469,16 @@ class HashKeyedIndex:
         return cast("tuple[float, int]", value)
 
     def move_to_end(self, key: BlockKey) -> None:
-        if not self._entries.touch(key[1]):
+        if not self.by_hash.touch(key[1]):
             raise KeyError(key)
 
     def first(self) -> tuple[BlockKey, tuple[float, int]] | None:
         """The oldest entry, None when there is none."""
-        h = self._entries.oldest()
-        return None if h is None else ((LAYOUT, h), self._entries.get(h))
+        h = self.by_hash.oldest()
+        return None if h is None else ((LAYOUT, h), self.by_hash.get(h))
 
     def popitem(self, last: bool = True) -> tuple[BlockKey, tuple[float, int]]:
-        entries = self._entries
+        entries = self.by_hash
         h = entries.newest() if last else entries.oldest()
         if h is None:
             raise KeyError("popitem(): the index is empty")
@@ -489,10 +490,10 @@ class HashKeyedIndex:
         return (LAYOUT, h), value
 
     def values(self) -> Iterable[tuple[float, int]]:
-        return [value for _h, value in self._entries.items()]
+        return [value for _h, value in self.by_hash.items()]
 
     def items(self) -> Iterator[tuple[BlockKey, tuple[float, int]]]:
-        return (((LAYOUT, h), value) for h, value in self._entries.items())
+        return (((LAYOUT, h), value) for h, value in self.by_hash.items())
 
 
 class FleetSharedTier(SharedTier):
@@ -520,7 +521,7 @@ class FleetSharedTier(SharedTier):
         """`NvmeModel.store_new` for the shared tier: `SharedTier.store_many` of the blocks it does not hold yet
         (one write to the backend, their index entries the newest), as hashes; those it holds afterwards."""
         now = self.clock()
-        get = self._hashes._entries.get
+        get = self._hashes.by_hash.get
         fresh = [h for h in hashes if (entry := get(h)) is None or entry[0] <= now]
         if not fresh:
             return fresh
@@ -530,7 +531,7 @@ class FleetSharedTier(SharedTier):
         self.backend.put([(LAYOUT, h) for h in fresh], self.ttl_s)  # (the backend keeps no bytes: no seal)
         entry = (self._expiry(), self.seal.prefix_size + len(_STAND_IN))
         with self._lock:
-            put = self._hashes._entries.put
+            put = self._hashes.by_hash.put
             for h in fresh:
                 put(h, entry)
         self.stats.add("stores", len(fresh))
@@ -552,7 +553,7 @@ class FleetSharedTier(SharedTier):
     def contains(self, key: BlockKey) -> bool:
         """`SharedTier.contains` on the hash-keyed index, without a call per layer: every lookup and probe asks
         it for each block after the GPU prefix hit."""
-        entry = self._hashes._entries.get(key[1])  # (its HashLru, this module's own)
+        entry = self._hashes.by_hash.get(key[1])
         return entry is not None and entry[0] > self.clock()
 
     def _exists_many(self, keys: list[BlockKey]) -> list[bool]:
