@@ -173,7 +173,7 @@ def test_a_hot_prefix_spills_when_the_queue_outweighs_the_saving() -> None:
 def test_pending_blocks_are_the_multiset_of_the_runs_in_flight() -> None:
     """`PendingBlocks` against a plain multiset of runs: random chained runs added and discarded (later, in any
     order), caches forgotten with runs still in flight (their discards, coming later, change nothing, unless the
-    same run is in flight on the cache again), and enough traffic to rebuild the counters several times."""
+    same run is in flight on the cache again), runs parting from each other at every depth."""
     import random
     from collections import Counter
 
@@ -182,7 +182,6 @@ def test_pending_blocks_are_the_multiset_of_the_runs_in_flight() -> None:
 
     rng = random.Random(7)
     pending = PendingBlocks()
-    pending.COMPACT_MIN = 64
     reference: dict[str, Counter[int]] = {}
     epoch = {cache: 0 for cache in ("http://a", "http://b", "http://b#dp1")}
     prefixes = [[rng.getrandbits(63) for _ in range(rng.randint(1, 12))] for _ in range(20)]
@@ -220,6 +219,36 @@ def test_pending_blocks_are_the_multiset_of_the_runs_in_flight() -> None:
                     assert pending.match(prefix, cache) == held
                     for at_least in range(len(prefix) + 2):  # what the trie says, one probe past it
                         assert pending.match(prefix, cache, at_least) == max(held, at_least)
+
+
+def test_pending_runs_keep_a_shared_prefix_once_and_nothing_once_discarded() -> None:
+    """Runs sharing a system prompt keep its keys once, each run's own tail beside it (what makes adding and
+    discarding a run a step per segment, not a counter per key); a run parting inside a segment splits it, and
+    once every run is discarded, the cache keeps nothing."""
+    from strategies.kv import PendingBlocks
+
+    prompt = list(range(1000, 1062))
+    runs = [prompt + [i * 10 + j for j in range(3)] for i in range(50)] + [prompt[:40], [*prompt[:40], 7]]
+    pending = PendingBlocks()
+    for keys in runs:
+        pending.add(A, keys)
+    stored = [len(seg.keys) for seg in _segments(pending, A)]
+    assert sum(stored) == 62 + 50 * 3 + 1 and len(stored) == 1 + 1 + 50 + 1  # prompt[:40], prompt[40:], 50 tails, [7]
+    assert pending.match([*prompt, 0, 1], A) == 64 and pending.match([*prompt[:40], 7, 8], A) == 41
+    assert pending.pending(A)[prompt[0]] == 52 and pending.pending(A)[prompt[50]] == 50
+    for keys in runs:
+        pending.discard(A, keys)
+        pending.discard(A, keys)  # not in flight any more: nothing changes
+    assert pending.pending(A) == {} and pending.match(prompt, A) == 0 and not _segments(pending, A)
+
+
+def _segments(pending: Any, cache: str) -> list[Any]:
+    stack, out = list(pending._by_worker.get(cache, {}).values()), []
+    while stack:
+        seg = stack.pop()
+        out.append(seg)
+        stack.extend((seg.after or {}).values())
+    return out
 
 
 def test_without_trusted_events_the_prediction_is_the_holdings_of_trie_and_requests_in_flight() -> None:
