@@ -11,6 +11,10 @@ from git revision REV too, its rounds alternating with this tree's (a before/aft
 added latency p50/p99, requests/s, and the router's CPU time per request (its whole process tree, user + system,
 from /proc; the median of the rounds'). The summary table is issue 18's: CPU µs per request and requests/s at the
 highest concurrency, added p50 at the lowest.
+
+The client and stand-ins (`--client`): `python` (an aiohttp client, bench/standin.py's workers, a request count per
+round) or `wrk` (wrk and nginx, both in C, a duration per round: bench/wrk_load.py), which leave the router the
+machine's cores: on two cores the Python pair takes about as much CPU per request as the router.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ import orjson
 
 from bench import machine
 from bench.procs import CLOCK_TICKS, exit_on_sigterm, free_port, spawn_kvgate, stop, wait_http
+from bench.wrk_load import WrkRun, missing_tools, nginx_standins, run_wrk, write_script
 
 QUESTION_CHARS = 200
 WORDS = ("the", "router", "cache", "prefix", "token", "block", "engine", "worker", "gateway", "request", "prompt",
@@ -204,8 +210,12 @@ def start_router(target: str, workers: list[str], model_dir: Path, processes: in
                  source: Path | None = None) -> Router:
     """`kvgate:STRATEGY`, `sglang:POLICY` or `vllm-router:POLICY`, listening on a free port; `source`: run kvgate
     from that source tree instead of this one (`--against`)."""
-    kind, _, policy = target.partition(":")
-    policy = policy.partition("@")[0]
+    kind, _, rest = target.partition(":")
+    policy, _, variant = rest.partition("@")[0].partition(":")
+    if variant:  # kvgate:STRATEGY:pN, N gateway processes whatever --processes says: 1 and 2 side by side
+        if kind != "kvgate" or variant[:1] != "p" or not variant[1:].isdigit() or int(variant[1:]) < 1:
+            raise ValueError(f"target {target!r}: the one variant is pN (N processes), for kvgate")
+        processes = int(variant[1:])
     port = free_port()
     log = log_dir / f"{target.replace(':', '_').replace('@', '_')}.log"
     env = dict(os.environ)
@@ -314,6 +324,58 @@ async def measure(routers: list[Router], worker_urls: list[str], apis: list[str]
     return results
 
 
+def measure_wrk(routers: list[Router], worker_urls: list[str], apis: list[str], sizes: list[int], stream: bool,
+                concurrencies: list[int], seconds: float, rounds: int, system_prompts: int, workdir: Path,
+                progress: Any = None) -> list[ScenarioResult]:
+    """`measure` with wrk as the client (bench/wrk_load.py): each round a timed run straight to a stand-in, then
+    each router's in an order that alternates. Latency percentiles and CPU per request are the median of the
+    rounds' (wrk reports percentiles per run, not the latencies)."""
+    script = write_script(workdir)
+    results = []
+    runs = itertools.count()
+    for api, chars in itertools.product(apis, sizes):
+        workload = Workload(api, chars, system_prompts, stream)
+        bodies = workdir / f"bodies-{api}-{chars}.jsonl"
+        bodies.write_bytes(b"\n".join(workload.bodies(max(4 * system_prompts, 256))) + b"\n")
+
+        def once(url: str, concurrency: int, length: float, path: str = workload.path,
+                 bodies: Path = bodies) -> WrkRun:
+            return run_wrk(url, path, bodies, script, concurrency, length, f"r{next(runs)}")
+
+        for concurrency in concurrencies:
+            for router in routers:  # every system prompt seen before the rounds, as in `measure`
+                once(router.url, concurrency, 1)
+            direct: list[WrkRun] = []
+            routed: dict[str, list[WrkRun]] = {router.target: [] for router in routers}
+            cpu: dict[str, list[float]] = {router.target: [] for router in routers}
+            for i in range(rounds):
+                direct.append(once(worker_urls[0], concurrency, seconds))
+                for router in (routers if i % 2 == 0 else routers[::-1]):
+                    cpu0 = tree_cpu_seconds(router.proc.pid)
+                    run = once(router.url, concurrency, seconds)
+                    cpu[router.target].append((tree_cpu_seconds(router.proc.pid) - cpu0) / max(1, run.requests) * 1e6)
+                    routed[router.target].append(run)
+                if progress is not None:
+                    progress.update()
+            dp50 = statistics.median(r.p50_s for r in direct)
+            dp99 = statistics.median(r.p99_s for r in direct)
+            for router in routers:
+                sample = routed[router.target]
+                gp50 = statistics.median(r.p50_s for r in sample)
+                gp99 = statistics.median(r.p99_s for r in sample)
+                results.append(ScenarioResult(
+                    target=router.target, api=api, prompt_chars=chars, mode="stream" if stream else "json",
+                    concurrency=concurrency, requests=sum(r.requests for r in sample),
+                    direct_p50_ms=dp50 * 1e3, direct_p99_ms=dp99 * 1e3, gateway_p50_ms=gp50 * 1e3,
+                    gateway_p99_ms=gp99 * 1e3, added_p50_ms=(gp50 - dp50) * 1e3, added_p99_ms=(gp99 - dp99) * 1e3,
+                    direct_rps=sum(r.requests for r in direct) / sum(r.wall_s for r in direct),
+                    gateway_rps=sum(r.requests for r in sample) / sum(r.wall_s for r in sample),
+                    gateway_cpu_us_per_request=statistics.median(cpu[router.target]),
+                    errors=sum(r.errors for r in direct) + sum(r.errors for r in sample),
+                ))
+    return results
+
+
 @dataclass
 class StallResult:
     target: str
@@ -357,8 +419,9 @@ async def measure_stall(router: Router, api: str, chars: int, requests: int, con
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", action="append",
-                        help="router, repeatable: kvgate:STRATEGY, sglang:cache_aware, vllm-router:cache_aware "
-                        "(default kvgate:round_robin, kvgate:prefix, kvgate:kv)")
+                        help="router, repeatable: kvgate:STRATEGY, kvgate:STRATEGY:pN (N gateway processes, beside "
+                        "--processes' targets), sglang:cache_aware, vllm-router:cache_aware (default "
+                        "kvgate:round_robin, kvgate:prefix, kvgate:kv)")
     parser.add_argument("--peers", action="store_true",
                         help="add sglang:cache_aware and vllm-router:cache_aware (installed from PyPI on first use; "
                         "one that cannot be installed or started is reported and skipped)")
@@ -379,6 +442,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--against", metavar="REV",
                         help="also run each kvgate target from git revision REV (`git archive`), as "
                         "kvgate:STRATEGY@REV, side by side with this tree's: rounds alternate between the two")
+    parser.add_argument("--client", choices=["python", "wrk"], default="python",
+                        help="python: an aiohttp client and stand-ins (a request count per round); wrk: wrk as the "
+                        "client and one nginx process as the stand-ins, both in C, so the router has the cores "
+                        "(bench/wrk_load.py; `--seconds` per round; needs wrk and nginx, which scripts/system-deps.sh "
+                        "installs)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="--client wrk: seconds per round and target")
     parser.add_argument("--out", default="out/overhead.json", help="JSON results file")
 
 
@@ -409,6 +478,20 @@ def summary(results: list[ScenarioResult]) -> Iterator[str]:
                    f"{sum(r.errors for r in rows.values()):>8}")
 
 
+@contextmanager
+def python_standins(count: int) -> Iterator[list[str]]:
+    """`count` stand-in workers (bench/standin.py) in one process; yields their URLs."""
+    ports = [free_port() for _ in range(count)]
+    proc = spawn_kvgate(["standin", *itertools.chain.from_iterable(("--port", str(p)) for p in ports)])
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for url in urls:
+            wait_http(url + "/health", proc=proc)
+        yield urls
+    finally:
+        stop(proc)
+
+
 def _source_tree(rev: str, tmp: Path) -> Path:
     """This repository's files at git revision `rev`, extracted under `tmp`."""
     root = Path(__file__).resolve().parent.parent
@@ -425,26 +508,34 @@ def run(args: argparse.Namespace) -> int:
 
     from bench.make_model import write_model
 
-    before = machine.probe()
-    print(before.describe())
-    ports = [free_port() for _ in range(args.workers)]
-    standins = spawn_kvgate(["standin", *itertools.chain.from_iterable(("--port", str(p)) for p in ports)])
     targets = _targets(args)
     apis, sizes = args.api or ["chat", "completions"], args.prompt_chars or [200, 4000]
     modes, concurrencies = args.mode or ["json"], args.concurrency or [1, 64]
+    if args.client == "wrk":
+        missing = missing_tools()
+        if missing:
+            print(f"--client wrk needs {' and '.join(missing)} on PATH (scripts/system-deps.sh installs them)",
+                  file=sys.stderr)
+            return 2
+        if len(modes) > 1:
+            print("--client wrk: one --mode per run (the stand-ins' canned answer is JSON or a stream)",
+                  file=sys.stderr)
+            return 2
+    before = machine.probe()
+    print(before.describe())
     results: list[ScenarioResult] = []
     stalls: list[StallResult] = []
     skipped: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="kvgate-overhead-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvgate-overhead-") as tmp, ExitStack() as stack:
         model_dir = Path(tmp) / "tiny"
         model_dir.mkdir()
         write_model(model_dir)
-        worker_urls = [f"http://127.0.0.1:{p}" for p in ports]
+        worker_urls = stack.enter_context(
+            nginx_standins(args.workers, Path(tmp) / "nginx", stream=modes == ["stream"]) if args.client == "wrk"
+            else python_standins(args.workers))
         bar = tqdm(total=len(targets) * len(apis) * len(sizes) * len(modes) * len(concurrencies) * args.rounds,
                    desc="overhead")
         try:
-            for url in worker_urls:
-                wait_http(url + "/health")
             baseline = _source_tree(args.against, Path(tmp)) if args.against else None
             for target in targets:
                 routers: list[Router] = []
@@ -461,8 +552,13 @@ def run(args: argparse.Namespace) -> int:
                             print(f"{name}: skipped ({skipped[name][:200]})", file=sys.stderr)
                     if not routers:
                         continue
-                    results += asyncio.run(measure(routers, worker_urls, apis, sizes, modes, concurrencies,
-                                                   args.requests, args.rounds, args.system_prompts, bar))
+                    if args.client == "wrk":
+                        results += measure_wrk(routers, worker_urls, apis, sizes, modes == ["stream"],
+                                               concurrencies, args.seconds, args.rounds, args.system_prompts,
+                                               Path(tmp), bar)
+                    else:
+                        results += asyncio.run(measure(routers, worker_urls, apis, sizes, modes, concurrencies,
+                                                       args.requests, args.rounds, args.system_prompts, bar))
                     if args.stall_chars and target.startswith("kvgate:"):
                         stalls += [asyncio.run(measure_stall(router, api, args.stall_chars, args.stall_requests, 4))
                                    for router in routers for api in apis]
@@ -471,7 +567,6 @@ def run(args: argparse.Namespace) -> int:
                         router.stop()
         finally:
             bar.close()
-            stop(standins)
     header = (f"{'target':<24}{'api':<12}{'chars':>6}{'mode':>7}{'conc':>5}{'direct p50':>12}{'routed p50':>12}"
               f"{'added p50':>11}{'added p99':>11}{'direct rps':>12}{'rps':>8}{'CPU/req':>10}{'errors':>8}")
     print(header)
@@ -493,7 +588,9 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "benchmark": "overhead", "python": sys.version.split()[0], "cpus": os.cpu_count(),
         "machine_speed": machine.probes(before, after),
-        "requests_per_round": args.requests, "rounds": args.rounds, "workers": args.workers,
+        "client": args.client, "requests_per_round": args.requests if args.client == "python" else None,
+        "seconds_per_round": args.seconds if args.client == "wrk" else None, "rounds": args.rounds,
+        "workers": args.workers,
         "system_prompts": args.system_prompts, "question_chars": QUESTION_CHARS, "processes": args.processes,
         "targets": targets, "skipped": skipped, "results": [asdict(r) for r in results],
         "health_stalls": [asdict(st) for st in stalls],

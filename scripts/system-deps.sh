@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Debian packages the tests drive as real programs: dnsmasq (DNS discovery), Prometheus + promtool (scrape and
-# config checks). Installs only what is missing; fails loudly when it cannot.
+# config checks), wrk and nginx (`kvgate bench overhead --client wrk`: a load generator and stand-in workers in C).
+# Installs only what is missing; fails loudly when it cannot.
 set -euo pipefail
 
 need=()
 command -v dnsmasq >/dev/null 2>&1 || need+=(dnsmasq-base)
 { command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; } || need+=(prometheus)
+command -v wrk >/dev/null 2>&1 || need+=(wrk)
+{ command -v nginx >/dev/null 2>&1 || [[ -x /usr/sbin/nginx ]]; } || need+=(nginx-light)
 
 if ((${#need[@]})); then
     if ! command -v apt-get >/dev/null 2>&1; then
@@ -35,6 +38,7 @@ if command -v docker >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1
     ln -sf "$compose" "$HOME/.docker/cli-plugins/docker-compose"
 fi
 
-for tool in dnsmasq prometheus promtool; do
+for tool in dnsmasq prometheus promtool wrk; do
     command -v "$tool" >/dev/null 2>&1 || { echo "system-deps: $tool still missing after install" >&2; exit 1; }
 done
+{ command -v nginx >/dev/null 2>&1 || [[ -x /usr/sbin/nginx ]]; } || { echo "system-deps: nginx still missing after install" >&2; exit 1; }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -55,3 +56,81 @@ def test_against_runs_a_revision_side_by_side(tmp_path: Path) -> None:
     report = orjson.loads(out.read_bytes())
     assert sorted(r["target"] for r in report["results"]) == ["kvgate:round_robin", "kvgate:round_robin@HEAD"]
     assert all(r["errors"] == 0 and r["gateway_cpu_us_per_request"] > 0 for r in report["results"])
+
+
+def test_wrk_client_runs_every_target_and_process_count_side_by_side(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "overhead.json"
+    args = parser.parse_args(["--client", "wrk", "--target", "kvgate:prefix", "--target", "kvgate:round_robin:p2",
+                              "--prompt-chars", "300", "--system-prompts", "4", "--seconds", "1", "--rounds", "1",
+                              "--concurrency", "1", "--concurrency", "4", "--workers", "2", "--out", str(out)])
+    assert run(args) == 0, "needs wrk and nginx (scripts/system-deps.sh)"
+    report = orjson.loads(out.read_bytes())
+    assert report["client"] == "wrk" and report["seconds_per_round"] == 1
+    rows = {(r["target"], r["api"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {(t, api, c) for t in ("kvgate:prefix", "kvgate:round_robin:p2")
+                         for api in ("chat", "completions") for c in (1, 4)}
+    for row in rows.values():  # wrk counts any answer but 2xx/3xx as an error
+        assert row["errors"] == 0 and row["requests"] > 0 and row["gateway_cpu_us_per_request"] > 0
+        assert 0 < row["direct_p50_ms"] <= row["direct_p99_ms"] and 0 < row["gateway_p50_ms"] <= row["gateway_p99_ms"]
+
+
+def test_nginx_standins_answer_like_vllm_and_wrk_sends_unique_questions(tmp_path: Path) -> None:
+    """The C stand-ins' canned answers parse as vLLM's; wrk's script sends the workload's bodies, each question
+    made unique, to a recording server."""
+    import asyncio
+    import urllib.request
+
+    from aiohttp import web
+
+    from bench.wrk_load import nginx_standins, run_wrk, write_script
+
+    with nginx_standins(2, tmp_path / "nginx") as urls:
+        assert len(urls) == 2
+        models = orjson.loads(urllib.request.urlopen(urls[1] + "/v1/models", timeout=5).read())
+        assert models["data"][0]["id"] == "tiny"
+        for path, obj in (("/v1/chat/completions", "chat.completion"), ("/v1/completions", "text_completion")):
+            request = urllib.request.Request(urls[0] + path, data=b'{"model": "tiny"}',
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                answer = orjson.loads(resp.read())
+            assert resp.headers["Content-Type"] == "application/json"
+            assert answer["object"] == obj and answer["usage"]["completion_tokens"] == 8
+        assert b"vllm:num_requests_running" in urllib.request.urlopen(urls[0] + "/metrics", timeout=5).read()
+
+    workload = Workload("chat", 300, 4, False)
+    bodies = workload.bodies(8)
+    (tmp_path / "bodies").write_bytes(b"\n".join(bodies) + b"\n")
+    seen: list[dict[str, Any]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({})
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post(workload.path, record)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            run = await asyncio.to_thread(run_wrk, f"http://127.0.0.1:{port}", workload.path, tmp_path / "bodies",
+                                          write_script(tmp_path), 2, 1, "r7")
+        finally:
+            await runner.cleanup()
+        # wrk stops at its deadline: the requests in flight then (one per connection) reached the server uncounted
+        assert run.errors == 0 and 8 < run.requests <= len(seen) <= run.requests + 2
+
+    asyncio.run(main())
+    sent = [orjson.loads(b) for b in bodies]
+    questions = [body["messages"][1]["content"] for body in seen]
+    assert len(set(questions)) == len(questions)  # every one unique, across wrk's two threads
+    for body, question in zip(seen, questions, strict=True):
+        number, _, rest = question.partition(": ")
+        assert number.startswith("Question r7t") and number[len("Question r7t"):].partition("x")[0] in ("1", "2")
+        # the rest of the body is one of the workload's, question number aside
+        assert any(s["messages"][0] == body["messages"][0] and s["messages"][1]["content"].partition(": ")[2] == rest
+                   for s in sent)
