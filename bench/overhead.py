@@ -6,8 +6,9 @@ the completions API (`--api`). Routers (`--target`): kvgate's strategies (`kvgat
 for that many gateway processes) and, side by side, the Rust routers `bench compare` installs (`sglang:cache_aware`,
 `vllm-router:cache_aware`), each a process of its own in front of the same stand-in workers.
 
-Direct and routed rounds alternate, so both see the same machine noise; `--against REV` runs each kvgate target
-from git revision REV too, its rounds alternating with this tree's (a before/after pair in one run). Per scenario:
+Every router is started first; per round a direct run, then each router's, in an order that alternates, so all
+see the same machine noise; `--against REV` runs each kvgate target from git revision REV too, its rounds among
+this tree's (a before/after pair in one run). Per scenario:
 added latency p50/p99, requests/s, and the router's CPU time per request (its whole process tree, user + system,
 from /proc; the median of the rounds'). The summary table is issue 18's: CPU µs per request and requests/s at the
 highest concurrency, added p50 at the lowest.
@@ -533,40 +534,35 @@ def run(args: argparse.Namespace) -> int:
         worker_urls = stack.enter_context(
             nginx_standins(args.workers, Path(tmp) / "nginx", stream=modes == ["stream"]) if args.client == "wrk"
             else python_standins(args.workers))
-        bar = tqdm(total=len(targets) * len(apis) * len(sizes) * len(modes) * len(concurrencies) * args.rounds,
-                   desc="overhead")
+        bar = tqdm(total=len(apis) * len(sizes) * len(modes) * len(concurrencies) * args.rounds, desc="overhead")
+        routers: list[Router] = []
         try:
             baseline = _source_tree(args.against, Path(tmp)) if args.against else None
+            # every router started first and measured in one pass, its runs between the others' (the order
+            # alternating by round), so every ratio between two targets is a side-by-side one
             for target in targets:
-                routers: list[Router] = []
                 variants: list[tuple[str, Path | None]] = [(target, None)]
                 if baseline is not None and target.startswith("kvgate:"):
                     variants.append((f"{target}@{args.against}", baseline))
-                try:
-                    for name, source in variants:
-                        try:
-                            routers.append(start_router(name, worker_urls, model_dir, args.processes, Path(tmp),
-                                                        source))
-                        except Exception as exc:  # a peer that cannot be installed or started: reported
-                            skipped[name] = f"{type(exc).__name__}: {str(exc)[-600:]}"
-                            print(f"{name}: skipped ({skipped[name][:200]})", file=sys.stderr)
-                    if not routers:
-                        continue
-                    if args.client == "wrk":
-                        results += measure_wrk(routers, worker_urls, apis, sizes, modes == ["stream"],
-                                               concurrencies, args.seconds, args.rounds, args.system_prompts,
-                                               Path(tmp), bar)
-                    else:
-                        results += asyncio.run(measure(routers, worker_urls, apis, sizes, modes, concurrencies,
-                                                       args.requests, args.rounds, args.system_prompts, bar))
-                    if args.stall_chars and target.startswith("kvgate:"):
-                        stalls += [asyncio.run(measure_stall(router, api, args.stall_chars, args.stall_requests, 4))
-                                   for router in routers for api in apis]
-                finally:
-                    for router in routers:
-                        router.stop()
+                for name, source in variants:
+                    try:
+                        routers.append(start_router(name, worker_urls, model_dir, args.processes, Path(tmp), source))
+                    except Exception as exc:  # a peer that cannot be installed or started: reported
+                        skipped[name] = f"{type(exc).__name__}: {str(exc)[-600:]}"
+                        print(f"{name}: skipped ({skipped[name][:200]})", file=sys.stderr)
+            if routers and args.client == "wrk":
+                results += measure_wrk(routers, worker_urls, apis, sizes, modes == ["stream"], concurrencies,
+                                       args.seconds, args.rounds, args.system_prompts, Path(tmp), bar)
+            elif routers:
+                results += asyncio.run(measure(routers, worker_urls, apis, sizes, modes, concurrencies,
+                                               args.requests, args.rounds, args.system_prompts, bar))
+            if args.stall_chars:
+                stalls += [asyncio.run(measure_stall(router, api, args.stall_chars, args.stall_requests, 4))
+                           for router in routers if router.target.startswith("kvgate:") for api in apis]
         finally:
             bar.close()
+            for router in routers:
+                router.stop()
     header = (f"{'target':<24}{'api':<12}{'chars':>6}{'mode':>7}{'conc':>5}{'direct p50':>12}{'routed p50':>12}"
               f"{'added p50':>11}{'added p99':>11}{'direct rps':>12}{'rps':>8}{'CPU/req':>10}{'errors':>8}")
     print(header)
