@@ -391,31 +391,34 @@ class StallResult:
     errors: int
 
 
-async def measure_stall(router: Router, api: str, chars: int, requests: int, concurrency: int) -> StallResult:
+async def _drive_alone(url: str, bodies: list[bytes], concurrency: int) -> Sample:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        return await _drive(session, [url], bodies, False, concurrency)
+
+
+def measure_stall(router: Router, api: str, chars: int, requests: int, concurrency: int) -> StallResult:
     """How long `/health` waits while cold prompts of `chars` characters (every one new: nothing to reuse) go
-    through the router: a probe every 10 ms, timed from when it was due, so time the router's event loop spent
-    blocked between probes counts too."""
+    through the router: a probe every 10 ms from a process of its own (bench/health_probe.py), timed from when it was
+    due, so time the router's event loop spent blocked between probes counts too."""
     workload = Workload(api, chars, requests, False, seed=1)  # a system prompt per request: all cold
     bodies = workload.bodies(requests)
-    waits: list[float] = []
-    done = asyncio.Event()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-
-        async def probe() -> None:
-            while not done.is_set():
-                due = time.perf_counter()
-                async with session.get(router.url + "/health") as resp:
-                    await resp.read()
-                waits.append(time.perf_counter() - due)
-                await asyncio.sleep(0.01)
-
-        prober = asyncio.create_task(probe())
-        sample = await _drive(session, [router.url + workload.path], bodies, False, concurrency)
-        done.set()
-        await prober
+    prober = subprocess.Popen([sys.executable, "-m", "bench.health_probe", router.url], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert prober.stdout is not None
+        if prober.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"the /health prober of {router.target} did not start")
+        sample = asyncio.run(_drive_alone(router.url + workload.path, bodies, concurrency))
+        out, _ = prober.communicate(timeout=60)  # stdin closed: it stops and reports
+    finally:
+        stop(prober)
+    if prober.returncode != 0:
+        raise RuntimeError(f"the /health prober of {router.target} failed ({prober.returncode})")
+    probed = orjson.loads(out)
+    waits: list[float] = probed["waits"]
     return StallResult(router.target, api, chars, requests, concurrency, len(waits),
                        _percentile(waits, 0.5) * 1e3, _percentile(waits, 0.99) * 1e3, max(waits) * 1e3,
-                       sample.errors)
+                       sample.errors + probed["errors"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -557,7 +560,7 @@ def run(args: argparse.Namespace) -> int:
                 results += asyncio.run(measure(routers, worker_urls, apis, sizes, modes, concurrencies,
                                                args.requests, args.rounds, args.system_prompts, bar))
             if args.stall_chars:
-                stalls += [asyncio.run(measure_stall(router, api, args.stall_chars, args.stall_requests, 4))
+                stalls += [measure_stall(router, api, args.stall_chars, args.stall_requests, 4)
                            for router in routers if router.target.startswith("kvgate:") for api in apis]
         finally:
             bar.close()

@@ -134,3 +134,44 @@ def test_nginx_standins_answer_like_vllm_and_wrk_sends_unique_questions(tmp_path
         # the rest of the body is one of the workload's, question number aside
         assert any(s["messages"][0] == body["messages"][0] and s["messages"][1]["content"].partition(": ")[2] == rest
                    for s in sent)
+
+
+def test_health_prober_times_each_probe_and_counts_failed_answers() -> None:
+    """bench/health_probe.py in its own process against a real server: every probe timed, answers other than 200
+    counted, and it stops and reports when its stdin closes."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from aiohttp import web
+
+    answers = iter([200, 200, 503])
+    root = Path(__file__).resolve().parent.parent
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=next(answers, 200), text="ok")
+
+    async def main() -> dict[str, Any]:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        prober = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.health_probe", f"http://127.0.0.1:{port}", "0.005",
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root)
+        try:
+            assert prober.stdout is not None
+            assert (await asyncio.wait_for(prober.stdout.readline(), 30)).strip() == b"ready"
+            await asyncio.sleep(0.3)
+            out, _ = await asyncio.wait_for(prober.communicate(b""), 30)  # b"": stdin closed (None leaves it open)
+        finally:
+            await runner.cleanup()
+        assert prober.returncode == 0
+        return orjson.loads(out)  # type: ignore[no-any-return]
+
+    report = asyncio.run(main())
+    assert len(report["waits"]) >= 10 and all(0 < w < 5 for w in report["waits"])
+    assert report["errors"] == 1
