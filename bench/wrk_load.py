@@ -97,7 +97,12 @@ def _canned(api: str, stream: bool) -> tuple[str, bytes]:
     answer = _CHAT if api == "chat" else _COMPLETION
     if not stream:
         return "application/json", orjson.dumps(answer)
-    chunk = dict(answer, object="chat.completion.chunk" if api == "chat" else "text_completion")
+    if api == "chat":  # a stream's chat chunk carries a delta, not a message (vLLM's ChatCompletionStreamResponse)
+        choice = {"index": 0, "delta": {"role": "assistant", "content": " t0 t1 t2 t3 t4 t5 t6 t7"},
+                  "finish_reason": "length"}
+        chunk = dict(answer, object="chat.completion.chunk", choices=[choice])
+    else:
+        chunk = answer
     return "text/event-stream", b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
 
 

@@ -98,6 +98,14 @@ def test_nginx_standins_answer_like_vllm_and_wrk_sends_unique_questions(tmp_path
             assert resp.headers["Content-Type"] == "application/json"
             assert answer["object"] == obj and answer["usage"]["completion_tokens"] == 8
         assert b"vllm:num_requests_running" in urllib.request.urlopen(urls[0] + "/metrics", timeout=5).read()
+    with nginx_standins(1, tmp_path / "nginx-stream", stream=True) as urls:  # `--mode stream`: one SSE answer
+        for path, field in (("/v1/chat/completions", "delta"), ("/v1/completions", "text")):
+            request = urllib.request.Request(urls[0] + path, data=b'{"model": "tiny", "stream": true}',
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                events = resp.read().split(b"\n\n")
+            assert resp.headers["Content-Type"] == "text/event-stream"
+            assert events[1:] == [b"data: [DONE]", b""] and field in orjson.loads(events[0][6:])["choices"][0]
 
     workload = Workload("chat", 300, 4, False)
     bodies = workload.bodies(8)
