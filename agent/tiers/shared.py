@@ -365,7 +365,8 @@ class RedisSharedTier(SharedTier):
 
     def _listen(self) -> None:
         while not self._closed.is_set():
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            # untyped before redis-py 8.2, typed since: the ignore holds for both
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
             try:
                 pubsub.subscribe(self.channel)
                 # what was written before (or while we were away): one scan per (re)subscription, not per period
