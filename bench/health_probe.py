@@ -14,17 +14,23 @@ import select
 import socket
 import sys
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
+
+
+def _fill(sock: socket.socket, buffer: bytearray, done: Callable[[], bool]) -> None:
+    """Read from `sock` into `buffer` until `done()`."""
+    while not done():
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the router closed the connection")
+        buffer += chunk
 
 
 def _answer(sock: socket.socket, buffer: bytearray) -> int:
     """Read one HTTP/1.1 answer with a Content-Length from `sock` (what is read past it stays in `buffer`); its
     status."""
-    while b"\r\n\r\n" not in buffer:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("the router closed the connection")
-        buffer += chunk
+    _fill(sock, buffer, lambda: b"\r\n\r\n" in buffer)
     end = buffer.index(b"\r\n\r\n") + 4
     head = bytes(buffer[:end]).decode("latin-1").split("\r\n")
     status = int(head[0].split()[1])
@@ -32,11 +38,7 @@ def _answer(sock: socket.socket, buffer: bytearray) -> int:
     if not lengths:
         raise ValueError(f"an answer without Content-Length: {head[0]!r}")
     total = end + int(lengths[0])
-    while len(buffer) < total:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("the router closed the connection")
-        buffer += chunk
+    _fill(sock, buffer, lambda: len(buffer) >= total)
     del buffer[:total]
     return status
 
