@@ -251,7 +251,7 @@ def fitted_profile(base: Profile, model: ModelShape, prefills: list[Prefill], de
                    min_new: int) -> tuple[Profile, dict[str, float]]:
     """`base` with the model's shape and the fractions fitted to the measurements (see the module's doc): the
     compute rates to the prefills of at least `min_new` tokens (bound by compute, not by reading the weights), the
-    bandwidth to every decode."""
+    bandwidth to the decodes bound by memory."""
     matmul_flops = 2.0 * model.params
     attend_flops = 4.0 * model.layers * model.heads * model.head_dim
     # prefill: t = pass + matmul_flops * N / rate + attend_flops * N (C + N/2) / (rate * attention_efficiency)
@@ -259,10 +259,12 @@ def fitted_profile(base: Profile, model: ModelShape, prefills: list[Prefill], de
                        for r in prefills if r.new >= min_new])
     pass_s, per_matmul_flop, per_attend_flop = prefill_fit
     rate = 1.0 / per_matmul_flop
-    # decode: t = pass + (weights + KV read) / bandwidth
-    decode_fit = fit([((1.0, model.weight_bytes + r.batch * (r.context + 1) * model.kv_bytes_per_token), r.seconds)
-                      for r in decodes])
-    decode_pass_s, per_byte = decode_fit
+    # decode: the bandwidth each step achieved reading the weights and its KV, the median over the steps bound by
+    # memory (their matmuls at the fitted rate take under half of their time); a replayed graph has no pass to fit
+    bound = [r for r in decodes if matmul_flops * r.batch / rate < r.seconds / 2] or decodes
+    per_byte = 1.0 / statistics.median(
+        (model.weight_bytes + r.batch * (r.context + 1) * model.kv_bytes_per_token) / r.seconds for r in bound)
+    decode_pass_s = 0.0
     fractions = {"mfu": rate / base.peak_flops, "attention_efficiency": per_matmul_flop / per_attend_flop,
                  "bandwidth_efficiency": 1.0 / per_byte / base.hbm_bytes_per_s,
                  "prefill_pass_s": pass_s, "decode_pass_s": decode_pass_s,
@@ -272,6 +274,38 @@ def fitted_profile(base: Profile, model: ModelShape, prefills: list[Prefill], de
                          "attention_efficiency": fractions["attention_efficiency"],
                          "bandwidth_efficiency": fractions["bandwidth_efficiency"], "step_overhead_s": 0.0})
     return profile, fractions
+
+
+def measure(args: argparse.Namespace) -> tuple[Shape, list[Prefill], list[Decode], dict[str, Any]]:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = SMALL if args.small or not cuda else LLAMA_3_1_8B
+    dtype = torch.bfloat16 if cuda else torch.float32
+    name = torch.cuda.get_device_name() if cuda else "CPU (no CUDA device present)"
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else 0
+    print(f"# {name} ({memory / 2**30:.1f} GiB); torch {torch.__version__}; shape {shape} "
+          f"({shape.params / 1e9:.2f} B parameters, {dtype})", flush=True)
+    model = Llama(shape, device, dtype)
+    print(f"# attention: {model.attention.name}", flush=True)
+    timer = Timer(device, args.repeat)
+    prefills = []
+    for cached in ints(args.cached):
+        for new in ints(args.new):
+            prefills.append(Prefill(new, cached, time_prefill(model, timer, new, cached)))
+            release(device)
+            print(json.dumps({"prefill": asdict(prefills[-1])}), flush=True)
+    decodes = []
+    shapes = [(b, args.context) for b in ints(args.batches)] + [(32, t) for t in ints(args.long_contexts)]
+    for batch, context in shapes:
+        seconds = time_decode(model, timer, batch, context, graph=cuda)
+        release(device)
+        eager = time_decode(model, timer, batch, context, graph=False) if cuda else None
+        release(device)
+        decodes.append(Decode(batch, context, seconds, eager))
+        print(json.dumps({"decode": asdict(decodes[-1])}), flush=True)
+    run = {"device": name, "device_memory_bytes": memory, "torch": torch.__version__, "dtype": str(dtype),
+           "attention": model.attention.name, "repeat": args.repeat}
+    return shape, prefills, decodes, run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -291,41 +325,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hbm-tb-s", type=float, help="the GPU's memory bandwidth (default: --profile's)")
     parser.add_argument("--small", action="store_true", help="a small shape (the default without CUDA)")
     parser.add_argument("--out", type=Path, help="write the measurements and the fit here (JSON)")
+    parser.add_argument("--refit", type=Path, help="fit the measurements of an earlier --out instead of measuring")
     args = parser.parse_args(argv)
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    shape = SMALL if args.small or not cuda else LLAMA_3_1_8B
-    dtype = torch.bfloat16 if cuda else torch.float32
     base = PROFILES[args.profile]
     if args.peak_tflops:
         base = Profile(**{**asdict(base), "model": base.model, "peak_flops": args.peak_tflops * 1e12})
     if args.hbm_tb_s:
         base = Profile(**{**asdict(base), "model": base.model, "hbm_bytes_per_s": args.hbm_tb_s * 1e12})
-    name = torch.cuda.get_device_name() if cuda else "CPU (no CUDA device present)"
-    memory = torch.cuda.get_device_properties(device).total_memory if cuda else 0
-    print(f"# {name} ({memory / 2**30:.1f} GiB); torch {torch.__version__}; shape {shape} "
-          f"({shape.params / 1e9:.2f} B parameters, {dtype})", flush=True)
-    model = Llama(shape, device, dtype)
-    print(f"# attention: {model.attention.name}", flush=True)
-    timer = Timer(device, args.repeat)
-
-    prefills = []
-    for cached in ints(args.cached):
-        for new in ints(args.new):
-            prefills.append(Prefill(new, cached, time_prefill(model, timer, new, cached)))
-            release(device)
-            print(json.dumps({"prefill": asdict(prefills[-1])}), flush=True)
-    decodes = []
-    shapes = [(b, args.context) for b in ints(args.batches)] + [(32, t) for t in ints(args.long_contexts)]
-    for batch, context in shapes:
-        seconds = time_decode(model, timer, batch, context, graph=cuda)
-        release(device)
-        eager = time_decode(model, timer, batch, context, graph=False) if cuda else None
-        release(device)
-        decodes.append(Decode(batch, context, seconds, eager))
-        print(json.dumps({"decode": asdict(decodes[-1])}), flush=True)
-
+    if args.refit:
+        saved = json.loads(args.refit.read_text())
+        run = {k: saved[k] for k in ("device", "device_memory_bytes", "torch", "dtype", "attention", "repeat")}
+        shape = Shape(**saved["shape"])
+        prefills = [Prefill(**p) for p in saved["prefill"]]
+        decodes = [Decode(**d) for d in saved["decode"]]
+        print(f"# refitting {args.refit}: {run['device']}, torch {run['torch']}, {run['attention']}", flush=True)
+    else:
+        shape, prefills, decodes, run = measure(args)
     model_shape = shape.model()
     profile, fractions = fitted_profile(base, model_shape, prefills, decodes, args.fit_min_new)
     reference = Profile(**{**asdict(base), "model": model_shape})
@@ -349,9 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# fit error: median {statistics.median(errors):.1%}, max {max(errors):.1%}")
     if args.out:
         args.out.write_text(json.dumps({
-            "device": name, "device_memory_bytes": memory, "torch": torch.__version__, "shape": asdict(shape),
-            "params": shape.params, "dtype": str(dtype), "attention": model.attention.name, "repeat": args.repeat,
-            "profile": base.name, "peak_flops": base.peak_flops, "hbm_bytes_per_s": base.hbm_bytes_per_s,
+            **run, "shape": asdict(shape), "params": shape.params, "profile": base.name,
+            "peak_flops": base.peak_flops, "hbm_bytes_per_s": base.hbm_bytes_per_s,
             "prefill": [asdict(p) for p in prefills], "decode": [asdict(d) for d in decodes], "fit": fractions,
             "table": table, "fit_error_median": statistics.median(errors), "fit_error_max": max(errors),
             "argv": sys.argv[1:]}, indent=1))

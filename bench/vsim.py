@@ -607,6 +607,8 @@ class FleetSimulation:
         }
         if self.tier_settings is not None:
             out["tier_traffic"] = self.traffic()
+            t = self.tier_settings
+            out["tier_links_gbps"] = {"dram": t.dram_gbps, "nvme": t.nvme_gbps, "shared": t.shared_gbps}
         for q in (0.5, 0.9, 0.99):
             p = percentile(ttft, q)
             out[f"ttft_ms_p{int(q * 100)}"] = None if p is None else p * 1e3
@@ -725,6 +727,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram-blocks", type=int, default=TierSettings.dram_blocks)
     parser.add_argument("--nvme-blocks", type=int, default=TierSettings.nvme_blocks)
     parser.add_argument("--shared-blocks", type=int, default=TierSettings.shared_blocks)
+    for tier, what in (("dram", "host DRAM -> GPU"), ("nvme", "NVMe -> GPU"), ("shared", "shared tier -> GPU")):
+        parser.add_argument(f"--{tier}-gbps", type=float, default=getattr(TierSettings, f"{tier}_gbps"),
+                            help=f"{what}, GB/s of KV a load moves (`ttft` is told the same); `python -m "
+                                 "bench.gpu_check` measures the agent's DRAM path on a GPU")
     parser.add_argument("--concurrency", type=int, default=None, help="closed loop instead of arrival times")
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals for untimed workloads")
     parser.add_argument("--model-dir", default=None)
@@ -856,7 +862,8 @@ def run(args: argparse.Namespace) -> int:
     limit = vsim_report.ttft_limit(bound, profile)
     tier_modes = {"off": [False], "on": [True], "both": [False, True]}[args.tiers]
     settings = TierSettings(dram_blocks=args.dram_blocks, nvme_blocks=args.nvme_blocks,
-                            shared_blocks=args.shared_blocks, write_policy=args.write_policy)
+                            shared_blocks=args.shared_blocks, dram_gbps=args.dram_gbps, nvme_gbps=args.nvme_gbps,
+                            shared_gbps=args.shared_gbps, write_policy=args.write_policy)
     jobs = [VsimJob(vars(args), strategy, n, args.profile, args.block_size, args.gpu_blocks,
                     settings if tiered else None, args.concurrency, speedup=args.speedup,
                     tiers_sped_up=args.tiers_sped_up)

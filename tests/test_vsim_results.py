@@ -30,7 +30,8 @@ def fingerprint(row: dict[str, Any], decisions: list[int]) -> dict[str, Any]:
     """A replay's result without its wall and CPU time (floats to 9 places, far below any real change), and its
     routing decisions, as short digests. The waits before the first step came after these results were pinned
     (they measure what the pinned figures already show, and are tested in tests/test_vsim_report.py)."""
-    kept = {k: v for k, v in row.items() if k not in ("wall_s", "cpu_s", "peak_rss_mb") and not k.endswith(
+    kept = {k: v for k, v in row.items() if k not in ("wall_s", "cpu_s", "peak_rss_mb", "tier_links_gbps")
+            and not k.endswith(
         ("wait_ms_p50", "wait_ms_p90"))}
     return {"hit_rate": round(row["hit_rate"], 9), "ttft_ms_p50": round(row["ttft_ms_p50"], 6),
             "row": _digest(_rounded(kept)), "decisions": _digest(decisions)}
@@ -52,9 +53,15 @@ def _rounded(value: Any) -> Any:
 
 def replay(trace: Path, vocab: PromptVocabulary, strategy: str, tiers: str) -> dict[str, Any]:
     settings = None if tiers == "off" else dataclasses.replace(SMALL_TIERS, write_policy=tiers)
+    row, decisions = replay_row(trace, vocab, strategy, settings)
+    return fingerprint(row, decisions)
+
+
+def replay_row(trace: Path, vocab: PromptVocabulary, strategy: str,
+               settings: vsim.TierSettings | None) -> tuple[dict[str, Any], list[int]]:
     source = TraceSource(Trace(trace, report=None), vocab, block_tokens=32)
     sim = vsim.FleetSimulation(source, strategy=strategy, replicas=4, gpu_blocks=400, tiers=settings)
-    return fingerprint(sim.run(), sim.decisions)
+    return sim.run(), sim.decisions
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +235,30 @@ def test_a_dram_tier_no_larger_than_the_gpu_cache_is_pointed_out() -> None:
     assert note is not None and "--dram-blocks 20,000" in note and "(25,243 blocks)" in note
     assert settings.dram_note(20_000) is not None
     assert settings.dram_note(19_999) is None
+
+
+def test_the_tier_links_rates_come_from_the_command_line_and_price_every_tier_load(
+        tmp_path: Path, vocab: PromptVocabulary) -> None:
+    """`--dram-gbps` / `--nvme-gbps` / `--shared-gbps` (the rates bench/gpu_check.py measures) reach the replay's
+    links, and the row says which it ran with: the same replay (a lightly loaded fleet, where loads and not queues
+    make the TTFT) with every link 50x slower routes the same (round_robin) and takes longer to first token."""
+    trace = tmp_path / "light.jsonl"
+    write_trace(trace, conversation_trace(ConversationShape(requests=300, duration_s=600.0, seed=3)))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    vsim.add_arguments(parser)
+    args = parser.parse_args(["--dram-gbps", "4.5", "--nvme-gbps", "1.5", "--shared-gbps", "0.8"])
+    assert (args.dram_gbps, args.nvme_gbps, args.shared_gbps) == (4.5, 1.5, 0.8)
+    defaults = parser.parse_args([])
+    assert (defaults.dram_gbps, defaults.nvme_gbps, defaults.shared_gbps) == (25.0, 5.0, 10.0)
+
+    slow = dataclasses.replace(SMALL_TIERS, dram_gbps=0.5, nvme_gbps=0.1, shared_gbps=0.2)
+    fast_row, fast_decisions = replay_row(trace, vocab, "round_robin", SMALL_TIERS)
+    slow_row, slow_decisions = replay_row(trace, vocab, "round_robin", slow)
+    assert fast_row["tier_links_gbps"] == {"dram": 25.0, "nvme": 5.0, "shared": 10.0}
+    assert slow_row["tier_links_gbps"] == {"dram": 0.5, "nvme": 0.1, "shared": 0.2}
+    assert slow_decisions == fast_decisions
+    assert all(fast_row["hit_rate_by_tier"][t] > 0 for t in ("nvme", "shared")), fast_row["hit_rate_by_tier"]
+    assert slow_row["ttft_ms_p50"] > 1.3 * fast_row["ttft_ms_p50"]  # measured 30.0 against 16.0 ms
+    assert slow_row["ttft_ms_p90"] > 10 * fast_row["ttft_ms_p90"]  # 809 against 37 ms

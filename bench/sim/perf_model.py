@@ -151,6 +151,9 @@ TINY = ModelShape(params=1.2e6, layers=2, heads=4, kv_heads=2, head_dim=32)
 
 H100_SXM_FLOPS = 989e12      # dense BF16, NVIDIA H100 SXM5 datasheet
 H100_SXM_BW = 3.35e12        # HBM3, bytes/s
+H200_SXM_FLOPS = 989e12      # dense BF16, NVIDIA H200 SXM datasheet (the H100's compute)
+H200_SXM_BW = 4.8e12         # HBM3e, bytes/s
+H200_MEMORY = 143771 * 2**20  # what the lent H200 reported (nvidia-smi 143771 MiB; torch 139.8 GiB)
 A100_80G_FLOPS = 312e12      # dense BF16, NVIDIA A100 datasheet
 A100_80G_BW = 2.039e12       # HBM2e (SXM 80 GB), bytes/s
 L4_FLOPS = 121e12            # dense BF16, NVIDIA L4 datasheet
@@ -181,6 +184,26 @@ PROFILES: dict[str, Profile] = {
             max_num_batched_tokens=8192,
             sources="H100 SXM5 datasheet (989 TFLOPS dense BF16, 3.35 TB/s); Llama-3.1-8B config.json; "
                     "vLLM defaults for >=70 GiB GPUs (max_num_seqs 1024, max_num_batched_tokens 8192)",
+        ),
+        Profile(
+            name="llama-3.1-8b-h200",
+            description="Llama-3.1-8B-Instruct, bf16, one H200 SXM 141 GB (TP1), fractions measured",
+            model=LLAMA_3_1_8B,
+            peak_flops=H200_SXM_FLOPS,
+            hbm_bytes_per_s=H200_SXM_BW,
+            mfu=0.63,
+            attention_efficiency=0.54,
+            bandwidth_efficiency=0.53,
+            step_overhead_s=0.0015,
+            kv_cache_bytes=_kv_budget(H200_MEMORY, 1, 0.9, LLAMA_3_1_8B.weight_bytes, 3.0e9),
+            device_memory_bytes=H200_MEMORY * 1,
+            max_model_len=131072,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
+            sources="H200 SXM datasheet (989 TFLOPS dense BF16, 4.8 TB/s); mfu, attention_efficiency and "
+                    "bandwidth_efficiency fitted by bench/gpu_profile.py on a lent H200 (Llama-3.1-8B's shape in "
+                    "plain PyTorch, SDPA flash attention: docs/gpu/gpu_profile.json); step overhead assumed as "
+                    "the H100's; vLLM defaults for >=70 GiB GPUs",
         ),
         Profile(
             name="llama-3.1-8b-a100",
