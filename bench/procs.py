@@ -167,12 +167,13 @@ def valkey_server_binary() -> str:
     return found
 
 
-def spawn_valkey(port: int, workdir: str, timeout: float = 15.0, *extra: str) -> subprocess.Popen[bytes]:
+def spawn_valkey(port: int, workdir: str, timeout: float = 15.0, *extra: str,
+                 binary: str | None = None) -> subprocess.Popen[bytes]:
     """A Valkey server on 127.0.0.1:port without persistence, once it listens; `extra`: more server arguments
-    (e.g. `--requirepass`, `--maxmemory`)."""
+    (e.g. `--requirepass`, `--maxmemory`); `binary`: the server to run (default: `valkey_server_binary()`)."""
     proc = subprocess.Popen(
-        [valkey_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [binary or valkey_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+         "no", "--dir", workdir, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port, timeout, proc)
     except BaseException:

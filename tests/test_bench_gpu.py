@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from bench.procs import valkey_server_binary
 from bench.sim.perf_model import PROFILES
 from bench.vllm_engine import ensure_vllm_venv
 from tests.conftest import ROOT
@@ -52,10 +55,11 @@ def test_the_h200_profile_is_the_fit_of_the_committed_measurements(tmp_path: Pat
     assert len(big) == 16 and all(abs(t["fitted_s"] / t["measured_s"] - 1) < 0.01 for t in big)
 
 
-def test_the_connector_check_passes_against_a_real_agent_on_the_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", ["dram", "nvme", "shared"])
+def test_the_connector_check_passes_against_a_real_agent_on_the_cpu(tmp_path: Path, tier: str) -> None:
     out = run_bench("bench.gpu_check", "--agent-python", sys.executable, "--layers", "2", "--num-blocks", "64",
-                    "--shm-mib", "1", "--staging-mib", "1", "--dram", "256MiB", "--sizes", "4", "--repeat", "2",
-                    "--out", str(tmp_path / "c.json"))
+                    "--shm-mib", "1", "--staging-mib", "1", "--tier", tier, "--capacity", "256MiB", "--sizes", "4",
+                    "--repeat", "2", "--valkey-server", valkey_server_binary(), "--out", str(tmp_path / "c.json"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     checks = {r["check"]: r for r in rows if "check" in r}
@@ -64,4 +68,6 @@ def test_the_connector_check_passes_against_a_real_agent_on_the_cpu(tmp_path: Pa
     assert trip["ok"] and trip["identical"] == trip["blocks"] == 29 and trip["batch_blocks"] == 8
     assert "# ordering: skipped (no CUDA streams on the CPU)" in out.stdout
     assert {(r["measure"], r["blocks"]) for r in rows if "measure" in r} == {("save", 4), ("load", 4)}
+    # every load was served by that tier alone: the round trip's 29 blocks, then the two timed loads' 4 each
+    assert checks["tier"]["ok"] and checks["tier"]["agent_tiers"] == {tier: {"blocks": 37, "hits": 37}}
     assert out.stdout.rstrip().endswith("# all checks passed")
