@@ -75,7 +75,9 @@ def agent_process(python: str, tier: str, capacity: str, valkey_binary: str | No
         cmd = [python, "-m", "kvgate.cli", "agent", "--socket-path", socket_path, "--metrics-port", str(free_port()),
                "--metrics-host", "127.0.0.1", *flags]
         with log.open("wb") as out:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
+            # in a directory of its own: `-m` puts the working directory first on the path, before PYTHONPATH (an
+            # --agent-python that puts another checkout first would run this one's agent from a checkout's root)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out, start_new_session=True, cwd=tmp)
         try:
             deadline = time.monotonic() + 60
             while True:

