@@ -29,7 +29,52 @@ from collections.abc import Callable
 
 import torch
 
-from agent.kv_layout import BlockCopier, describe_layers, gather_blocks, scatter_blocks
+from agent.kv_layout import BlockCopier, CacheLayer, describe_layers, gather_blocks, scatter_blocks
+
+
+class Pipelined:
+    """An experiment: the copier's staging path with two staging buffers, the device-side gathers (or scatters) of
+    one batch on the current stream while the other batch's copy to (or from) the host runs on a copy stream, so
+    the copy engine and the kernel launches overlap instead of taking turns."""
+
+    def __init__(self, layers: list[CacheLayer], blocks: int, device: torch.device) -> None:
+        width = sum(layer.block_bytes for layer in layers)
+        self.layers = layers
+        self.buffers = [torch.empty((blocks, width), dtype=torch.uint8, device=device) for _ in range(2)]
+        self.copies = torch.cuda.Stream(device)
+
+    def _batches(self, ids: list[int]) -> list[tuple[int, list[int]]]:
+        step = self.buffers[0].shape[0]
+        return [(i, ids[i: i + step]) for i in range(0, len(ids), step)]
+
+    def gather(self, ids: list[int], rows: torch.Tensor) -> None:
+        compute = torch.cuda.current_stream()
+        copied: list[torch.cuda.Event | None] = [None, None]
+        for k, (i, batch) in enumerate(self._batches(ids)):
+            buffer = self.buffers[k % 2][: len(batch)]
+            if copied[k % 2] is not None:
+                compute.wait_event(copied[k % 2])  # its last copy to the host has read it
+            gather_blocks(self.layers, batch, buffer)
+            self.copies.wait_stream(compute)
+            with torch.cuda.stream(self.copies):
+                rows[i: i + len(batch)].copy_(buffer, non_blocking=True)
+                copied[k % 2] = torch.cuda.current_stream().record_event()
+        self.copies.synchronize()
+
+    def scatter(self, ids: list[int], rows: torch.Tensor) -> None:
+        compute = torch.cuda.current_stream()
+        scattered: list[torch.cuda.Event | None] = [None, None]
+        for k, (i, batch) in enumerate(self._batches(ids)):
+            buffer = self.buffers[k % 2][: len(batch)]
+            if scattered[k % 2] is not None:
+                self.copies.wait_event(scattered[k % 2])  # the scatter that last read this buffer is done
+            with torch.cuda.stream(self.copies):
+                buffer.copy_(rows[i: i + len(batch)], non_blocking=True)
+                arrived = torch.cuda.current_stream().record_event()
+            compute.wait_event(arrived)
+            scatter_blocks(self.layers, batch, buffer)
+            scattered[k % 2] = compute.record_event()
+        compute.synchronize()
 
 
 def timed(fn: Callable[[], None], sync: Callable[[], None], repeat: int) -> float:
@@ -94,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     ways += [("save", staged, lambda: copier.gather(ids, pinned)),
              ("load", staged, lambda: copier.scatter(ids, pinned))]
     if cuda:
+        pipelined = Pipelined(layers, copier.staging.shape[0] if copier.staging is not None else 1, device)
+        ways += [("save", "staging, pipelined", lambda: pipelined.gather(ids, pinned)),
+                 ("load", "staging, pipelined", lambda: pipelined.scatter(ids, pinned))]
         ways += [("save", "per-layer pinned", lambda: gather_blocks(layers, ids, pinned)),
                  ("load", "per-layer pinned", lambda: scatter_blocks(layers, ids, pinned))]
     ways += [("save", "per-layer pageable", lambda: gather_blocks(layers, ids, pageable)),
@@ -106,6 +154,16 @@ def main(argv: list[str] | None = None) -> None:
                "layers": args.layers, "seconds": seconds, "gb_per_s": total / seconds / 1e9}
         results.append(row)
         print(json.dumps(row), flush=True)
+    if cuda:  # the experiment moves the same bytes as the copier: its gather, and what its scatter wrote
+        expected = torch.empty_like(pinned)
+        copier.gather(ids, expected)
+        pipelined.gather(ids, pinned)
+        gathered = torch.equal(expected, pinned)
+        written = torch.randint(0, 256, pinned.shape, dtype=torch.uint8).pin_memory()
+        pipelined.scatter(ids, written)
+        copier.gather(ids, expected)
+        print(json.dumps({"check": "staging, pipelined", "gather_identical": gathered,
+                          "scatter_identical": torch.equal(expected, written)}), flush=True)
     raw = {r["direction"]: r["gb_per_s"] for r in results if str(r["way"]).startswith("raw")}
     print(f"# {n} blocks of {block_bytes} bytes ({args.layers} layers), {total / 2**20:.1f} MiB per batch, "
           f"median of {args.repeat}")
