@@ -25,7 +25,6 @@ log=$out/gpu.log
     echo "cores: $(nproc)"
     free -g | head -2
     "$py" -c "import torch, aiohttp; print('torch', torch.__version__, 'aiohttp', aiohttp.__version__)"
-    git log --oneline -1 2>/dev/null || true
 } 2>&1 | tee -a "$log"
 
 valkey=$("$py" -c "from bench.procs import valkey_server_binary; print(valkey_server_binary())") || exit 2
