@@ -102,9 +102,11 @@ class TtftOptions(KvOptions):
         200.0, "ttft: answers after which an old answer counts half in the learned rate")
     ttft_kv_bytes_per_token: float = option(
         131072.0, "ttft: KV-cache bytes per token, for tier transfer times (Llama-3.1-8B bf16: 128 KiB)")
-    ttft_cpu_gbps: float = option(25.0, "ttft: DRAM tier to GPU, GB/s")
-    ttft_disk_gbps: float = option(5.0, "ttft: NVMe tier to GPU, GB/s")
-    ttft_shared_gbps: float = option(10.0, "ttft: shared tier to GPU, GB/s")
+    # priors, learned from the fleet's loads (ttft_learn_loads); `python -m bench.gpu_check --tier dram|nvme|shared`
+    # measures a GPU host's (an H200 with the agent of 4 Dec 2026: 5.0 / 2.9 / 0.59, docs/agent.md)
+    ttft_cpu_gbps: float = option(25.0, "ttft: DRAM tier to GPU, GB/s (measure: python -m bench.gpu_check)")
+    ttft_disk_gbps: float = option(5.0, "ttft: NVMe tier to GPU, GB/s (measure: python -m bench.gpu_check)")
+    ttft_shared_gbps: float = option(10.0, "ttft: shared tier to GPU, GB/s (measure: python -m bench.gpu_check)")
     ttft_cpu_latency_s: float = option(50e-6, "ttft: DRAM tier, time per load besides the bytes")
     ttft_disk_latency_s: float = option(200e-6, "ttft: NVMe tier, time per load besides the bytes")
     ttft_shared_latency_s: float = option(2e-3, "ttft: shared tier, time per load besides the bytes")
