@@ -29,6 +29,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.utils.gc_utils import freeze_gc_heap
 from agent.client import AgentClient
 from agent.vllm_connector import BlockTransfer, KvgateConnector, KvgateConnectorMetadata
 
@@ -48,6 +49,8 @@ def connector(asynchronous):
     return worker
 
 workers = {"async": connector(True), "sync": connector(False)}
+freeze_gc_heap()  # as vLLM's EngineCore does once the engine is up: a full collection of the start-up heap (0.3 s
+# here) in a timed step is not the engine's (tests/test_connector_async.py: WORKER_SETUP)
 client = AgentClient(socket, shm_bytes=0)
 hook_ms = {name: [] for name in workers}
 stored_ms = {name: [] for name in workers}

@@ -113,6 +113,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.utils.gc_utils import freeze_gc_heap
 from agent.vllm_connector import BlockTransfer, KvgateConnector, KvgateConnectorMetadata
 
 model, socket, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -138,6 +139,7 @@ out["fail_warned"] = sum("not 'recompute'" in w for w in warnings)
 worker = connector(KVConnectorRole.WORKER, "recompute")
 out["recompute_warned"] = sum("not 'recompute'" in w for w in warnings) - out["fail_warned"]
 worker.register_kv_caches({f"l{i}": torch.randn(32, 2, 16, 64).to(torch.bfloat16) for i in range(2)})
+freeze_gc_heap()  # as EngineCore does once the engine is up (tests/test_connector_async.py: WORKER_SETUP)
 
 def step(loads, saves):
     start = time.monotonic()

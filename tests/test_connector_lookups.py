@@ -37,6 +37,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request
+from vllm.utils.gc_utils import freeze_gc_heap
 from agent.client import AgentClient
 from agent.vllm_connector import KvgateConnector, event_hash
 
@@ -51,6 +52,7 @@ bs = config.cache_config.block_size
 hash_fn = get_hash_fn_by_name("sha256")
 init_none_hash(hash_fn)
 hasher = get_request_block_hasher(bs, hash_fn)
+freeze_gc_heap()  # as EngineCore does once the engine is up (tests/test_connector_async.py: WORKER_SETUP)
 
 def request(name, blocks):
     tokens = [(sum(map(ord, name)) * 7919 + j) % 30000 for j in range(blocks * bs + 3)]
