@@ -428,12 +428,72 @@ class RedisSharedTier(SharedTier):
             pipe.execute()
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
+        """GETs of the blocks' strings, pipelined, read off the socket straight into `outs` (`_GetReplies`); a
+        reply that path does not take (a redirection, an error, a push message), or on a cluster a connection
+        error, has the batch fetched again through redis-py's pipeline, which knows them all."""
+        names = [self._name(key) for key in keys]
+        batch = _Fetch(self.seal.prefix_size, outs)
+        try:
+            if isinstance(self.client, self._redis.cluster.RedisCluster):
+                try:
+                    self._fetch_direct_cluster(self.client, names, batch)
+                except (_Surprise, self._redis.RedisError, OSError) as exc:
+                    log.debug("shared tier: a cluster fetch goes through the pipeline: %s", exc)
+                    return self._fetch_pipelined(keys, names, outs)
+            else:
+                self._fetch_direct(self.client, names, batch)
+        except _Surprise as exc:
+            log.debug("shared tier: a fetch goes through the pipeline: %s", exc)
+            return self._fetch_pipelined(keys, names, outs)
+        return batch.results(self.seal, keys)
+
+    def _fetch_direct(self, client: redis.Redis, names: list[str], batch: _Fetch) -> None:
+        """One server's GETs, pipelined on one pooled connection, retried as redis-py retries a pipeline."""
+        conn = _pooled_connection(client.connection_pool)
+        try:
+            conn.retry.call_with_retry(lambda: _GetReplies.run(conn, batch, names, range(len(names))),
+                                       lambda _error: conn.disconnect())
+        except BaseException:
+            conn.disconnect()  # whatever is left of the replies must not reach the connection's next user
+            raise
+        finally:
+            client.connection_pool.release(conn)
+
+    def _fetch_direct_cluster(self, client: redis.cluster.RedisCluster, names: list[str], batch: _Fetch) -> None:
+        """Each node's GETs on a connection of its own: all sent first, then each node's replies read (keys of
+        one block may live on different nodes: its prefix's and its payload's strings hash apart)."""
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, name in enumerate(names):
+            for command in (2 * i, 2 * i + 1) if batch.split[i] else (2 * i,):
+                node = client.get_node_from_key(name + _PAYLOAD if command % 2 else name)
+                by_node.setdefault(node.name, (node, []))[1].append(command)
+        taken: list[tuple[Any, Any]] = []
+        try:
+            sent = []
+            for node, commands in by_node.values():
+                pool = client.get_redis_connection(node).connection_pool
+                conn = _pooled_connection(pool)
+                taken.append((pool, conn))
+                sent.append((conn, _GetReplies.send(conn, names, commands), commands))
+            for conn, replies, commands in sent:
+                replies.read(batch, commands)
+        except BaseException:
+            for _pool, conn in taken:
+                conn.disconnect()
+            raise
+        finally:
+            for pool, conn in taken:
+                pool.release(conn)
+
+    def _fetch_pipelined(self, keys: list[BlockKey], names: list[str],
+                         outs: list[memoryview]) -> list[int | Exception | None]:
+        """The same fetch through redis-py's pipeline (values as bytes, then copied)."""
         pipe = self.client.pipeline(transaction=False)
         split = [len(out) >= _COPY_BELOW for out in outs]  # a payload this big may be in its own string
-        for key, two in zip(keys, split, strict=True):
-            pipe.get(self._name(key))
+        for name, two in zip(names, split, strict=True):
+            pipe.get(name)
             if two:
-                pipe.get(self._name(key) + _PAYLOAD)
+                pipe.get(name + _PAYLOAD)
         values = iter(pipe.execute())
         results: list[int | Exception | None] = []
         for key, two, out in zip(keys, split, outs, strict=True):
@@ -484,6 +544,195 @@ class RedisSharedTier(SharedTier):
 
 _COPY_BELOW = 256 * 1024  # payloads smaller than this are joined with their prefix and SET at once
 _PAYLOAD = ":p"  # the payload's own string, beside its prefix's, for larger blocks
+_READ_CHUNK = 256 * 1024  # what one recv takes for replies' headers and small values
+
+
+class _Surprise(Exception):
+    """A reply the direct GET path does not take (an error, a redirection, a push message, garbage)."""
+
+
+def _pooled_connection(pool: Any) -> Any:
+    """A connected connection of `pool` (redis-py before 5.3 wants a command name, later ones warn on one)."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("GET")
+
+
+class _Fetch:
+    """What a batch of GETs found, block by block, as its replies come in (in any order of blocks): the prefix,
+    and how many payload bytes went into the block's buffer from which string. Command `2 i` is block i's
+    `GET <name>`, `2 i + 1` its `GET <name>:p` (asked for when the buffer is big enough for a split block)."""
+
+    def __init__(self, prefix_size: int, outs: Sequence[memoryview]) -> None:
+        self.prefix_size = prefix_size
+        self.outs = outs
+        self.split = [len(out) >= _COPY_BELOW for out in outs]
+        self.reset()
+
+    def reset(self) -> None:
+        """Nothing found yet (a retried fetch starts over)."""
+        n = len(self.outs)
+        self.prefixes: list[bytearray | None] = [None] * n
+        self.joined: list[int | None] = [None] * n  # payload bytes that came with the prefix (one string)
+        self.payloads: list[int | None] = [None] * n  # payload bytes of the `:p` string
+        self.too_big = [False] * n  # a payload the caller's buffer cannot take: a miss, the block is fine
+
+    def results(self, seal: BlockSeal, keys: Sequence[BlockKey]) -> list[int | Exception | None]:
+        """Each block checked (MAC or checksum) where it now lies, in the caller's buffer: its length, None for a
+        miss, or the BlockError that refused it."""
+        results: list[int | Exception | None] = []
+        for i, key in enumerate(keys):
+            prefix = self.prefixes[i]
+            if prefix is None or self.too_big[i]:
+                results.append(None)
+                continue
+            size = self.joined[i]
+            if size is None:
+                size = self.payloads[i] if len(prefix) == self.prefix_size and self.payloads[i] is not None else 0
+            try:
+                if len(prefix) < self.prefix_size:
+                    raise BlockError(f"short block ({len(prefix)} bytes)")
+                results.append(seal.open(key, prefix, self.outs[i][:size]))
+            except BlockError as exc:
+                results.append(exc)
+        return results
+
+
+class _GetReplies:
+    """Replies to pipelined GETs read off a redis-py connection's socket by hand: each value straight into the
+    buffer it is for (a payload into the caller's buffer: no bytes object per reply, no copy through redis-py's
+    read buffer, which for MiB-sized values cost several times the network), headers and small values through a
+    buffer of `_READ_CHUNK`. The socket keeps the connection's timeout. A RESP2 or RESP3 bulk string or nil is
+    taken; anything else raises `_Surprise` (the caller drops the connection and asks again through redis-py)."""
+
+    def __init__(self, conn: Any) -> None:
+        sock = conn._sock
+        if sock is None:
+            raise self._redis_error(conn, "ConnectionError", "not connected")
+        self.conn = conn
+        self.sock = sock
+        self.buf = bytearray(_READ_CHUNK)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+
+    @classmethod
+    def run(cls, conn: Any, batch: _Fetch, names: list[str], blocks: Iterable[int]) -> None:
+        commands = [c for i in blocks for c in ((2 * i, 2 * i + 1) if batch.split[i] else (2 * i,))]
+        batch.reset()
+        cls.send(conn, names, commands).read(batch, commands)
+
+    @classmethod
+    def send(cls, conn: Any, names: list[str], commands: list[int]) -> _GetReplies:
+        conn.send_packed_command(conn.pack_commands(
+            [("GET", names[c // 2] + _PAYLOAD if c % 2 else names[c // 2]) for c in commands]))
+        return cls(conn)
+
+    @staticmethod
+    def _redis_error(conn: Any, kind: str, message: str) -> Exception:
+        import redis.exceptions
+
+        error: type[Exception] = getattr(redis.exceptions, kind)
+        return error(f"{message} ({getattr(conn, 'host', None) or getattr(conn, 'path', '')})")
+
+    def read(self, batch: _Fetch, commands: list[int]) -> None:
+        """The replies to `commands`, in order, into `batch`."""
+        try:
+            for command in commands:
+                self._reply(batch, command)
+        except (TimeoutError, OSError) as exc:  # socket.timeout is a TimeoutError
+            kind = "TimeoutError" if isinstance(exc, TimeoutError) else "ConnectionError"
+            raise self._redis_error(self.conn, kind, f"reading GET replies: {exc}") from exc
+        if self.start != self.end:
+            raise _Surprise("bytes after the last reply")
+
+    def _reply(self, batch: _Fetch, command: int) -> None:
+        i = command // 2
+        size = self._header()
+        if size is None:
+            return
+        out = batch.outs[i]
+        if command % 2 == 0:  # the block's string: its prefix alone, or the whole block
+            take = min(size, batch.prefix_size)
+            prefix = bytearray(take)
+            self._into(memoryview(prefix))
+            batch.prefixes[i] = prefix
+            rest = size - take
+            if rest:
+                batch.joined[i], batch.payloads[i] = rest, None
+                if rest <= len(out):
+                    self._into(out[:rest])
+                else:
+                    batch.too_big[i] = True
+                    self._skip(rest)
+        elif batch.joined[i] is not None:  # a joined block is what counts (as redis-py's path reads it)
+            self._skip(size)
+        elif size <= len(out):
+            self._into(out[:size])
+            batch.payloads[i] = size
+        else:
+            batch.too_big[i] = True
+            self._skip(size)
+        self._crlf()
+
+    def _fill(self) -> None:
+        """More bytes from the socket into the buffer (what is unread moved to its front first)."""
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.start > 0:
+            n = self.end - self.start
+            self.view[:n] = self.view[self.start: self.end]
+            self.start, self.end = 0, n
+        if self.end == len(self.buf):
+            raise _Surprise("a reply header longer than the read buffer")
+        got = self.sock.recv_into(self.view[self.end:])
+        if not got:
+            raise ConnectionError("Connection closed by server.")
+        self.end += got
+
+    def _header(self) -> int | None:
+        """The next reply's value length, None for a nil."""
+        while (eol := self.buf.find(b"\r\n", self.start, self.end)) < 0:
+            self._fill()
+        line = bytes(self.view[self.start: eol])
+        self.start = eol + 2
+        if line[:1] == b"$":
+            try:
+                size = int(line[1:])
+            except ValueError:
+                raise _Surprise(f"reply {line[:40]!r}") from None
+            return None if size < 0 else size
+        if line == b"_":  # RESP3's nil
+            return None
+        raise _Surprise(f"reply {line[:80]!r}")
+
+    def _into(self, dest: memoryview) -> None:
+        """The next len(dest) bytes of a value into `dest`: what the buffer holds, then from the socket directly."""
+        n = len(dest)
+        have = min(n, self.end - self.start)
+        dest[:have] = self.view[self.start: self.start + have]
+        self.start += have
+        recv_into = self.sock.recv_into
+        while have < n:
+            got = recv_into(dest[have:])
+            if not got:
+                raise ConnectionError("Connection closed by server.")
+            have += got
+
+    def _skip(self, n: int) -> None:
+        while n:
+            if self.start == self.end:
+                self._fill()
+            take = min(n, self.end - self.start)
+            self.start += take
+            n -= take
+
+    def _crlf(self) -> None:
+        while self.end - self.start < 2:
+            self._fill()
+        if self.view[self.start: self.start + 2] != b"\r\n":
+            raise _Surprise("a value not ended by CRLF")
+        self.start += 2
 
 
 def _sendable(payload: Buffer) -> bytes | memoryview:
