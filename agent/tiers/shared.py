@@ -318,16 +318,16 @@ class SharedTier:
 
 class RedisSharedTier(SharedTier):
     """One Redis/Valkey string per block (`<prefix>:<layout>-<hash>`), prefix (header, tag) then payload, read with
-    pipelined GETs. A block of 256 KiB or more is two strings instead, `<name>` the prefix and `<name>:p` the
-    payload, each written with one `SET ... PX ttl`: the payload goes to the socket as it is, never copied into a
-    new buffer first (for MiB-sized blocks that copy, page faults included, cost more than the network), and
-    every key is created with its TTL (a `SET` + `SETRANGE` pipeline left a key without one when it expired in
-    between, or the writer died); a reader that finds one string without the other, or a payload that does not
-    match its prefix, has a miss. Smaller blocks are joined with their prefix and written with one SET.
-    Every chain written is announced on `<prefix>:blocks` (PUBLISH `+name name ...`; deletions `-name ...`):
-    `listen()` subscribes to it, so a block another replica wrote is in this replica's index within a round trip
-    of its write, without scanning the keyspace; while the subscription is down the tier counts as unavailable
-    (lookups do not count shared blocks)."""
+    pipelined GETs whose replies go from the socket into the caller's buffers (`_GetReplies`). A block of 256 KiB or
+    more is two strings instead, `<name>` the prefix and `<name>:p` the payload, each written with one `SET ... PX
+    ttl`: the payload goes to the socket as it is, never copied into a new buffer first (for MiB-sized blocks that
+    copy, page faults included, cost more than the network), and every key is created with its TTL (a `SET` +
+    `SETRANGE` pipeline left a key without one when it expired in between, or the writer died); a reader that finds
+    one string without the other, or a payload that does not match its prefix, has a miss. Smaller blocks are joined
+    with their prefix and written with one SET. Every chain written is announced on `<prefix>:blocks` (PUBLISH
+    `+name name ...`; deletions `-name ...`): `listen()` subscribes to it, so a block another replica wrote is in
+    this replica's index within a round trip of its write, without scanning the keyspace; while the subscription is
+    down the tier counts as unavailable (lookups do not count shared blocks)."""
 
     def __init__(self, url: str, *, prefix: str = "kvgate", ttl_s: float = 3600.0, cluster: bool = False,
                  timeout_s: float = 0.5, retry_s: float = 1.0, secret: bytes | None = None) -> None:
@@ -429,15 +429,15 @@ class RedisSharedTier(SharedTier):
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
         """GETs of the blocks' strings, pipelined, read off the socket straight into `outs` (`_GetReplies`); a
-        reply that path does not take (a redirection, an error, a push message), or on a cluster a connection
-        error, has the batch fetched again through redis-py's pipeline, which knows them all."""
+        reply that path does not take (a redirection, an error, a push message), or on a cluster any failure, has
+        the batch fetched again through redis-py's pipeline, which knows them all (and a cluster's slots)."""
         names = [self._name(key) for key in keys]
         batch = _Fetch(self.seal.prefix_size, outs)
         try:
             if isinstance(self.client, self._redis.cluster.RedisCluster):
                 try:
                     self._fetch_direct_cluster(self.client, names, batch)
-                except (_Surprise, self._redis.RedisError, OSError) as exc:
+                except Exception as exc:  # (a slot not covered is no RedisError): the pipeline refreshes the slots
                     log.debug("shared tier: a cluster fetch goes through the pipeline: %s", exc)
                     return self._fetch_pipelined(keys, names, outs)
             else:
