@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from agent.block import BlockKey
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 from agent.tiers.buffers import BlockBuffers, BufferStats, touch
+from agent.tiers.copies import ParallelCopier
 
 
 @dataclass(slots=True, eq=False)
@@ -38,7 +39,7 @@ class DramTier:
     name = TierName.DRAM
 
     def __init__(self, capacity: int, high_watermark: float = 0.95, low_watermark: float = 0.85,
-                 prefix_order: bool = True) -> None:
+                 prefix_order: bool = True, copier: ParallelCopier | None = None) -> None:
         self.capacity = capacity
         self.prefix_order = prefix_order
         self.high_bytes = int(capacity * high_watermark)
@@ -54,6 +55,11 @@ class DramTier:
         self._buffers = BlockBuffers(capacity)
         self.prefaulting = False
         self._lock = threading.Lock()
+        # large blocks' copies on several threads (agent/tiers/copies.py); None: slice assignments
+        self._copier = copier
+        # while `store_many` holds the lock: the copies of the blocks it entered, made together before it lets go
+        # of the lock (or before anything is evicted): (key, block, payload)
+        self._pending: list[tuple[BlockKey, DramBlock, Buffer]] | None = None
 
     # -- interface -------------------------------------------------------------------------------------------
 
@@ -69,31 +75,65 @@ class DramTier:
 
         A new block whose child is the next item is not entered as a leaf (that entry would be stale as soon as
         the child is in): it is entered afterwards only if it is still a leaf then. Storing the child cannot
-        evict it either way (the parent of the block being stored is spared)."""
+        evict it either way (the parent of the block being stored is spared).
+
+        With a copier, the blocks' bytes are copied together at the end (large ones on several threads), still
+        under the lock: a reader of a block takes the lock, so it never sees one whose bytes are not in yet."""
         evicted: list[Removed] = []
+        with self._lock:  # once for the chain
+            self._pending = [] if self._copier is not None else None
+            try:
+                held = self._store_chain_locked(items, evicted)
+            finally:
+                self._flush_locked()
+                self._pending = None
+        self._report(evicted)
+        return held
+
+    def _store_chain_locked(self, items: Sequence[StoreItem], evicted: list[Removed]) -> int:
         held = 0
         refused: BlockKey | None = None
         last = len(items) - 1
         deferred: tuple[DramBlock, BlockKey] | None = None  # the block stored just before, without its leaf entry
-        with self._lock:  # once for the chain
-            for i, (key, payload, digest, parent) in enumerate(items):
-                if parent is not None and parent == refused:  # the rest of a chain the tier cannot hold whole
-                    self.stats.add("refused")
-                    refused = key
-                elif self._store_locked(key, payload, digest, parent, evicted,
-                                        leaf=i == last or items[i + 1].parent != key or not self.prefix_order):
-                    held += 1
-                else:
-                    refused = key
-                if deferred is not None:
-                    block, block_key = deferred
-                    if block.children == 0 and self._blocks.get(block_key) is block:
-                        heapq.heappush(self._leaves, (block.used, block_key))
-                    deferred = None
-                if self._unentered is not None:
-                    deferred, self._unentered = (self._unentered, key), None
-        self._report(evicted)
+        for i, (key, payload, digest, parent) in enumerate(items):
+            if parent is not None and parent == refused:  # the rest of a chain the tier cannot hold whole
+                self.stats.add("refused")
+                refused = key
+            elif self._store_locked(key, payload, digest, parent, evicted,
+                                    leaf=i == last or items[i + 1].parent != key or not self.prefix_order):
+                held += 1
+            else:
+                refused = key
+            if deferred is not None:
+                block, block_key = deferred
+                if block.children == 0 and self._blocks.get(block_key) is block:
+                    heapq.heappush(self._leaves, (block.used, block_key))
+                deferred = None
+            if self._unentered is not None:
+                deferred, self._unentered = (self._unentered, key), None
         return held
+
+    def _flush_locked(self) -> None:
+        """Make the copies `store_many` put off (all at once: large ones on several threads); a block whose copy
+        failed leaves the tier again, never held with bytes that are not its own."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        try:
+            self._copy([(block.data, payload) for _key, block, payload in pending])
+        except BaseException:
+            for key, block, _payload in pending:
+                if self._blocks.get(key) is block:
+                    self._remove_locked(key, block)
+            raise
+
+    def _copy(self, pairs: list[tuple[Buffer, Buffer]]) -> None:
+        if self._copier is not None:
+            self._copier.copy(pairs)
+        else:
+            for dst, src in pairs:
+                dst[:] = src  # type: ignore[index]
 
     def _store(self, key: BlockKey, payload: Buffer, digest: int | None, parent: BlockKey | None,
                evicted: list[Removed]) -> bool:
@@ -124,8 +164,11 @@ class DramTier:
                 self.stats.refused += 1
                 return False
         data = self._buffers.take(size, self._used)
-        data[:] = payload  # (the same length: a copy in place)
         block = DramBlock(data, None, digest)
+        if self._pending is not None:  # copied before the lock is let go (`store_many`)
+            self._pending.append((key, block, payload))
+        else:
+            data[:] = payload  # (the same length: a copy in place)
         if parent is not None:
             parent_block = blocks.get(parent)
             if parent_block is not None:
@@ -158,9 +201,31 @@ class DramTier:
     def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
         return [self.read_into(key, out, touch) for key, out in zip(keys, outs, strict=True)]
 
+    def read_run(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int]:
+        """The leading run of `keys` this tier holds, copied into `outs` (under one lock, large blocks on several
+        threads); their lengths. The block that ends the run, if any, counts as a miss, as `read_into` counts it."""
+        lengths: list[int] = []
+        pairs: list[tuple[Buffer, Buffer]] = []
+        with self._lock:
+            for key, out in zip(keys, outs, strict=True):
+                block = self._blocks.get(key)
+                if block is None or len(block.data) > len(out):
+                    self.stats.misses += 1
+                    break
+                size = len(block.data)
+                pairs.append((out[:size], block.data))
+                if touch:
+                    self._use_locked(key, block)
+                lengths.append(size)
+            self._copy(pairs)
+            self.stats.hits += len(lengths)
+        return lengths
+
     def held(self, key: BlockKey) -> DramBlock | None:
-        """The resident block itself (no copy), for demotion and write-through; does not touch LRU order."""
-        return self._blocks.get(key)
+        """The resident block itself (no copy), for demotion and write-through; does not touch LRU order. Under the
+        lock: a block `store_many` entered has its bytes once the lock is free."""
+        with self._lock:
+            return self._blocks.get(key)
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._blocks
@@ -218,7 +283,8 @@ class DramTier:
             return self._buffers.stats()
 
     def close(self) -> None:
-        pass
+        if self._copier is not None:
+            self._copier.close()
 
     # -- ordering and pressure -------------------------------------------------------------------------------
 
@@ -250,7 +316,9 @@ class DramTier:
                 heapq.heapify(self._leaves)
 
     def _evict_locked(self, target: int, protect: BlockKey | None = None) -> list[Removed]:
-        """Evict least recently used leaves until usage <= target."""
+        """Evict least recently used leaves until usage <= target (the copies put off made first: a block leaves
+        with its bytes, and its buffer is never reused while a copy into it is pending)."""
+        self._flush_locked()
         evicted: list[Removed] = []
         spared: list[tuple[int, BlockKey]] = []
         leaves = self._leaves
