@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from agent.block import BlockKey
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
 from agent.tiers.buffers import BlockBuffers, BufferStats, touch
-from agent.tiers.copies import ParallelCopier
+from agent.tiers.copies import LARGE_BYTES, ParallelCopier
 
 
 @dataclass(slots=True, eq=False)
@@ -57,8 +57,8 @@ class DramTier:
         self._lock = threading.Lock()
         # large blocks' copies on several threads (agent/tiers/copies.py); None: slice assignments
         self._copier = copier
-        # while `store_many` holds the lock: the copies of the blocks it entered, made together before it lets go
-        # of the lock (or before anything is evicted): (key, block, payload)
+        # while `store_many` holds the lock: the copies of the large blocks it entered, made together before it
+        # lets go of the lock (or before anything is evicted): (key, block, payload); small ones are copied at once
         self._pending: list[tuple[BlockKey, DramBlock, Buffer]] | None = None
 
     # -- interface -------------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class DramTier:
                 return False
         data = self._buffers.take(size, self._used)
         block = DramBlock(data, None, digest)
-        if self._pending is not None:  # copied before the lock is let go (`store_many`)
+        if self._pending is not None and size >= LARGE_BYTES:  # copied before the lock is let go (`store_many`)
             self._pending.append((key, block, payload))
         else:
             data[:] = payload  # (the same length: a copy in place)
@@ -213,11 +213,15 @@ class DramTier:
                     self.stats.misses += 1
                     break
                 size = len(block.data)
-                pairs.append((out[:size], block.data))
+                if size >= LARGE_BYTES and self._copier is not None:
+                    pairs.append((out[:size], block.data))
+                else:
+                    out[:size] = block.data
                 if touch:
                     self._use_locked(key, block)
                 lengths.append(size)
-            self._copy(pairs)
+            if pairs:
+                self._copy(pairs)
             self.stats.hits += len(lengths)
         return lengths
 
