@@ -62,8 +62,14 @@ class BlockBuffers:
         self.returned_bytes = 0
         self.reused = 0
         self.new = 0
+        self.reclaim_checks = 0  # returned buffers looked at by `take` (each a refcount check)
         self._free: dict[int, list[bytearray]] = {}
         self._returned: deque[bytearray] = deque()
+        # returned since the last `settle`: the blocks they belonged to are still in the hands of whoever removed
+        # them (a store's evictions, until they are reported), so no `take` looks at them before `settle` does --
+        # in a full tier of small blocks, each store's `take` rescanned up to RECLAIM_CHECKS of them in vain, 40%
+        # of a 16 KiB block's store
+        self._unsettled: list[bytearray] = []
 
     def take(self, size: int, resident: int) -> bytearray:
         """A buffer of `size` bytes (contents undefined) that nothing else refers to, for a block about to be
@@ -86,7 +92,7 @@ class BlockBuffers:
 
     def give_back(self, buf: bytearray) -> None:
         """A block left the tier (its bytes no longer resident): its buffer is reused once no one reads it."""
-        self._returned.append(buf)
+        self._unsettled.append(buf)
         self.returned_bytes += len(buf)
 
     def room(self, size: int, resident: int) -> bool:
@@ -103,7 +109,9 @@ class BlockBuffers:
         bounded number were looked at; those still read go to the back of the queue, one the bound has no room for
         goes to the allocator."""
         returned = self._returned
-        for _ in range(min(RECLAIM_CHECKS, len(returned))):
+        checks = min(RECLAIM_CHECKS, len(returned))
+        self.reclaim_checks += checks
+        for _ in range(checks):
             buf = returned.popleft()
             if sys.getrefcount(buf) > _ALONE:
                 returned.append(buf)  # still read (a demotion, a write-through, a view of its bytes)
@@ -127,6 +135,8 @@ class BlockBuffers:
         those nobody reads now are free, or go to the allocator where the bound has no room (free + resident <=
         capacity), so what the tier keeps idle stays within it; the rest stay in transit, their readers' memory."""
         returned = self._returned
+        returned.extend(self._unsettled)
+        self._unsettled.clear()
         still_read = []
         for _ in range(min(recent, len(returned))):
             buf = returned.pop()
