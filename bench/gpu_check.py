@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -55,7 +56,8 @@ TIERS = ("dram", "nvme", "shared")
 
 
 @contextmanager
-def agent_process(python: str, tier: str, capacity: str, valkey_binary: str | None = None) -> Iterator[str]:
+def agent_process(python: str, tier: str, capacity: str, valkey_binary: str | None = None,
+                  extra: Sequence[str] = ()) -> Iterator[str]:
     """A `kvgate agent` on a socket of its own whose only tier is `tier` (`capacity` bytes): its stores go there
     and its loads come from there (the shared tier: a Valkey server of our own, started here). Yields the socket's
     path."""
@@ -73,7 +75,7 @@ def agent_process(python: str, tier: str, capacity: str, valkey_binary: str | No
             valkey = spawn_valkey(port, tmp, binary=valkey_binary)
             flags += ["--shared-url", f"redis://127.0.0.1:{port}/0"]
         cmd = [python, "-m", "kvgate.cli", "agent", "--socket-path", socket_path, "--metrics-port", str(free_port()),
-               "--metrics-host", "127.0.0.1", *flags]
+               "--metrics-host", "127.0.0.1", *flags, *extra]
         with log.open("wb") as out:
             # in a directory of its own: `-m` puts the working directory first on the path, before PYTHONPATH (an
             # --agent-python that puts another checkout first would run this one's agent from a checkout's root)
@@ -307,17 +309,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="16,64,128", help="blocks per timed save and load")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--spin-ms", type=float, default=100.0, help="how long the GPU is kept busy before a write")
+    parser.add_argument("--agent-args", default="", help="more flags for the agent, e.g. '--dram-prefault'")
     parser.add_argument("--agent-python", default=sys.executable,
                         help="the Python that runs the agent (one with kvgate's dependencies)")
     parser.add_argument("--out", type=Path, help="write every row here (JSON)")
     args = parser.parse_args(argv)
+    if os.sep in args.agent_python:  # the agent runs in a directory of its own
+        args.agent_python = os.path.abspath(args.agent_python)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     print(f"# {torch.cuda.get_device_name() if cuda else 'no CUDA device present: the CPU cache layout'}; "
           f"torch {torch.__version__}; pid {os.getpid()}", flush=True)
     rows: list[dict[str, Any]] = []
     print(f"# the agent's tier: {args.tier} ({args.capacity})", flush=True)
-    with agent_process(args.agent_python, args.tier, args.capacity, args.valkey_server) as socket_path:
+    with agent_process(args.agent_python, args.tier, args.capacity, args.valkey_server,
+                       shlex.split(args.agent_args)) as socket_path:
         fleet = Fleet(args, device, socket_path)
         try:
             saver, loader = fleet.mover(fleet.source, "gpu-check-save"), fleet.mover(fleet.target, "gpu-check-load")
