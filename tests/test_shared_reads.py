@@ -243,3 +243,64 @@ def test_cluster_loads_read_each_node_directly(valkey_cluster3: list[int], caplo
     assert reader.stats.backend_errors == 0
     for tier in (writer, reader):
         tier.close()
+
+
+# -- saves ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ttl_s", [60.0, 0.0])
+def test_a_mixed_save_writes_what_redis_py_wrote(valkey: ValkeyServer, ttl_s: float) -> None:
+    """Saves are packed by the tier (one buffer for small blocks, large payloads as they are): the strings, their
+    TTLs (none with `ttl_s` 0) and the announcement are those redis-py's pipeline wrote."""
+    writer = RedisSharedTier(valkey.url, ttl_s=ttl_s, secret=b"s")
+    reader = RedisSharedTier(valkey.url, ttl_s=ttl_s, secret=b"s")
+    reader.listen()
+    assert reader.wait_subscribed(10)
+    raw = redis.Redis.from_url(valkey.url)
+    sizes = [16 * 1024, 2 * MIB, 100, 300 * 1024, 0, 16 * 1024]
+    items = [StoreItem(key(i), memoryview(bytearray(payload(i, n)))) for i, n in enumerate(sizes)]
+    assert writer.store_many(items) == len(items)
+    for i, n in enumerate(sizes):
+        name = f"kvgate:{key_name(key(i))}"
+        value = raw.get(name)
+        assert isinstance(value, bytes)
+        if n >= 256 * 1024:
+            assert len(value) == HEADER_SIZE + 16 and raw.get(name + ":p") == payload(i, n)
+        else:
+            assert value[HEADER_SIZE + 16:] == payload(i, n) and not raw.exists(name + ":p")
+        for string in (name, name + ":p") if n >= 256 * 1024 else (name,):
+            ttl = raw.pttl(string)
+            assert (50_000 < ttl <= 60_000) if ttl_s else ttl == -1
+    deadline = time.monotonic() + 5
+    while not all(reader.contains(key(i)) for i in range(len(sizes))):  # announced
+        assert time.monotonic() < deadline, "the save was not announced"
+        time.sleep(0.01)
+    buffers = outs(len(sizes), 2 * MIB)
+    assert reader.read_many([key(i) for i in range(len(sizes))], buffers) == sizes
+    assert all(bytes(buffers[i][:n]) == payload(i, n) for i, n in enumerate(sizes))
+    for tier in (writer, reader):
+        assert tier.stats.backend_errors == 0
+        tier.close()
+
+
+def test_a_save_refused_midway_leaves_the_connection_in_step(valkey: ValkeyServer) -> None:
+    """Error replies to a save's SETs (out of memory) pause writes, not reads; every reply after the first error
+    is read too, so the next fetch on the same pooled connection gets its own replies."""
+    tier = RedisSharedTier(valkey.url, ttl_s=60, retry_s=0.2)
+    raw = redis.Redis.from_url(valkey.url)
+    assert tier.store_many([StoreItem(key(i), payload(i, 16 * 1024)) for i in range(4)]) == 4
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", "1")
+    try:
+        assert tier.store_many([StoreItem(key(i), payload(i, 16 * 1024)) for i in range(10, 14)]) == 0
+        assert tier.stats.backend_errors == 1 and tier.available
+        for _ in range(3):
+            buffers = outs(4, 16 * 1024)
+            assert tier.read_many([key(i) for i in range(4)], buffers) == [16 * 1024] * 4
+            assert all(bytes(buffers[i]) == payload(i, 16 * 1024) for i in range(4))
+    finally:
+        raw.config_set("maxmemory", "0")
+    time.sleep(0.25)
+    assert tier.store_many([StoreItem(key(20), payload(20, 16 * 1024))]) == 1
+    assert raw.exists(f"kvgate:{key_name(key(20))}")
+    tier.close()

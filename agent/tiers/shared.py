@@ -411,7 +411,11 @@ class RedisSharedTier(SharedTier):
 
     def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
         px = int(self.ttl_s * 1000) if self.ttl_s > 0 else None
-        pipe = self.client.pipeline(transaction=False)
+        if not isinstance(self.client, self._redis.cluster.RedisCluster):
+            self._put_direct(self.client, items, px)
+            return
+        # a cluster's nodes each take their keys: redis-py's cluster pipeline sends them there
+        pipe = self.client.pipeline(transaction=False)  # type: ignore[no-untyped-call, unused-ignore]
         for key, prefix, payload in items:
             name = self._name(key)
             if len(payload) < _COPY_BELOW:  # small: one SET of a joined copy is cheaper than two keys
@@ -419,13 +423,65 @@ class RedisSharedTier(SharedTier):
             else:
                 pipe.set(name + _PAYLOAD, _sendable(payload), px=px)
                 pipe.set(name, prefix, px=px)
-        announcement = "+" + " ".join(key_name(key) for key, _prefix, _payload in items)
-        if isinstance(self.client, self._redis.cluster.RedisCluster):
-            pipe.execute()
-            self.client.publish(self.channel, announcement)
-        else:
-            pipe.publish(self.channel, announcement)
-            pipe.execute()
+        pipe.execute()
+        self.client.publish(self.channel, "+" + " ".join(key_name(key) for key, _prefix, _payload in items))
+
+    def _put_direct(self, client: redis.Redis, items: list[tuple[BlockKey, bytes, Buffer]], px: int | None) -> None:
+        """The same SETs and PUBLISH as through redis-py's pipeline, packed here: small blocks' commands, prefix and
+        payload copied once into one buffer (redis-py sent each value above 6000 bytes with a send of its own, and
+        packed each command through several Python calls), large payloads sent as they are. Every reply is read; the
+        first error reply (out of memory: `_refuses_writes`) is raised after them, as the pipeline raises it."""
+        ttl = b"" if px is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px)
+        head = b"*5\r\n$3\r\nSET\r\n" if px is not None else b"*3\r\n$3\r\nSET\r\n"
+        chunks: list[Buffer] = []
+        packed = bytearray()
+        names: list[str] = []
+        commands = 1  # the PUBLISH
+        for key, prefix, payload in items:
+            name = key_name(key)
+            names.append(name)
+            full = f"{self.prefix}:{name}".encode()
+            if len(payload) < _COPY_BELOW:  # small: one SET of a joined copy is cheaper than two keys
+                packed += b"%s$%d\r\n%s\r\n$%d\r\n" % (head, len(full), full, len(prefix) + len(payload))
+                packed += prefix
+                packed += payload
+                packed += b"\r\n%s" % ttl
+                commands += 1
+                continue
+            packed += b"%s$%d\r\n%s:p\r\n$%d\r\n" % (head, len(full) + 2, full, len(payload))
+            chunks.append(packed)
+            chunks.append(_sendable(payload))
+            packed = bytearray(b"\r\n%s" % ttl)
+            packed += b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n%s" % (head, len(full), full, len(prefix), prefix, ttl)
+            commands += 2
+        channel = self.channel.encode()
+        announcement = ("+" + " ".join(names)).encode()
+        packed += b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+            len(channel), channel, len(announcement), announcement)
+        chunks.append(packed)
+        ResponseError = self._redis.ResponseError
+
+        def attempt() -> None:
+            conn.send_packed_command(chunks)
+            refused: Exception | None = None
+            for _ in range(commands):
+                try:
+                    conn.read_response()
+                except ResponseError as exc:  # an error reply, read whole: the replies after it are read too
+                    refused = refused or exc
+            if refused is not None:
+                raise refused
+
+        conn = _pooled_connection(client.connection_pool)
+        try:
+            conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
+        except ResponseError:
+            raise
+        except BaseException:
+            conn.disconnect()  # whatever is left of the replies must not reach the connection's next user
+            raise
+        finally:
+            client.connection_pool.release(conn)
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
         """GETs of the blocks' strings, pipelined, read off the socket straight into `outs` (`_GetReplies`); a
