@@ -47,6 +47,7 @@ from agent.client import AgentClient
 from agent.kv_layout import describe_layers
 from agent.protocol import AgentError
 from agent.transfers import LoadJob, SaveJob, TransferThread
+from bench.gpu_copy import add_cache_arguments
 from bench.procs import free_port, spawn_valkey, stop
 
 LAYOUT = 0x6C0C
@@ -293,13 +294,8 @@ def measure(fleet: Fleet, saver: BlockMover, loader: BlockMover, sizes: Sequence
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--num-blocks", type=int, default=1024, help="blocks in each cache")
+    add_cache_arguments(parser, num_blocks=1024)
     parser.add_argument("--shm-mib", type=int, default=256, help="each connection's shared memory")
-    parser.add_argument("--staging-mib", type=int, default=32, help="the copier's device staging buffer")
     parser.add_argument("--tier", choices=TIERS, default="dram",
                         help="the agent's only tier: where saves go and loads come from (nvme: a directory under "
                              "the system's temporary one; shared: a Valkey server started here)")

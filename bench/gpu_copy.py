@@ -91,16 +91,21 @@ def timed(fn: Callable[[], None], sync: Callable[[], None], repeat: int) -> floa
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_cache_arguments(parser: argparse.ArgumentParser, num_blocks: int) -> None:
+    """The paged cache's shape (Llama-3.1-8B's by default: 2 MiB a 16-token block) and the copier's staging."""
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--num-blocks", type=int, default=512, help="blocks in the cache")
+    parser.add_argument("--num-blocks", type=int, default=num_blocks, help="blocks in each cache")
+    parser.add_argument("--staging-mib", type=int, default=32, help="the copier's device staging buffer")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_cache_arguments(parser, num_blocks=512)
     parser.add_argument("--blocks", type=int, default=64, help="blocks moved per batch")
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--staging-mib", type=int, default=32, help="the copier's device staging buffer")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
