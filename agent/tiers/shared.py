@@ -667,9 +667,11 @@ class _GetReplies:
     taken; anything else raises `_Surprise` (the caller drops the connection and asks again through redis-py)."""
 
     def __init__(self, conn: Any) -> None:
-        sock = conn._sock
+        # redis-py's socket: a version that keeps it elsewhere has its replies read by redis-py itself (the caller
+        # drops the connection and fetches again through the pipeline), not every load failed
+        sock = getattr(conn, "_sock", None)
         if sock is None:
-            raise self._redis_error(conn, "ConnectionError", "not connected")
+            raise _Surprise("no socket of redis-py's connection to read from")
         self.conn = conn
         self.sock = sock
         self.buf = bytearray(_READ_CHUNK)
