@@ -4,11 +4,14 @@ only the bytes it was given while blocks are evicted, demoted and their buffers 
 
 from __future__ import annotations
 
+import resource
+import threading
 import time
 from pathlib import Path
 
 from agent.client import AgentClient
 from agent.tiers.base import Removed, StoreItem
+from agent.tiers.buffers import PAGE, BlockBuffers
 from agent.tiers.dram import DramTier
 from tests.agent_process import AgentProcess
 from tests.test_agent_process import content
@@ -108,6 +111,50 @@ def test_prefault_fills_up_to_the_bound_and_the_bound_holds_for_every_size() -> 
     for i in range(32):
         half.store(key(i), payload(i))
     assert half.prefault(SIZE) == 32 * SIZE  # what is resident counts
+
+
+BIG = 64 * 2**20  # over glibc's largest mmap threshold (32 MiB): always fresh pages from the kernel
+
+
+def own_minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_a_new_large_buffer_is_not_written_before_the_copy_into_it() -> None:
+    """A regression: `bytearray(size)` zeroes every byte with the GIL held, faulting in every page of a new block's
+    buffer on the agent's loop thread, before the copier's threads (which fault them without the GIL) get to it."""
+    pool = BlockBuffers(4 * BIG)
+    before = own_minor_faults()
+    buf = pool.take(BIG, 0)
+    assert len(buf) == BIG and pool.stats().new == 1
+    assert own_minor_faults() - before < BIG // PAGE // 10  # 16,384 pages; a handful faulted at most
+    buf[:] = bytes(BIG)  # the copy faults them
+    assert own_minor_faults() - before >= BIG // PAGE * 9 // 10
+
+
+def test_prefault_lets_other_threads_run_while_the_pages_are_faulted() -> None:
+    """A regression: pre-faulting 16 GiB held the GIL for seconds (each buffer zeroed by `bytearray(size)`), and
+    the agent's loop and copy threads waited: DRAM loads on an H200 host ran at 0.4-2.8 GB/s, not 10-13."""
+    tier = DramTier(4 * BIG)
+    done = threading.Event()
+    faulted: list[int] = []
+
+    def prefault() -> None:
+        faulted.append(tier.prefault(2 * BIG, batch=1))  # two buffers of 128 MiB: ~65,000 page faults
+        done.set()
+
+    thread = threading.Thread(target=prefault)
+    start = last = time.perf_counter()
+    thread.start()
+    gap = 0.0
+    while not done.is_set():  # this thread's own progress, a pure Python loop that needs the GIL
+        now = time.perf_counter()
+        gap, last = max(gap, now - last), now
+    took = time.perf_counter() - start
+    thread.join()
+    assert faulted == [4 * BIG] and tier.buffer_stats().free_bytes == 4 * BIG
+    # held for the whole fault of each buffer, the longest gap was half the run; released, a switch interval or so
+    assert gap < took / 4, (gap, took)
 
 
 def minor_faults(pid: int) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from agent.block import BlockKey
 from agent.tiers.base import Buffer, HeldBlock, RemovalListener, Removed, StoreItem, TierName, TierStats, TierUsage
-from agent.tiers.buffers import BlockBuffers, BufferStats, touch
+from agent.tiers.buffers import BlockBuffers, BufferStats, touch, unfilled
 from agent.tiers.copies import LARGE_BYTES, ParallelCopier
 
 
@@ -269,7 +269,7 @@ class DramTier:
                 n = min(batch, fits)
                 if n <= 0:
                     break
-                fresh = [bytearray(size) for _ in range(n)]
+                fresh = [unfilled(size) for _ in range(n)]
                 for buf in fresh:  # outside the lock: stores go on meanwhile
                     touch(buf)
                 with self._lock:
