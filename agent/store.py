@@ -26,6 +26,7 @@ from agent.config import AgentConfig
 from agent.policy import TierPolicy, UseCounter
 from agent.presence import PresenceMap
 from agent.tiers.base import Buffer, HeldBlock, Removed, StoreItem, Tier, TierName
+from agent.tiers.buffers import unfilled
 from agent.tiers.copies import ParallelCopier
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
@@ -467,7 +468,7 @@ class TierStore:
                     end += 1
                 batch = candidates[start:end]
                 start = end
-                bufs = [memoryview(bytearray(size)) for _key, size in batch]
+                bufs = [memoryview(unfilled(size)) for _key, size in batch]  # read into before use
                 got = tier.read_many([key for key, _size in batch], bufs, touch=False)
                 items = [StoreItem(key, buf[:n]) for (key, _size), buf, n in zip(batch, bufs, got, strict=True)
                          if n is not None]

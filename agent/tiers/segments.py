@@ -42,6 +42,7 @@ from agent.tiers.base import (
     TierStats,
     TierUsage,
 )
+from agent.tiers.buffers import unfilled
 from agent.tiers.nvme import DIR_MODE, FILE_MODE
 
 log = logging.getLogger(__name__)
@@ -462,7 +463,7 @@ class SegmentNvmeTier:
             budget -= length + HEADER_SIZE + 16
             keep.append((key, length))
         if keep:
-            outs = [memoryview(bytearray(length)) for _key, length in keep]
+            outs = [memoryview(unfilled(length)) for _key, length in keep]  # read into before use
             got = self.read_many([key for key, _n in keep], outs, touch=False)
             records = [self._record(key, out[:n], None) for (key, _l), out, n in zip(keep, outs, got, strict=True)
                        if n is not None]
