@@ -19,6 +19,8 @@ and run in parallel with the event loop; the template environment is immutable o
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import unicodedata
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
@@ -124,6 +126,175 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
 _ENV = _make_environment()
 
 
+# ---- skeleton renders: a conversation's shape rendered once, its messages' texts put in by position ---------------
+#
+# Most chats repeat a shape (the roles, the same settings) with new texts, and most templates only copy a message's
+# text into the output. For such a template the render of a conversation is the render of its shape with each text
+# in its place: the shape is rendered once with stand-ins for the texts (`_Text`), which let the template output
+# them and join them to strings with `+`, give the truthiness recorded in the shape's key, and pass the type tests as
+# a string would, but raise `_Unsafe` on anything else (a comparison, `in`, a filter, a method, `str()`, `len()`,
+# hashing, iteration): any look into a text that could change what is rendered. The output holds a marker per text;
+# cut at the markers it is the pieces that surround the texts. Statements that capture output as a string and can
+# then transform it (block `set`, `filter` blocks, macros, `call` blocks but `generation`, recursive loops, blocks,
+# includes, autoescape changes) and non-deterministic globals and filters (`strftime_now`, `lipsum`, `random`) keep
+# a template off this path; so does a render that raised. The first render of each shape is checked against the
+# full render of the same request as well.
+
+class _Unsafe(Exception):
+    """A skeleton render looked into a message's text (deliberately not a TypeError, AttributeError, LookupError or
+    ValueError: jinja's filters and tests turn some of those into a quiet default)."""
+
+
+def _refuse(*_: Any) -> Any:
+    raise _Unsafe
+
+
+class _Text:
+    """A message's text in a skeleton render: its slot and whether it is empty, nothing else. Its attributes are
+    private (the sandbox answers undefined for them, as for a string's); any other name is looked up as an item,
+    which raises."""
+
+    __slots__ = ("_slot", "_truthy")
+
+    def __init__(self, slot: int, truthy: bool) -> None:
+        self._slot = slot
+        self._truthy = truthy
+
+    def __add__(self, other: object) -> _Joined:
+        if type(other) is str or type(other) is _Text or type(other) is _Joined:
+            return _Joined((self, other))
+        raise _Unsafe
+
+    def __radd__(self, other: object) -> _Joined:
+        if type(other) is str or type(other) is _Joined:
+            return _Joined((other, self))
+        raise _Unsafe
+
+    def __bool__(self) -> bool:
+        return self._truthy
+
+    __str__ = __repr__ = __format__ = __hash__ = __len__ = __iter__ = __reversed__ = __contains__ = _refuse
+    __getitem__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __int__ = __float__ = __index__ = _refuse
+    __mul__ = __rmul__ = __mod__ = __rmod__ = __abs__ = __neg__ = __round__ = _refuse
+
+
+class _Joined:
+    """Strings and `_Text`s joined with `+`: the same rules as `_Text`, but no truthiness."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: tuple[object, ...]) -> None:
+        self._parts = parts
+
+    def __add__(self, other: object) -> _Joined:
+        if type(other) is str or type(other) is _Text or type(other) is _Joined:
+            return _Joined((self, other))
+        raise _Unsafe
+
+    def __radd__(self, other: object) -> _Joined:
+        if type(other) is str:
+            return _Joined((other, self))
+        raise _Unsafe
+
+    __str__ = __repr__ = __format__ = __hash__ = __len__ = __iter__ = __reversed__ = __contains__ = _refuse
+    __getitem__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __int__ = __float__ = __index__ = _refuse
+    __mul__ = __rmul__ = __mod__ = __rmod__ = __abs__ = __neg__ = __round__ = __bool__ = _refuse
+
+
+# a text's marker in a skeleton: a NUL, this process's nonce (which no template or special token holds), the slot
+_NONCE = secrets.token_hex(8)
+_MARKER = re.compile(f"\x00{_NONCE}([0-9]+)\x00")
+
+
+def _marked(value: Any) -> Any:
+    """The output of `{{ value }}` in a skeleton render (jinja's `finalize`): a text's marker, or the value as is."""
+    if type(value) is _Text:
+        return f"\x00{_NONCE}{value._slot}\x00"
+    if type(value) is _Joined:
+        return "".join(map(_marked, value._parts))
+    return value
+
+
+def _is_string(value: Any) -> bool:
+    return type(value) is _Text or type(value) is _Joined or isinstance(value, str)
+
+
+def _is_sequence(value: Any) -> bool:
+    if type(value) is _Text or type(value) is _Joined:
+        return True
+    tests: Any = jinja2.tests
+    return bool(tests.test_sequence(value))
+
+
+def _is_same(value: Any, other: Any) -> bool:
+    if type(value) in (_Text, _Joined) or type(other) in (_Text, _Joined):
+        raise _Unsafe
+    return value is other
+
+
+def _make_skeleton_environment() -> ImmutableSandboxedEnvironment:
+    env = _ChatEnvironment(trim_blocks=True, lstrip_blocks=True, finalize=_marked,
+                           extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.tests.update(string=_is_string, sequence=_is_sequence, sameas=_is_same)
+    return env
+
+
+_SKELETON_ENV = _make_skeleton_environment()
+# statements whose output is captured as a string the template may then transform (or that change escaping)
+_CAPTURING = (jinja2.nodes.AssignBlock, jinja2.nodes.FilterBlock, jinja2.nodes.Macro, jinja2.nodes.Block,
+              jinja2.nodes.Extends, jinja2.nodes.Include, jinja2.nodes.Import, jinja2.nodes.FromImport,
+              jinja2.nodes.EvalContextModifier)
+_VARYING_NAMES = frozenset({"strftime_now", "lipsum", "self", "caller", "varargs", "kwargs"})
+_VARYING_FILTERS = frozenset({"random"})
+
+
+@lru_cache(maxsize=32)
+def _compile_skeleton(template: str) -> jinja2.Template | None:
+    """The template compiled for skeleton renders, or None when it may not take them."""
+    try:
+        ast = _SKELETON_ENV.parse(template)
+    except jinja2.TemplateError:
+        return None
+    for node in ast.find_all(jinja2.nodes.Node):
+        if (isinstance(node, _CAPTURING)
+                or (isinstance(node, jinja2.nodes.For) and node.recursive)
+                or (isinstance(node, jinja2.nodes.CallBlock) and not (
+                    isinstance(node.call, jinja2.nodes.Call) and isinstance(node.call.node,
+                                                                            jinja2.nodes.ExtensionAttribute)
+                    and node.call.node.identifier == _GenerationTag.identifier and node.call.node.name == "_render"))
+                or (isinstance(node, jinja2.nodes.Name) and node.name in _VARYING_NAMES)
+                or (isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) and node.name in _VARYING_FILTERS)):
+            return None
+    compiled = _SKELETON_ENV.from_string(template)
+    compiled.globals = dict(compiled.globals)
+    return compiled
+
+
+class _Skeleton:
+    """A shape's render cut at its texts: `pieces[0] + text[slots[0]] + pieces[1] + ...`."""
+
+    __slots__ = ("pieces", "slots")
+
+    def __init__(self, rendered: str) -> None:
+        cut = _MARKER.split(rendered)
+        self.pieces: tuple[str, ...] = tuple(cut[0::2])
+        self.slots: tuple[int, ...] = tuple(map(int, cut[1::2]))
+
+    def fill(self, texts: Sequence[str]) -> str:
+        pieces = self.pieces
+        out = [pieces[0]]
+        for at, slot in enumerate(self.slots, 1):
+            out.append(texts[slot])
+            out.append(pieces[at])
+        return "".join(out)
+
+
+_UNCHECKED = object()  # a shape's skeleton not yet compared with a full render
+MAX_SKELETONS = 4096  # shapes remembered per renderer; the cache starts over when full
+
+
 @lru_cache(maxsize=32)
 def _compile(template: str) -> tuple[jinja2.Template, frozenset[str], str]:
     """The compiled template, its undeclared variables and its content format ("string" or "openai")."""
@@ -181,6 +352,9 @@ class ChatRenderer:
         self._server_template = server_template
         self._default_kwargs = dict(default_kwargs or {})
         self._source = source  # where the templates came from, for errors
+        # skeleton renders (see `_Skeleton`) by shape: a `_Skeleton`, or None where the full render is used
+        self._skeletons: dict[tuple[object, ...], _Skeleton | None] = {}
+        self._unsafe_templates: set[str] = set()  # templates a skeleton render caught looking into a text
 
     def state(self, *, templates: bool = True) -> dict[str, Any]:
         return {"special_tokens": self.special_tokens, "templates": self._templates if templates else {},
@@ -256,17 +430,26 @@ class ChatRenderer:
                 raise TokenizationError("continue_final_message needs a final message with text content")
             final_text = last["content"]
             conversation[-1] = {**last, "content": final_text + _CONTINUE_TAG}
-        variables_in = {
-            **self.special_tokens, **extra, "messages": conversation,
-            "tools": list(kwargs["tools"]) if kwargs.get("tools") is not None else None,
-            "documents": kwargs.get("documents"),
-            "add_generation_prompt": bool(kwargs.get("add_generation_prompt", False)),
-        }
-        try:
-            rendered = (compiled.render(**variables_in) if max_chars is None
-                        else _render_bounded(compiled, variables_in, max_chars))
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
-            raise TokenizationError(f"chat template rejected the request: {e}") from e
+        add_generation_prompt = bool(kwargs.get("add_generation_prompt", False))
+        shape = (self._shape(template, conversation, add_generation_prompt)
+                 if max_chars is None and not extra and kwargs.get("tools") is None
+                 and kwargs.get("documents") is None else None)
+        skeleton = _UNCHECKED if shape is None else self._skeletons.get(shape[0], _UNCHECKED)
+        if type(skeleton) is _Skeleton:
+            rendered = skeleton.fill(shape[1])  # type: ignore[index]
+        else:
+            variables_in = {
+                **self.special_tokens, **extra, "messages": conversation,
+                "tools": list(kwargs["tools"]) if kwargs.get("tools") is not None else None,
+                "documents": kwargs.get("documents"), "add_generation_prompt": add_generation_prompt,
+            }
+            try:
+                rendered = (compiled.render(**variables_in) if max_chars is None
+                            else _render_bounded(compiled, variables_in, max_chars))
+            except (jinja2.TemplateError, TypeError, ValueError) as e:
+                raise TokenizationError(f"chat template rejected the request: {e}") from e
+            if shape is not None and skeleton is _UNCHECKED:
+                self._learn(shape[0], template, conversation, add_generation_prompt, shape[1], rendered)
         if cont:
             tag = _CONTINUE_TAG.strip()
             if final_text.strip() not in rendered or tag not in rendered:
@@ -276,6 +459,45 @@ class ChatRenderer:
             rendered = (rendered[:at] if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG
                         else rendered[:at].rstrip())
         return rendered
+
+    def _shape(self, template: str, conversation: Sequence[Message],
+               add_generation_prompt: bool) -> tuple[tuple[object, ...], list[str]] | None:
+        """A conversation's shape (what a skeleton render depends on: the template, the roles, which texts are
+        empty, `add_generation_prompt`) and its texts; None when it has anything else (other fields, parts)."""
+        if template in self._unsafe_templates:
+            return None
+        shape: list[object] = [template, add_generation_prompt]
+        texts: list[str] = []
+        for message in conversation:
+            content = message.get("content")
+            if len(message) != 2 or type(content) is not str or type(message.get("role")) is not str:
+                return None
+            shape.append(message["role"])
+            shape.append(not content)
+            texts.append(content)
+        return tuple(shape), texts
+
+    def _learn(self, shape: tuple[object, ...], template: str, conversation: Sequence[Message],
+               add_generation_prompt: bool, texts: Sequence[str], rendered: str) -> None:
+        """Render `shape`'s skeleton and keep it if filling it with `texts` gives `rendered` (the full render of the
+        same request); else remember the shape (or, if the template looked into a text, the template) as not
+        taking skeleton renders."""
+        skeleton: _Skeleton | None = None
+        compiled = _compile_skeleton(template)
+        if compiled is not None:
+            stand_ins = [{"role": m["role"], "content": _Text(i, bool(m["content"]))} for i, m in enumerate(conversation)]
+            try:
+                found = _Skeleton(compiled.render(**self.special_tokens, messages=stand_ins, tools=None,
+                                                  documents=None, add_generation_prompt=add_generation_prompt))
+            except _Unsafe:
+                self._unsafe_templates.add(template)
+            except Exception:  # noqa: BLE001 -- whatever the template raised: the full render decides
+                pass
+            else:
+                skeleton = found if found.fill(texts) == rendered else None
+        if len(self._skeletons) >= MAX_SKELETONS:
+            self._skeletons.clear()
+        self._skeletons[shape] = skeleton
 
     def prompt_text(self, body: Mapping[str, Any], *, max_chars: int | None = None) -> str:
         """The prompt text vLLM renders for an OpenAI `/v1/chat/completions` body (also a chat `/tokenize` body).
