@@ -232,10 +232,16 @@ def _is_same(value: Any, other: Any) -> bool:
     return value is other
 
 
+def _skeleton_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+                     separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+                      default=_refuse)
+
+
 def _make_skeleton_environment() -> ImmutableSandboxedEnvironment:
     env = _ChatEnvironment(trim_blocks=True, lstrip_blocks=True, finalize=_marked,
                            extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = _skeleton_tojson
     env.globals["raise_exception"] = _raise_exception
     env.tests.update(string=_is_string, sequence=_is_sequence, sameas=_is_same)
     return env
