@@ -491,13 +491,14 @@ class ChatRenderer:
         skeleton: _Skeleton | None = None
         compiled = _compile_skeleton(template)
         if compiled is not None:
-            stand_ins = [{"role": m["role"], "content": _Text(i, bool(m["content"]))} for i, m in enumerate(conversation)]
+            stand_ins = [{"role": m["role"], "content": _Text(i, bool(m["content"]))}
+                         for i, m in enumerate(conversation)]
             try:
                 found = _Skeleton(compiled.render(**self.special_tokens, messages=stand_ins, tools=None,
                                                   documents=None, add_generation_prompt=add_generation_prompt))
             except _Unsafe:
                 self._unsafe_templates.add(template)
-            except Exception:  # noqa: BLE001 -- whatever the template raised: the full render decides
+            except Exception:  # whatever the template raised: the full render decides
                 pass
             else:
                 skeleton = found if found.fill(texts) == rendered else None

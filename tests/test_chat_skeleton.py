@@ -27,8 +27,8 @@ QWEN25 = (
 APPLIES = {
     "tiny": CHAT_TEMPLATE,
     "qwen25": QWEN25,
-    "truthiness": "{% for m in messages %}{% if m.content %}[{{ m.role }}:{{ m.content }}]{% else %}(empty {{ m.role }})"
-                  "{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}",
+    "truthiness": "{% for m in messages %}{% if m.content %}[{{ m.role }}:{{ m.content }}]{% else %}"
+                  "(empty {{ m.role }}){% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}",
     "default": "{% for m in messages %}{{ m['content'] | default('none', true) }}|{{ m.content is string }}|"
                "{{ m.content is defined }}|{{ m.content is none }}|{{ m.content is sequence }}{% endfor %}",
     "generation": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content + '!' }}"

@@ -352,6 +352,8 @@ def test_tokenize_equals_router_tokenizer(engine: EngineServer, tokenizer: Model
     theirs = post(engine, "/tokenize", {"model": engine.model, **body})
     assert theirs["tokens"] == ours, (tokenizer.decode(theirs["tokens"]), tokenizer.decode(ours))
     assert theirs["count"] == len(ours)
+    if chat:  # rendered again: a shape seen before comes from its template's skeleton (router/tokenizer.py)
+        assert tokenizer.prompt_ids(body, chat=True) == theirs["tokens"]
     # the gateway's own path: the token cache and the word-cached encoder (router/word_encoder.py), whole and
     # spliced onto a cached prompt that shares its beginning
     text, special = ((tokenizer.chat.prompt_text(body), chat_adds_special_tokens(body)) if chat
