@@ -10,7 +10,9 @@ renderer) would feed its engine for the same request:
   trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, a non-escaping `tojson`, the named special tokens,
   `messages`, `tools`, `documents`, `add_generation_prompt`, and the accepted `chat_template_kwargs`), then the text
   is encoded with `add_special_tokens` (default false for chat). The chat part is `ChatRenderer`, which holds no
-  tokenizer, so a client's own template can be rendered in a sandbox process (router/template_sandbox.py).
+  tokenizer, so a client's own template can be rendered in a sandbox process (router/template_sandbox.py). A
+  conversation of a shape rendered before (the same roles, settings and empty texts) is that shape's skeleton with
+  its texts put in, for templates that provably render it so ("skeleton renders" below).
 
 Encoding runs in Rust without the GIL (`encode_batch_fast`), so the methods may be called from a thread pool
 and run in parallel with the event loop; the template environment is immutable once built.
