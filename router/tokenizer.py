@@ -300,7 +300,11 @@ class _Skeleton:
 
 
 _UNCHECKED = object()  # a shape's skeleton not yet compared with a full render
-MAX_SKELETONS = 4096  # shapes remembered per renderer; the cache starts over when full
+# shapes remembered per renderer (the cache starts over when full), and what a remembered shape may hold: a client
+# choosing roles and message counts must not make the cache hold megabytes per shape
+MAX_SKELETONS = 1024
+MAX_SKELETON_MESSAGES = 128
+MAX_SKELETON_ROLE_CHARS = 32
 
 
 @lru_cache(maxsize=32)
@@ -472,13 +476,14 @@ class ChatRenderer:
                add_generation_prompt: bool) -> tuple[tuple[object, ...], list[str]] | None:
         """A conversation's shape (what a skeleton render depends on: the template, the roles, which texts are
         empty, `add_generation_prompt`) and its texts; None when it has anything else (other fields, parts)."""
-        if template in self._unsafe_templates:
+        if template in self._unsafe_templates or len(conversation) > MAX_SKELETON_MESSAGES:
             return None
         shape: list[object] = [template, add_generation_prompt]
         texts: list[str] = []
         for message in conversation:
-            content = message.get("content")
-            if len(message) != 2 or type(content) is not str or type(message.get("role")) is not str:
+            content, role = message.get("content"), message.get("role")
+            if (len(message) != 2 or type(content) is not str or type(role) is not str
+                    or len(role) > MAX_SKELETON_ROLE_CHARS):
                 return None
             shape.append(message["role"])
             shape.append(not content)

@@ -148,7 +148,12 @@ def test_only_a_plain_conversation_without_tools_or_bounds_takes_a_skeleton() ->
     assert renderer.render_chat(plain, max_chars=100) == "0hi"
     named = [{"role": "user", "content": "hi", "name": "bob"}]
     assert renderer.render_chat(named) == "0hi"
+    # what a client chooses freely stays small in the cache: roles up to 32 characters, up to 128 messages
+    assert renderer.render_chat([{"role": "r" * 33, "content": "hi"}]) == "0hi"
+    assert renderer.render_chat([{"role": "user", "content": "x"}] * 129) == "0" + "x" * 129
     assert len(renderer._skeletons) == 1
+    assert renderer.render_chat([{"role": "r" * 32, "content": "hi"}] * 128) == "0" + "hi" * 128
+    assert len(renderer._skeletons) == 2
 
 
 def test_chat_ids_from_a_skeleton_are_the_full_renders(tiny_model_dir: Path) -> None:
