@@ -201,6 +201,10 @@ class GatewayConfig:
         "tenant's namespace (TENANT, TENANT:SALT with the client's own salt, :SALT without a tenant)"
     )
     tokenizer_threads: int = option(2, "threads that tokenize prompts and parse large bodies off the event loop")
+    tokenizer_processes: int = option(
+        2, "processes (per gateway process) that encode prompts of 8,192 characters or more, so that their "
+        "tokenizing never holds the event loop's GIL; 0 = in the tokenizer threads"
+    )
     trust_request_chat_template: bool = option(
         False, "render a request's own chat_template (Jinja code written by the client) to route it by tokens, in "
         "sandbox processes with a deadline and memory limit; off = route such requests in text mode (vLLM refuses "

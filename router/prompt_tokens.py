@@ -39,6 +39,7 @@ from router.requests import ChatPrompt, CompletionPrompt, Prompt
 from router.template_sandbox import RenderFailed, TemplateSandbox, sandbox_memory_bytes
 from router.token_cache import Lookup, TokenCache
 from router.tokenizer import ModelTokenizer, TokenizationError, chat_adds_special_tokens
+from router.tokenizer_processes import TokenizerProcesses
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +189,7 @@ class PromptTokens:
             metrics.registry.register(_PromptCacheCollector(self.cache))
         self._own_threads = threads is None
         self._threads = WorkerThreads(config.tokenizer_threads, "kvgate-tokenize") if threads is None else threads
+        self._processes = TokenizerProcesses(config.tokenizer_processes) if config.tokenizer_processes > 0 else None
         # a client's own chat template runs only in the sandbox, and only when the engines would run it too
         self._sandbox = TemplateSandbox(
             config.template_processes, config.template_timeout_s, sandbox_memory_bytes(config.max_body_bytes),
@@ -217,8 +219,12 @@ class PromptTokens:
             with contextlib.suppress(ConfigError):  # a hub root: its models are found when a request names one
                 directories.add(str(resolve_model_dir(self._default)))
         await asyncio.gather(*map(self._tokenizer_in, sorted(directories)))
+        if self._processes is not None:
+            self._processes.start(sorted(self._tokenizers))
 
     def close(self) -> None:
+        if self._processes is not None:
+            self._processes.close()
         if self._own_threads:
             self._threads.close()
 
@@ -269,7 +275,7 @@ class PromptTokens:
 
     def _load(self, directory: str) -> ModelTokenizer | None:
         try:
-            tokenizer = ModelTokenizer(directory)
+            tokenizer = ModelTokenizer(directory, processes=self._processes)
         except Exception as exc:  # tokenizers raises plain Exception for a malformed file
             log.error("cannot load the tokenizer in %s (text mode for its models): %s", directory, exc)
             self._failed.add(directory)

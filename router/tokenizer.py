@@ -41,6 +41,7 @@ import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders, normalizers
 
+from router.tokenizer_processes import PROCESS_CHARS, TokenizerProcesses
 from router.word_encoder import WordEncoder
 
 PARALLEL_CHARS = 8192  # texts longer than this that the word cache cannot encode go to the tokenizer's own threads
@@ -581,10 +582,13 @@ class ModelTokenizer:
     """Tokenizer + chat template of one model, loaded offline from a model directory (HF layout)."""
 
     def __init__(self, model_dir: str | Path, *, chat_template: str | None = None,
-                 default_chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 default_chat_template_kwargs: Mapping[str, Any] | None = None,
+                 processes: TokenizerProcesses | None = None) -> None:
         """`chat_template` plays vLLM's `--chat-template` (text); `default_chat_template_kwargs` its
-        `--default-chat-template-kwargs`."""
+        `--default-chat-template-kwargs`; `processes`: where texts of `PROCESS_CHARS` or more are encoded
+        (router/tokenizer_processes.py), instead of on the calling thread."""
         self.model_dir = Path(model_dir)
+        self._processes = processes
         tokenizer_file = self.model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {self.model_dir}")
@@ -708,7 +712,10 @@ class ModelTokenizer:
         cold 32,000-character document of words seen before for a fifth of the tokenizer's CPU), else from the
         tokenizer: on the calling thread below `PARALLEL_CHARS` (the batch call would hand it to the tokenizer's own
         thread pool and wait, and on a busy machine each hand-over waits for a core), a longer text on the
-        tokenizer's threads, without the GIL."""
+        tokenizer's threads, without the GIL; and from `PROCESS_CHARS` on in a tokenizer process, when the gateway
+        has them, by this same method there."""
+        if self._processes is not None and len(text) >= PROCESS_CHARS:
+            return self._processes.encode(str(self.model_dir), text, add_special_tokens)
         words, front = self._words, self._front_ids
         if (words is not None and len(text) <= WORD_CACHE_MAX_CHARS
                 and (front is not None or not add_special_tokens)):

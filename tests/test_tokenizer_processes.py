@@ -1,0 +1,125 @@
+"""router/tokenizer_processes.py: long prompts encoded in child processes give the thread's ids exactly, a killed
+child is replaced, a hung one answers the client with an OpenAI-style 503, and stopping leaves no process."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.tokenizer import ModelTokenizer
+from router.tokenizer_processes import PROCESS_CHARS, TokenizerProcesses, TokenizerUnavailable
+from tests.conftest import running_gateway, running_standin
+
+WORDS = Path(random.__file__).read_text().split()
+
+
+def texts() -> list[str]:
+    """Long texts of every kind the encoders split differently: ASCII words, code, non-ASCII, special tokens."""
+    rng = random.Random(7)
+    words = " ".join(rng.choice(WORDS) for _ in range(8000))
+    return [words[:PROCESS_CHARS], words, Path(random.__file__).read_text()[:40_000],
+            "ünïcödé 日本語 🙂 — " * 1000 + words[:5000],
+            "<|im_start|>user\n" + words[:20_000] + "<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_ids_are_those_of_the_thread_and_of_the_tokenizer(tiny_model_dir: Path) -> None:
+    pool = TokenizerProcesses(2)
+    in_thread = ModelTokenizer(tiny_model_dir)
+    via_processes = ModelTokenizer(tiny_model_dir, processes=pool)
+    try:
+        for text in texts():
+            assert len(text) >= PROCESS_CHARS
+            for special in (False, True):
+                want = in_thread.encode(text, add_special_tokens=special)  # the tokenizer's own batch call
+                assert list(pool.encode(str(tiny_model_dir), text, special)) == want
+                assert list(via_processes.encode_with_ends(text, add_special_tokens=special)[0]) == want
+                assert list(via_processes.encode_with_some_ends(text, add_special_tokens=special)[0]) == want
+        assert len(pool.pids()) == 2
+    finally:
+        pool.close()
+
+
+def test_a_killed_process_is_replaced_and_the_text_still_encoded(tiny_model_dir: Path) -> None:
+    pool = TokenizerProcesses(2, timeout_s=30)
+    tok = ModelTokenizer(tiny_model_dir)
+    text = texts()[1]
+    want = list(tok._encode_ids(text, False))
+    try:
+        assert list(pool.encode(str(tiny_model_dir), text, False)) == want
+        first = pool.pids()
+        for pid in first:
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(3):
+            assert list(pool.encode(str(tiny_model_dir), text, False)) == want
+        assert pool.restarts >= 1
+        assert not set(pool.pids()) & set(first)
+        assert all(alive(pid) for pid in pool.pids())
+    finally:
+        pool.close()
+
+
+def test_a_hung_process_times_out_and_is_replaced(tiny_model_dir: Path) -> None:
+    pool = TokenizerProcesses(1, timeout_s=1.0)
+    text = texts()[1]
+    try:
+        pool.encode(str(tiny_model_dir), text, False)  # started and loaded
+        (hung,) = pool.pids()
+        os.kill(hung, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TokenizerUnavailable) as caught:
+            pool.encode(str(tiny_model_dir), text, False)
+        assert 0.9 < time.monotonic() - started < 5
+        assert caught.value.status == 503 and caught.value.code == "tokenizer_unavailable"
+        assert not alive(hung)
+        assert len(pool.encode(str(tiny_model_dir), text, False)) > 1000  # the replacement answers
+    finally:
+        pool.close()
+
+
+async def test_gateway_answers_503_when_its_tokenizer_process_hangs_and_stops_them_all(
+    tiny_model_dir: Path, http: aiohttp.ClientSession,
+) -> None:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": texts()[1]}]}
+    async with running_standin() as worker:
+        async with running_gateway([worker.url], strategy="prefix", model_dir=[str(tiny_model_dir)],
+                                   tokenizer_processes=2) as gw:
+            prompts = gw.gateway.prompts
+            assert prompts is not None
+            pool = prompts._processes
+            assert pool is not None
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            pids = pool.pids()
+            assert len(pids) == 2 and all(alive(pid) for pid in pids)
+            pool.timeout_s = 1.0
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            body["messages"][0]["content"] = "A new start. " + texts()[2]  # nothing cached to splice onto
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 503
+                assert resp.headers["Retry-After"] == "1"
+                error = (await resp.json())["error"]
+            assert error["code"] == "tokenizer_unavailable" and error["type"] == "service_unavailable"
+            assert "no answer within 1 s" in error["message"]
+            async with http.get(gw.url + "/health") as resp:
+                assert resp.status == 200
+            for pid in pids:
+                if alive(pid):
+                    os.kill(pid, signal.SIGCONT)
+            everyone = set(pids) | set(pool.pids())
+        assert not any(alive(pid) for pid in everyone)
