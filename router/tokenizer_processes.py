@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from array import array
+from pathlib import Path
 from typing import IO
 
 from router.errors import GatewayError
@@ -44,6 +45,7 @@ TIMEOUT_S = 10.0  # longest a call may wait for a free child and its answer (a c
 _HEAD = struct.Struct(">cI")  # status, payload length
 _REQUEST = struct.Struct(">IIB")  # directory length, text length (bytes), add_special_tokens
 OK, FAILED, READY = b"T", b"E", b"R"
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # where this `router` is: the children import it too
 
 
 class TokenizerUnavailable(GatewayError):
@@ -62,8 +64,10 @@ class _Child:
     """One tokenizer process and its pipes (non-blocking, so every wait on it has a deadline)."""
 
     def __init__(self, directories: list[str]) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (_PACKAGE_ROOT, env.get("PYTHONPATH"))))
         self.proc = subprocess.Popen([sys.executable, "-m", "router.tokenizer_processes", *directories],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=env)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in: IO[bytes] = self.proc.stdin
         self._out: IO[bytes] = self.proc.stdout
