@@ -202,8 +202,8 @@ class GatewayConfig:
     )
     tokenizer_threads: int = option(2, "threads that tokenize prompts and parse large bodies off the event loop")
     tokenizer_processes: int = option(
-        2, "processes (per gateway process) that encode prompts of 8,192 characters or more, so that their "
-        "tokenizing never holds the event loop's GIL; 0 = in the tokenizer threads"
+        2, "processes that encode prompts of 8,192 characters or more, so that their tokenizing never holds the "
+        "event loop's GIL; per gateway process, at most tokenizer_threads; 0 = in the tokenizer threads"
     )
     trust_request_chat_template: bool = option(
         False, "render a request's own chat_template (Jinja code written by the client) to route it by tokens, in "

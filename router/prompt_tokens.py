@@ -189,7 +189,9 @@ class PromptTokens:
             metrics.registry.register(_PromptCacheCollector(self.cache))
         self._own_threads = threads is None
         self._threads = WorkerThreads(config.tokenizer_threads, "kvgate-tokenize") if threads is None else threads
-        self._processes = TokenizerProcesses(config.tokenizer_processes) if config.tokenizer_processes > 0 else None
+        # a text goes to a tokenizer process from one of the tokenizer threads: more processes than threads idle
+        self._processes = (TokenizerProcesses(min(config.tokenizer_processes, config.tokenizer_threads))
+                           if config.tokenizer_processes > 0 else None)
         # a client's own chat template runs only in the sandbox, and only when the engines would run it too
         self._sandbox = TemplateSandbox(
             config.template_processes, config.template_timeout_s, sandbox_memory_bytes(config.max_body_bytes),
