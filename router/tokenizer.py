@@ -31,7 +31,7 @@ from functools import lru_cache
 from itertools import accumulate, islice
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -41,7 +41,6 @@ import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders, normalizers
 
-from router.tokenizer_processes import PROCESS_CHARS, TokenizerProcesses
 from router.word_encoder import WordEncoder
 
 PARALLEL_CHARS = 8192  # texts longer than this that the word cache cannot encode go to the tokenizer's own threads
@@ -70,6 +69,15 @@ Message = dict[str, Any]
 
 class TokenizationError(ValueError):
     """The request cannot be tokenized (bad messages, template error, unsupported content); answer 400."""
+
+
+class LongTextEncoder(Protocol):
+    """Where a `ModelTokenizer` sends texts of `min_chars` or more: `_encode_ids` of the same tokenizer, computed
+    elsewhere (router/tokenizer_processes.py)."""
+
+    min_chars: int
+
+    def encode(self, directory: str, text: str, add_special_tokens: bool) -> array[int]: ...
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -583,9 +591,9 @@ class ModelTokenizer:
 
     def __init__(self, model_dir: str | Path, *, chat_template: str | None = None,
                  default_chat_template_kwargs: Mapping[str, Any] | None = None,
-                 processes: TokenizerProcesses | None = None) -> None:
+                 processes: LongTextEncoder | None = None) -> None:
         """`chat_template` plays vLLM's `--chat-template` (text); `default_chat_template_kwargs` its
-        `--default-chat-template-kwargs`; `processes`: where texts of `PROCESS_CHARS` or more are encoded
+        `--default-chat-template-kwargs`; `processes`: where texts of its `min_chars` or more are encoded
         (router/tokenizer_processes.py), instead of on the calling thread."""
         self.model_dir = Path(model_dir)
         self._processes = processes
@@ -712,9 +720,9 @@ class ModelTokenizer:
         cold 32,000-character document of words seen before for a fifth of the tokenizer's CPU), else from the
         tokenizer: on the calling thread below `PARALLEL_CHARS` (the batch call would hand it to the tokenizer's own
         thread pool and wait, and on a busy machine each hand-over waits for a core), a longer text on the
-        tokenizer's threads, without the GIL; and from `PROCESS_CHARS` on in a tokenizer process, when the gateway
-        has them, by this same method there."""
-        if self._processes is not None and len(text) >= PROCESS_CHARS:
+        tokenizer's threads, without the GIL; and a text as long as `processes` asks, in a tokenizer process, by this
+        same method there."""
+        if self._processes is not None and len(text) >= self._processes.min_chars:
             return self._processes.encode(str(self.model_dir), text, add_special_tokens)
         words, front = self._words, self._front_ids
         if (words is not None and len(text) <= WORD_CACHE_MAX_CHARS

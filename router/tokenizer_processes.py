@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO
 
 from router.errors import GatewayError
+from router.tokenizer import ModelTokenizer, TokenizationError
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,10 @@ class _Child:
 
 
 class TokenizerProcesses:
-    """A bounded pool of tokenizer processes, called from the gateway's tokenizer threads (thread-safe, blocking)."""
+    """A bounded pool of tokenizer processes, called from the gateway's tokenizer threads (thread-safe, blocking):
+    a `LongTextEncoder` for `ModelTokenizer`."""
+
+    min_chars = PROCESS_CHARS
 
     def __init__(self, processes: int, timeout_s: float = TIMEOUT_S) -> None:
         self.processes = max(1, processes)
@@ -207,8 +211,6 @@ class TokenizerProcesses:
                 continue
             self._idle.put(child)
             if status != OK:
-                from router.tokenizer import TokenizationError
-
                 raise TokenizationError(payload.decode(errors="replace"))
             ids = array("I")
             ids.frombytes(payload)
@@ -245,8 +247,6 @@ def _write(stream: IO[bytes], status: bytes, payload: bytes) -> None:
 def main(argv: list[str]) -> int:
     """Serve encode requests on stdin until it closes (the gateway stopped or went away)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the gateway's to handle; it then closes the pipe
-    from router.tokenizer import ModelTokenizer
-
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     tokenizers: dict[str, ModelTokenizer] = {}
     for directory in argv:
