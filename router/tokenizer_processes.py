@@ -193,6 +193,8 @@ class TokenizerProcesses:
         # a child found dead is replaced and the text tried on another, within the deadline: every child may have
         # died since the last call (one more try: a replacement that dies too cannot be started)
         for _ in range(self.processes + 1):
+            if self._closed:  # no child will come back to the queue
+                raise TokenizerUnavailable("the gateway is stopping")
             try:
                 child = self._idle.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:

@@ -123,3 +123,16 @@ async def test_gateway_answers_503_when_its_tokenizer_process_hangs_and_stops_th
                     os.kill(pid, signal.SIGCONT)
             everyone = set(pids) | set(pool.pids())
         assert not any(alive(pid) for pid in everyone)
+
+
+def test_a_closed_pool_answers_at_once_and_leaves_no_process(tiny_model_dir: Path) -> None:
+    pool = TokenizerProcesses(2, timeout_s=30)
+    text = texts()[1]
+    pool.encode(str(tiny_model_dir), text, False)
+    pids = pool.pids()
+    pool.close()
+    assert not any(alive(pid) for pid in pids)
+    started = time.monotonic()
+    with pytest.raises(TokenizerUnavailable, match="stopping"):
+        pool.encode(str(tiny_model_dir), text, False)
+    assert time.monotonic() - started < 1
