@@ -25,7 +25,7 @@ import re
 import secrets
 import unicodedata
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from itertools import accumulate, islice
@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
+import jinja2.filters
 import jinja2.meta
 import jinja2.nodes
 import xxhash
@@ -144,12 +145,15 @@ _ENV = _make_environment()
 # in its place: the shape is rendered once with stand-ins for the texts (`_Text`), which let the template output
 # them and join them to strings with `+`, give the truthiness recorded in the shape's key, and pass the type tests as
 # a string would, but raise `_Unsafe` on anything else (a comparison, `in`, a filter, a method, `str()`, `len()`,
-# hashing, iteration): any look into a text that could change what is rendered. The output holds a marker per text;
-# cut at the markers it is the pieces that surround the texts. Statements that capture output as a string and can
-# then transform it (block `set`, `filter` blocks, macros, `call` blocks but `generation`, recursive loops, blocks,
-# includes, autoescape changes) and non-deterministic globals and filters (`strftime_now`, `lipsum`, `random`) keep
-# a template off this path; so does a render that raised. The first render of each shape is checked against the
-# full render of the same request as well.
+# hashing, iteration): any look into a text that could change what is rendered. One look is allowed because it can
+# be replayed: `trim` (Llama 3's `message['content'] | trim`) and `.strip()`, `.lstrip()`, `.rstrip()` give a
+# stand-in for the text so transformed (`_Derivations`), which the fill computes from the real text with the same
+# str method; it may be output and joined, but not tested for emptiness (that is not in the shape's key). The
+# output holds a marker per text; cut at the markers it is the pieces that surround the texts. Statements that
+# capture output as a string and can then transform it (block `set`, `filter` blocks, macros, `call` blocks but
+# `generation`, recursive loops, blocks, includes, autoescape changes) and non-deterministic globals and filters
+# (`strftime_now`, `lipsum`, `random`) keep a template off this path; so does a render that raised. The first render
+# of each shape is checked against the full render of the same request as well.
 
 class _Unsafe(Exception):
     """A skeleton render looked into a message's text (deliberately not a TypeError, AttributeError, LookupError or
@@ -161,15 +165,16 @@ def _refuse(*_: Any) -> Any:
 
 
 class _Text:
-    """A message's text in a skeleton render: its slot and whether it is empty, nothing else. Its attributes are
-    private (the sandbox answers undefined for them, as for a string's); any other name is looked up as an item,
-    which raises."""
+    """A message's text in a skeleton render, or one derived from it by `trim` / `strip`: its slot and whether it
+    is empty (None for a derived text), nothing else. Its attributes are private (the sandbox answers undefined for
+    them, as for a string's) but for the strip methods; any other name is looked up as an item, which raises."""
 
-    __slots__ = ("_slot", "_truthy")
+    __slots__ = ("_derivations", "_slot", "_truthy")
 
-    def __init__(self, slot: int, truthy: bool) -> None:
+    def __init__(self, slot: int, truthy: bool | None, derivations: _Derivations) -> None:
         self._slot = slot
         self._truthy = truthy
+        self._derivations = derivations
 
     def __add__(self, other: object) -> _Joined:
         if type(other) is str or type(other) is _Text or type(other) is _Joined:
@@ -182,11 +187,54 @@ class _Text:
         raise _Unsafe
 
     def __bool__(self) -> bool:
+        if self._truthy is None:
+            raise _Unsafe
         return self._truthy
+
+    def strip(self, chars: object = None, /) -> _Text:
+        return self._derivations.derive(self, str.strip, chars)
+
+    def lstrip(self, chars: object = None, /) -> _Text:
+        return self._derivations.derive(self, str.lstrip, chars)
+
+    def rstrip(self, chars: object = None, /) -> _Text:
+        return self._derivations.derive(self, str.rstrip, chars)
 
     __str__ = __repr__ = __format__ = __hash__ = __len__ = __iter__ = __reversed__ = __contains__ = _refuse
     __getitem__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __int__ = __float__ = __index__ = _refuse
     __mul__ = __rmul__ = __mod__ = __rmod__ = __abs__ = __neg__ = __round__ = _refuse
+
+
+_Strip = Callable[[str, str | None], str]  # str.strip, str.lstrip or str.rstrip
+
+
+class _Derivations:
+    """The texts a skeleton render derived from the messages' (by `trim` / `strip`): slot `texts + k` is `steps[k]`,
+    a str method applied to the text in an earlier slot with the template's `chars`, as jinja's `do_trim` (3.1:
+    `soft_str(value).strip(chars)`; a message's text is a str) and str's own methods do it."""
+
+    __slots__ = ("_slots", "steps", "texts")
+
+    def __init__(self, texts: int) -> None:
+        self.texts = texts
+        self.steps: list[tuple[int, _Strip, str | None]] = []
+        self._slots: dict[tuple[int, _Strip, str | None], int] = {}  # a step taken again (in a loop) is not redone
+
+    def derive(self, text: _Text, method: _Strip, chars: object) -> _Text:
+        if chars is not None and type(chars) is not str:  # a stand-in, or what str's method would refuse
+            raise _Unsafe
+        step = (text._slot, method, chars)
+        slot = self._slots.get(step)
+        if slot is None:
+            slot = self._slots[step] = self.texts + len(self.steps)
+            self.steps.append(step)
+        return _Text(slot, None, self)
+
+
+def _skeleton_trim(value: Any, chars: Any = None) -> Any:
+    if type(value) is _Text:
+        return value._derivations.derive(value, str.strip, chars)
+    return jinja2.filters.do_trim(value, chars)  # a joined text raises here, on `str()`
 
 
 class _Joined:
@@ -253,6 +301,7 @@ def _make_skeleton_environment() -> ImmutableSandboxedEnvironment:
     env = _ChatEnvironment(trim_blocks=True, lstrip_blocks=True, finalize=_marked,
                            extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _skeleton_tojson
+    env.filters["trim"] = _skeleton_trim
     env.globals["raise_exception"] = _raise_exception
     env.tests.update(string=_is_string, sequence=_is_sequence, sameas=_is_same)
     return env
@@ -290,16 +339,22 @@ def _compile_skeleton(template: str) -> jinja2.Template | None:
 
 
 class _Skeleton:
-    """A shape's render cut at its texts: `pieces[0] + text[slots[0]] + pieces[1] + ...`."""
+    """A shape's render cut at its texts: `pieces[0] + text[slots[0]] + pieces[1] + ...`, where the slots past the
+    messages' texts are those derived from them (`steps`, computed first)."""
 
-    __slots__ = ("pieces", "slots")
+    __slots__ = ("pieces", "slots", "steps")
 
-    def __init__(self, rendered: str) -> None:
+    def __init__(self, rendered: str, steps: Sequence[tuple[int, _Strip, str | None]] = ()) -> None:
         cut = _MARKER.split(rendered)
         self.pieces: tuple[str, ...] = tuple(cut[0::2])
         self.slots: tuple[int, ...] = tuple(map(int, cut[1::2]))
+        self.steps = tuple(steps)
 
     def fill(self, texts: Sequence[str]) -> str:
+        if self.steps:
+            texts = list(texts)
+            for slot, method, chars in self.steps:
+                texts.append(method(texts[slot], chars))
         pieces = self.pieces
         out = [pieces[0]]
         for at, slot in enumerate(self.slots, 1):
@@ -507,11 +562,13 @@ class ChatRenderer:
         skeleton: _Skeleton | None = None
         compiled = _compile_skeleton(template)
         if compiled is not None:
-            stand_ins = [{"role": m["role"], "content": _Text(i, bool(m["content"]))}
+            derivations = _Derivations(len(conversation))
+            stand_ins = [{"role": m["role"], "content": _Text(i, bool(m["content"]), derivations)}
                          for i, m in enumerate(conversation)]
             try:
                 found = _Skeleton(compiled.render(**self.special_tokens, messages=stand_ins, tools=None,
-                                                  documents=None, add_generation_prompt=add_generation_prompt))
+                                                  documents=None, add_generation_prompt=add_generation_prompt),
+                                  derivations.steps)
             except _Unsafe:
                 self._unsafe_templates.add(template)
             except Exception:  # whatever the template raised: the full render decides
