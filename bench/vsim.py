@@ -619,6 +619,7 @@ class FleetSimulation:
             for q in (0.5, 0.9):
                 p = percentile(values, q)
                 out[f"{name}_ms_p{int(q * 100)}"] = None if p is None else p * 1e3
+        out["ttft_ms_mean"] = sum(ttft) / len(ttft) * 1e3 if ttft else None
         out["e2e_ms_p50"] = (percentile(self._e2e, 0.5) or 0.0) * 1e3
         if self._predicted:
             out["ttft_prediction"] = vsim_report.prediction_summary(self._predicted, PREDICTION_PAIRS)

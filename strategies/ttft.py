@@ -17,6 +17,8 @@ trusted) with a scorer in seconds instead of tokens. For each eligible worker:
     score          = predicted TTFT less the wait for KV blocks (the fleet's blocks: a choice moves that
                      wait between requests, it does not save it)
                    + spread cost                     placing a prefix held elsewhere on one more worker
+                   + busy cost                       the GPU time its prefill takes there from the hits that
+                                                     come for that worker meanwhile (a tier load takes none)
 
 and the lowest score wins. Each part is a class of its own below. The worker's prefill rate is learned online
 (`PrefillRate`, a `LinearFit` of each streamed answer's time to first token against the prefill tokens it
@@ -37,7 +39,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -149,6 +151,11 @@ class TtftOptions(KvOptions):
         0.001, "ttft: chunks from one worker this close (seconds) come from one engine step")
     ttft_balance_window: float = option(
         300.0, "ttft: requests per worker after which an old request counts half in the shares the balance caps")
+    ttft_busy_weight: float = option(
+        1.0, "ttft: weight of what a request's prefill costs the requests that come for the worker's prefixes while "
+        "its GPU computes it (BusyCost; 0: off). Calibrated on `kvgate bench vsim`: docs/ttft.md")
+    ttft_busy_half_life_s: float = option(
+        30.0, "ttft: seconds after which an old hit counts half in a worker's rate of hits (BusyCost)")
 
 
 class LinearFit:
@@ -311,9 +318,12 @@ class LoadCost:
         link = self.links[tier]
         return link.latency_s + tokens * self.bytes_per_token / link.bytes_per_s
 
-    def plan(self, by_tier: dict[str, int], rate: PrefillRate) -> tuple[float, int]:
+    def plan(self, by_tier: dict[str, int], rate: PrefillRate,
+             busy: Callable[[float], float] | None = None) -> tuple[float, int]:
         """(seconds loading, tokens recomputed instead) for a holding's lower-tier runs, which follow its GPU run
-        in the prompt in this order. Recomputing a run means recomputing what follows it too."""
+        in the prompt in this order. Recomputing a run means recomputing what follows it too. A load moves bytes
+        beside the engine's steps; a recompute takes the GPU, and `busy` (seconds of GPU -> seconds others wait
+        for it: `BusyCost`) prices that for the requests behind it."""
         seconds, recompute = 0.0, 0
         context = by_tier.get(GPU, 0)
         scale = self.scale
@@ -322,7 +332,8 @@ class LoadCost:
             if not tokens:
                 continue
             load = scale * self.load_seconds(tier, tokens)
-            if recompute or load >= rate.seconds(Work.of(tokens, context)):
+            compute = rate.seconds(Work.of(tokens, context))
+            if recompute or load >= compute + (busy(compute) if busy is not None else 0.0):
                 recompute += tokens
             else:
                 seconds += load
@@ -730,6 +741,43 @@ class SpreadCost:
         return self.weight * cost
 
 
+class BusyCost:
+    """What a request's prefill on a worker costs the requests that will come for that worker's prefixes while its
+    GPU computes it: each hit that arrives there meanwhile waits for it (or, sent elsewhere, recomputes its prefix).
+    A tier load is no part of it (it moves bytes beside the engine's steps, in `kvgate bench vsim` and in vLLM with
+    the agent's connector); a recompute, or a miss, is. With the worker's recent rate of hits h (per second, each
+    `half_life_s` old counting half), a queue of q seconds there and b seconds of prefill added:
+
+        cost = weight x h x b x (q + b / 2)
+
+    (the hits arriving before the queue and this prefill are through wait b; those arriving during it, half of it
+    on average). A long miss then goes to a worker few hits come for, and a run held on a slow tier is loaded
+    where recomputing it would hold up the worker's hits (docs/ttft.md, "The GPU time a choice takes from
+    others")."""
+
+    def __init__(self, weight: float, half_life_s: float) -> None:
+        self.weight = weight
+        self.half_life_s = half_life_s
+        self._hits: dict[str, tuple[float, float]] = {}  # worker -> (decayed count of hits, when)
+
+    def _count(self, url: str, now: float) -> float:
+        count, at = self._hits.get(url, (0.0, now))
+        return count * math.pow(0.5, max(0.0, now - at) / self.half_life_s)
+
+    def hit_rate(self, url: str, now: float) -> float:
+        """Hits per second routed to the worker lately."""
+        return self._count(url, now) * math.log(2) / self.half_life_s
+
+    def hit(self, url: str, now: float) -> None:
+        self._hits[url] = (self._count(url, now) + 1.0, now)
+
+    def seconds(self, hit_rate: float, queue_s: float, busy_s: float) -> float:
+        return self.weight * hit_rate * busy_s * (queue_s + busy_s / 2)
+
+    def forget(self, url: str) -> None:
+        self._hits.pop(url, None)
+
+
 class RequestShare:
     """Each worker's count of recent requests (each counts half after `window` requests per worker have been routed
     since) and the cap of bounded-load balancing (Mirrokni et al., consistent hashing with bounded loads): a worker
@@ -777,6 +825,7 @@ class Estimate:
     rank: int | None = None  # the data-parallel rank it is for (None: the worker is not a data-parallel engine)
     blocks_s: float = 0.0  # the wait for KV blocks beyond the queue, the step in progress and the tier loads
     link_s: float = 0.0  # the tier loads' time at their links' rates, before `LoadCost.scale`
+    busy_s: float = 0.0  # what its prefill here costs the hits that come for this worker meanwhile (`BusyCost`)
 
     @property
     def ttft_s(self) -> float:
@@ -830,6 +879,7 @@ class TtftAware(KvAware):
         self.pressure = EnginePressure(options)
         self.spread = SpreadCost(options, self.load)
         self.share = RequestShare(options.ttft_balance_slack, options.ttft_balance_window)
+        self.busy = BusyCost(options.ttft_busy_weight, options.ttft_busy_half_life_s)
         self.timings = EngineTimings(options.ttft_metrics_window_s)
         self.rates: dict[str, PrefillRate] = {}
         self.fleet_rate = PrefillRate(options)  # every worker's answers
@@ -935,15 +985,18 @@ class TtftAware(KvAware):
         if worker.spec.dp_ranks > 1 and (rank is None or not held.tokens):  # no rank holds any of it
             rank = self._soonest_rank(worker, now, rate)
         queue = self.queue(cache_name(worker.url, rank))
-        load_s, recompute = self.load.plan(held.by_tier, rate)
-        context = held.tokens - recompute
-        prefill = Work.of(max(1, prompt - context), context)
         ours = self._ours(worker, now)
         # requests waiting in the engine that the gateway did not send wait for whichever rank: counted on each
         queued = queue.ahead(now, rate)
         if worker.waiting > 0:
             queued = queued + self.pressure.foreign(worker, self._ours_when_scraped(worker, now), self._mean)
         queue_s = rate.seconds(queued)
+        hits = self.busy.hit_rate(worker.url, now) if self.busy.weight > 0 else 0.0
+        load_s, recompute = self.load.plan(held.by_tier, rate,
+                                           (lambda b: self.busy.seconds(hits, queue_s, b)) if hits > 0 else None)
+        context = held.tokens - recompute
+        prefill = Work.of(max(1, prompt - context), context)
+        prefill_s = rate.seconds(prefill)
         # the rest of the step in progress: only while requests decode there (else the engine is idle)
         rest = self.step_rest(worker.url, rank, now) if (
             self._rank_decoding.get(cache_name(worker.url, rank), 0) > 0 if rank is not None
@@ -961,9 +1014,9 @@ class TtftAware(KvAware):
                 need = -(-prompt // ledger.block_size)
                 wait = ledger.wait(now, self.blocks_for_us(worker, ledger, now), need, self.decode_step_s(cache))
                 blocks_s = max(0.0, wait - queue_s - step_s - load_s)
-        return Estimate(rate.overhead_s, queue_s, step_s, load_s, rate.seconds(prefill),
+        return Estimate(rate.overhead_s, queue_s, step_s, load_s, prefill_s,
                         self.pressure.seconds(worker, ours, blocks_known), queued, prefill, rank, blocks_s,
-                        load_s / self.load.scale)
+                        load_s / self.load.scale, self.busy.seconds(hits, queue_s, prefill_s))
 
     def decode_step_s(self, cache: str) -> float:
         """The time between a decoding request's tokens on the engine: the mean step its relayed streams show
@@ -1023,7 +1076,7 @@ class TtftAware(KvAware):
         gpu_most = max(h.by_tier.get(GPU, 0) for h in held)
         scores = [e.choice_s + (self.spread.seconds(h.tokens, most, self.rate(w.url), e.load_s,
                                                     h.by_tier.get(GPU, 0), gpu_most) if spread else 0.0)
-                  + (price if o else 0.0)
+                  + (price if o else 0.0) + e.busy_s
                   for w, h, e, o in zip(workers, held, estimates, over, strict=True)]
         best = min(scores)
         # within the prediction's own error the workers are as good: the least busy, then the one holding the
@@ -1052,6 +1105,8 @@ class TtftAware(KvAware):
                 prompt, request.max_tokens, self.output.expected(request.max_tokens), estimate.prefill_s, now,
                 estimate.ttft_s, request.stream))
         self.share.add(worker.url, len(workers))
+        if cached > 0:
+            self.busy.hit(worker.url, now)
         self._routed[id(request)] = _Routed(worker.url, estimate, cache)
         self._mean = self._mean + (estimate.prefill + self._mean.scaled(-1.0)).scaled(1 / 64)
         if rank is not None:
@@ -1146,5 +1201,6 @@ class TtftAware(KvAware):
                 del counts[cache]
         self._decoding_on = {k: c for k, c in self._decoding_on.items() if not c.startswith(url + "#dp")}
         self.share.forget(url)
+        self.busy.forget(url)
         self.timings.forget(url)
         self._routed = {k: r for k, r in self._routed.items() if r.worker != url}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
 import random
 from typing import Any
 
@@ -26,6 +27,7 @@ from strategies import STRATEGIES, create_strategy
 from strategies.balance import HIT, MISS, SPILL
 from strategies.ttft import (
     OWN_FIT_SAMPLES,
+    BusyCost,
     EnginePressure,
     EngineTimings,
     LinearFit,
@@ -138,6 +140,35 @@ def test_a_long_lower_tier_run_is_loaded_and_a_short_slow_one_recomputed() -> No
     seconds, recompute = LoadCost(TtftOptions(ttft_kv_bytes_per_token=1e5, ttft_cpu_latency_s=1.0)).plan(
         {CPU: 32, DISK: 4096}, rate)
     assert (seconds, recompute) == (0.0, 32 + 4096)
+
+
+def test_a_slow_run_is_loaded_where_recomputing_it_would_hold_up_the_workers_hits() -> None:
+    """The same 4,096 NVMe tokens as above, 1 ms + 0.4096 s to read at 1 GB/s and 0.4096 s to recompute: alone the
+    recompute is cheaper, but it takes the GPU, and priced for the hits that wait for it (here 10% of its time)
+    the read is."""
+    options = TtftOptions(ttft_prefill_tokens_per_s=10_000.0, ttft_attention_s=0.0, ttft_kv_bytes_per_token=1e5,
+                          ttft_disk_gbps=1.0, ttft_disk_latency_s=1e-3)
+    load, rate = LoadCost(options), PrefillRate(options)
+    assert load.plan({GPU: 1024, DISK: 4096}, rate) == (0.0, 4096)
+    seconds, recompute = load.plan({GPU: 1024, DISK: 4096}, rate, lambda busy: 0.1 * busy)
+    assert recompute == 0 and seconds == load.load_seconds(DISK, 4096) == 1e-3 + 0.4096
+
+
+def test_busy_cost_is_what_a_prefill_holds_up_of_the_hits_that_come_for_the_worker() -> None:
+    busy = BusyCost(weight=2.0, half_life_s=10.0)
+    assert busy.hit_rate("a", 100.0) == 0.0
+    for _ in range(10):
+        busy.hit("a", 100.0)
+    # 10 hits, each 10 s old counting half: as a rate, 10 x ln 2 / 10 per second; half that 10 s later
+    assert abs(busy.hit_rate("a", 100.0) - math.log(2)) < 1e-12
+    assert abs(busy.hit_rate("a", 110.0) - math.log(2) / 2) < 1e-12
+    busy.hit("a", 110.0)  # the count decays to 5 before this one is added
+    assert abs(busy.hit_rate("a", 110.0) - 6 * math.log(2) / 10) < 1e-12
+    # 2 s of prefill behind 0.5 s queued, 0.3 hits a second: each arriving before waits 2 s, during it 1 s
+    assert abs(busy.seconds(0.3, 0.5, 2.0) - 2.0 * 0.3 * 2.0 * (0.5 + 1.0)) < 1e-12
+    assert busy.hit_rate("b", 110.0) == 0.0 and busy.seconds(0.0, 0.5, 2.0) == 0.0
+    busy.forget("a")
+    assert busy.hit_rate("a", 110.0) == 0.0
 
 
 def test_the_queue_is_what_has_not_had_its_first_token_and_its_head_drains() -> None:
@@ -505,6 +536,31 @@ def test_a_prefix_on_nvme_beats_a_miss_by_its_transfer_time() -> None:
     assert decision.worker is workers[2]
     load = strategy.load.load_seconds(DISK, 8192)  # 8,192 x 128 KiB at 5 GB/s: 0.21 s, against 0.82 s
     assert decision.predicted_ttft_s is not None and abs(decision.predicted_ttft_s - (0.01 + load + 0.0064)) < 1e-9
+
+
+def test_a_long_miss_goes_where_no_hits_wait_for_the_gpu() -> None:
+    """Mooncake, 8 replicas, NVMe at 2.9 GB/s: a 191k-token first read (23 s of prefill) went to the worker whose
+    GPU held the window's hottest prefixes, and the next hits there were sent away to recompute 34-46k tokens each.
+    Its prefill costs the hits that come for that worker: with 5 hits there lately (half-life 30 s: 0.1155 a
+    second), 2 s of prefill costs them 0.1155 x 2 x 1 = 0.231 s, more than the 0.05 s queued elsewhere."""
+    for weight, goes_to, predicted, then in ((0.0, {0}, 0.01 + 2.0, SPILL), (1.0, {1, 2}, 0.01 + 0.05 + 2.0, HIT)):
+        strategy, workers, index, clock = make(options=dataclasses.replace(OPTIONS, ttft_busy_weight=weight))
+        system = tokens(1, 2048)
+        index.add(workers[0].url, block_keys(system, BS, ROOT), GPU)
+        for i in range(5):
+            req = request(system + tokens(100 + i, 64))
+            decision = strategy.choose(req, workers)
+            assert decision.worker is workers[0] and decision.reason == HIT
+            strategy.on_first_token(req, decision, 0.0164)
+        for w in workers[1:]:  # a 500-token prefill queued on each of the others: 0.05 s
+            strategy.queue(w.url).add(id(w), Work.of(500, 0), clock[0], 0.06, reported=True)
+        miss = strategy.choose(request(tokens(7, 20_000)), workers)
+        assert workers.index(miss.worker) in goes_to and miss.reason == MISS
+        assert miss.predicted_ttft_s is not None and abs(miss.predicted_ttft_s - predicted) < 1e-9
+        # the next hit: behind 2 s of prefill on its holder it is sent away to compute its prefix again; with the
+        # miss elsewhere it keeps it
+        hit = strategy.choose(request(system + tokens(200, 64)), workers)
+        assert hit.reason == then and (hit.worker is workers[0]) == (then == HIT)
 
 
 def test_a_hot_prefix_spills_only_when_the_queue_outweighs_its_saving_and_the_copy() -> None:
