@@ -18,7 +18,8 @@ trusted) with a scorer in seconds instead of tokens. For each eligible worker:
                      wait between requests, it does not save it)
                    + spread cost                     placing a prefix held elsewhere on one more worker
                    + busy cost                       the GPU time its prefill takes there from the hits that
-                                                     come for that worker meanwhile (a tier load takes none)
+                                                     come for that worker meanwhile (a tier load takes none;
+                                                     `ttft_busy_weight`, off: it did not pay on vsim)
 
 and the lowest score wins. Each part is a class of its own below. The worker's prefill rate is learned online
 (`PrefillRate`, a `LinearFit` of each streamed answer's time to first token against the prefill tokens it
@@ -152,8 +153,9 @@ class TtftOptions(KvOptions):
     ttft_balance_window: float = option(
         300.0, "ttft: requests per worker after which an old request counts half in the shares the balance caps")
     ttft_busy_weight: float = option(
-        1.0, "ttft: weight of what a request's prefill costs the requests that come for the worker's prefixes while "
-        "its GPU computes it (BusyCost; 0: off). Calibrated on `kvgate bench vsim`: docs/ttft.md")
+        0.0, "ttft: weight of what a request's prefill costs the hits that come for the worker while its GPU "
+        "computes it (BusyCost; 0: off, as calibrated on `kvgate bench vsim`: docs/ttft.md, \"The GPU time a "
+        "choice takes from others\")")
     ttft_busy_half_life_s: float = option(
         30.0, "ttft: seconds after which an old hit counts half in a worker's rate of hits (BusyCost)")
 

@@ -83,7 +83,9 @@ def test_rows_report_the_wait_before_each_requests_first_step(tiny_model_dir: Pa
     second = WorkloadRequest(list(range(10, 74)), 1, arrival_s=step / 4)
     alone = WorkloadRequest(list(range(20, 84)), 1, arrival_s=10.0)
     workload = Workload("two", [first, second, alone])
-    row = FleetSimulation(workload, vocab, strategy="round_robin", replicas=1, gpu_blocks=2000).run()
+    sim = FleetSimulation(workload, vocab, strategy="round_robin", replicas=1, gpu_blocks=2000)
+    row = sim.run()
+    assert len(sim._ttft) == 3 and row["ttft_ms_mean"] == sum(sim._ttft) / 3 * 1e3  # the mean TTFT too
     waits = sorted([0.0, 0.0, step * 3 / 4])
     expected = percentile(waits, 0.9)
     assert expected is not None and abs(row["step_wait_ms_p90"] / (expected * 1e3) - 1) < 0.01

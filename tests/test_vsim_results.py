@@ -28,9 +28,10 @@ CONFIGS = [(s, tiers) for tiers in ("off", "lazy", "eager")
 
 def fingerprint(row: dict[str, Any], decisions: list[int]) -> dict[str, Any]:
     """A replay's result without its wall and CPU time (floats to 9 places, far below any real change), and its
-    routing decisions, as short digests. The waits before the first step came after these results were pinned
-    (they measure what the pinned figures already show, and are tested in tests/test_vsim_report.py)."""
-    kept = {k: v for k, v in row.items() if k not in ("wall_s", "cpu_s", "peak_rss_mb", "tier_links_gbps")
+    routing decisions, as short digests. The waits before the first step and the mean TTFT came after these
+    results were pinned (they measure what the pinned figures already show)."""
+    kept = {k: v for k, v in row.items() if k not in ("wall_s", "cpu_s", "peak_rss_mb", "tier_links_gbps",
+                                                       "ttft_ms_mean")
             and not k.endswith(
         ("wait_ms_p50", "wait_ms_p90"))}
     return {"hit_rate": round(row["hit_rate"], 9), "ttft_ms_p50": round(row["ttft_ms_p50"], 6),
