@@ -106,7 +106,7 @@ class TtftOptions(KvOptions):
     ttft_kv_bytes_per_token: float = option(
         131072.0, "ttft: KV-cache bytes per token, for tier transfer times (Llama-3.1-8B bf16: 128 KiB)")
     # priors, learned from the fleet's loads (ttft_learn_loads); `python -m bench.gpu_check --tier dram|nvme|shared`
-    # measures a GPU host's (an H200 with the agent of 4 Dec 2026: 5.0 / 2.9 / 0.59, docs/agent.md)
+    # measures a GPU host's (an H200 host, 4 Dec 2026: 11.5 / 2.9-3.8 / 2.3-2.7 with that day's last agent, docs/agent.md)
     ttft_cpu_gbps: float = option(25.0, "ttft: DRAM tier to GPU, GB/s (measure: python -m bench.gpu_check)")
     ttft_disk_gbps: float = option(5.0, "ttft: NVMe tier to GPU, GB/s (measure: python -m bench.gpu_check)")
     ttft_shared_gbps: float = option(10.0, "ttft: shared tier to GPU, GB/s (measure: python -m bench.gpu_check)")
