@@ -6,14 +6,16 @@ each was last sent it. It is bounded twice — a node budget and a TTL — and e
 so a flood of unique prompts cannot grow it past its budget.
 
 Because block keys are chained, one key names its whole prefix: a node is a key, with its parent's key and its
-count of children. "Is this prefix known" is one probe, a lookup a binary search
-over the prompt's keys. Times are kept in steps of `TOUCH_S` (or a hundredth of the TTL, if shorter), so sending a
-prompt again touches only the nodes not yet touched in the current step: a node is never staler than its
-descendants, so the nodes already touched lead the prompt's path and one binary search finds where they end. The
-work per request follows what is new in it, or not touched yet in this step, not its length.
+count of children. A path is cut into segments, stretches of nodes one below the other whose workers and times are
+the same, and those are kept once per segment: sending a prompt again stamps each segment of its path, not each
+block (a 4,000-character system prompt's 62 blocks are one segment, its questions one each), so the work per
+request follows the segments of its path and what is new in it, not its length. A segment splits where a new
+prompt parts from it or ends inside it, and grows where a prompt continues the one that made it in the same step.
+Times are kept in steps of `TOUCH_S` (or a hundredth of the TTL, if shorter), so a segment stamped in the current
+step for a worker is not stamped again.
 
-The node maps are split by key into `SHARDS` dicts each: a dict that outgrows its table is copied whole into a larger
-one, with the GIL held, and four maps of one trie grew at the same insert — at 87,000 nodes 20-50 ms in one call,
+The maps are split by key into `SHARDS` dicts each: a dict that outgrows its table is copied whole into a larger
+one, with the GIL held, and the maps of one trie grew at the same insert — at 87,000 nodes 20-50 ms in one call,
 the event loop (and `/health`) waiting; a shard holds a 64th of the nodes, and the shards outgrow their tables at
 different inserts.
 """
@@ -22,15 +24,19 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvcore.dict_tables import TableTrim
 from router.block_keys import BlockKey
 
-TOUCH_S = 1.0  # step of the times kept (a node touched in the current step is not touched again)
-SHARDS = 64  # dicts per node map, by the key's low bits (a power of two)
+TOUCH_S = 1.0  # step of the times kept (a segment stamped in the current step is not stamped again)
+SHARDS = 64  # dicts per map, by the key's low bits (a power of two)
+
+# a walk of a prompt's path: how many leading keys are nodes, and the segments they run through (each segment's
+# top key and the index in the keys just past its last node on the path)
+Path = tuple[int, list[BlockKey], list[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +51,18 @@ class TrieStats:
 class PrefixTrie:
     """Block-key prefixes → workers recently sent them; bounded by `max_nodes` and `ttl_s`.
 
-    A node is its last block's key, its fields kept in dicts keyed by it (parent key, child count, last use, the
-    workers sent it with when), not an object of its own: dicts holding only numbers and strings are not tracked by
-    Python's cycle collector, an object per node would be, and every full collection walks all tracked objects with
-    the GIL held (35,000-67,000 nodes after 100 prompts of 32,000 characters cost 86-133 ms per collection, the
-    event loop stalled meanwhile).
+    A node is its last block's key, its fields kept in dicts keyed by it (parent key, child count, its segment's
+    top key), not an object of its own, and so is a segment, by its top key (its bottom key, length, last use, the
+    workers sent it with when): dicts holding only numbers and strings are not tracked by Python's cycle collector,
+    an object per node would be, and every full collection walks all tracked objects with the GIL held (35,000-67,000
+    nodes after 100 prompts of 32,000 characters cost 86-133 ms per collection, the event loop stalled meanwhile).
 
-    Most nodes were only ever sent to one worker (routing by prefix keeps a prefix in one place): such a node's
-    workers are that worker's URL alone, its time the node's last use, and a dict of URL -> time only once a
-    second worker is sent it (a one-entry dict cost 200 bytes per node, half of a trie's memory)."""
+    A segment's nodes above its bottom have one child each (the next node of the segment): a branch, or the end of
+    a prompt, is a segment's bottom. Every node of a segment has that segment's workers and times.
+
+    Most segments were only ever sent to one worker (routing by prefix keeps a prefix in one place): such a
+    segment's workers are that worker's URL alone, its time the segment's last use, and a dict of URL -> time only
+    once a second worker is sent it."""
 
     def __init__(self, max_nodes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if max_nodes < 1:
@@ -65,112 +74,118 @@ class PrefixTrie:
         self.clock = clock  # injectable: the virtual-time fleet sets its own
         self._nodes = 0
         self._shard_maps(SHARDS)
-        # the keys `match` looked up last and how many lead with nodes: `insert` of the same keys (the decision
-        # that follows) takes it rather than search again; any removal forgets it (an insert only adds nodes)
-        self._last_known: tuple[Sequence[BlockKey], int] | None = None
+        # the keys `match` walked last and their path: `insert` of the same keys (the decision that follows) takes
+        # it rather than walk again; any removal or split forgets it
+        self._last_walk: tuple[Sequence[BlockKey], Path] | None = None
         # leaves by last use; entries go stale when a leaf is used again, gains a child or is removed
         self._leaves: list[tuple[float, BlockKey]] = []
         self._worker_nodes: dict[str, int] = {}
-        self._trims: list[tuple[TableTrim, dict[Any, Any]]] = []  # see compact_tables
+        self._trims: list[tuple[TableTrim, dict[Any, Any], bool]] = []  # see compact_tables
         self.evictions = 0  # nodes removed to stay under max_nodes
         self.expirations = 0  # nodes removed because nobody was sent them within ttl_s
 
+    _MAPS = ("_parent", "_children", "_top", "_bottom", "_length", "_used", "_workers")
+
     def _shard_maps(self, shards: int) -> None:
-        """The node maps as `shards` dicts each (node `key` in dict `key & self._mask`), their nodes kept."""
-        old = [getattr(self, name, [{}]) for name in ("_parent", "_children", "_used", "_workers")]
+        """The maps as `shards` dicts each (`key` in dict `key & self._mask`), their entries kept."""
+        old = [getattr(self, name, [{}]) for name in self._MAPS]
         self._mask = shards - 1
         maps: list[list[dict[Any, Any]]] = [[{} for _ in range(shards)] for _ in old]
         for shard_maps, old_maps in zip(maps, old, strict=True):
             for fields in old_maps:
                 for key, value in fields.items():
                     shard_maps[key & self._mask][key] = value
-        self._parent: list[dict[BlockKey, BlockKey | None]] = maps[0]  # every node; None for a first block
+        # per node: every node's parent (None for a first block), its child count and its segment's top key
+        self._parent: list[dict[BlockKey, BlockKey | None]] = maps[0]
         self._children: list[dict[BlockKey, int]] = maps[1]
-        self._used: list[dict[BlockKey, float]] = maps[2]  # last sent to any worker
-        # the workers sent each node: the URL of the only one (last sent: the node's `_used`), or url -> last sent
-        self._workers: list[dict[BlockKey, str | dict[str, float]]] = maps[3]
+        self._top: list[dict[BlockKey, BlockKey]] = maps[2]
+        # per segment, by its top key: its deepest node, its node count, when last sent to any worker, and the
+        # workers sent it: the URL of the only one (last sent: the segment's `_used`), or url -> last sent
+        self._bottom: list[dict[BlockKey, BlockKey]] = maps[3]
+        self._length: list[dict[BlockKey, int]] = maps[4]
+        self._used: list[dict[BlockKey, float]] = maps[5]
+        self._workers: list[dict[BlockKey, str | dict[str, float]]] = maps[6]
 
     def __len__(self) -> int:
         return self._nodes
 
     def compact_tables(self) -> None:
-        """From now on keep the node maps at the table size a copy of them would have (`TableTrim`; nodes come and
+        """From now on keep the maps at the table size a copy of them would have (`TableTrim`; nodes come and
         go, evicted at the budget or expired): half their memory, for copying a map into itself (tens of ms per
         100,000 nodes) whenever CPython would grow it. For long simulations (`kvgate bench vsim`); a live gateway
         would stall its event loop meanwhile. The maps become one dict each (a copy of each of 64 shards could not
         be told when it is due, and small dicts are left alone)."""
         self._shard_maps(1)
-        self._trims = [(TableTrim(), fields[0])
-                       for fields in (self._parent, self._children, self._used, self._workers)]
-
-    def _known(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading keys are nodes (`leading_run` over the shards, written out)."""
-        parents, mask = self._parent, self._mask
-        lo, hi = 0, len(keys)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            key = keys[mid - 1]
-            if key in parents[key & mask]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        self._trims = [(TableTrim(), getattr(self, name)[0], name in ("_parent", "_children", "_top"))
+                       for name in self._MAPS]
 
     # --- lookup -----------------------------------------------------------------------------------------------
+
+    def _walk(self, keys: Sequence[BlockKey]) -> Path:
+        """How many leading `keys` are nodes, and the segments they run through: a dict step and one key
+        compared per segment (a binary search only where the keys part from a segment or end inside it)."""
+        lengths, bottoms, mask = self._length, self._bottom, self._mask
+        tops: list[BlockKey] = []
+        ends: list[int] = []
+        i, n = 0, len(keys)
+        while i < n:
+            top = keys[i]
+            # a node after a segment's bottom is a segment's top (the first one too): not a top, not a node
+            length = lengths[top & mask].get(top)
+            if length is None:
+                break
+            tops.append(top)
+            end = i + length
+            if end <= n and keys[end - 1] == bottoms[top & mask][top]:
+                ends.append(end)
+                i = end
+                continue
+            # the keys part from the segment (or end) inside it: its nodes lead them, chained, to where they part
+            parents = self._parent
+            lo, hi = i + 1, min(end, n)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                key = keys[mid - 1]
+                if key in parents[key & mask]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            ends.append(lo)
+            return lo, tops, ends
+        return i, tops, ends
 
     def match(self, keys: Sequence[BlockKey], workers: Sequence[str] | None = None) -> dict[str, int]:
         """For each worker sent a prefix of `keys` within the TTL: how many leading blocks it was sent.
 
-        A worker sent a prefix was sent every shorter prefix too (insertion touches the whole path with one
-        timestamp), so "fresh at depth d" is monotone in d and each worker's depth is one probe of the deepest known
-        block, or else a binary search."""
-        mask = self._mask
-        if not keys or (root := keys[0]) not in self._parent[root & mask]:
-            self._last_known = (keys, 0)
+        A worker sent a prefix was sent every shorter prefix too (insertion stamps the whole path with one
+        time), so "fresh at depth d" is monotone in d: each worker's depth is the end of the deepest segment on
+        the path where it is fresh."""
+        path = self._walk(keys)
+        self._last_walk = (keys, path)
+        _, tops, ends = path
+        if not tops:
             return {}
-        known = self._known(keys)
-        self._last_known = (keys, known)
         fresh_after = self.clock() - self.ttl_s
-        sent_to, used = self._workers, self._used
-        first = sent_to[root & mask][root]
-        if isinstance(first, str):
-            wanted: Iterable[str] = [first] if workers is None or first in workers else []
-            first = {first: used[root & mask][root]}
-        else:
-            wanted = first.keys() if workers is None else [w for w in workers if w in first]
-        out: dict[str, int] = {}
-        deepest = keys[known - 1]
-        deepest_shard = deepest & mask
-        deepest_sent = sent_to[deepest_shard][deepest]
-        for url in wanted:
-            if first[url] < fresh_after:
-                continue
-            # the deepest known block first: a prefix is mostly sent to one worker, whole (one probe, no search)
-            sent = ((used[deepest_shard][deepest] if deepest_sent == url else None) if isinstance(deepest_sent, str)
-                    else deepest_sent.get(url))
-            if sent is not None and sent >= fresh_after:
-                out[url] = known
-                continue
-            # blocks sent to `url` lately: at least the first, not the deepest known one
-            out[url] = self._sent_since(keys, 1, known - 1, url, fresh_after)
-        return out
-
-    def _sent_since(self, keys: Sequence[BlockKey], lo: int, hi: int, worker: str, since: float) -> int:
-        """How many leading `keys` (nodes all) were sent to `worker` at `since` or later, known to be between `lo`
-        and `hi`: monotone in depth, as a node is marked with its ancestors, so a binary search (`leading_run`
-        written out: a callback per probe would cost more than the whole lookup does)."""
         sent_to, used, mask = self._workers, self._used, self._mask
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            key = keys[mid - 1]
-            shard = key & mask
-            entry = sent_to[shard][key]
-            sent = (used[shard][key] if entry == worker else None) if isinstance(entry, str) else entry.get(worker)
-            if sent is not None and sent >= since:
-                lo = mid
+        out: dict[str, int] = {}
+        for top, end in zip(tops, ends, strict=True):
+            shard = top & mask
+            sent = sent_to[shard][top]
+            if isinstance(sent, str):
+                if used[shard][top] < fresh_after:
+                    break  # not fresh here, so nowhere deeper
+                out[sent] = end
             else:
-                hi = mid - 1
-        return lo
+                fresh = False
+                for url, at in sent.items():
+                    if at >= fresh_after:
+                        out[url] = end
+                        fresh = True
+                if not fresh:
+                    break
+        if workers is not None and out:
+            return {url: out[url] for url in workers if url in out}
+        return out
 
     # --- update -----------------------------------------------------------------------------------------------
 
@@ -184,60 +199,112 @@ class PrefixTrie:
         now = self.clock()
         if self._step:
             now -= now % self._step
-        last = self._last_known
-        depth = last[1] if last is not None and last[0] is keys else self._known(keys)
-        self._last_known = None
-        self._touch(keys, depth, worker, now)
+        last = self._last_walk
+        depth, tops, ends = last[1] if last is not None and last[0] is keys else self._walk(keys)
+        self._last_walk = None
+        grows = depth < len(keys)
+        mask = self._mask
+        lengths, sent_to, used = self._length, self._workers, self._used
+        start = 0
+        for top, end in zip(tops, ends, strict=True):
+            shard = top & mask
+            sent = sent_to[shard][top]
+            stamped = (used[shard][top] == now and sent == worker) if isinstance(sent, str) else sent.get(worker) == now
+            if end - start < lengths[shard][top] and (grows or not stamped):
+                # the path ends (or parts, new nodes to grow there) inside the segment: it splits at that point
+                self._split(top, end - start, keys[end - 1])
+            if not stamped:
+                self._stamp(top, worker, now)
+            start = end
         node = keys[depth - 1] if depth else None
-        if depth < len(keys):
-            for trim, fields in self._trims:  # the four maps take the same new keys: copied before, not after
-                trim.make_room(fields, len(keys) - depth)
+        if grows:
+            for trim, fields, per_node in self._trims:  # the maps take the new keys: copied before, not after
+                trim.make_room(fields, len(keys) - depth if per_node else 2)
             node = self._grow(keys, depth, node, worker, now)
         assert node is not None
-        shard = node & self._mask
-        if self._children[shard][node] == 0 and self._used[shard][node] == now:
+        shard = node & mask
+        top = self._top[shard][node]
+        if self._children[shard][node] == 0 and self._used[top & mask][top] == now:
             heapq.heappush(self._leaves, (now, node))
         self._expire(now)
         self._shrink()
 
-    def _touch(self, keys: Sequence[BlockKey], depth: int, worker: str, now: float) -> None:
-        """Mark the nodes of keys[:depth] (a path from a first block: each node's parent is the key before it) as
-        sent to `worker` at `now`. A node marked so had its ancestors marked with it, so the marked nodes lead the
-        path: they are found by binary search, and only the nodes after them are marked (no walk up the parents,
-        no check per node)."""
-        counts, used, sent_to, mask = self._worker_nodes, self._used, self._workers, self._mask
-        for node in keys[self._sent_since(keys, 0, depth, worker, now):depth]:
-            shard = node & mask
-            workers = sent_to[shard][node]
-            if isinstance(workers, str):
-                if workers != worker:  # a second worker: the node gets a dict, the first one's time its last use
-                    counts[worker] = counts.get(worker, 0) + 1
-                    sent_to[shard][node] = {workers: used[shard][node], worker: now}
-            else:
-                if worker not in workers:
-                    counts[worker] = counts.get(worker, 0) + 1
-                workers[worker] = now
-            used[shard][node] = now
+    def _stamp(self, top: BlockKey, worker: str, now: float) -> None:
+        """Mark segment `top` as sent to `worker` at `now`."""
+        shard = top & self._mask
+        sent_to, used, counts = self._workers[shard], self._used[shard], self._worker_nodes
+        workers = sent_to[top]
+        if isinstance(workers, str):
+            if workers != worker:  # a second worker: the segment gets a dict, the first one's time its last use
+                counts[worker] = counts.get(worker, 0) + self._length[shard][top]
+                sent_to[top] = {workers: used[top], worker: now}
+        else:
+            if worker not in workers:
+                counts[worker] = counts.get(worker, 0) + self._length[shard][top]
+            workers[worker] = now
+        used[top] = now
+
+    def _split(self, top: BlockKey, head: int, last: BlockKey) -> None:
+        """Cut segment `top` after its first `head` nodes (the last of them `last`): the nodes below become a
+        segment of their own, with the same workers and times."""
+        mask = self._mask
+        shard = top & mask
+        parents, tops = self._parent, self._top
+        bottom, length = self._bottom[shard][top], self._length[shard][top]
+        below: list[BlockKey] = []
+        key = bottom
+        for _ in range(length - head):  # up from the bottom, to the node under `last`
+            below.append(key)
+            key = parents[key & mask][key]  # type: ignore[assignment]
+        assert key == last
+        new = below[-1]
+        for key in below:
+            tops[key & mask][key] = new
+        workers = self._workers[shard][top]
+        new_shard = new & mask
+        self._bottom[new_shard][new] = bottom
+        self._length[new_shard][new] = length - head
+        self._used[new_shard][new] = self._used[shard][top]
+        self._workers[new_shard][new] = workers if isinstance(workers, str) else dict(workers)
+        self._bottom[shard][top] = last
+        self._length[shard][top] = head
+        self._last_walk = None
 
     def _grow(self, keys: Sequence[BlockKey], depth: int, parent: BlockKey | None, worker: str,
               now: float) -> BlockKey:
-        """Add the nodes for keys[depth:] below `parent`; returns the deepest."""
-        self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + len(keys) - depth
-        self._nodes += len(keys) - depth
-        parents, children, used, sent_to, mask = self._parent, self._children, self._used, self._workers, self._mask
+        """Add the nodes for keys[depth:] below `parent`; returns the deepest. They continue `parent`'s segment
+        where it ends there, childless, sent only to `worker` at `now`; else they are a segment of their own."""
+        new = len(keys) - depth
+        self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + new
+        self._nodes += new
+        parents, children, tops, mask = self._parent, self._children, self._top, self._mask
+        top = keys[depth]
         if parent is not None:
-            children[parent & mask][parent] += 1
+            shard = parent & mask
+            children[shard][parent] += 1
+            above = tops[shard][parent]
+            above_shard = above & mask
+            if (children[shard][parent] == 1 and self._used[above_shard][above] == now
+                    and self._workers[above_shard][above] == worker):
+                top = above  # the same stamps: one segment, longer
         node = parent
         for i in range(depth, len(keys)):
             key = keys[i]
             shard = key & mask
             parents[shard][key] = node
             children[shard][key] = 1  # the next one; the deepest gets 0 below
-            used[shard][key] = now
-            sent_to[shard][key] = worker
+            tops[shard][key] = top
             node = key
         assert node is not None
         children[node & mask][node] = 0
+        shard = top & mask
+        if top == keys[depth]:
+            self._length[shard][top] = new
+            self._used[shard][top] = now
+            self._workers[shard][top] = worker
+        else:
+            self._length[shard][top] += new
+        self._bottom[shard][top] = node
         return node
 
     # --- eviction ---------------------------------------------------------------------------------------------
@@ -257,44 +324,58 @@ class PrefixTrie:
         next leaves evicted anyway (an unbranched chain used at the same time, or expired). Returns the count
         removed (0 for a stale heap entry)."""
         last, key = heapq.heappop(self._leaves)
-        self._last_known = None
-        parents, children, used, sent_to, mask = self._parent, self._children, self._used, self._workers, self._mask
+        parents, children, tops, mask = self._parent, self._children, self._top, self._mask
+        used, sent_to = self._used, self._workers
         shard = key & mask
-        if used[shard].get(key) != last or children[shard][key]:
+        top = tops[shard].get(key)
+        if top is None or used[top & mask][top] != last or children[shard][key]:
             return 0
+        self._last_walk = None
         bound = last if limit is None else limit
         removed = [key]
         above = parents[shard][key]
-        while (
-            len(removed) < most and above is not None and children[above & mask][above] == 1
-            and (used[above & mask][above] == bound if limit is None else used[above & mask][above] < bound)
-        ):
+        while len(removed) < most and above is not None and children[above & mask][above] == 1:
+            above_top = tops[above & mask][above]
+            at = used[above_top & mask][above_top]
+            if not (at == bound if limit is None else at < bound):
+                break
             removed.append(above)
             above = parents[above & mask][above]
-        counts = self._worker_nodes
+        counts, lengths, bottoms = self._worker_nodes, self._length, self._bottom
         for gone in removed:  # the whole subtree of the last one: each had one child, the one removed before
             shard = gone & mask
-            del parents[shard][gone], children[shard][gone], used[shard][gone]
-            workers = sent_to[shard].pop(gone)
+            up = parents[shard].pop(gone)
+            del children[shard][gone]
+            top = tops[shard].pop(gone)
+            top_shard = top & mask
+            workers = sent_to[top_shard][top]
             if isinstance(workers, str):
                 counts[workers] -= 1
             else:
                 for url in workers:
                     counts[url] -= 1
+            if gone == top:  # the segment's last node (they go bottom first)
+                del bottoms[top_shard][top], lengths[top_shard][top], used[top_shard][top], sent_to[top_shard][top]
+            else:
+                lengths[top_shard][top] -= 1
+                bottoms[top_shard][top] = up  # type: ignore[assignment]
         self._nodes -= len(removed)
         if above is not None:
             shard = above & mask
             children[shard][above] -= 1
             if children[shard][above] == 0:
-                heapq.heappush(self._leaves, (used[shard][above], above))
+                top = tops[shard][above]
+                heapq.heappush(self._leaves, (used[top & mask][top], above))
         self._compact()
         return len(removed)
 
     def _compact(self) -> None:
         """Rebuild the leaf heap when stale entries outnumber live nodes (each insert pushes one)."""
         if len(self._leaves) > 2 * self._nodes + 64:
-            self._leaves = [(used[key], key) for children, used in zip(self._children, self._used, strict=True)
-                            for key, count in children.items() if count == 0]
+            mask, used = self._mask, self._used
+            self._leaves = [(used[top & mask][top], key)
+                            for children, tops in zip(self._children, self._top, strict=True)
+                            for key, count in children.items() if count == 0 for top in (tops[key],)]
             heapq.heapify(self._leaves)
 
     def expire(self) -> None:
@@ -303,31 +384,39 @@ class PrefixTrie:
 
     def forget_worker(self, url: str) -> None:
         """Remove a worker from every node; prefixes no worker holds any more are removed with their subtrees."""
-        parents, children, used, mask = self._parent, self._children, self._used, self._mask
-        self._last_known = None
-        # a node left with one worker keeps its dict: its last use may be the forgotten worker's time
-        emptied = [key for sent_to in self._workers for key, workers in sent_to.items()
+        parents, children, tops, mask = self._parent, self._children, self._top, self._mask
+        self._last_walk = None
+        # a segment left with one worker keeps its dict: its last use may be the forgotten worker's time
+        emptied = {top for sent_to in self._workers for top, workers in sent_to.items()
                    if (workers == url if isinstance(workers, str)
-                       else workers.pop(url, None) is not None and not workers)]
+                       else workers.pop(url, None) is not None and not workers)}
         self._worker_nodes.pop(url, None)
-        # a node's workers include its descendants': an emptied node's subtree is emptied; the top of one has a
-        # parent still held (or none)
-        gone = set(emptied)
-        tops = [parent for key in emptied if (parent := parents[key & mask][key]) is not None and parent not in gone]
-        for key in emptied:
+        if not emptied:
+            return
+        for top in emptied:
+            shard = top & mask
+            del self._bottom[shard][top], self._length[shard][top], self._used[shard][top]
+            del self._workers[shard][top]
+        # a segment's workers include those of the segments below it: an emptied segment's subtree is emptied; the
+        # top of one has a parent still held (or none)
+        above = [parent for top in emptied
+                 if (parent := parents[top & mask][top]) is not None and tops[parent & mask][parent] not in emptied]
+        gone = [key for fields in tops for key, top in fields.items() if top in emptied]
+        for key in gone:
             shard = key & mask
-            del parents[shard][key], children[shard][key], used[shard][key], self._workers[shard][key]
-        self._nodes -= len(emptied)
-        for parent in tops:
+            del parents[shard][key], children[shard][key], tops[shard][key]
+        self._nodes -= len(gone)
+        for parent in above:
             shard = parent & mask
             children[shard][parent] -= 1
             if children[shard][parent] == 0:
-                heapq.heappush(self._leaves, (used[shard][parent], parent))
+                top = tops[shard][parent]
+                heapq.heappush(self._leaves, (self._used[top & mask][top], parent))
 
     def clear(self) -> None:
-        self._last_known = None
-        for maps in (self._parent, self._children, self._used, self._workers):
-            for fields in maps:
+        self._last_walk = None
+        for name in self._MAPS:
+            for fields in getattr(self, name):
                 fields.clear()
         self._nodes = 0
         self._leaves.clear()
@@ -344,38 +433,71 @@ class PrefixTrie:
         """Every node with its parent (for checks)."""
         return {key: parent for fields in self._parent for key, parent in fields.items()}
 
+    def segments(self) -> int:
+        """How many segments the nodes are cut into (for checks)."""
+        return sum(len(fields) for fields in self._length)
+
     def check(self) -> None:
-        """Assert the nodes are a consistent tree (for tests)."""
+        """Assert the nodes are a consistent tree, cut into consistent segments (for tests)."""
         mask = self._mask
-        for shard, fields in enumerate(self._parent):
-            assert all(key & mask == shard for key in fields), "a node in another key's shard"
+        for name in self._MAPS:
+            for shard, fields in enumerate(getattr(self, name)):
+                assert all(key & mask == shard for key in fields), "an entry in another key's shard"
         parents = self.nodes()
         children = {key: n for fields in self._children for key, n in fields.items()}
-        used = {key: t for fields in self._used for key, t in fields.items()}
-        sent_to = {key: w for fields in self._workers for key, w in fields.items()}
-        assert parents.keys() == children.keys() == used.keys() == sent_to.keys()
+        tops = {key: top for fields in self._top for key, top in fields.items()}
+        assert parents.keys() == children.keys() == tops.keys()
         assert len(parents) == self._nodes, "node count out of step"
+        bottoms = {top: key for fields in self._bottom for top, key in fields.items()}
+        lengths = {top: n for fields in self._length for top, n in fields.items()}
+        used = {top: t for fields in self._used for top, t in fields.items()}
+        sent_to = {top: w for fields in self._workers for top, w in fields.items()}
+        assert bottoms.keys() == lengths.keys() == used.keys() == sent_to.keys() == set(tops.values())
+        for top, bottom in bottoms.items():
+            chain = self._chain(bottom, top)
+            assert len(chain) == lengths[top], "segment length out of step"
+            assert all(tops[key] == top for key in chain), "a segment's node in another segment"
+            assert all(children[key] == 1 for key in chain[1:]), "a branch inside a segment"
+            parent = parents[top]
+            assert parent is None or bottoms[tops[parent]] == parent, "a segment below the middle of another"
+            workers = sent_to[top]
+            assert isinstance(workers, str) or (workers and used[top] >= max(workers.values()))
         counts: dict[BlockKey, int] = {}
         for key, parent in parents.items():
             if parent is not None:
                 assert parent in parents, "a node whose parent is gone"
                 assert self._sent(key).keys() <= self._sent(parent).keys()
-                assert used[key] <= used[parent]
+                assert all(at <= self._sent(parent)[url] for url, at in self._sent(key).items())
+                assert used[tops[key]] <= used[tops[parent]]
                 counts[parent] = counts.get(parent, 0) + 1
         for key, count in children.items():
             assert count == counts.get(key, 0), "child count out of step"
         held: dict[str, int] = {}
-        for key in sent_to:
+        for key in parents:
             for url in self._sent(key):
                 held[url] = held.get(url, 0) + 1
         assert held == {url: n for url, n in self._worker_nodes.items() if n}, "worker node counts out of step"
 
+    def _chain(self, bottom: BlockKey, top: BlockKey) -> list[BlockKey]:
+        """The nodes from `bottom` up to `top`, both included (one chain; for checks)."""
+        parents, mask = self._parent, self._mask
+        out = [bottom]
+        key = bottom
+        while key != top:
+            up = parents[key & mask][key]
+            assert up is not None, "a segment's bottom not below its top"
+            key = up
+            out.append(key)
+        return out
+
     def _sent(self, key: BlockKey) -> dict[str, float]:
         """The workers sent node `key`, with when each last was (for checks)."""
-        shard = key & self._mask
-        workers = self._workers[shard][key]
-        return {workers: self._used[shard][key]} if isinstance(workers, str) else dict(workers)
+        top = self._top[key & self._mask][key]
+        shard = top & self._mask
+        workers = self._workers[shard][top]
+        return {workers: self._used[shard][top]} if isinstance(workers, str) else dict(workers)
 
     def sent_to(self) -> list[str | dict[str, float]]:
         """Every node's workers as kept: a URL, or URL -> last sent (for checks)."""
-        return [workers for fields in self._workers for workers in fields.values()]
+        mask = self._mask
+        return [self._workers[top & mask][top] for fields in self._top for top in fields.values()]
