@@ -140,9 +140,14 @@ class PrefillBalance:
         cacheable = ((prompt - 1) // bs) * bs if prompt > 0 else 0
         cached, saved = predict(keys, workers, cacheable)
         # each worker's score (the module's docstring), written out: a method call per worker cost more than the sum
+        # (`PrefillQueue.level` and `Worker.outstanding` inline: a call per worker cost more than the arithmetic)
         weight, cost, queues = self.prefill_weight, self.request_cost, self._queues
-        scores = [weight * (prompt - round(v)) + (queues.get(w.url) or self._queue(w.url)).level(now)
-                  + cost * w.outstanding for w, v in zip(workers, saved, strict=True)]
+        scores = []
+        for w, v in zip(workers, saved, strict=True):
+            queue = queues.get(w.spec.url)
+            queued = 0.0 if queue is None else queue.tokens - queue.rate * (now - queue.at)
+            scores.append(weight * (prompt - round(v)) + (queued if queued > 0.0 else 0.0)
+                          + cost * (w.in_flight + w.waiting))
         best = min(scores)
         tied = [i for i, s in enumerate(scores) if s <= best + 1e-9]
         if len(tied) > 1:
@@ -166,8 +171,11 @@ class PrefillBalance:
     def trie_prediction(self, keys: Sequence[int], workers: Sequence[Worker],
                         cacheable: int) -> tuple[list[int], list[float]]:
         """The trie's guess: the prompt tokens last sent to each worker are cached there, and save as much."""
-        matched = self.trie.match(keys) if keys else {}
-        cached = [min(matched.get(w.url, 0) * self.block_size, cacheable) for w in workers]
+        matched = self.trie.match(keys) if keys else None
+        if not matched:
+            return [0] * len(workers), [0.0] * len(workers)
+        bs = self.block_size
+        cached = [min(matched.get(w.spec.url, 0) * bs, cacheable) for w in workers]
         return cached, [float(c) for c in cached]
 
     def record(self, prompt: int, predicted: int) -> None:

@@ -111,7 +111,8 @@ class KvAware(Strategy):
             # no worker's events can be trusted (none has a stream, or each stream has a gap): what `holdings` says
             # then, the trie and the requests in flight, without a Holding per worker
             bs, guessed, match = self.balance.block_size, self.balance.trie.match(keys), self.pending.match
-            tokens = [min(match(keys, w.url, guessed.get(w.url, 0)) * bs, cacheable) for w in workers]
+            tokens = [min(match(keys, url, guessed.get(url, 0)) * bs, cacheable)
+                      for w in workers for url in (w.spec.url,)]
             return tokens, [float(t) for t in tokens]
         cached: list[int] = []
         saved: list[float] = []
@@ -124,9 +125,11 @@ class KvAware(Strategy):
         return cached, saved
 
     def _any_trusted(self, workers: Sequence[Worker]) -> bool:
-        trusted = self._trusted
-        for worker in workers:  # written out: a generator in any() cost more than the calls
-            for _, cache in self._caches_of(worker):
+        trusted, known = self._trusted, self._spec_caches
+        for worker in workers:  # written out (`_caches_of` too): a generator in any() cost more than the calls
+            spec = worker.spec
+            caches = known.get(spec.url)
+            for _, cache in caches[1] if caches is not None and caches[0] is spec else self._caches_of(worker):
                 if trusted(cache):
                     return True
         return False
