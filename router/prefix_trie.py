@@ -226,8 +226,11 @@ class PrefixTrie:
         top = self._top[shard][node]
         if self._children[shard][node] == 0 and self._used[top & mask][top] == now:
             heapq.heappush(self._leaves, (now, node))
-        self._expire(now)
-        self._shrink()
+        leaves = self._leaves
+        if leaves and leaves[0][0] < now - self.ttl_s:  # (`_expire`'s and `_shrink`'s own tests, without a call)
+            self._expire(now)
+        if self._nodes > self.max_nodes:
+            self._shrink()
 
     def _stamp(self, top: BlockKey, worker: str, now: float) -> None:
         """Mark segment `top` as sent to `worker` at `now`."""

@@ -253,3 +253,116 @@ def test_no_insert_copies_the_whole_trie() -> None:
         assert len(trie) == 150 * 605
         ratios.append(max(cpu) / statistics.median(cpu))
     assert min(ratios) < 12, ratios
+
+
+class StampCounter(PrefixTrie):
+    """A trie that counts the segments it stamps (the work of refreshing a path)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.stamps = 0
+
+    def _stamp(self, top: int, worker: str, now: float) -> None:
+        self.stamps += 1
+        super()._stamp(top, worker, now)
+
+
+def test_a_refresh_stamps_each_segment_of_the_path_once_not_each_block() -> None:
+    """Issue 18: the first request of a prefix in each 1 s step re-stamped all ~62 blocks of its path; a system
+    prompt's blocks are one segment, each question one more."""
+    clock = Clock()
+    trie = StampCounter(max_nodes=10_000, ttl_s=600, clock=clock)
+    system = keys(1, 62)
+    trie.insert(system + keys(2, 2), "w1")
+    assert trie.segments() == 1 and trie.stamps == 0  # new nodes are stamped as they are made
+    trie.insert(system + keys(3, 2), "w1")  # parts after the system prompt: it splits there
+    assert trie.segments() == 3 and trie.stamps == 0  # same step, same worker: nothing to stamp again
+    clock.now += 1.5
+    trie.insert(system + keys(4, 2), "w1")
+    assert trie.stamps == 1 and trie.segments() == 4  # the system prompt's segment: one stamp for 62 blocks
+    trie.insert(system + keys(4, 2), "w2")
+    assert trie.stamps == 3  # a second worker: the system prompt's segment and the question's
+    assert trie.match(system + keys(4, 2)) == {"w1": 64, "w2": 64}
+    assert trie.match(system + keys(3, 2)) == {"w1": 64, "w2": 62}
+    assert trie.worker_nodes("w1") == 68 and trie.worker_nodes("w2") == 64
+    trie.check()
+
+
+def test_a_prompt_continued_in_the_same_step_grows_its_segment() -> None:
+    clock = Clock()
+    trie = PrefixTrie(max_nodes=1000, ttl_s=60, clock=clock)
+    a = keys(1, 12)
+    trie.insert(a[:5], "w1")
+    trie.insert(a[:9], "w1")  # the next turn of a conversation, same step and worker: one segment, longer
+    assert trie.segments() == 1
+    trie.insert(a, "w2")  # another worker: the path is stamped for it, its new blocks are a segment of their own
+    assert trie.segments() == 2
+    clock.now += 2
+    trie.insert(a[:9] + keys(2, 1), "w1")  # a later step: a branch below the first segment, one of its own
+    assert trie.segments() == 3
+    trie.insert(a[:9] + keys(2, 1) + keys(3, 2), "w1")  # continued in the step that made it: it grows
+    assert trie.segments() == 3
+    assert trie.match(a) == {"w1": 9, "w2": 12}
+    trie.check()
+
+
+def test_a_partially_refreshed_path_expires_below_the_refresh() -> None:
+    clock = Clock()
+    trie = PrefixTrie(max_nodes=1000, ttl_s=10, clock=clock)
+    a = keys(1, 10)
+    trie.insert(a, "w1")
+    clock.now += 6
+    trie.insert(a[:4], "w1")  # refreshes the first 4 blocks: the segment splits after them
+    assert trie.segments() == 2
+    trie.insert(a[:2], "w2")  # and again after 2, for a second worker
+    assert trie.segments() == 3
+    trie.check()
+    clock.now += 5  # the last 6 blocks were sent 11 s ago, the first 4 5 s ago
+    assert trie.match(a) == {"w1": 4, "w2": 2}
+    trie.expire()
+    assert len(trie) == 4 and trie.expirations == 6 and trie.segments() == 2
+    assert trie.worker_nodes("w1") == 4 and trie.worker_nodes("w2") == 2
+    trie.check()
+    clock.now += 6
+    trie.expire()
+    assert len(trie) == 0 and trie.expirations == 10 and trie.segments() == 0
+    assert trie.worker_nodes("w1") == 0
+    trie.check()
+
+
+def test_eviction_shortens_a_segment_from_its_bottom() -> None:
+    clock = Clock()
+    trie = PrefixTrie(max_nodes=13, ttl_s=3600, clock=clock)
+    a, b, c = keys(1, 8), keys(2, 4), keys(3, 3)
+    trie.insert(a, "w")
+    clock.now += 1
+    trie.insert(b, "w")
+    clock.now += 1
+    trie.insert(a[:5], "w")  # a's head is the most recently used now; its last 3 blocks the least
+    assert trie.segments() == 3
+    clock.now += 1
+    trie.insert(c, "w")  # two nodes over the bound: two of a's last three go
+    assert len(trie) == 13 and trie.evictions == 2
+    assert trie.match(a) == {"w": 6} and trie.match(b) == {"w": 4} and trie.match(c) == {"w": 3}
+    assert trie.segments() == 4 and trie.worker_nodes("w") == 13
+    trie.check()
+    clock.now += 1
+    trie.insert(keys(4, 2), "w")  # the rest of that segment goes whole, then b's last block
+    assert trie.match(a) == {"w": 5} and trie.match(b) == {"w": 3}
+    assert len(trie) == 13 and trie.evictions == 4 and trie.segments() == 4
+    trie.check()
+
+
+def test_forget_worker_removes_the_segments_only_it_was_sent() -> None:
+    trie = PrefixTrie(max_nodes=1000, ttl_s=60)
+    a = keys(1, 10)
+    trie.insert(a, "w1")
+    trie.insert(a[:6], "w2")
+    trie.insert(a[:6] + keys(2, 3), "w2")
+    assert trie.segments() == 3
+    trie.forget_worker("w1")
+    assert trie.match(a) == {"w2": 6} and len(trie) == 9 and trie.segments() == 2
+    trie.check()
+    trie.insert(a, "w1")  # grows below the head again: a segment of its own
+    assert trie.match(a) == {"w1": 10, "w2": 6} and trie.segments() == 3
+    trie.check()
