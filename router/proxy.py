@@ -271,22 +271,22 @@ class Proxy:
         self._metrics.ttfb.labels(label).observe(ttfb)
         strategy, route, decision = self._strategy, stream.route, stream.decision
         strategy.on_first_token(route, decision, ttfb)
+        seen = SseWatch()
         if stream.first:
-            strategy.on_chunk(route, decision, True)
+            strategy.on_chunk(route, decision, True, seen.feed(stream.first))
         response = web.StreamResponse(status=upstream.status, headers=stream.headers)
         status = str(upstream.status)
-        seen = SseWatch()
         delivered = False  # the client was sent the stream's final `data: [DONE]`: closing after it is no 499
         try:
             with self.deadlines.at(deadline):
                 await response.prepare(request)
                 if stream.first:
-                    seen.feed(stream.first)
                     await response.write(stream.first)
                     delivered = seen.ended_with_done
                 async for chunk in stream.chunks:
-                    strategy.on_chunk(route, decision, False)  # as it arrived: the worker's step timing
-                    seen.feed(chunk)
+                    # as it arrived (the worker's step timing), with the tokens it carries: a loaded gateway reads
+                    # several events in one chunk
+                    strategy.on_chunk(route, decision, False, seen.feed(chunk))
                     await response.write(chunk)
                     delivered = seen.ended_with_done
                 if stream.must_end_with_done and not seen.ended_with_done:
@@ -334,20 +334,26 @@ class SseWatch:
         self.usage: Usage | None = None
         self.events = 0  # `data:` events relayed, `[DONE]` included
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> int:
+        """Take the next chunk; the `data:` events it completed, a final `[DONE]` not counted (each a step's
+        tokens of this answer: one, more with speculative decoding)."""
         data = self._line + chunk if self._line else chunk
         cut = data.rfind(b"\n")
         if cut < 0:
             self._line = data if len(data) <= self.MAX_LINE else b""
-            return
+            return 0
         lines, line = data[:cut], data[cut + 1:]
         self._line = line if len(line) <= self.MAX_LINE else b""
-        self.events += lines.count(b"data:")
+        events = lines.count(b"\ndata:") + lines.startswith(b"data:")  # not a "data:" inside a generated text
+        self.events += events
         if CACHED_TOKENS in lines:
             self.usage = answer_usage(lines) or self.usage
         finished = lines.rstrip()
         if finished:
             self._last = finished[finished.rfind(b"\n") + 1:].strip()
+        if events and self._last in SSE_DONE:  # the stream's last event, so among these lines
+            events -= 1
+        return events
 
     @property
     def ended_with_done(self) -> bool:

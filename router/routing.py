@@ -87,10 +87,12 @@ class Strategy(abc.ABC):
         """Called when a streamed answer's first chunk came from the chosen worker, `ttft_s` seconds after the
         request arrived (a whole answer's first byte comes only once it is generated: no call for those)."""
 
-    def on_chunk(self, request: RouteRequest, decision: Decision, first: bool) -> None:  # noqa: B027
+    def on_chunk(self, request: RouteRequest, decision: Decision, first: bool,  # noqa: B027
+                 tokens: int = 1) -> None:
         """Called as each chunk of a streamed answer arrives from the chosen worker, the `first` one included
         (after `on_first_token`). An engine step ends with a token for every request running there, so the
-        arrival times of the chunks relayed from one worker show its steps."""
+        arrival times of the chunks relayed from one worker show its steps. `tokens`: the events the chunk
+        completed (0 for one that only ended the stream or cut an event; several where they were read together)."""
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once the attempt on the chosen worker ended (answered, failed or cancelled)."""

@@ -106,7 +106,7 @@ class TtftOptions(KvOptions):
     ttft_kv_bytes_per_token: float = option(
         131072.0, "ttft: KV-cache bytes per token, for tier transfer times (Llama-3.1-8B bf16: 128 KiB)")
     # priors, learned from the fleet's loads (ttft_learn_loads); `python -m bench.gpu_check --tier dram|nvme|shared`
-    # measures a GPU host's (an H200 host, 4 Dec 2026: 11.5 / 2.9-3.8 / 2.3-2.7 with that day's last agent, docs/agent.md)
+    # measures a GPU host's (an H200 host, 4 Dec 2026: 11.5 / 2.9-3.8 / 2.3-2.7 with that day's agent, docs/agent.md)
     ttft_cpu_gbps: float = option(25.0, "ttft: DRAM tier to GPU, GB/s (measure: python -m bench.gpu_check)")
     ttft_disk_gbps: float = option(5.0, "ttft: NVMe tier to GPU, GB/s (measure: python -m bench.gpu_check)")
     ttft_shared_gbps: float = option(10.0, "ttft: shared tier to GPU, GB/s (measure: python -m bench.gpu_check)")
@@ -612,12 +612,12 @@ class BlockLedger:
         if holder is not None:
             holder.started = True
 
-    def chunk(self, key: int) -> None:
+    def chunk(self, key: int, tokens: int = 1) -> None:
         holder = self._entries.get(key)
         if holder is not None:
-            holder.generated += 1
-            if (holder.prompt + holder.generated) % self.block_size == 1 or self.block_size == 1:
-                self.held += 1  # a token that begins a block
+            before = holder.prompt + holder.generated
+            holder.generated += tokens
+            self.held += self._blocks(before + tokens) - self._blocks(before)  # the blocks its new tokens began
 
     def end(self, key: int, now: float) -> _Holder | None:
         holder = self._entries.pop(key, None)
@@ -1155,12 +1155,12 @@ class TtftAware(KvAware):
             metrics.rate.labels(routed.worker).set(rate.tokens_per_s)
             metrics.overhead.labels(routed.worker).set(rate.overhead_s)
 
-    def on_chunk(self, request: RouteRequest, decision: Decision, first: bool) -> None:
+    def on_chunk(self, request: RouteRequest, decision: Decision, first: bool, tokens: int = 1) -> None:
         # a data-parallel engine's ranks step each on their own: a clock per rank (the decision names it)
         cache = cache_name(decision.worker.url, decision.dp_rank)
         ledger = self.ledgers.get(cache)
-        if ledger is not None:
-            ledger.chunk(id(request))  # a token more in its blocks
+        if ledger is not None and tokens:
+            ledger.chunk(id(request), tokens)  # tokens more in its blocks
         if self.step_phase:
             steps = self.steps.get(cache)
             if steps is None:

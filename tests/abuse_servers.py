@@ -51,10 +51,10 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
 
 
 @asynccontextmanager
-async def raw_worker(answer: Answer, heads: list[bytes] | None = None) -> AsyncIterator[str]:
-    """A worker written on raw sockets: `/health`, `/v1/models` and `/metrics` answer as vLLM's do (keep-alive);
-    any other request is answered by `answer(writer)`, after which the connection is closed. Every request head
-    it reads is appended to `heads`, if given."""
+async def raw_worker(answer: Answer, heads: list[bytes] | None = None, metrics: bytes = b"") -> AsyncIterator[str]:
+    """A worker written on raw sockets: `/health`, `/v1/models` and `/metrics` (`metrics`, empty by default) answer
+    as vLLM's do (keep-alive); any other request is answered by `answer(writer)`, after which the connection is
+    closed. Every request head it reads is appended to `heads`, if given."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
@@ -68,7 +68,7 @@ async def raw_worker(answer: Answer, heads: list[bytes] | None = None) -> AsyncI
                 elif path == b"/v1/models":
                     writer.write(_reply("200 OK", MODELS))
                 elif path == b"/metrics":
-                    writer.write(_reply("200 OK", b"", "text/plain"))
+                    writer.write(_reply("200 OK", metrics, "text/plain"))
                 else:
                     await answer(writer)
                     await writer.drain()
