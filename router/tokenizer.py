@@ -430,7 +430,9 @@ class ChatRenderer:
         self._source = source  # where the templates came from, for errors
         # skeleton renders (see `_Skeleton`) by shape: a `_Skeleton`, or None where the full render is used
         self._skeletons: dict[tuple[object, ...], _Skeleton | None] = {}
-        self._unsafe_templates: set[str] = set()  # templates a skeleton render caught looking into a text
+        # shapes whose skeleton render looked into a text: refused per shape, not per template, so one request of
+        # an odd shape (Llama 3.1's `content is iterable` for a bare tool message) leaves the others their skeletons
+        self.looked_into = 0
 
     def state(self, *, templates: bool = True) -> dict[str, Any]:
         return {"special_tokens": self.special_tokens, "templates": self._templates if templates else {},
@@ -540,7 +542,7 @@ class ChatRenderer:
                add_generation_prompt: bool) -> tuple[tuple[object, ...], list[str]] | None:
         """A conversation's shape (what a skeleton render depends on: the template, the roles, which texts are
         empty, `add_generation_prompt`) and its texts; None when it has anything else (other fields, parts)."""
-        if template in self._unsafe_templates or len(conversation) > MAX_SKELETON_MESSAGES:
+        if len(conversation) > MAX_SKELETON_MESSAGES:
             return None
         shape: list[object] = [template, add_generation_prompt]
         texts: list[str] = []
@@ -557,8 +559,7 @@ class ChatRenderer:
     def _learn(self, shape: tuple[object, ...], template: str, conversation: Sequence[Message],
                add_generation_prompt: bool, texts: Sequence[str], rendered: str) -> None:
         """Render `shape`'s skeleton and keep it if filling it with `texts` gives `rendered` (the full render of the
-        same request); else remember the shape (or, if the template looked into a text, the template) as not
-        taking skeleton renders."""
+        same request); else remember the shape as not taking skeleton renders."""
         skeleton: _Skeleton | None = None
         compiled = _compile_skeleton(template)
         if compiled is not None:
@@ -570,7 +571,7 @@ class ChatRenderer:
                                                   documents=None, add_generation_prompt=add_generation_prompt),
                                   derivations.steps)
             except _Unsafe:
-                self._unsafe_templates.add(template)
+                self.looked_into += 1
             except Exception:  # whatever the template raised: the full render decides
                 pass
             else:
