@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.block_keys import block_keys, root_key
-from router.token_cache import TokenCache
+from router.token_cache import CHUNK, TokenCache, _links, _shared_bytes
 from router.tokenizer import ENDS_STEP, ModelTokenizer
 
 ROOT = root_key("tiny")
@@ -230,3 +230,78 @@ def test_token_ends_are_summed_in_calls_the_gil_can_change_hands_between(tok: Mo
     assert list(ids) == tok.encode(text, add_special_tokens=False)
     assert len(ends) == len(ids) and ends[-1] == len(text.encode())
     assert all(a < b for a, b in pairwise(ends))
+
+
+@pytest.mark.parametrize("a, b", [
+    (b"", b""), (b"x", b""), (b"abc", b"abd"), (b"x" * CHUNK, b"x" * CHUNK), (b"x" * CHUNK, b"x" * (CHUNK - 1) + b"y"),
+    (b"x" * (3 * CHUNK), b"x" * (3 * CHUNK) + b"tail"), (b"y" + b"x" * (5 * CHUNK), b"z" + b"x" * (5 * CHUNK)),
+    (b"x" * (2 * CHUNK) + b"a" + b"x" * 999, b"x" * (2 * CHUNK) + b"b" + b"x" * 999),
+    (b"x" * (7 * CHUNK - 1) + b"a" + b"x" * CHUNK, b"x" * (7 * CHUNK - 1) + b"b" + b"x" * CHUNK),
+    (b"x" * (7 * CHUNK) + b"a", b"x" * (7 * CHUNK) + b"b"),
+])
+def test_shared_bytes_is_the_common_prefix(a: bytes, b: bytes) -> None:
+    expected = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert _shared_bytes(a, b) == expected
+    assert _shared_bytes(b, a) == expected
+
+
+def test_shared_bytes_at_every_position() -> None:
+    rng = random.Random(5)
+    base = bytes(rng.randrange(256) for _ in range(6 * CHUNK + 17))
+    for at in range(len(base)):
+        other = base[:at] + bytes([base[at] ^ 1]) + base[at + 1:]
+        assert _shared_bytes(base, other) == at
+        assert _shared_bytes(base[:at + 5], other) == at
+
+
+def brute_longest(cache: TokenCache, data: bytes, seed: int) -> int:
+    """The longest common prefix of `data` with any cached prompt of the same seed (0 under one chunk)."""
+    best = 0
+    for entry in cache._entries.values():
+        if entry[1] == seed:
+            best = max(best, _shared_bytes(entry[0], data))
+    return best if best >= CHUNK else 0
+
+
+def test_lookup_hashes_only_new_chunks_and_finds_the_longest_prefix(tok: ModelTokenizer) -> None:
+    """The links copied from the cached prompt over the shared text are the text's own hash chain, and following
+    the links finds the cached prompt that shares the most (a prompt parting early from one, then meeting a
+    longer one)."""
+    cache = TokenCache(1 << 22, block_size=4)
+    seed = tok.cache_seed(False)
+    assert seed is not None
+    head, middle = words(1, 300), words(2, 300)
+    prompts = [head + words(3, 40), head + middle + words(4, 40), head + words(5, 10), head + middle + words(6, 400),
+               words(7, 200), head[:700] + words(8, 100), head + middle + words(6, 400) + words(9, 5)]
+    for text in [*prompts, head + middle + words(10, 3), head[:900], head[:CHUNK + 3], words(7, 150)]:
+        data = text.encode()
+        lookup = cache.lookup(tok, text, False)
+        assert lookup.links == _links(data, seed)
+        assert lookup.shared == brute_longest(cache, data, seed)
+        if lookup.entry is not None:
+            assert _shared_bytes(lookup.entry[0], data) == lookup.shared
+        check(cache, tok, text)
+
+
+def test_a_link_naming_a_prompt_that_does_not_share_its_text_is_passed_over(tok: ModelTokenizer) -> None:
+    """A hash collision (two texts, one link): the text comparison catches it and the lookup keeps what it had
+    verified, or nothing; the ids stay exact."""
+    cache = TokenCache(1 << 22, block_size=4)
+    seed = tok.cache_seed(False)
+    assert seed is not None
+    head = words(1, 300)
+    check(cache, tok, words(2, 300))
+    check(cache, tok, head + words(3, 30))
+    other = next(key for key, entry in cache._entries.items() if entry[0].startswith(words(2, 300).encode()))
+    text = head + words(4, 300)
+    links = _links(text.encode(), seed)
+    shared = cache.lookup(tok, text, False).shared
+    known = shared // CHUNK
+    assert known >= 2
+    cache._links[links[known]] = other  # a later link collides with an unrelated prompt's: the one found stays
+    lookup = cache.lookup(tok, text, False)
+    assert lookup.shared == shared and lookup.links == links
+    cache._links[links[0]] = other  # the first link collides: nothing found, the text is encoded whole
+    lookup = cache.lookup(tok, text, False)
+    assert lookup.entry is None and lookup.shared == 0 and lookup.links == links
+    assert check(cache, tok, text).reused_tokens == 0
