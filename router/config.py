@@ -205,6 +205,10 @@ class GatewayConfig:
         2, "processes that encode prompts of 8,192 characters or more, so that their tokenizing never holds the "
         "event loop's GIL; per gateway process, at most tokenizer_threads; 0 = in the tokenizer threads"
     )
+    tokenizer_processes_nice: int = option(
+        10, "niceness the tokenizer processes add to the gateway's (capped at 19): they take a core from the event "
+        "loop only when it leaves one; 0 = the gateway's priority"
+    )
     trust_request_chat_template: bool = option(
         False, "render a request's own chat_template (Jinja code written by the client) to route it by tokens, in "
         "sandbox processes with a deadline and memory limit; off = route such requests in text mode (vLLM refuses "
@@ -263,6 +267,8 @@ class GatewayConfig:
             raise ConfigError("admin_key must differ from every api_key")
         if self.processes < 1:
             raise ConfigError(f"processes must be at least 1: {self.processes}")
+        if not 0 <= self.tokenizer_processes_nice <= 19:
+            raise ConfigError(f"tokenizer_processes_nice must be 0 to 19: {self.tokenizer_processes_nice}")
         if self.processes > 1 and self.record_trace:
             raise ConfigError("record_trace needs processes = 1: each process would write the same file")
         if self.processes > 1 and self.port == 0:

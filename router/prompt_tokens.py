@@ -190,7 +190,8 @@ class PromptTokens:
         self._own_threads = threads is None
         self._threads = WorkerThreads(config.tokenizer_threads, "kvgate-tokenize") if threads is None else threads
         # a text goes to a tokenizer process from one of the tokenizer threads: more processes than threads idle
-        self._processes = (TokenizerProcesses(min(config.tokenizer_processes, config.tokenizer_threads))
+        self._processes = (TokenizerProcesses(min(config.tokenizer_processes, config.tokenizer_threads),
+                                              nice=config.tokenizer_processes_nice)
                            if config.tokenizer_processes > 0 else None)
         # a client's own chat template runs only in the sandbox, and only when the engines would run it too
         self._sandbox = TemplateSandbox(

@@ -9,6 +9,12 @@ same tokenizer, through the same code (`ModelTokenizer._encode_ids`), so the ids
 have given. The calling thread (one of the gateway's tokenizer threads) only writes the text to a pipe and waits
 for the ids, without the GIL.
 
+The children run at a lower CPU priority than the gateway (`nice`, 10 more by default): on a machine with fewer
+idle cores than runnable tasks, a child encoding a long prompt would otherwise take a core from the event loop for
+its whole time slice, and `/health` and every short request wait meanwhile (issue 18). The loop's latency matters
+more than a long prompt's: the children still get the cores the loop leaves (a niced task is not starved, only
+preempted sooner), and their deadline below bounds what a call waits in any case.
+
 A child that dies is replaced by the next call that finds it dead; a call that has no answer within `timeout_s`
 (waiting for a free child included) kills its child, starts another, and fails with `TokenizerUnavailable`, a 503
 for the client.
@@ -42,6 +48,7 @@ log = logging.getLogger(__name__)
 # Below it a text stays on its thread, which then holds the GIL at most about 0.2 ms for it, and issue 18's
 # 4,000-character prompts pay no hop and no second process's CPU.
 PROCESS_CHARS = 8192
+NICE = 10  # added to the gateway's niceness for its children (capped at 19, the lowest priority)
 TIMEOUT_S = 10.0  # longest a call may wait for a free child and its answer (a child loads each tokenizer once)
 _HEAD = struct.Struct(">cI")  # status, payload length
 _REQUEST = struct.Struct(">IIB")  # directory length, text length (bytes), add_special_tokens
@@ -64,11 +71,15 @@ class _ChildDied(Exception):
 class _Child:
     """One tokenizer process and its pipes (non-blocking, so every wait on it has a deadline)."""
 
-    def __init__(self, directories: list[str]) -> None:
+    def __init__(self, directories: list[str], nice: int) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (_PACKAGE_ROOT, env.get("PYTHONPATH"))))
         self.proc = subprocess.Popen([sys.executable, "-m", "router.tokenizer_processes", *directories],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=env)
+        if nice > 0:  # set from here once it runs (a preexec_fn is unsafe with threads): its imports are niced too
+            with contextlib.suppress(ProcessLookupError):
+                priority = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+                os.setpriority(os.PRIO_PROCESS, self.proc.pid, priority)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in: IO[bytes] = self.proc.stdin
         self._out: IO[bytes] = self.proc.stdout
@@ -139,9 +150,10 @@ class TokenizerProcesses:
 
     min_chars = PROCESS_CHARS
 
-    def __init__(self, processes: int, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(self, processes: int, timeout_s: float = TIMEOUT_S, nice: int = NICE) -> None:
         self.processes = max(1, processes)
         self.timeout_s = timeout_s
+        self.nice = nice  # added to this process's niceness for the children
         self._directories: list[str] = []  # loaded by children when they start
         self._idle: queue.SimpleQueue[_Child] = queue.SimpleQueue()
         self._children: set[_Child] = set()
@@ -166,7 +178,7 @@ class TokenizerProcesses:
             if self._closed:
                 return
             try:
-                child = _Child(self._directories)
+                child = _Child(self._directories, self.nice)
             except OSError as exc:
                 log.error("cannot start a tokenizer process: %s", exc)
                 return

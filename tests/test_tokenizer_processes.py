@@ -136,3 +136,45 @@ def test_a_closed_pool_answers_at_once_and_leaves_no_process(tiny_model_dir: Pat
     with pytest.raises(TokenizerUnavailable, match="stopping"):
         pool.encode(str(tiny_model_dir), text, False)
     assert time.monotonic() - started < 1
+
+
+def niceness(pid: int) -> int:
+    """A process's nice value, as the kernel reports it (field 19 of /proc/PID/stat)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.parametrize("nice", [10, 0, 3])
+def test_children_run_at_a_lower_priority_than_the_gateway(tiny_model_dir: Path, nice: int) -> None:
+    """Issue 18: a child encoding a 32,000-character prompt took a core from the event loop (its run-queue wait
+    2-28 ms while `/health` waited): the children run `nice` below the caller, replacements too."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    if own + nice > 19 and nice:
+        pytest.skip(f"this process runs at nice {own}: its children cannot go {nice} lower")
+    pool = TokenizerProcesses(1, timeout_s=30, nice=nice)
+    text = texts()[1]
+    try:
+        pool.encode(str(tiny_model_dir), text, False)
+        (pid,) = pool.pids()
+        assert niceness(pid) == own + nice
+        os.kill(pid, signal.SIGKILL)
+        assert len(pool.encode(str(tiny_model_dir), text, False)) > 1000
+        (replacement,) = pool.pids()
+        assert replacement != pid and niceness(replacement) == own + nice
+    finally:
+        pool.close()
+
+
+async def test_the_gateways_children_are_niced_by_default(tiny_model_dir: Path, http: aiohttp.ClientSession) -> None:
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    if own > 9:
+        pytest.skip(f"this process runs at nice {own}: its children cannot go 10 lower")
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 2, "prompt": texts()[1]}
+    async with (running_standin() as worker,
+                running_gateway([worker.url], strategy="prefix", model_dir=[str(tiny_model_dir)]) as gw):
+        async with http.post(gw.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+        prompts = gw.gateway.prompts
+        assert prompts is not None and prompts._processes is not None
+        pids = prompts._processes.pids()
+        assert len(pids) == 2
+        assert [niceness(pid) for pid in pids] == [own + 10] * 2
