@@ -366,3 +366,37 @@ def test_forget_worker_removes_the_segments_only_it_was_sent() -> None:
     trie.insert(a, "w1")  # grows below the head again: a segment of its own
     assert trie.match(a) == {"w1": 10, "w2": 6} and trie.segments() == 3
     trie.check()
+
+
+def test_evicting_a_cold_prompt_costs_a_few_lines_per_node() -> None:
+    """Issue 18: at the node budget each cold 32,000-character prompt (one segment of about 600 blocks) evicts as
+    many nodes, on the event loop, while `/health` waits. A segment's nodes share its workers, time and
+    bookkeeping, so removing one costs its three map entries: counted in Python lines run by `_pop_leaf` (no
+    clock; with its bookkeeping per node, 18 lines a node)."""
+    import sys
+    from types import FrameType
+    from typing import Any
+
+    trie = PrefixTrie(max_nodes=8 * 600, ttl_s=600)  # a prompt may take an eighth of the budget
+    for i in range(8):
+        trie.insert(keys(i, 600), f"w{i % 3}")
+    trie.insert(keys(9, 300), "w0")  # the oldest segment cut in two by `most`, its remainder evicted next
+    lines = 0
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal lines
+        if frame.f_code is PrefixTrie._pop_leaf.__code__:
+            if event == "line":
+                lines += 1
+            return tracer
+        return None
+
+    evicted = trie.evictions
+    sys.settrace(tracer)
+    try:
+        trie.insert(keys(10, 600), "w1")
+    finally:
+        sys.settrace(None)
+    assert trie.evictions - evicted == 600 and len(trie) == 4800
+    assert lines < 5 * 600, lines / 600
+    trie.check()
