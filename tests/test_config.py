@@ -57,6 +57,8 @@ def test_worker_specs_from_flags_and_env() -> None:
         ([], {"KVGATE_MAX_ATTEMPTS": "many"}, "KVGATE_MAX_ATTEMPTS"),
         (["--worker", "10.0.0.1:8000"], {}, "http://"),
         (["--worker", "http://a:1;colour=red"], {}, "colour"),
+        (["--tokenizer-processes-nice", "20"], {}, "tokenizer_processes_nice must be 0 to 19: 20"),
+        ([], {"KVGATE_TOKENIZER_PROCESSES_NICE": "-1"}, "tokenizer_processes_nice must be 0 to 19: -1"),
     ],
 )
 def test_bad_values_are_clear_errors(argv: list[str], env: dict[str, str], message: str) -> None:
