@@ -957,19 +957,21 @@ async def test_the_prefill_rate_is_learned_from_a_real_engines_metrics(sim_fleet
 
 
 class Ticker:
-    """An engine's steps stood in for: one every `step_s` (on absolute times), each open stream sending a chunk at
-    each step's end; the times the steps ended are kept."""
+    """An engine's steps stood in for: each `step_s` long (or longer, when this process is not run), each open
+    stream sending a chunk at each step's end; the times the steps ended are kept. Not on absolute times: after a
+    stall of the machine those would catch up with steps of no length at all, which no engine takes and whose
+    chunks the gateway rightly sees as one batch (a loaded CI machine's kept steps went [0.0, 0.0, 0.0, ...])."""
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
         self.ends: list[float] = []
+        self.last_sent = -1  # the latest step (its index in `ends`) at whose end a chunk was sent
         self._tick = asyncio.Event()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        for k in itertools.count(1):
-            await asyncio.sleep(max(0.0, start + k * self.step_s - loop.time()))
+        while True:
+            await asyncio.sleep(self.step_s)
             self.ends.append(loop.time())
             tick, self._tick = self._tick, asyncio.Event()
             tick.set()
@@ -979,6 +981,7 @@ class Ticker:
         await writer.drain()
         for _ in range(tokens):
             await self._tick.wait()
+            self.last_sent = max(self.last_sent, len(self.ends) - 1)
             writer.write(chunked(text_event(" a")))
             await writer.drain()
         writer.write(chunked(event("[DONE]")) + b"0\r\n\r\n")
@@ -1006,15 +1009,19 @@ async def test_the_gateway_learns_a_workers_steps_from_the_chunks_it_relays(http
                     assert resp.status == 200
                     await resp.read()
 
+            opened = len(ticker.ends)
             await asyncio.gather(*(one() for _ in range(3)))
             steps = strategy.steps[url]
-            kept = sorted(b - a for a, b in itertools.pairwise(ticker.ends))
+            # the steps the streams were open for, not those of the gateway's start
+            kept = sorted(b - a for a, b in itertools.pairwise(ticker.ends[opened:]))
             learned = sorted(steps.durations)
             assert len(learned) >= 10
             median, kept_median = learned[len(learned) // 2], kept[len(kept) // 2]
             assert abs(median - kept_median) < 0.2 * kept_median, (learned, kept)
-            # the latest boundary is when a step's chunks reached the gateway: after that step's end, not by much
-            assert min(steps.boundary - end for end in ticker.ends if end <= steps.boundary) < 0.02
+            # the latest boundary is when the latest step's chunks reached the gateway: after that step's end, within
+            # the step (how soon after depends on the machine's load: 25 ms at load 4 on 2 cores)
+            latest = ticker.ends[ticker.last_sent]
+            assert 0 <= steps.boundary - latest < ticker.step_s, (steps.boundary - latest, ticker.step_s)
             registry = gw.gateway.metrics.registry
             assert registry.get_sample_value("kvgate_ttft_step_seconds", {"worker": url}) == steps.mean_s > 0
     finally:
