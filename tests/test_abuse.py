@@ -488,7 +488,9 @@ async def test_sandbox_busy_output_limit_and_replacement() -> None:
     def body(template: str) -> bytes:
         return orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "chat_template": template})
 
-    sandbox = TemplateSandbox(1, 2.0, 512 * 1024 * 1024, max_output_chars=10_000)
+    # the first render's budget includes the wait for the process to start (Python and Jinja imported: over 2 s
+    # beside four busy loops on two cores), as does the replacement's below
+    sandbox = TemplateSandbox(1, 30.0, 512 * 1024 * 1024, max_output_chars=10_000)
     sandbox.start()
     try:
         assert await sandbox.render(state, body("{{ messages[0].content }}!")) == "hi!"
@@ -505,7 +507,7 @@ async def test_sandbox_busy_output_limit_and_replacement() -> None:
         with pytest.raises(RenderFailed) as caught:
             await spinning
         assert caught.value.reason == "timeout"
-        sandbox.timeout_s = 5.0  # the replacement process starts
+        sandbox.timeout_s = 30.0  # the replacement process starts
         assert await sandbox.render(state, body("{{ 2 + 2 }}")) == "4"
     finally:
         await sandbox.close()
