@@ -84,7 +84,8 @@ class AgentConfig:
     shared_admit_reuse: int = option(1, "uses (stores + hits) a block needs before it is written to shared")
     io_threads: int = option(4, "threads doing NVMe and shared-tier I/O")
     copy_threads: int = option(4, "threads that copy large blocks (256 KiB and up) into and out of the DRAM "
-                               "tier, the GIL released: one core's memcpy and page faults are 1-5 GB/s")
+                               "tier, the GIL released: one core's memcpy and page faults are 1-5 GB/s; as "
+                               "many read a long run of NVMe segment records (8 MiB and up) in parts")
     log_level: str = option("info", "log level: debug, info, warning, error")
 
     def shared_key(self) -> bytes | None:

@@ -87,7 +87,8 @@ def build_nvme_tier(config: AgentConfig) -> Tier | None:
     if config.nvme_layout == "segments":
         return SegmentNvmeTier(config.nvme_dir, config.nvme_capacity, config.nvme_high_watermark,
                                config.nvme_low_watermark, fsync=config.nvme_fsync, min_free=config.nvme_min_free,
-                               segment_bytes=config.nvme_segment_bytes)
+                               segment_bytes=config.nvme_segment_bytes,
+                               copier=ParallelCopier(config.copy_threads, "kvgate-agent-nvme-read"))
     return NvmeTier(config.nvme_dir, config.nvme_capacity, config.nvme_high_watermark, config.nvme_low_watermark,
                     fsync=config.nvme_fsync, min_free=config.nvme_min_free)
 

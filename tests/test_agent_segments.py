@@ -7,15 +7,22 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+import pytest
 
 from agent.block import HEADER_SIZE
-from agent.tiers.segments import SegmentNvmeTier
+from agent.tiers.base import StoreItem
+from agent.tiers.copies import ParallelCopier
+from agent.tiers.segments import SegmentNvmeTier, _Segment
 from tests.conftest import ROOT
 
 LAYOUT = 0x5E6
 SIZE = 1000
 RECORD = HEADER_SIZE + 8 + 8 + SIZE  # header, int key, meta digest, payload
+T = TypeVar("T")
 
 
 def payload(i: int, size: int = SIZE) -> bytes:
@@ -196,3 +203,147 @@ def test_a_torn_record_between_whole_ones_is_not_indexed_after_restart(tmp_path:
     again = SegmentNvmeTier(tmp_path, capacity=1 << 20, fsync=False)
     assert again.usage().blocks == 2 and not again.contains((LAYOUT, 1))
     assert read(again, 0) == payload(0) and read(again, 2) == payload(2)
+
+
+# -- long runs read in parts on several threads ------------------------------------------------------------------
+
+BIG = 150_000  # a few records per preadv (1 MiB), several preadvs per segment and per part
+
+
+class CountingCopier(ParallelCopier):
+    """The tier's real thread shares, counted: a test of the parallel path must see it taken."""
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads, "test-nvme-read")
+        self.shares: list[int] = []
+
+    def run(self, shares: Sequence[Callable[[], T]]) -> list[T]:
+        self.shares.append(len(shares))
+        return super().run(shares)
+
+
+def big_payload(i: int) -> bytes:
+    size = BIG + 997 * i  # every block its own length: a result or a verdict given to the wrong block shows
+    return (i.to_bytes(4, "big") * (size // 4 + 1))[:size]
+
+
+def parallel_tier(root: Path, n: int) -> tuple[SegmentNvmeTier, CountingCopier]:
+    copier = CountingCopier(4)
+    tier = SegmentNvmeTier(root, capacity=1 << 30, fsync=False, segment_bytes=2_500_000, copier=copier,
+                           read_part_bytes=1 << 20)
+    assert tier.store_many([StoreItem((LAYOUT, i), big_payload(i)) for i in range(n)]) == n
+    return tier, copier
+
+
+def read_run(tier: SegmentNvmeTier, keys: list[int]) -> tuple[list[int | None], list[bytes | None]]:
+    outs = [memoryview(bytearray(BIG + 997 * i + 10)) for i in keys]
+    got = tier.read_many([(LAYOUT, i) for i in keys], outs)
+    return got, [None if n is None else bytes(out[:n]) for n, out in zip(got, outs, strict=True)]
+
+
+def all_readers(tier: SegmentNvmeTier, segments: list[_Segment]) -> list[tuple[int, int, bool]]:
+    """(id, readers, fd open) of every segment ever seen: none may still count a reader."""
+    return [(s.seg_id, s.readers, s.read_fd is not None) for s in segments]
+
+
+def test_a_long_run_read_in_parts_is_what_a_single_thread_reads(tmp_path: Path) -> None:
+    tier, copier = parallel_tier(tmp_path, 60)
+    assert len(segment_files(tmp_path)) >= 4
+    keys = list(range(60))
+    got, data = read_run(tier, keys)
+    assert copier.shares == [4]  # the run went to 4 threads
+    assert got == [len(big_payload(i)) for i in keys] and data == [big_payload(i) for i in keys]
+    sequential = SegmentNvmeTier(tmp_path, capacity=1 << 30, fsync=False)  # the same records, one thread
+    assert read_run(sequential, keys) == (got, data)
+    # a run with holes (misses, a block asked twice, one too big for its buffer) and out of order
+    asked = [5, 1000, 6, 7, 7, 59, 30, 31, 1001, 2, 3, 4]
+    got, data = read_run(tier, asked)
+    assert got == [None if i >= 1000 else len(big_payload(i)) for i in asked]
+    assert data == [None if i >= 1000 else big_payload(i) for i in asked]
+    assert tier.stats.hits == 60 + 10 and tier.stats.misses == 2
+    too_small = [memoryview(bytearray(BIG)) for _ in range(3)]
+    assert tier.read_many([(LAYOUT, 0), (LAYOUT, 1), (LAYOUT, 2)], too_small) == [BIG, None, None]
+    assert tier.stats.misses == 4 and tier.contains((LAYOUT, 1))  # too small a buffer: a miss, not a bad block
+    assert all_readers(tier, list(tier._segments.values())) == [(s, 0, True) for s in tier._segments]
+    tier.close()
+
+
+def test_a_corrupt_record_in_a_middle_part_is_dropped_alone(tmp_path: Path) -> None:
+    tier, copier = parallel_tier(tmp_path, 60)
+    bad = 31  # in the third of four parts
+    loc = tier._index[(LAYOUT, bad)]
+    seg = tmp_path / "segments" / f"{loc.seg_id:016x}.seg"
+    data = bytearray(seg.read_bytes())
+    data[loc.offset + loc.payload_offset + 1234] ^= 0x40
+    seg.write_bytes(data)
+    keys = list(range(60))
+    got, read_back = read_run(tier, keys)
+    assert copier.shares == [4]
+    assert got == [None if i == bad else len(big_payload(i)) for i in keys]
+    assert read_back == [None if i == bad else big_payload(i) for i in keys]
+    assert (tier.stats.hits, tier.stats.misses, tier.stats.checksum_failures, tier.stats.read_errors) == (59, 1, 1, 0)
+    assert not tier.contains((LAYOUT, bad)) and tier.usage().blocks == 59
+    got, _ = read_run(tier, keys)  # now a plain miss
+    assert got[bad] is None and (tier.stats.hits, tier.stats.misses, tier.stats.checksum_failures) == (118, 2, 1)
+    tier.close()
+
+
+def test_a_failing_part_lets_go_of_every_reader(tmp_path: Path) -> None:
+    tier, copier = parallel_tier(tmp_path, 60)
+    outs = [memoryview(bytearray(BIG + 997 * i)) for i in range(60)]
+    outs[40] = memoryview(bytes(len(outs[40])))  # not writable: that part's preadv raises
+    with pytest.raises(BufferError):
+        tier.read_many([(LAYOUT, i) for i in range(60)], outs)
+    assert copier.shares == [4]
+    assert all(s.readers == 0 for s in tier._segments.values())
+    segments = list(tier._segments.values())
+    with tier._lock:
+        for segment in segments:
+            tier._drop_segment_locked(segment, unlink=True)  # no reader left: its fd is closed at once
+    assert all_readers(tier, segments) == [(s.seg_id, 0, False) for s in segments]
+
+
+def test_segments_dropped_during_parallel_reads_never_serve_wrong_bytes(tmp_path: Path) -> None:
+    fds_before = len(os.listdir("/proc/self/fd"))
+    copier = CountingCopier(4)
+    tier = SegmentNvmeTier(tmp_path, capacity=12_000_000, fsync=False, segment_bytes=1_500_000, copier=copier,
+                           read_part_bytes=1 << 20)
+    seen: list[_Segment] = []
+    wrong: list[int] = []
+    served = [0]
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            keys = sorted(int(k[1]) for k in tier.block_keys())[:50]
+            got, data = read_run(tier, keys)
+            for i, n, payload_read in zip(keys, got, data, strict=True):
+                if n is not None:
+                    served[0] += 1
+                    if payload_read != big_payload(i):
+                        wrong.append(i)
+
+    readers = [threading.Thread(target=reader) for _ in range(3)]
+    assert tier.store_many([StoreItem((LAYOUT, i), big_payload(i)) for i in range(40)]) == 40
+    for t in readers:
+        t.start()
+    try:
+        for i in range(40, 160, 5):  # the oldest segments go while they are read
+            seen.extend(s for s in tier._segments.values() if s not in seen)
+            tier.store_many([StoreItem((LAYOUT, j), big_payload(j)) for j in range(i, i + 5)])
+            if i % 20 == 0:
+                tier.evict_to_low_watermark()
+            if i % 30 == 0:  # and one deleted behind the tier's back
+                segment_files(tmp_path)[0].unlink()
+                tier.verify_segments()
+    finally:
+        stop.set()
+        for t in readers:
+            t.join(60)
+    assert wrong == [] and served[0] > 0 and max(copier.shares) > 1
+    seen.extend(s for s in tier._segments.values() if s not in seen)
+    assert all(s.readers == 0 for s in seen)
+    assert all(s.read_fd is None for s in seen if s.dropped)
+    assert tier.stats.hits + tier.stats.misses > 0 and tier.stats.checksum_failures == 0
+    tier.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # no fd of a dropped segment left open

@@ -11,17 +11,23 @@ Only buffers of at least `LARGE_BYTES` go through the threads (a smaller copy co
 smaller ones, and sources that cannot be addressed writable (`bytes`), are copied by slice assignment, as before.
 The caller's buffers are exported (`ctypes` `from_buffer`) for the duration of the copy: a bytearray cannot be
 resized nor a mapping closed under it.
+
+The same threads run other GIL-free work split in shares (`run`): the NVMe segment tier's reads of a long run of
+blocks (`preadv` and the xxh3 check, both GIL-free on large buffers; agent/tiers/segments.py).
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
+from typing import TypeVar
 
 from kvcore.aio import started_executor
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 LARGE_BYTES = 256 * 2**10  # a buffer at least this big is copied by the threads
 PIECE_BYTES = 512 * 2**10  # ... in pieces of at least this many bytes per thread
@@ -90,14 +96,23 @@ class ParallelCopier:
                 k = min(n, room)
                 plan[-1].append((dst, src, k))
                 dst, src, n, room = dst + k, src + k, n - k, room - k
-        assert self._pool is not None
-        futures: list[Future[None]] = [self._pool.submit(_run, share) for share in plan[1:]]
+        self.run([partial(_run, share) for share in plan])
+
+    def run(self, shares: Sequence[Callable[[], T]]) -> list[T]:
+        """Each share's result, in order: the first run on the caller's thread, the others on the threads (all on
+        the caller's without any). Returns once every share is done, an exception or not (the caller's buffers
+        may be let go then); the first exception, if any, is raised then."""
+        pool = self._pool
+        if pool is None or len(shares) <= 1:
+            return [share() for share in shares]
+        futures: list[Future[T]] = []
         try:
-            _run(plan[0])
+            for share in shares[1:]:
+                futures.append(pool.submit(share))
+            first = shares[0]()
         finally:
-            wait(futures)  # every piece done before the buffers may be let go
-        for future in futures:
-            future.result()
+            wait(futures)
+        return [first] + [future.result() for future in futures]
 
     def close(self) -> None:
         if self._pool is not None:

@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import xxhash
@@ -43,6 +44,7 @@ from agent.tiers.base import (
     TierUsage,
 )
 from agent.tiers.buffers import unfilled
+from agent.tiers.copies import ParallelCopier
 from agent.tiers.nvme import DIR_MODE, FILE_MODE
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,8 @@ _MAX_GROUP = 200  # records per write: 4 iovecs each, under IOV_MAX (1024)
 _VERIFY_NEWEST = 2  # segments whose payloads are checked on restart
 # bytes read by one preadv: small enough that the checksum pass that follows still finds them in the CPU cache
 _READ_GROUP_BYTES = 1 << 20
+# bytes read by one thread at least when a long run is read on several: about 1 ms of preadv and checksum
+_READ_PART_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -120,12 +124,58 @@ class _Location:
     length: int  # payload bytes
 
 
+@dataclass(slots=True)
+class _Read:
+    """One preadv: records lying back to back in one segment, for keys[first:first + len(locs)]; a reader of the
+    segment is held for it (its fd stays open)."""
+
+    segment: _Segment
+    first: int
+    locs: list[_Location]
+    size: int  # payload bytes
+
+
+def _parts(reads: list[_Read], threads: int, part_bytes: int) -> list[list[_Read]]:
+    """The reads cut, in order, into at most `threads` parts of about equal bytes, each at least `part_bytes`
+    (a smaller part costs more to hand over than it saves); a read is never cut."""
+    total = sum(read.size for read in reads)
+    shares = min(threads, max(1, total // max(1, part_bytes)))
+    if shares == 1:
+        return [reads]
+    per_share = -(-total // shares)
+    parts: list[list[_Read]] = [[]]
+    filled = 0
+    for read in reads:
+        if parts[-1] and filled >= per_share * len(parts):
+            parts.append([])
+        parts[-1].append(read)
+        filled += read.size
+    return parts
+
+
+def _check(key: BlockKey, loc: _Location, meta: bytearray, payload: memoryview, whole: bool) -> BlockError | None:
+    """What is wrong with a record read back: torn, not this key's record, a payload that fails its checksum;
+    None if nothing."""
+    if not whole:
+        return BlockError("torn or unreadable record")
+    _magic, _version, _flags, layout_id, length, digest = HEADER.unpack_from(meta)
+    # (the meta digest was checked when the record was indexed; what matters now is that this is the record of
+    # this key, whole, with a payload that matches its checksum)
+    if (layout_id != key[0] or length != loc.length
+            or memoryview(meta)[HEADER_SIZE: loc.payload_offset - 8] != _key_bytes(key)[0]):
+        return BlockError("record header does not match the index")
+    if checksum(payload) != digest:
+        return ChecksumError("payload checksum mismatch")
+    return None
+
+
 class SegmentNvmeTier:
     name = TierName.NVME
 
     def __init__(self, directory: str | Path, capacity: int, high_watermark: float = 0.95,
                  low_watermark: float = 0.85, fsync: bool = True, min_free: int = 0,
-                 segment_bytes: int = 64 * 2**20) -> None:
+                 segment_bytes: int = 64 * 2**20, copier: ParallelCopier | None = None,
+                 read_part_bytes: int = _READ_PART_BYTES) -> None:
         self.root = Path(directory)
         self.seg_dir = self.root / "segments"
         self.capacity = capacity
@@ -144,6 +194,9 @@ class SegmentNvmeTier:
         self._pending: set[BlockKey] = set()
         self._used = 0
         self._lock = threading.Lock()
+        # long runs of reads are split over its threads (agent/tiers/copies.py); None: read on the caller's
+        self._copier = copier
+        self.read_part_bytes = read_part_bytes
         self.seg_dir.mkdir(DIR_MODE, parents=True, exist_ok=True)
         self._rebuild()
         self._next_id = max(self._segments, default=0) + 1
@@ -343,77 +396,105 @@ class SegmentNvmeTier:
 
     def read_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview], touch: bool = True) -> list[int | None]:
         """Read blocks into `outs`; records lying back to back in one segment (a chain stored together) are
-        read with one preadv. Each entry: the payload length, or None (miss, or a block that failed checks)."""
-        results: list[int | None] = []
-        i = 0
-        while i < len(keys):
+        read with one preadv. Each entry: the payload length, or None (miss, or a block that failed checks).
+        A long run is read in parts of at least `read_part_bytes` on the copier's threads (preadv and the
+        checksum release the GIL), each part read and verified where it is read; what the checks failed is
+        forgotten here, on the caller's thread, once every part is done."""
+        results: list[int | None] = [None] * len(keys)
+        with self._lock:
+            reads, missed = self._plan_locked(keys, outs)
+        try:
+            parts = _parts(reads, self._copier.threads if self._copier is not None else 1, self.read_part_bytes)
+            if self._copier is not None and len(parts) > 1:
+                verdicts = self._copier.run([partial(self._read_part, part, keys, outs) for part in parts])
+            else:
+                verdicts = [self._read_part(part, keys, outs) for part in parts]
+        finally:
+            with self._lock:  # every reader let go, an exception or not
+                for read in reads:
+                    self._release_reader_locked(read.segment)
+        hits: list[tuple[_Segment, BlockKey]] = []
+        for read, errors in zip((r for part in parts for r in part), (e for part in verdicts for e in part),
+                                strict=True):
+            for k, (loc, error) in enumerate(zip(read.locs, errors, strict=True)):
+                key = keys[read.first + k]
+                if error is None:
+                    results[read.first + k] = loc.length
+                    hits.append((read.segment, key))
+                    continue
+                corrupt = isinstance(error, ChecksumError)
+                log.warning("nvme segments: %s: %s", "corrupt block" if corrupt else "unreadable block", error)
+                self.stats.add("checksum_failures" if corrupt else "read_errors")
+                missed += 1
+                self._forget(key, at=loc)
+        if touch and hits:
             with self._lock:
+                for segment, key in hits:
+                    segment.hot.add(key)
+        if missed:
+            self.stats.add("misses", missed)
+        if hits:
+            self.stats.add("hits", len(hits))
+        return results
+
+    def _plan_locked(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> tuple[list[_Read], int]:
+        """The preadvs that read `keys` (each with a reader of its segment held), and how many keys are misses
+        (not held, a payload bigger than its buffer, a segment gone)."""
+        reads: list[_Read] = []
+        missed = 0
+        i = 0
+        try:
+            while i < len(keys):
                 first = self._index.get(keys[i])
-                run: list[_Location] = []
-                if first is not None and first.length <= len(outs[i]):
-                    run.append(first)
-                    run_bytes = first.length
-                    while i + len(run) < len(keys) and len(run) < _MAX_GROUP:
-                        prev, loc = run[-1], self._index.get(keys[i + len(run)])
-                        if (loc is None or loc.seg_id != first.seg_id or loc.length > len(outs[i + len(run)])
-                                or loc.offset != prev.offset + prev.payload_offset + prev.length
-                                or run_bytes + loc.length > _READ_GROUP_BYTES):
-                            break
-                        run.append(loc)
-                        run_bytes += loc.length
-                segment = self._reader_locked(run[0].seg_id) if run else None
-            if segment is None:
-                self.stats.add("misses")
-                results.append(None)
-                i += 1
-                continue
-            assert first is not None and segment.read_fd is not None
-            metas = [bytearray(loc.payload_offset) for loc in run]
-            views = [outs[i + k][: loc.length] for k, loc in enumerate(run)]
+                if first is None or first.length > len(outs[i]):
+                    missed += 1
+                    i += 1
+                    continue
+                run = [first]
+                run_bytes = first.length
+                while i + len(run) < len(keys) and len(run) < _MAX_GROUP:
+                    prev, loc = run[-1], self._index.get(keys[i + len(run)])
+                    if (loc is None or loc.seg_id != first.seg_id or loc.length > len(outs[i + len(run)])
+                            or loc.offset != prev.offset + prev.payload_offset + prev.length
+                            or run_bytes + loc.length > _READ_GROUP_BYTES):
+                        break
+                    run.append(loc)
+                    run_bytes += loc.length
+                segment = self._reader_locked(first.seg_id)
+                if segment is None:
+                    missed += 1
+                    i += 1
+                    continue
+                reads.append(_Read(segment, i, run, run_bytes))
+                i += len(run)
+        except BaseException:
+            for read in reads:
+                self._release_reader_locked(read.segment)
+            raise
+        return reads, missed
+
+    def _read_part(self, reads: list[_Read], keys: Sequence[BlockKey],
+                   outs: Sequence[memoryview]) -> list[list[BlockError | None]]:
+        """Read and check a part's records (on any thread: no lock, no tier state changed); per read, per record,
+        what is wrong with it (None: whole, and its payload matches its checksum)."""
+        verdicts: list[list[BlockError | None]] = []
+        for read in reads:
+            fd = read.segment.read_fd
+            assert fd is not None  # open while it has readers
+            metas = [bytearray(loc.payload_offset) for loc in read.locs]
+            views = [outs[read.first + k][: loc.length] for k, loc in enumerate(read.locs)]
             try:
-                got = os.preadv(segment.read_fd, [b for pair in zip(metas, views, strict=True) for b in pair],
-                                first.offset)
+                got = os.preadv(fd, [b for pair in zip(metas, views, strict=True) for b in pair], read.locs[0].offset)
             except OSError as exc:
                 got = -1
                 log.warning("nvme segments: read failed: %s", exc)
-            finally:
-                self._release_reader(segment)
             position = 0
-            hits: list[BlockKey] = []
-            for k, loc in enumerate(run):
+            errors: list[BlockError | None] = []
+            for k, loc in enumerate(read.locs):
                 position += loc.payload_offset + loc.length
-                length = self._checked(keys[i + k], loc, metas[k], views[k], whole=got >= position)
-                if length is not None:
-                    hits.append(keys[i + k])
-                results.append(length)
-            if touch and hits:
-                with self._lock:
-                    segment.hot.update(hits)
-            self.stats.add("hits", len(hits))
-            i += len(run)
-        return results
-
-    def _checked(self, key: BlockKey, loc: _Location, meta: bytearray, payload: memoryview,
-                 whole: bool) -> int | None:
-        try:
-            if not whole:
-                raise BlockError("torn or unreadable record")
-            _magic, _version, _flags, layout_id, length, digest = HEADER.unpack_from(meta)
-            # (the meta digest was checked when the record was indexed; what matters now is that this is
-            # the record of this key, whole, with a payload that matches its checksum)
-            if (layout_id != key[0] or length != loc.length
-                    or memoryview(meta)[HEADER_SIZE: loc.payload_offset - 8] != _key_bytes(key)[0]):
-                raise BlockError("record header does not match the index")
-            if checksum(payload) != digest:
-                raise ChecksumError("payload checksum mismatch")
-        except BlockError as exc:
-            corrupt = isinstance(exc, ChecksumError)
-            log.warning("nvme segments: %s: %s", "corrupt block" if corrupt else "unreadable block", exc)
-            self.stats.add("checksum_failures" if corrupt else "read_errors")
-            self.stats.add("misses")
-            self._forget(key)
-            return None
-        return loc.length
+                errors.append(_check(keys[read.first + k], loc, metas[k], views[k], whole=got >= position))
+            verdicts.append(errors)
+        return verdicts
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._index
@@ -503,6 +584,8 @@ class SegmentNvmeTier:
                 if segment.read_fd is not None and not segment.readers:
                     os.close(segment.read_fd)
                     segment.read_fd = None
+        if self._copier is not None:
+            self._copier.close()
 
     # -- internals -------------------------------------------------------------------------------------------
 
@@ -552,12 +635,11 @@ class SegmentNvmeTier:
         segment.readers += 1
         return segment
 
-    def _release_reader(self, segment: _Segment) -> None:
-        with self._lock:
-            segment.readers -= 1
-            if segment.dropped and segment.readers == 0 and segment.read_fd is not None:
-                os.close(segment.read_fd)
-                segment.read_fd = None
+    def _release_reader_locked(self, segment: _Segment) -> None:
+        segment.readers -= 1
+        if segment.dropped and segment.readers == 0 and segment.read_fd is not None:
+            os.close(segment.read_fd)
+            segment.read_fd = None
 
     def _evict_locked(self, target: int) -> None:
         while self._used > target and self._evict_oldest_locked():
@@ -593,11 +675,13 @@ class SegmentNvmeTier:
         self._report(removed)
         return len(removed)
 
-    def _forget(self, key: BlockKey) -> bool:
+    def _forget(self, key: BlockKey, at: _Location | None = None) -> bool:
+        """Forget a block (`at`: only if the index still has it there, not at a place written since)."""
         with self._lock:
-            loc = self._index.pop(key, None)
-            if loc is None:
+            loc = self._index.get(key)
+            if loc is None or (at is not None and loc is not at):
                 return False
+            del self._index[key]
             segment = self._segments.get(loc.seg_id)
             if segment is not None:
                 segment.keys.discard(key)
