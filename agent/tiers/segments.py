@@ -13,6 +13,8 @@ Crash safety: an index entry exists only after its record is completely written;
 scanned record by record (headers only) and the scan of a segment stops at the first record that does not
 check out (a torn tail after a crash), so what is indexed is whole; payloads are verified on every read.
 Usage is the sum of segment file sizes (what the disk holds, dead records included), right after a restart too.
+A long run of blocks (8 MiB and up) is read and checked in parts on the agent's copy threads (`preadv` and xxh3
+release the GIL): one thread's `preadv` and checksum held loads to 3-4 GB/s on an H200 host.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import os
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import xxhash
 
@@ -49,6 +52,7 @@ from agent.tiers.nvme import DIR_MODE, FILE_MODE
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -135,22 +139,27 @@ class _Read:
     size: int  # payload bytes
 
 
-def _parts(reads: list[_Read], threads: int, part_bytes: int) -> list[list[_Read]]:
-    """The reads cut, in order, into at most `threads` parts of about equal bytes, each at least `part_bytes`
-    (a smaller part costs more to hand over than it saves); a read is never cut."""
-    total = sum(read.size for read in reads)
+def _parts(sizes: Sequence[int], threads: int, part_bytes: int) -> list[range]:
+    """Consecutive items of these byte sizes cut, in order, into at most `threads` parts of about equal bytes,
+    each at least `part_bytes` (a smaller part costs more to hand over than it saves); an item is never cut."""
+    total = sum(sizes)
     shares = min(threads, max(1, total // max(1, part_bytes)))
     if shares == 1:
-        return [reads]
+        return [range(len(sizes))]
     per_share = -(-total // shares)
-    parts: list[list[_Read]] = [[]]
-    filled = 0
-    for read in reads:
-        if parts[-1] and filled >= per_share * len(parts):
-            parts.append([])
-        parts[-1].append(read)
-        filled += read.size
+    parts: list[range] = []
+    start = filled = 0
+    for i, size in enumerate(sizes):
+        if i > start and filled >= per_share * (len(parts) + 1):
+            parts.append(range(start, i))
+            start = i
+        filled += size
+    parts.append(range(start, len(sizes)))
     return parts
+
+
+def _checksums(payloads: list[Buffer]) -> list[int]:
+    return [checksum(payload) for payload in payloads]
 
 
 def _check(key: BlockKey, loc: _Location, meta: bytearray, payload: memoryview, whole: bool) -> BlockError | None:
@@ -299,11 +308,19 @@ class SegmentNvmeTier:
         return self.store_many([StoreItem(key, payload, digest)]) == 1
 
     def store_many(self, items: Sequence[StoreItem]) -> int:
-        """Append blocks with one write per group that fits a segment; how many are held afterwards."""
+        """Append blocks with one write per group that fits a segment; how many are held afterwards. The checksums
+        not given are computed first, a long run's in parts on the copier's threads (xxh3 releases the GIL)."""
         held = 0
         group: list[_Record] = []
         group_bytes = 0
-        for key, payload, digest, _parent in items:
+        missing = [i for i, item in enumerate(items) if item.digest is None]
+        digests = [item.digest for item in items]
+        if missing:
+            sums = self._run([partial(_checksums, [items[i].payload for i in missing[part.start: part.stop]])
+                              for part in self._parts([len(items[i].payload) for i in missing])])
+            for i, computed in zip(missing, (d for part in sums for d in part), strict=True):
+                digests[i] = computed
+        for (key, payload, _given, _parent), digest in zip(items, digests, strict=True):
             if HEADER_SIZE + 16 + len(payload) > self.capacity:
                 self.stats.add("refused")
                 continue
@@ -404,11 +421,8 @@ class SegmentNvmeTier:
         with self._lock:
             reads, missed = self._plan_locked(keys, outs)
         try:
-            parts = _parts(reads, self._copier.threads if self._copier is not None else 1, self.read_part_bytes)
-            if self._copier is not None and len(parts) > 1:
-                verdicts = self._copier.run([partial(self._read_part, part, keys, outs) for part in parts])
-            else:
-                verdicts = [self._read_part(part, keys, outs) for part in parts]
+            parts = [reads[part.start: part.stop] for part in self._parts([read.size for read in reads])]
+            verdicts = self._run([partial(self._read_part, part, keys, outs) for part in parts])
         finally:
             with self._lock:  # every reader let go, an exception or not
                 for read in reads:
@@ -436,6 +450,15 @@ class SegmentNvmeTier:
         if hits:
             self.stats.add("hits", len(hits))
         return results
+
+    def _parts(self, sizes: Sequence[int]) -> list[range]:
+        return _parts(sizes, self._copier.threads if self._copier is not None else 1, self.read_part_bytes)
+
+    def _run(self, shares: Sequence[Callable[[], T]]) -> list[T]:
+        """The shares' results: on the copier's threads, or all on this one."""
+        if self._copier is not None and len(shares) > 1:
+            return self._copier.run(shares)
+        return [share() for share in shares]
 
     def _plan_locked(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> tuple[list[_Read], int]:
         """The preadvs that read `keys` (each with a reader of its segment held), and how many keys are misses
