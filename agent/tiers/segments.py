@@ -158,10 +158,6 @@ def _parts(sizes: Sequence[int], threads: int, part_bytes: int) -> list[range]:
     return parts
 
 
-def _checksums(payloads: list[Buffer]) -> list[int]:
-    return [checksum(payload) for payload in payloads]
-
-
 def _check(key: BlockKey, loc: _Location, meta: bytearray, payload: memoryview, whole: bool) -> BlockError | None:
     """What is wrong with a record read back: torn, not this key's record, a payload that fails its checksum;
     None if nothing."""
@@ -308,19 +304,11 @@ class SegmentNvmeTier:
         return self.store_many([StoreItem(key, payload, digest)]) == 1
 
     def store_many(self, items: Sequence[StoreItem]) -> int:
-        """Append blocks with one write per group that fits a segment; how many are held afterwards. The checksums
-        not given are computed first, a long run's in parts on the copier's threads (xxh3 releases the GIL)."""
+        """Append blocks with one write per group that fits a segment; how many are held afterwards."""
         held = 0
         group: list[_Record] = []
         group_bytes = 0
-        missing = [i for i, item in enumerate(items) if item.digest is None]
-        digests = [item.digest for item in items]
-        if missing:
-            sums = self._run([partial(_checksums, [items[i].payload for i in missing[part.start: part.stop]])
-                              for part in self._parts([len(items[i].payload) for i in missing])])
-            for i, computed in zip(missing, (d for part in sums for d in part), strict=True):
-                digests[i] = computed
-        for (key, payload, _given, _parent), digest in zip(items, digests, strict=True):
+        for key, payload, digest, _parent in items:
             if HEADER_SIZE + 16 + len(payload) > self.capacity:
                 self.stats.add("refused")
                 continue
