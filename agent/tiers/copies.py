@@ -19,10 +19,12 @@ blocks (`preadv` and the xxh3 check, both GIL-free on large buffers; agent/tiers
 from __future__ import annotations
 
 import ctypes
+import itertools
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from kvcore.aio import started_executor
 
@@ -99,20 +101,45 @@ class ParallelCopier:
         self.run([partial(_run, share) for share in plan])
 
     def run(self, shares: Sequence[Callable[[], T]]) -> list[T]:
-        """Each share's result, in order: the first run on the caller's thread, the others on the threads (all on
-        the caller's without any). Returns once every share is done, an exception or not (the caller's buffers
-        may be let go then); the first exception, if any, is raised then."""
+        """Each share's result, in order. The caller's thread and up to `threads - 1` of the pool's take the shares
+        one at a time until none is left, so a pool thread the OS does not run soon (a loaded machine) never
+        holds the caller up: its share is taken by whoever is free -- on 2 busy cores, waiting for a thread's turn
+        made a 16-block NVMe load 0.56x the single thread's. Returns once every share taken is done, an exception
+        or not (the caller's buffers may be let go then; a pool thread that starts later finds nothing to do);
+        the first share's exception, in order, is raised then."""
         pool = self._pool
         if pool is None or len(shares) <= 1:
             return [share() for share in shares]
-        futures: list[Future[T]] = []
-        try:
-            for share in shares[1:]:
-                futures.append(pool.submit(share))
-            first = shares[0]()
-        finally:
-            wait(futures)
-        return [first] + [future.result() for future in futures]
+        n = len(shares)
+        claim = itertools.count()  # next() on it is atomic (one C call under the GIL)
+        results: list[T | None] = [None] * n
+        errors: list[BaseException | None] = [None] * n
+        left = [n]
+        lock = threading.Lock()
+        done = threading.Event()
+
+        def work() -> None:
+            while (i := next(claim)) < n:
+                try:
+                    results[i] = shares[i]()
+                except BaseException as exc:  # raised on the caller's thread below
+                    errors[i] = exc
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+        for _ in range(min(n, self.threads) - 1):
+            try:
+                pool.submit(work)
+            except RuntimeError:  # shut down meanwhile (the agent stopping): the caller does the rest
+                break
+        work()
+        done.wait()
+        for error in errors:
+            if error is not None:
+                raise error
+        return cast(list[T], results)
 
     def close(self) -> None:
         if self._pool is not None:
