@@ -209,8 +209,17 @@ async def test_an_agent_whose_connection_drops_holds_nothing_until_it_is_back() 
         # the same publisher back (a network blip): what it said is taken again from its replay buffer
         await eventually(lambda: dram() == set(KEYS[:2]), timeout=10)
         assert hub.trusted(WORKER)
-        await publisher.send([stored([3], TOKENS[8:12], parent=2, medium="CPU")])
-        await eventually(lambda: dram() == set(KEYS[:3]), timeout=10)
+        # and what it says next is taken live. As above, PUB drops what it sends before the reconnected SUB's
+        # subscription has reached it, which the replay may beat (beside four busy loops a lone batch was lost once
+        # in 70 tests' run): a lost batch shows only as the gap before the next, which the replay then repairs
+        for _attempt in range(100):
+            await publisher.send([stored([3], TOKENS[8:12], parent=2, medium="CPU")])
+            with contextlib.suppress(AssertionError):
+                await eventually(lambda: dram() == set(KEYS[:3]), timeout=0.3)
+                break
+        else:
+            raise AssertionError("the agent's next batch never reached the gateway")
+        assert hub.trusted(WORKER)
         del publisher.buffer[0]  # now its buffer no longer reaches back to its first batch
         proxy.cut()
         await eventually(lambda: not dram(), timeout=2)
