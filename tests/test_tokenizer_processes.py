@@ -152,26 +152,23 @@ def test_children_run_at_a_lower_priority_than_the_gateway(tiny_model_dir: Path,
     """Issue 18: a child encoding a 32,000-character prompt took a core from the event loop (its run-queue wait
     2-28 ms while `/health` waited): the children run `nice` below the caller, replacements too."""
     own = os.getpriority(os.PRIO_PROCESS, 0)
-    if own + nice > 19 and nice:
-        pytest.skip(f"this process runs at nice {own}: its children cannot go {nice} lower")
+    want = min(19, own + nice)  # the kernel's ceiling: run at nice 0 (as CI) the check is full
     pool = TokenizerProcesses(1, timeout_s=30, nice=nice)
     text = texts()[1]
     try:
         pool.encode(str(tiny_model_dir), text, False)
         (pid,) = pool.pids()
-        assert niceness(pid) == own + nice
+        assert niceness(pid) == want
         os.kill(pid, signal.SIGKILL)
         assert len(pool.encode(str(tiny_model_dir), text, False)) > 1000
         (replacement,) = pool.pids()
-        assert replacement != pid and niceness(replacement) == own + nice
+        assert replacement != pid and niceness(replacement) == want
     finally:
         pool.close()
 
 
 async def test_the_gateways_children_are_niced_by_default(tiny_model_dir: Path, http: aiohttp.ClientSession) -> None:
     own = os.getpriority(os.PRIO_PROCESS, 0)
-    if own > 9:
-        pytest.skip(f"this process runs at nice {own}: its children cannot go 10 lower")
     body: dict[str, Any] = {"model": "tiny", "max_tokens": 2, "prompt": texts()[1]}
     async with (running_standin() as worker,
                 running_gateway([worker.url], strategy="prefix", model_dir=[str(tiny_model_dir)]) as gw):
@@ -181,4 +178,4 @@ async def test_the_gateways_children_are_niced_by_default(tiny_model_dir: Path, 
         assert prompts is not None and prompts._processes is not None
         pids = prompts._processes.pids()
         assert len(pids) == 2
-        assert [niceness(pid) for pid in pids] == [own + 10] * 2
+        assert [niceness(pid) for pid in pids] == [min(19, own + 10)] * 2
