@@ -17,7 +17,11 @@ preempted sooner), and their deadline below bounds what a call waits in any case
 
 A child that dies is replaced by the next call that finds it dead; a call that has no answer within `timeout_s`
 (waiting for a free child included) kills its child, starts another, and fails with `TokenizerUnavailable`, a 503
-for the client.
+for the client. A child still starting (importing, loading its tokenizers: seconds at a low priority on a busy
+machine) is not hung: a call that times out waiting for it fails the same way but leaves it to finish, for
+`startup_s` from its start; only then is it killed. (Killing it made each replacement start from nothing, and
+under enough load none would ever finish.) A tokenizer first asked for is loaded by the children that start later
+too, before they answer.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ log = logging.getLogger(__name__)
 PROCESS_CHARS = 8192
 NICE = 10  # added to the gateway's niceness for its children (capped at 19, the lowest priority)
 TIMEOUT_S = 10.0  # longest a call may wait for a free child and its answer (a child loads each tokenizer once)
+STARTUP_S = 60.0  # longest a child may take to start and load its tokenizers before it counts as hung
 _HEAD = struct.Struct(">cI")  # status, payload length
 _REQUEST = struct.Struct(">IIB")  # directory length, text length (bytes), add_special_tokens
 OK, FAILED, READY = b"T", b"E", b"R"
@@ -85,7 +90,8 @@ class _Child:
         self._out: IO[bytes] = self.proc.stdout
         os.set_blocking(self._in.fileno(), False)
         os.set_blocking(self._out.fileno(), False)
-        self.ready = False
+        self.ready = False  # it announced that it started and loaded its tokenizers
+        self.started = time.monotonic()
         self._buffer = bytearray()
 
     def exchange(self, request: bytes, deadline: float) -> tuple[bytes, bytes]:
@@ -150,9 +156,11 @@ class TokenizerProcesses:
 
     min_chars = PROCESS_CHARS
 
-    def __init__(self, processes: int, timeout_s: float = TIMEOUT_S, nice: int = NICE) -> None:
+    def __init__(self, processes: int, timeout_s: float = TIMEOUT_S, nice: int = NICE,
+                 startup_s: float = STARTUP_S) -> None:
         self.processes = max(1, processes)
         self.timeout_s = timeout_s
+        self.startup_s = startup_s
         self.nice = nice  # added to this process's niceness for the children
         self._directories: list[str] = []  # loaded by children when they start
         self._idle: queue.SimpleQueue[_Child] = queue.SimpleQueue()
@@ -201,6 +209,10 @@ class TokenizerProcesses:
         deadline = time.monotonic() + self.timeout_s
         if not self._started:
             self.start([directory])
+        elif directory not in self._directories:
+            with self._lock:  # children started from now on load it before they answer
+                if directory not in self._directories:
+                    self._directories.append(directory)
         died = ""
         # a child found dead is replaced and the text tried on another, within the deadline: every child may have
         # died since the last call (one more try: a replacement that dies too cannot be started)
@@ -215,6 +227,10 @@ class TokenizerProcesses:
             try:
                 status, payload = child.exchange(request, deadline)
             except TimeoutError:
+                if not child.ready and time.monotonic() - child.started < self.startup_s:
+                    self._idle.put(child)  # still starting, not hung: the next call waits on
+                    raise TokenizerUnavailable(f"the tokenizer process is still starting after "
+                                               f"{time.monotonic() - child.started:.1f} s") from None
                 self._replace(child)
                 raise TokenizerUnavailable(f"the tokenizer process gave no answer within {self.timeout_s:g} s "
                                            "(killed and replaced)") from None

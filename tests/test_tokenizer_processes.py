@@ -3,6 +3,7 @@ child is replaced, a hung one answers the client with an OpenAI-style 503, and s
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -95,6 +96,68 @@ def test_a_hung_process_times_out_and_is_replaced(tiny_model_dir: Path) -> None:
         pool.close()
 
 
+def test_a_child_still_starting_is_waited_for_not_killed(tiny_model_dir: Path) -> None:
+    """A child that has not started yet (stopped here before it could import anything; on a busy machine a niced
+    child's start takes seconds) is not hung: a call that times out on it answers 503 and leaves it to finish.
+    Killing it made every replacement start from nothing, and under enough load none would ever be ready."""
+    pool = TokenizerProcesses(1, timeout_s=0.5)
+    text = texts()[1]
+    try:
+        pool.start([str(tiny_model_dir)])
+        (starting,) = pool.pids()
+        os.kill(starting, signal.SIGSTOP)
+        with pytest.raises(TokenizerUnavailable, match="still starting"):
+            pool.encode(str(tiny_model_dir), text, False)
+        assert alive(starting) and pool.pids() == [starting] and pool.restarts == 0
+        os.kill(starting, signal.SIGCONT)
+        pool.timeout_s = 30.0
+        assert len(pool.encode(str(tiny_model_dir), text, False)) > 1000
+        assert pool.pids() == [starting] and pool.restarts == 0
+    finally:
+        pool.close()
+
+
+def test_a_child_that_never_starts_is_killed_after_its_startup_allowance(tiny_model_dir: Path) -> None:
+    pool = TokenizerProcesses(1, timeout_s=0.3, startup_s=0.5)
+    text = texts()[1]
+    try:
+        pool.start([str(tiny_model_dir)])
+        (stuck,) = pool.pids()
+        os.kill(stuck, signal.SIGSTOP)
+        with pytest.raises(TokenizerUnavailable, match="still starting"):
+            pool.encode(str(tiny_model_dir), text, False)  # 0.3 s of its 0.5
+        with pytest.raises(TokenizerUnavailable, match="killed and replaced"):
+            pool.encode(str(tiny_model_dir), text, False)
+        assert not alive(stuck) and pool.restarts == 1
+        pool.timeout_s = pool.startup_s = 30.0
+        assert len(pool.encode(str(tiny_model_dir), text, False)) > 1000  # the replacement answers
+    finally:
+        pool.close()
+
+
+def test_replacements_load_the_tokenizers_asked_for_since_the_start(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A tokenizer first asked for after the start is loaded by children started later before they answer, so a
+    replacement's first call does not spend its deadline loading it."""
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for item in tiny_model_dir.iterdir():
+        if item.is_file():
+            (other / item.name).write_bytes(item.read_bytes())
+    pool = TokenizerProcesses(1, timeout_s=30.0)
+    text = texts()[1]
+    try:
+        first = pool.encode(str(tiny_model_dir), text, False)
+        assert pool.encode(str(other), text, False) == first  # loaded by the running child on demand
+        (child,) = pool.pids()
+        os.kill(child, signal.SIGKILL)
+        assert pool.encode(str(tiny_model_dir), text, False) == first
+        (replacement,) = pool.pids()
+        argv = Path(f"/proc/{replacement}/cmdline").read_bytes().split(b"\0")
+        assert str(tiny_model_dir).encode() in argv and str(other).encode() in argv
+    finally:
+        pool.close()
+
+
 async def test_gateway_answers_503_when_its_tokenizer_process_hangs_and_stops_them_all(
     tiny_model_dir: Path, http: aiohttp.ClientSession,
 ) -> None:
@@ -110,6 +173,9 @@ async def test_gateway_answers_503_when_its_tokenizer_process_hangs_and_stops_th
                 assert resp.status == 200, await resp.text()
             pids = pool.pids()
             assert len(pids) == 2 and all(alive(pid) for pid in pids)
+            # the other child answers once too (the idle queue is first in, first out), so both have started: a
+            # child still starting is not hung (test_a_child_still_starting_is_waited_for_not_killed)
+            await asyncio.to_thread(pool.encode, str(tiny_model_dir), texts()[1], False)
             pool.timeout_s = 1.0
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
