@@ -28,6 +28,7 @@ Without CUDA it runs a small shape on the CPU (`--small`), so the script is test
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -161,7 +162,9 @@ def ints(text: str) -> list[int]:
 
 
 class Timer:
-    """Median seconds of a callable: CUDA events on a GPU, the wall clock on the CPU."""
+    """Seconds of a callable: the median of CUDA events on a GPU; on the CPU the least of the wall-clock times
+    (another process on a shared core only adds time, so the least is the closest to the work's own; the median
+    of a loaded 2-core machine's timings fitted negative rates)."""
 
     def __init__(self, device: torch.device, repeat: int) -> None:
         self.cuda = device.type == "cuda"
@@ -182,7 +185,7 @@ class Timer:
                 started = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - started)
-        return float(statistics.median(times))
+        return float(statistics.median(times) if self.cuda else min(times))
 
 
 def attention_backend(device: torch.device, dtype: torch.dtype) -> SDPBackend:
@@ -241,11 +244,34 @@ def time_decode(model: Llama, timer: Timer, batch: int, context: int, graph: boo
     return seconds
 
 
-def fit(rows: Sequence[tuple[Sequence[float], float]]) -> list[float]:
-    """Least squares of t ~ x . c over the rows (x, t), weighted by 1/t (relative errors count alike)."""
+def fit(rows: Sequence[tuple[Sequence[float], float]], required: Sequence[int] = ()) -> list[float]:
+    """Least squares of t ~ x . c over the rows (x, t), weighted by 1/t (relative errors count alike), with every
+    c >= 0: each is a time per unit of work, and noisy timings of small shapes (a loaded CPU) fitted a negative pass
+    or rate. Exact for a few terms: the best fit over the sets of terms whose own fit is non-negative (the others
+    0), which is the unconstrained fit whenever that is non-negative; the terms in `required` are in every set
+    (terms that grow alike, as a prefill's matmuls and attention do, may otherwise trade places)."""
     a = torch.tensor([[xi / t for xi in x] for x, t in rows], dtype=torch.float64)
     b = torch.ones(len(rows), 1, dtype=torch.float64)
-    return [float(c) for c in torch.linalg.lstsq(a, b).solution.flatten()]
+    terms = a.shape[1]
+    optional = [i for i in range(terms) if i not in required]
+    best: tuple[float, list[float]] | None = None
+    for size in range(len(optional), -1, -1):
+        for chosen in itertools.combinations(optional, size):
+            kept = sorted((*required, *chosen))
+            if not kept:
+                continue
+            solution = torch.linalg.lstsq(a[:, kept], b).solution.flatten()
+            if bool((solution < 0).any()):
+                continue
+            c = [0.0] * terms
+            for i, value in zip(kept, solution.tolist(), strict=True):
+                c[i] = value
+            residual = float(torch.linalg.vector_norm(a @ torch.tensor(c, dtype=torch.float64).unsqueeze(1) - b))
+            if best is None or residual < best[0]:
+                best = (residual, c)
+    if best is None:
+        raise ValueError("no non-negative fit of the timings")
+    return best[1]
 
 
 def fitted_profile(base: Profile, model: ModelShape, prefills: list[Prefill], decodes: list[Decode],
@@ -257,19 +283,22 @@ def fitted_profile(base: Profile, model: ModelShape, prefills: list[Prefill], de
     attend_flops = 4.0 * model.layers * model.heads * model.head_dim
     # prefill: t = pass + matmul_flops * N / rate + attend_flops * N (C + N/2) / (rate * attention_efficiency)
     prefill_fit = fit([((1.0, matmul_flops * r.new, attend_flops * r.new * (r.cached + r.new / 2)), r.seconds)
-                       for r in prefills if r.new >= min_new])
+                       for r in prefills if r.new >= min_new], required=(1,))
     pass_s, per_matmul_flop, per_attend_flop = prefill_fit
+    if per_matmul_flop <= 0:
+        raise ValueError("the prefills' times did not grow with their tokens: no matmul rate fits them")
     rate = 1.0 / per_matmul_flop
+    attend_rate = 1.0 / per_attend_flop if per_attend_flop > 0 else math.inf  # inf: attention measured as free
     # decode: the bandwidth each step achieved reading the weights and its KV, the median over the steps bound by
     # memory (their matmuls at the fitted rate take under half of their time); a replayed graph has no pass to fit
     bound = [r for r in decodes if matmul_flops * r.batch / rate < r.seconds / 2] or decodes
     per_byte = 1.0 / statistics.median(
         (model.weight_bytes + r.batch * (r.context + 1) * model.kv_bytes_per_token) / r.seconds for r in bound)
     decode_pass_s = 0.0
-    fractions = {"mfu": rate / base.peak_flops, "attention_efficiency": per_matmul_flop / per_attend_flop,
+    fractions = {"mfu": rate / base.peak_flops, "attention_efficiency": attend_rate / rate,
                  "bandwidth_efficiency": 1.0 / per_byte / base.hbm_bytes_per_s,
                  "prefill_pass_s": pass_s, "decode_pass_s": decode_pass_s,
-                 "matmul_tflops": rate / 1e12, "attention_tflops": 1.0 / per_attend_flop / 1e12,
+                 "matmul_tflops": rate / 1e12, "attention_tflops": attend_rate / 1e12,
                  "bandwidth_tb_s": 1.0 / per_byte / 1e12}
     profile = Profile(**{**asdict(base), "model": model, "mfu": fractions["mfu"],
                          "attention_efficiency": fractions["attention_efficiency"],
