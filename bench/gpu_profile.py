@@ -12,10 +12,10 @@ Measured, each the median of `--repeat` runs after a warm-up, with CUDA events:
   prefill of more tokens than its largest CUDA graph;
 - decode: one token for each of B sequences of context T, captured in a CUDA graph and replayed, as vLLM decodes.
 
-Then the time model's achieved fractions are fitted to them (least squares, `fit`): the matmul FLOP rate (`mfu` of
-the datasheet peak), attention's rate relative to it (`attention_efficiency`) and an intercept (the GPU's own
-per-pass time: launches, norms, rotary) from the prefills of `--fit-min-new` tokens and more, and the bandwidth
-fraction (`bandwidth_efficiency`) from the decodes bound by memory (the median of what each achieved).
+Then the time model's achieved fractions are fitted to them (least squares, no term negative: `fit`): the matmul
+FLOP rate (`mfu` of the datasheet peak), attention's rate relative to it (`attention_efficiency`) and an intercept
+(the GPU's own per-pass time: launches, norms, rotary) from the prefills of `--fit-min-new` tokens and more, and the
+bandwidth fraction (`bandwidth_efficiency`) from the decodes bound by memory (the median of what each achieved).
 `--refit FILE` fits an earlier run's measurements again, without a GPU. It prints each measurement beside the
 fitted model's time and the model of `--profile` (bench/sim/perf_model.py), and writes all of it as JSON.
 
