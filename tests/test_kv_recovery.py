@@ -15,7 +15,7 @@ import pytest
 
 from bench.procs import free_port
 from bench.vllm_engine import ensure_vllm_venv
-from kvcore.kv_events import GPU
+from kvcore.kv_events import GPU, BlockStored
 from router.kv_index import InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
@@ -193,14 +193,17 @@ async def test_an_agent_whose_connection_drops_holds_nothing_until_it_is_back() 
     def dram() -> set[int]:
         return {key for key, tier in index.holds(WORKER) if tier == "CPU"}
 
-    try:
-        for _attempt in range(100):  # PUB drops what it sends before the SUB is connected
-            await publisher.send([stored([1, 2], TOKENS[:8], medium="CPU")])
+    async def send_until_held(batch: BlockStored, held: set[int]) -> None:
+        """PUB drops what it sends before the SUB's subscription reaches it: send until the gateway holds it."""
+        for _attempt in range(100):
+            await publisher.send([batch])
             with contextlib.suppress(AssertionError):
-                await eventually(lambda: dram() == set(KEYS[:2]), timeout=0.3)
-                break
-        else:
-            raise AssertionError("the agent's blocks never reached the gateway")
+                await eventually(lambda: dram() == held, timeout=0.3)
+                return
+        raise AssertionError(f"the agent's blocks {sorted(held)} never reached the gateway")
+
+    try:
+        await send_until_held(stored([1, 2], TOKENS[:8], medium="CPU"), set(KEYS[:2]))
         assert hub.trusted(WORKER)
         proxy.cut()  # the agent is gone (as when it exits or is killed): its tiers are empty at once
         await eventually(lambda: not dram(), timeout=2)
@@ -209,16 +212,10 @@ async def test_an_agent_whose_connection_drops_holds_nothing_until_it_is_back() 
         # the same publisher back (a network blip): what it said is taken again from its replay buffer
         await eventually(lambda: dram() == set(KEYS[:2]), timeout=10)
         assert hub.trusted(WORKER)
-        # and what it says next is taken live. As above, PUB drops what it sends before the reconnected SUB's
+        # and what it says next is taken live. As at the start, PUB drops what it sends before the reconnected SUB's
         # subscription has reached it, which the replay may beat (beside four busy loops a lone batch was lost once
         # in 70 tests' run): a lost batch shows only as the gap before the next, which the replay then repairs
-        for _attempt in range(100):
-            await publisher.send([stored([3], TOKENS[8:12], parent=2, medium="CPU")])
-            with contextlib.suppress(AssertionError):
-                await eventually(lambda: dram() == set(KEYS[:3]), timeout=0.3)
-                break
-        else:
-            raise AssertionError("the agent's next batch never reached the gateway")
+        await send_until_held(stored([3], TOKENS[8:12], parent=2, medium="CPU"), set(KEYS[:3]))
         assert hub.trusted(WORKER)
         del publisher.buffer[0]  # now its buffer no longer reaches back to its first batch
         proxy.cut()
