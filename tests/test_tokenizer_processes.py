@@ -96,6 +96,14 @@ def test_a_hung_process_times_out_and_is_replaced(tiny_model_dir: Path) -> None:
         pool.close()
 
 
+def stopped_while_starting(pool: TokenizerProcesses, model_dir: Path) -> int:
+    """Start the pool's one child and stop it at once, before it can import anything: its pid."""
+    pool.start([str(model_dir)])
+    (pid,) = pool.pids()
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
 def test_a_child_still_starting_is_waited_for_not_killed(tiny_model_dir: Path) -> None:
     """A child that has not started yet (stopped here before it could import anything; on a busy machine a niced
     child's start takes seconds) is not hung: a call that times out on it answers 503 and leaves it to finish.
@@ -103,9 +111,7 @@ def test_a_child_still_starting_is_waited_for_not_killed(tiny_model_dir: Path) -
     pool = TokenizerProcesses(1, timeout_s=0.5)
     text = texts()[1]
     try:
-        pool.start([str(tiny_model_dir)])
-        (starting,) = pool.pids()
-        os.kill(starting, signal.SIGSTOP)
+        starting = stopped_while_starting(pool, tiny_model_dir)
         with pytest.raises(TokenizerUnavailable, match="still starting"):
             pool.encode(str(tiny_model_dir), text, False)
         assert alive(starting) and pool.pids() == [starting] and pool.restarts == 0
@@ -118,14 +124,13 @@ def test_a_child_still_starting_is_waited_for_not_killed(tiny_model_dir: Path) -
 
 
 def test_a_child_that_never_starts_is_killed_after_its_startup_allowance(tiny_model_dir: Path) -> None:
-    pool = TokenizerProcesses(1, timeout_s=0.3, startup_s=0.5)
+    pool = TokenizerProcesses(1, timeout_s=0.3, startup_s=1.5)
     text = texts()[1]
     try:
-        pool.start([str(tiny_model_dir)])
-        (stuck,) = pool.pids()
-        os.kill(stuck, signal.SIGSTOP)
+        stuck = stopped_while_starting(pool, tiny_model_dir)
         with pytest.raises(TokenizerUnavailable, match="still starting"):
-            pool.encode(str(tiny_model_dir), text, False)  # 0.3 s of its 0.5
+            pool.encode(str(tiny_model_dir), text, False)  # 0.3 s of its 1.5
+        time.sleep(1.5)  # its allowance spent
         with pytest.raises(TokenizerUnavailable, match="killed and replaced"):
             pool.encode(str(tiny_model_dir), text, False)
         assert not alive(stuck) and pool.restarts == 1
