@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from router.admission import Admission
 from router.config import GatewayConfig, WorkerSpec
-from router.metrics import LATENCY_BUCKETS, GatewayMetrics, Histogram
+from router.metrics import LATENCY_BUCKETS, Counter, GatewayMetrics, Histogram
 from router.pool import WorkerPool
 from router.upstream import UpstreamPool
 
@@ -34,6 +34,29 @@ def test_histogram_buckets_as_prometheus_client(values: list[float]) -> None:
         mine.labels("a").observe(value)
         original.labels("a").observe(value)
     assert str(_samples(ours)) == str(_samples(theirs))  # str: NaN sums compare equal as text
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", ""]),
+                          st.one_of(st.sampled_from([0, 1, 2.5, -1.0, math.inf]),
+                                    st.floats(allow_nan=False, min_value=-10, max_value=1e6))), max_size=40))
+def test_counter_as_prometheus_client(steps: list[tuple[str, float]]) -> None:
+    """Counters add without prometheus_client's lock: the same samples, and the same errors (a negative amount,
+    a labelled counter's parent)."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    pairs = [(Counter("c", "c", ["k"], registry=ours), prometheus_client.Counter("c", "c", ["k"], registry=theirs)),
+             (Counter("u", "u", registry=ours), prometheus_client.Counter("u", "u", registry=theirs))]
+    for label, amount in steps:
+        for mine, original in pairs:
+            outcomes = []
+            for counter in (mine, original):
+                target = counter.labels(label) if label and counter._labelnames else counter
+                try:
+                    target.inc(amount)
+                    outcomes.append(None)
+                except ValueError as exc:
+                    outcomes.append(str(exc))
+            assert outcomes[0] == outcomes[1]
+    assert str(_samples(ours)) == str(_samples(theirs))
 
 
 def test_admission_gauges_read_when_scraped() -> None:
