@@ -263,13 +263,16 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
 def _admit(request: web.Request) -> Admitted:
     """A slot in the gateway's in-flight caps for a request to proxy (a body over the limit is a 413 first)."""
     gateway = request.app[GATEWAY]
-    _check_declared_size(request, gateway.config.max_body_bytes)
-    return gateway.admission.admit(request.content_length or 0)
+    return gateway.admission.admit(_check_declared_size(request, gateway.config.max_body_bytes) or 0)
 
 
-def _check_declared_size(request: web.Request, limit: int) -> None:
-    if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+def _check_declared_size(request: web.Request, limit: int) -> int | None:
+    """The declared Content-Length (None without one), a 413 over `limit`. (aiohttp parses the header again on
+    every read of `content_length`.)"""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
+    return declared
 
 
 async def _read_body(request: web.Request, limit: int, admitted: Admitted | None = None) -> bytes:
