@@ -29,7 +29,8 @@ class _BoundChildren:
 # The gateway updates its metrics on the event loop's thread alone (the tokenizer threads return results, the
 # loop counts them), so a child's value needs no lock there: `inc` and `observe` add to it directly, which costs a
 # quarter of prometheus_client's call chain (a check, a method, a lock per value; the request path updates about
-# fourteen values per request). Not with prometheus_client's multiprocess values, whose writes go to a file.
+# fourteen values per request). Not with prometheus_client's multiprocess values, whose writes go to a file. A metric
+# counted from another thread takes prometheus_client's own classes (the trace recorder's writer thread does).
 _PLAIN_VALUES = values.ValueClass is values.MutexValue
 
 
