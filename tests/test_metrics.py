@@ -47,7 +47,7 @@ def test_counter_as_prometheus_client(steps: list[tuple[str, float]]) -> None:
              (Counter("u", "u", registry=ours), prometheus_client.Counter("u", "u", registry=theirs))]
     for label, amount in steps:
         for mine, original in pairs:
-            outcomes = []
+            outcomes: list[str | None] = []
             for counter in (mine, original):
                 target = counter.labels(label) if label and counter._labelnames else counter
                 try:
