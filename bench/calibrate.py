@@ -162,7 +162,8 @@ def ttft_options(profile: Profile) -> dict[str, float]:
             "ttft_attention_s": 4.0 * m.layers * m.heads * m.head_dim * 1000 / (rate * profile.attention_efficiency),
             "ttft_kv_bytes_per_token": float(kv),
             "ttft_decode_cost_s": TTFT_CONTEXT_TOKENS * kv / (profile.hbm_bytes_per_s * profile.bandwidth_efficiency),
-            "ttft_decode_step_s": profile.step_time([(1, TTFT_CONTEXT_TOKENS)])}
+            "ttft_decode_step_s": profile.step_time([(1, TTFT_CONTEXT_TOKENS)]),
+            "ttft_step_tokens": float(profile.max_num_batched_tokens)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

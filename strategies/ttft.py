@@ -156,6 +156,12 @@ class TtftOptions(KvOptions):
         0.0, "ttft: weight of what a request's prefill costs the hits that come for the worker while its GPU "
         "computes it (BusyCost; 0: off, as calibrated on `kvgate bench vsim`: docs/ttft.md, \"The GPU time a "
         "choice takes from others\")")
+    ttft_held_up_weight: float = option(
+        0.0, "ttft: weight of what a request's prefill adds to the first tokens of the gateway's requests already "
+        "waiting for theirs on the worker, each counted against its own expected time (HeldUpCost; 0: off)")
+    ttft_step_tokens: float = option(
+        8192.0, "ttft: the engines' max_num_batched_tokens, the most prefill tokens one step computes (vLLM's "
+        "default on a >=70 GiB GPU: 8192)")
     ttft_busy_half_life_s: float = option(
         30.0, "ttft: seconds after which an old hit counts half in a worker's rate of hits (BusyCost)")
 
@@ -356,6 +362,7 @@ class _Queued:
     routed_at: float
     expected_s: float  # its predicted time to first token
     reported: bool     # streamed: its first token (or its end) will be reported
+    load_s: float = 0.0  # of its predicted time, its tier loads
 
 
 class PrefillQueue:
@@ -371,10 +378,11 @@ class PrefillQueue:
         self.progress_since = 0.0  # when the head of the queue started on its prefill, at the latest
         self._done: deque[tuple[float, float]] = deque(maxlen=DONE_KEPT)  # (routed, done) of the latest done
 
-    def add(self, key: int, work: Work, now: float, expected_s: float, reported: bool = False) -> None:
+    def add(self, key: int, work: Work, now: float, expected_s: float, reported: bool = False,
+            load_s: float = 0.0) -> None:
         if not self._entries:
             self.progress_since = now
-        self._entries[key] = _Queued(work, now, expected_s, reported)
+        self._entries[key] = _Queued(work, now, expected_s, reported, load_s)
 
     def done(self, key: int, now: float) -> None:
         entry = self._entries.pop(key, None)
@@ -400,6 +408,12 @@ class PrefillQueue:
             done.popleft()
         waiting = sum(1 for e in self._entries.values() if e.routed_at <= at)
         return waiting + sum(1 for routed, _ in done if routed <= at)
+
+    def expected(self, now: float) -> list[float]:
+        """The predicted time to first token of each request waiting here, less its tier loads (which move bytes
+        beside the engine's steps): what the steps it shares take of it."""
+        self._expire(now)
+        return [e.expected_s - e.load_s for e in self._entries.values()]
 
     def ahead(self, now: float, rate: PrefillRate) -> Work:
         """The prefill work ahead of a request routed here now."""
@@ -743,6 +757,35 @@ class SpreadCost:
         return self.weight * cost
 
 
+class HeldUpCost:
+    """What a request's prefill on a worker adds to the first tokens of the gateway's requests already waiting
+    there. The engine computes waiting prompts together, up to `step_tokens` a step, and a request's first token
+    comes at the end of the step that computes its prompt's last tokens, so a prefill routed there lengthens the step
+    a waiting request ends in (a request still loading from a tier is admitted after one that loads nothing, and
+    waits for the whole of its first step). Each waiting request counts by the share that adds to its own expected
+    time (its predicted time to first token less its loads), against this request's best prediction: a
+    2,048-token first read that takes 55 ms of a 13 ms hit's time makes the hit five times slower, while doubling up
+    with another first read makes both about twice as slow. Summed over the requests that way (the mean of each
+    request's time over its own, Bender et al.'s stretch), the hit is sent elsewhere; summed in seconds, the two are
+    alike and a long prefill lands on the worker whose only waiting request is a short one (docs/ttft.md,
+    "Tenants with agents: a first read beside a waiting hit")."""
+
+    def __init__(self, weight: float, step_tokens: float, floor_s: float) -> None:
+        self.weight = weight
+        self.step_tokens = step_tokens
+        self.floor_s = floor_s
+
+    def seconds(self, waiting: Sequence[float], prefill: Work, rate: PrefillRate, best_s: float) -> float:
+        """`waiting`: the expected times (less loads) of the requests waiting there; `prefill`: this request's
+        there; `best_s`: its lowest prediction of all workers."""
+        if self.weight <= 0 or not waiting or prefill.tokens <= 0:
+            return 0.0
+        added = rate.seconds(prefill.scaled(min(1.0, self.step_tokens / prefill.tokens)))
+        if added <= 0:
+            return 0.0
+        return self.weight * added * sum(best_s / max(self.floor_s, w) for w in waiting)
+
+
 class BusyCost:
     """What a request's prefill on a worker costs the requests that will come for that worker's prefixes while its
     GPU computes it: each hit that arrives there meanwhile waits for it (or, sent elsewhere, recomputes its prefix).
@@ -882,6 +925,7 @@ class TtftAware(KvAware):
         self.spread = SpreadCost(options, self.load)
         self.share = RequestShare(options.ttft_balance_slack, options.ttft_balance_window)
         self.busy = BusyCost(options.ttft_busy_weight, options.ttft_busy_half_life_s)
+        self.held_up = HeldUpCost(options.ttft_held_up_weight, options.ttft_step_tokens, options.ttft_tie_s)
         self.timings = EngineTimings(options.ttft_metrics_window_s)
         self.rates: dict[str, PrefillRate] = {}
         self.fleet_rate = PrefillRate(options)  # every worker's answers
@@ -1080,6 +1124,11 @@ class TtftAware(KvAware):
                                                     h.by_tier.get(GPU, 0), gpu_most) if spread else 0.0)
                   + (price if o else 0.0) + e.busy_s
                   for w, h, e, o in zip(workers, held, estimates, over, strict=True)]
+        if self.held_up.weight > 0:
+            fastest = min(e.choice_s for e in estimates)
+            scores = [s + self.held_up.seconds(self.queue(cache_name(w.url, e.rank)).expected(now), e.prefill,
+                                               self.rate(w.url), fastest)
+                      for s, w, e in zip(scores, workers, estimates, strict=True)]
         best = min(scores)
         # within the prediction's own error the workers are as good: the least busy, then the one holding the
         # least prefix state takes it (misses spread, instead of all going to the worker whose fit is a hair
@@ -1101,7 +1150,7 @@ class TtftAware(KvAware):
         rank = estimate.rank
         reason = MISS if most == 0 else HIT if cached >= most else SPILL
         cache = cache_name(worker.url, rank)
-        self.queue(cache).add(id(request), estimate.prefill, now, estimate.ttft_s, request.stream)
+        self.queue(cache).add(id(request), estimate.prefill, now, estimate.ttft_s, request.stream, estimate.load_s)
         if worker.kv_blocks > 1:
             self.ledger(cache, worker.kv_block_size or self.balance.block_size).add(id(request), _Holder(
                 prompt, request.max_tokens, self.output.expected(request.max_tokens), estimate.prefill_s, now,

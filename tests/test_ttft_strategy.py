@@ -30,6 +30,7 @@ from strategies.ttft import (
     BusyCost,
     EnginePressure,
     EngineTimings,
+    HeldUpCost,
     LinearFit,
     LoadCost,
     PrefillQueue,
@@ -169,6 +170,46 @@ def test_busy_cost_is_what_a_prefill_holds_up_of_the_hits_that_come_for_the_work
     assert busy.hit_rate("b", 110.0) == 0.0 and busy.seconds(0.0, 0.5, 2.0) == 0.0
     busy.forget("a")
     assert busy.hit_rate("a", 110.0) == 0.0
+
+
+def test_held_up_cost_is_the_step_a_prefill_adds_against_each_waiting_requests_own_time() -> None:
+    rate = PrefillRate(OPTIONS)  # 10,000 tokens/s
+    held = HeldUpCost(weight=1.0, step_tokens=1024.0, floor_s=0.002)
+    # a 2,112-token prefill adds at most one step's 1,024 tokens (0.1024 s) to the step a waiting request ends in;
+    # a 16.4 ms hit and a 221.2 ms first read waiting there, against this request's best of 227.6 ms
+    cost = held.seconds([0.0164, 0.2212], Work.of(2112, 0), rate, 0.2276)
+    assert abs(cost - 0.1024 * (0.2276 / 0.0164 + 0.2276 / 0.2212)) < 1e-12
+    # a 64-token prefill adds its own 6.4 ms; a waiting time under the floor counts as the floor
+    assert abs(held.seconds([0.0005], Work.of(64, 2048), rate, 0.0164) - 0.0064 * 0.0164 / 0.002) < 1e-12
+    assert held.seconds([], Work.of(2112, 0), rate, 0.2276) == 0.0
+    assert HeldUpCost(0.0, 1024.0, 0.002).seconds([0.0164], Work.of(2112, 0), rate, 0.2276) == 0.0
+
+
+def test_the_queue_tells_each_waiting_requests_expected_time_less_its_loads() -> None:
+    queue = PrefillQueue()
+    queue.add(1, Work.of(64, 2048), now=0.0, expected_s=0.0464, reported=True, load_s=0.03)
+    queue.add(2, Work.of(2112, 0), now=0.0, expected_s=0.2212, reported=True)
+    assert [round(x, 12) for x in queue.expected(0.0)] == [0.0164, 0.2212]
+    queue.done(1, now=0.01)
+    assert queue.expected(0.01) == [0.2212]
+
+
+def test_a_first_read_doubles_up_with_another_rather_than_hold_up_a_waiting_hit() -> None:
+    """vsim, the README's tenants fleet with agents (--tiers-sped-up), seed 3, request 12: a tenant's first read
+    (2,112 tokens) came while every worker computed another tenant's first read but one, where a hit of 64 tokens
+    waited for its shared-tier load. Sent there, it took the hit's next step (the hit: 70.3 ms instead of about
+    15); doubled up with a first read, it makes that one about twice as slow, a hit five times. In seconds the two
+    are alike, so without `HeldUpCost` the read goes to the hit's worker (0.2276 s against 0.4324); counted
+    against each waiting request's own time, elsewhere: 0.2276 + 0.2112 x 0.2276 / 0.0164 = 3.159 s on worker 0,
+    0.4324 + 0.2112 x 0.2276 / 0.2212 = 0.6497 s on worker 1."""
+    for weight, goes_to in ((0.0, 0), (1.0, 1)):
+        strategy, workers, index, clock = make(2, dataclasses.replace(OPTIONS, ttft_held_up_weight=weight))
+        strategy.queue(workers[0].url).add(1, Work.of(64, 2048), clock[0], 0.0464, reported=True, load_s=0.03)
+        strategy.queue(workers[1].url).add(2, Work.of(2112, 0), clock[0], 0.2212, reported=True)
+        read = strategy.choose(request(tokens(7, 2112)), workers)
+        assert read.reason == MISS and read.worker is workers[goes_to]
+        assert read.predicted_ttft_s is not None
+        assert abs(read.predicted_ttft_s - (0.2276 if goes_to == 0 else 0.4324)) < 1e-9
 
 
 def test_the_queue_is_what_has_not_had_its_first_token_and_its_head_drains() -> None:
