@@ -203,13 +203,28 @@ def test_a_first_read_doubles_up_with_another_rather_than_hold_up_a_waiting_hit(
     against each waiting request's own time, elsewhere: 0.2276 + 0.2112 x 0.2276 / 0.0164 = 3.159 s on worker 0,
     0.4324 + 0.2112 x 0.2276 / 0.2212 = 0.6497 s on worker 1."""
     for weight, goes_to in ((0.0, 0), (1.0, 1)):
-        strategy, workers, index, clock = make(2, dataclasses.replace(OPTIONS, ttft_held_up_weight=weight))
+        strategy, workers, _, clock = make(2, dataclasses.replace(OPTIONS, ttft_held_up_weight=weight))
         strategy.queue(workers[0].url).add(1, Work.of(64, 2048), clock[0], 0.0464, reported=True, load_s=0.03)
         strategy.queue(workers[1].url).add(2, Work.of(2112, 0), clock[0], 0.2212, reported=True)
         read = strategy.choose(request(tokens(7, 2112)), workers)
         assert read.reason == MISS and read.worker is workers[goes_to]
         assert read.predicted_ttft_s is not None
         assert abs(read.predicted_ttft_s - (0.2276 if goes_to == 0 else 0.4324)) < 1e-9
+
+
+def test_a_request_some_worker_holds_is_not_sent_from_its_hit_for_the_requests_waiting_there() -> None:
+    """A request whose 2,048-token prefix worker 0 holds, with 1,000 new tokens, while a 64-token hit waits there
+    (16.4 ms expected): it keeps its hit (0.01 + 0.0064 + 0.1 = 0.1164 s against 0.01 + 0.3048 + the copy's 0.2048
+    elsewhere). Counted, its 0.1 s of prefill against the hit's own 16.4 ms (0.1 x 0.1164 / 0.0164 = 0.71 s) would
+    have sent it away to compute the prefix again: a hit traded against a copy is the spread cost's and the
+    balance's to price, and counted there too RAG at 8 replicas had p90 46 ms against 31."""
+    strategy, workers, index, clock = make(2, dataclasses.replace(OPTIONS, ttft_held_up_weight=1.0))
+    system = tokens(1, 2048)
+    index.add(workers[0].url, block_keys(system, BS, ROOT), GPU)
+    strategy.queue(workers[0].url).add(1, Work.of(64, 2048), clock[0], 0.0164, reported=True)
+    decision = strategy.choose(request(system + tokens(2, 1000)), workers)
+    assert decision.worker is workers[0] and decision.reason == HIT
+    assert decision.predicted_ttft_s is not None and abs(decision.predicted_ttft_s - 0.1164) < 1e-9
 
 
 def test_the_queue_is_what_has_not_had_its_first_token_and_its_head_drains() -> None:
