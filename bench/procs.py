@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.orphan_guard import send, stat_fields
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -105,6 +107,42 @@ def stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout)
+
+
+def session_processes(sid: int) -> dict[int, str]:
+    """The live (not zombie) processes in session `sid`, as PID -> start time (see bench/orphan_guard.py's `send`).
+    A process started with `start_new_session=True` leads a session whose id is its PID; the kernel gives that
+    number to no new process while any process of the session lives, so the session outlives its leader."""
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        fields = stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None and int(fields[3]) == sid and fields[0] != "Z":
+            found[int(entry)] = fields[19]
+    return found
+
+
+def stop_session(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    """Stop `proc` (started with `start_new_session=True`, e.g. under bench/orphan_guard.py) and every process left
+    in its session, whether `proc` still runs or not (a server's main process that crashed or was killed can leave
+    its workers running): SIGTERM to each, SIGKILL to what is left after `timeout`. Returns once none is left;
+    RuntimeError if a process outlives SIGKILL by `timeout` (stuck in the kernel)."""
+    sid = proc.pid
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        signalled: set[tuple[int, str]] = set()
+        deadline = time.monotonic() + timeout
+        while True:
+            proc.poll()  # reaps the leader once it exits (a zombie is no session process)
+            left = session_processes(sid)
+            for pid, start in left.items():
+                if (pid, start) not in signalled:  # also those that start meanwhile
+                    send(pid, start, signum)
+                    signalled.add((pid, start))
+            if (not left and proc.poll() is not None) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not left and proc.poll() is not None:
+            return
+    raise RuntimeError(f"processes {sorted(left)} of session {sid} outlived SIGKILL by {timeout} s")
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,6 @@ import functools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.procs import exit_on_sigterm, free_port, guarded, spawn_valkey
+from bench.procs import exit_on_sigterm, free_port, guarded, spawn_valkey, stop_session
 from bench.procs import stop as stop_process
 from bench.sim.launch import AgentSettings, SimAgentProcess, agent_process
 
@@ -80,15 +79,9 @@ class EngineServer:
             return ""
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM by PID (the process group we created), then SIGKILL if it does not stop in time."""
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout)
+        """SIGTERM to every process of the session we created (the guard, the server, its engine core and workers),
+        SIGKILL to what is left after `timeout`; also when the server itself has already exited."""
+        stop_session(self.proc, timeout)
 
 
 LOST_PORT = "Address already in use"  # what a server that lost a port we chose for it logs
@@ -100,6 +93,7 @@ def _wait_healthy(server: EngineServer, timeout: float) -> None:
         if server.proc.poll() is not None:
             log = server.log_tail(1_000_000)
             reason = f" ({LOST_PORT})" if LOST_PORT in log else ""
+            server.stop()  # what the server started may outlive it
             raise RuntimeError(f"{server.name} exited with {server.proc.returncode} before it was healthy{reason}:\n"
                                f"{log[-4000:]}")
         try:

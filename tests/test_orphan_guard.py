@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from bench.procs import guarded
 from tests.conftest import ROOT
 
@@ -28,6 +30,19 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def in_session(sid: int) -> list[int]:
+    """The live processes of session `sid` (seen here, not through bench.procs, whose stop is under test)."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and alive(int(p)) and _session(int(p)) == sid]
+
+
+def _session(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[3])
+    except FileNotFoundError:
+        return None
 
 
 def children(pid: int) -> list[int]:
@@ -131,6 +146,82 @@ def test_a_simulated_engine_does_not_outlive_its_starter(tiny_model_dir: Path) -
         starter.kill()
         starter.wait()
         assert wait_gone(family) == []
+    finally:
+        for pid in family:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+FAMILY_SCRIPT = ROOT / "tests" / "process_family.py"
+
+
+def start_family(*flags: str) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """tests/process_family.py (a vLLM server's process tree) in a session of its own, as the tests start a vLLM;
+    the started process, and the stand-in's API server, engine core and worker PIDs."""
+    proc = subprocess.Popen(guarded([sys.executable, str(FAMILY_SCRIPT), *flags]), start_new_session=True,
+                            stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    core, worker = int(proc.stdout.readline()), int(proc.stdout.readline())
+    (api,) = children(proc.pid)
+    return proc, [api, core, worker]
+
+
+def test_the_guard_ends_what_its_command_leaves_when_it_dies() -> None:
+    """A server killed on its own (the OOM killer's pick, a crash) leaves its engine core and workers: vLLM's API
+    server SIGKILLed left them running, each holding its memory, after the guard and the fixture's stop had
+    returned. The guard ends them, a worker in a session of its own too, and only then exits as its command did."""
+    proc, (api, core, worker) = start_family("--detach")
+    try:
+        os.kill(api, signal.SIGKILL)
+        status = proc.wait(20)
+        assert [p for p in (core, worker) if alive(p)] == []
+        assert status == -signal.SIGKILL
+    finally:
+        for pid in (proc.pid, api, core, worker):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_stopping_a_server_ends_its_whole_session_also_when_its_main_process_is_gone(tmp_path: Path) -> None:
+    """`EngineServer.stop` (every fixture's stop of a vLLM) ends every process of the server's session, SIGKILL
+    after its timeout for one that ignores SIGTERM, also when the process it started is gone already; here even the
+    guard was killed, so nothing but the stop is left to end them."""
+    from bench.vllm_engine import EngineServer
+
+    proc, family = start_family("--stubborn")
+    server = EngineServer("vllm", "sha256", "http://127.0.0.1:1", "", "", tmp_path, proc, tmp_path / "log", 0.0)
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert all(alive(p) for p in family)
+        started = time.monotonic()
+        server.stop(timeout=1.0)
+        assert in_session(proc.pid) == [] and [p for p in family if alive(p)] == []
+        assert time.monotonic() - started < 10  # SIGTERM, 1 s, SIGKILL: not the fixture's grace of 30 s
+    finally:
+        for pid in family:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_a_real_vllm_whose_api_server_was_killed_leaves_nothing_once_stopped(tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """The leak as it happened, on a real vLLM: its API server SIGKILLed, the engine core and worker stayed (and the
+    fixture's stop returned at once, the server being gone). Once stopped, no process of its session is left."""
+    from bench.vllm_engine import start_engine
+
+    server = start_engine("vllm", tiny_model_dir, tmp_path / "logs", extra_args=["--num-gpu-blocks-override", "128"])
+    sid = server.proc.pid
+    family = in_session(sid)
+    try:
+        names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in family}
+        assert {"VLLM::EngineCor", "VLLM::Worker"} <= names, names  # what is at stake
+        (api,) = children(sid)
+        os.kill(api, signal.SIGKILL)
+        server.stop()
+        assert in_session(sid) == []
     finally:
         for pid in family:
             if alive(pid):
