@@ -194,6 +194,87 @@ def sim_fleet(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
 
 
 
+SUITE_MARK = "KVGATE_TEST_SUITE"  # set in the environment of everything the suite starts (see suite_processes)
+LEFT_RUNNING_KEY = pytest.StashKey[dict[int, str]]()
+LEFT_GRACE_S = 10.0  # for processes told to stop that have not exited yet
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Mark this run's environment; every process started from here inherits the mark, and so does what those
+    start (vLLM's engine core and workers too), also after their parents die or they start sessions of their own."""
+    os.environ[SUITE_MARK] = f"{os.getpid()}-{time.time_ns()}"
+
+
+def _marked(pid: int, needle: bytes) -> bool:
+    """Whether `pid` lives (not a zombie) and its environment carries `needle`."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:  # gone, or not ours to read
+        return False
+    return state != "Z" and needle in environ.split(b"\0")
+
+
+def suite_processes(mark: str) -> dict[int, str]:
+    """The live processes whose environment carries this run's `mark`, but this one and its multiprocessing
+    resource tracker (which lasts as long as this process), as PID -> command line."""
+    import multiprocessing.resource_tracker
+
+    needle = f"{SUITE_MARK}={mark}".encode()
+    own = {os.getpid(), getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in own and _marked(int(entry), needle):
+            try:
+                command = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            found[int(entry)] = command.replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+    return found
+
+
+def _kill_marked(pid: int, mark: str) -> None:
+    """SIGKILL `pid` if it still carries `mark` (checked while a pidfd holds it: never a process given its PID
+    later)."""
+    import signal
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if _marked(pid, f"{SUITE_MARK}={mark}".encode()):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        os.close(fd)
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down (also on an interrupted run)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a process it started still runs at its end (an orphaned vLLM worker burned both cores of a
+    CI machine for minutes): each is named in the summary, then killed (they are this run's, found by its mark)."""
+    mark = os.environ[SUITE_MARK]
+    deadline = time.monotonic() + LEFT_GRACE_S
+    while (left := suite_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not left:
+        return
+    for pid in left:
+        _kill_marked(pid, mark)
+    session.config.stash[LEFT_RUNNING_KEY] = left  # named in the terminal summary
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if session.config.pluginmanager.get_plugin("terminalreporter") is None:
+        print(f"processes the tests started were still running at the end (killed): {left}", file=sys.stderr)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if left := config.stash.get(LEFT_RUNNING_KEY, None):
+        terminalreporter.section("FAILED: processes the tests started, still running at the end (killed now)",
+                                 red=True)
+        for pid, command in left.items():
+            terminalreporter.line(f"{pid}: {command}", red=True)
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Tests run on uvloop, as `kvgate serve` does, so loop-specific behaviour is exercised."""
     import uvloop

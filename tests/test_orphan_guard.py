@@ -226,3 +226,34 @@ def test_a_real_vllm_whose_api_server_was_killed_leaves_nothing_once_stopped(tin
         for pid in family:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+LEAKING_TEST = """
+import subprocess, sys
+
+def test_leaves_a_process_running() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    print(proc.pid, file=open("leaked.pid", "w"))
+
+def test_stops_what_it_starts() -> None:
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+"""
+
+
+def test_a_run_that_leaves_a_process_running_fails_and_names_it(tmp_path: Path) -> None:
+    """tests/conftest.py's check at the end of a run: a process the run started (in a session of its own, out of
+    reach of pytest's process group) that still runs fails the run, is named, and is killed."""
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_configure, pytest_sessionfinish, "
+                                          "pytest_terminal_summary  # noqa: F401\n")
+    (tmp_path / "test_leak.py").write_text(LEAKING_TEST)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_leak.py"],
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=90)
+    leaked = int((tmp_path / "leaked.pid").read_text())
+    try:
+        assert run.returncode == 1, run.stdout[-2000:]
+        assert "2 passed" in run.stdout and f"{leaked}: " in run.stdout, run.stdout[-2000:]
+        assert wait_gone([leaked], 5) == []
+    finally:
+        if alive(leaked):
+            os.kill(leaked, signal.SIGKILL)
