@@ -5,7 +5,8 @@ tokens. Jinja's sandbox stops attribute tricks, but not a loop over `range(10**5
 `"a" * 10**9`, and a thread running one cannot be stopped. So such templates are rendered in a few child
 processes (`python -m router.template_sandbox`), each with an address-space limit, an output limit, a lower
 CPU priority, and a deadline after which the parent kills it and starts another. The child reads the raw
-request body and writes back the prompt text; the event loop only moves bytes through pipes.
+request body and writes back the prompt text; the event loop only moves bytes through a socket (starting and
+reaping the processes happens in threads).
 
 A render that fails for any reason (template error, deadline, memory, no free child in time) leaves the request
 to be routed in text mode: routing degrades, serving does not.
@@ -19,7 +20,9 @@ import contextlib
 import logging
 import os
 import resource
+import socket
 import struct
+import subprocess
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -52,13 +55,40 @@ def _frame(*parts: bytes) -> bytes:
 
 
 class _Child:
-    """One sandbox process and its pipes."""
+    """One sandbox process and the loop's end of the socket that is its stdin and stdout."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
         self.proc = proc
-        assert proc.stdin is not None and proc.stdout is not None
-        self.stdin = proc.stdin
-        self.stdout = proc.stdout
+        self.stdout = reader
+        self.stdin = writer
+
+    @classmethod
+    async def start(cls, argv: list[str]) -> _Child:
+        """Start `argv` off the loop: uvloop starts a child with fork(), which copies the gateway's page tables on
+        the loop (80-190 ms for a few hundred MB on a loaded machine: every /health waited that long at each
+        replacement), where subprocess.Popen uses vfork() in a thread."""
+        ours, theirs = socket.socketpair()
+
+        def popen() -> subprocess.Popen[bytes]:
+            with theirs:  # the child has its own copies
+                return subprocess.Popen(argv, stdin=theirs.fileno(), stdout=theirs.fileno())
+
+        started = asyncio.ensure_future(asyncio.to_thread(popen))
+        proc = None
+        try:
+            proc = await asyncio.shield(started)
+            reader, writer = await asyncio.open_connection(sock=ours)
+        except BaseException:  # cancelled (the gateway stops) or failed: nothing started is left running
+            ours.close()
+            if proc is None:
+                with contextlib.suppress(Exception):
+                    proc = await started  # the thread goes on starting it
+            if proc is not None:
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+            raise
+        return cls(proc, reader, writer)
 
     async def read_part(self, limit: int) -> bytes:
         size = _LENGTH.unpack(await self.stdout.readexactly(_LENGTH.size))[0]
@@ -67,9 +97,10 @@ class _Child:
         return await self.stdout.readexactly(size)
 
     async def kill(self) -> None:
+        self.stdin.close()
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
-        await self.proc.wait()
+        await asyncio.to_thread(self.proc.wait)  # SIGKILLed: at once
 
 
 class TemplateSandbox:
@@ -99,14 +130,11 @@ class TemplateSandbox:
 
     async def _spawn(self) -> None:
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "router.template_sandbox", "--memory-bytes", str(self.memory_bytes),
-                "--max-output-chars", str(self.max_output_chars),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None)
+            child = await _Child.start([sys.executable, "-m", "router.template_sandbox", "--memory-bytes",
+                                        str(self.memory_bytes), "--max-output-chars", str(self.max_output_chars)])
         except OSError as exc:
             log.error("cannot start a template sandbox process: %s", exc)
             return
-        child = _Child(proc)
         try:
             # ready once it has imported Jinja and capped itself, not when the process exists
             async with asyncio.timeout(STARTUP_TIMEOUT_S):
@@ -153,7 +181,7 @@ class TemplateSandbox:
         except (asyncio.IncompleteReadError, ConnectionError):
             raise RenderFailed("crashed", "the template sandbox process died") from None
         finally:
-            if reusable and child.proc.returncode is None:
+            if reusable and child.proc.poll() is None:
                 self._idle.put_nowait(child)
             else:  # overran, died or hit its memory limit: replace it
                 self._children.discard(child)
