@@ -164,3 +164,55 @@ def test_queued_prefill_drains_with_time() -> None:
     now[0] += 1.0  # a second later the 20,000 tokens/s estimate has drained both queues
     decision = strategy.choose(request(system + tokens(4, 40)), workers)
     assert decision.reason == HIT and decision.predicted_cached_tokens >= 992
+
+
+def _questions_under_system_prompts(strategy: PrefixAffinity, workers: list[Worker], budget: int) -> None:
+    """Fill the trie to its budget as chat traffic does: shared system prompts, each request's question a two-block
+    leaf of its own under one."""
+    systems = [tokens(s, 4 * BS) for s in range(8)]
+    i = 0
+    while len(strategy.balance.trie) < budget:
+        strategy.choose(request(systems[i % 8] + tokens(1000 + i, 2 * BS)), workers)
+        i += 1
+
+
+def test_a_cold_long_prompt_at_the_budget_evicts_in_slices_between_loop_turns() -> None:
+    """Issue 18: at the node budget a cold 32,000-character prompt's 608 new nodes evicted about 300 two-block leaves
+    inside its decision (2.5 ms of CPU in process, the event loop and `/health` waiting). They are removed in slices
+    of at most TRIM_WORK nodes, one per loop turn, so other callbacks (a `/health` request's) run between them."""
+    import asyncio
+
+    from strategies.balance import TRIM_WORK
+
+    budget = 8 * 608  # a prompt may take an eighth of it
+    strategy, workers = make(prefix_trie_max_nodes=budget)
+    trie = strategy.balance.trie
+
+    async def main() -> list[int]:
+        _questions_under_system_prompts(strategy, workers, budget)
+        assert len(trie) <= budget
+        evicted = trie.evictions
+        strategy.choose(request(tokens(99, 608 * BS)), workers)  # cold: 608 blocks, none in the trie
+        assert trie.evictions == evicted and len(trie) > budget  # nothing removed inside the decision
+        per_turn: list[int] = []
+        while len(trie) > budget:  # what each loop turn removed: one slice between other callbacks
+            before = trie.evictions
+            await asyncio.sleep(0)
+            per_turn.append(trie.evictions - before)
+        return per_turn
+
+    per_turn = asyncio.run(main())
+    assert sum(per_turn) >= 608 and len(per_turn) >= 608 // TRIM_WORK
+    assert max(per_turn) <= TRIM_WORK, per_turn
+    trie.check()
+
+
+def test_without_an_event_loop_the_decision_evicts_as_it_goes() -> None:
+    """A simulation calls `choose` with no loop running: the trie stays within its budget after every decision."""
+    budget = 2000
+    strategy, workers = make(prefix_trie_max_nodes=budget)
+    _questions_under_system_prompts(strategy, workers, budget)
+    for i in range(5):
+        strategy.choose(request(tokens(200 + i, 300 * BS)), workers)
+        assert len(strategy.balance.trie) <= budget
+    strategy.balance.trie.check()

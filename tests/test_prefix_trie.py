@@ -400,3 +400,54 @@ def test_evicting_a_cold_prompt_costs_a_few_lines_per_node() -> None:
     assert trie.evictions - evicted == 600 and len(trie) == 4800
     assert lines < 5 * 600, lines / 600
     trie.check()
+
+
+
+def test_trimming_after_each_insert_is_inserting_without_slack() -> None:
+    """With `slack` the removals an insert leaves due (budget and TTL) are done by `trim`; trimmed whole after each
+    insert, the trie is the one that removes them inside `insert`: every map, the counters, the leaf heap."""
+    clock = Clock()
+    inline = PrefixTrie(max_nodes=400, ttl_s=30, clock=clock)
+    trimmed = PrefixTrie(max_nodes=400, ttl_s=30, clock=clock)
+    trimmed.slack = 200
+    rng = random.Random(11)
+    bases = [keys(i, 40) for i in range(12)]
+    for step in range(2000):
+        clock.now += rng.random() + (40 if step % 300 == 299 else 0)  # now and then a pause past the TTL
+        prompt = rng.choice(bases)[: rng.randrange(1, 41)] + keys(50_000 + step, rng.randrange(0, 60))
+        worker = f"w{rng.randrange(4)}"
+        inline.insert(prompt, worker)
+        trimmed.insert(prompt, worker)
+        assert len(trimmed) <= 400 + 200
+        assert not trimmed.trim()
+        assert inline.nodes() == trimmed.nodes() and inline.sent_to() == trimmed.sent_to()
+        assert inline.stats() == trimmed.stats() and inline._leaves == trimmed._leaves
+    assert inline.evictions and inline.expirations
+    trimmed.check()
+
+
+def test_trimming_in_slices_keeps_the_budget_and_the_tree() -> None:
+    """Slices of a few units each (a node removed, or a leaf looked at): a segment cut short by one slice goes on in
+    the next, and once none is due the trie is within its budget, nothing in it past the TTL, its tree consistent."""
+    clock = Clock()
+    trie = PrefixTrie(max_nodes=400, ttl_s=30, clock=clock)
+    trie.slack = 200
+    rng = random.Random(12)
+    bases = [keys(i, 40) for i in range(12)]
+    for step in range(2000):
+        clock.now += rng.random() + (40 if step % 300 == 299 else 0)  # now and then a pause past the TTL
+        prompt = rng.choice(bases)[: rng.randrange(1, 41)] + keys(50_000 + step, rng.randrange(0, 60))
+        trie.insert(prompt, f"w{rng.randrange(4)}")
+        assert len(trie) <= 400 + 200
+        while True:
+            before = trie.evictions + trie.expirations
+            work = rng.randrange(1, 20)
+            due = trie.trim(work)
+            assert trie.evictions + trie.expirations - before <= work
+            if not due:
+                break
+        assert len(trie) <= 400 and not trie.trim_due
+        if step % 250 == 0:
+            trie.check()
+    assert trie.evictions and trie.expirations
+    trie.check()
