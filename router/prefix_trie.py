@@ -342,17 +342,17 @@ class PrefixTrie:
         if self._step:
             now -= now % self._step
         limit = now - self.ttl_s
-        left = -1 if work is None else work
-        leaves = self._leaves
-        while left and leaves and leaves[0][0] < limit:
+        left = -1 if work is None else work  # (`self._leaves` read anew each time: `_compact` may replace it)
+        while left and self._leaves and self._leaves[0][0] < limit:
             removed = self._pop_leaf(limit, self._nodes if left < 0 else left)
             self.expirations += removed
             left = left if left < 0 else max(0, left - max(1, removed))
-        while left and self._nodes > self.max_nodes and leaves:
+        while left and self._nodes > self.max_nodes and self._leaves:
             excess = self._nodes - self.max_nodes
             removed = self._pop_leaf(None, excess if left < 0 else min(excess, left))
             self.evictions += removed
             left = left if left < 0 else max(0, left - max(1, removed))
+        leaves = self._leaves
         self.trim_due = bool(leaves) and (leaves[0][0] < limit or self._nodes > self.max_nodes)
         return self.trim_due
 

@@ -37,11 +37,13 @@ from router.prefix_trie import PrefixTrie
 from router.routing import Decision, RouteRequest
 
 HIT, SPILL, MISS = "hit", "spill", "miss"
-# nodes removed (or leaves looked at) per slice of the trie's removals, a loop turn each: a slice of two-block leaves
-# (the questions under shared system prompts, what a cold prompt evicts at the budget) is about 0.3 ms of CPU in
-# process; one cold 32,000-character prompt's 608 new nodes evicted inside its decision were 2.5 ms, `/health`
-# waiting behind them (issue 18)
-TRIM_WORK = 128
+# the trie's removals run in slices, one per loop turn, each about TRIM_SLICE_S of work (in steps of TRIM_WORK nodes
+# removed or leaves looked at, a step of two-block leaves about 0.1 ms of CPU in process): one cold 32,000-character
+# prompt's 608 new nodes evicted ~300 two-block leaves of earlier questions inside its decision at the budget, 2.5
+# ms of CPU, `/health` waiting behind them (issue 18); a slice must also keep up with cold prompts arriving, or the
+# trie reaches its ceiling and inserts evict inline again
+TRIM_WORK = 32
+TRIM_SLICE_S = 0.001
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 # (keys, workers, cacheable prompt tokens) -> per worker: tokens predicted cached there, prefill tokens saved
@@ -193,10 +195,12 @@ class PrefillBalance:
 
     def _trim(self, loop: asyncio.AbstractEventLoop) -> None:
         """One slice of the trie's removals; the next one after the loop has polled for I/O again."""
-        if self.trie.trim(TRIM_WORK):
-            loop.call_soon(self._trim, loop)
-        else:
-            self._trimming = False
+        end = time.perf_counter() + TRIM_SLICE_S
+        while self.trie.trim(TRIM_WORK):
+            if time.perf_counter() >= end:
+                loop.call_soon(self._trim, loop)
+                return
+        self._trimming = False
 
     def trie_prediction(self, keys: Sequence[int], workers: Sequence[Worker],
                         cacheable: int) -> tuple[list[int], list[float]]:

@@ -176,14 +176,17 @@ def _questions_under_system_prompts(strategy: PrefixAffinity, workers: list[Work
         i += 1
 
 
-def test_a_cold_long_prompt_at_the_budget_evicts_in_slices_between_loop_turns() -> None:
+def test_a_cold_long_prompt_at_the_budget_evicts_in_slices_between_loop_turns(monkeypatch: Any) -> None:
     """Issue 18: at the node budget a cold 32,000-character prompt's 608 new nodes evicted about 300 two-block leaves
-    inside its decision (2.5 ms of CPU in process, the event loop and `/health` waiting). They are removed in slices
-    of at most TRIM_WORK nodes, one per loop turn, so other callbacks (a `/health` request's) run between them."""
+    inside its decision (2.5 ms of CPU in process, the event loop and `/health` waiting). They are removed in slices,
+    one per loop turn, so other callbacks (a `/health` request's) run between them; each slice takes steps of
+    TRIM_WORK until its time is up (no time at all here: one step a turn)."""
     import asyncio
 
+    from strategies import balance
     from strategies.balance import TRIM_WORK
 
+    monkeypatch.setattr(balance, "TRIM_SLICE_S", 0.0)
     budget = 8 * 608  # a prompt may take an eighth of it
     strategy, workers = make(prefix_trie_max_nodes=budget)
     trie = strategy.balance.trie
