@@ -6,6 +6,7 @@ import gc
 import random
 import statistics
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -403,6 +404,16 @@ def test_evicting_a_cold_prompt_costs_a_few_lines_per_node() -> None:
 
 
 
+def _shared_prefix_prompts(rng: random.Random, clock: Clock) -> Iterator[tuple[list[int], str]]:
+    """2,000 prompts, each a share of one of 12 prefixes plus its own blocks, for one of 4 workers; the clock moves
+    on a little before each, and now and then past the TTL."""
+    bases = [keys(i, 40) for i in range(12)]
+    for step in range(2000):
+        clock.now += rng.random() + (40 if step % 300 == 299 else 0)
+        prompt = rng.choice(bases)[: rng.randrange(1, 41)] + keys(50_000 + step, rng.randrange(0, 60))
+        yield prompt, f"w{rng.randrange(4)}"
+
+
 def test_trimming_after_each_insert_is_inserting_without_slack() -> None:
     """With `slack` the removals an insert leaves due (budget and TTL) are done by `trim`; trimmed whole after each
     insert, the trie is the one that removes them inside `insert`: every map, the counters, the leaf heap."""
@@ -410,12 +421,7 @@ def test_trimming_after_each_insert_is_inserting_without_slack() -> None:
     inline = PrefixTrie(max_nodes=400, ttl_s=30, clock=clock)
     trimmed = PrefixTrie(max_nodes=400, ttl_s=30, clock=clock)
     trimmed.slack = 200
-    rng = random.Random(11)
-    bases = [keys(i, 40) for i in range(12)]
-    for step in range(2000):
-        clock.now += rng.random() + (40 if step % 300 == 299 else 0)  # now and then a pause past the TTL
-        prompt = rng.choice(bases)[: rng.randrange(1, 41)] + keys(50_000 + step, rng.randrange(0, 60))
-        worker = f"w{rng.randrange(4)}"
+    for prompt, worker in _shared_prefix_prompts(random.Random(11), clock):
         inline.insert(prompt, worker)
         trimmed.insert(prompt, worker)
         assert len(trimmed) <= 400 + 200
@@ -433,11 +439,8 @@ def test_trimming_in_slices_keeps_the_budget_and_the_tree() -> None:
     trie = PrefixTrie(max_nodes=400, ttl_s=30, clock=clock)
     trie.slack = 200
     rng = random.Random(12)
-    bases = [keys(i, 40) for i in range(12)]
-    for step in range(2000):
-        clock.now += rng.random() + (40 if step % 300 == 299 else 0)  # now and then a pause past the TTL
-        prompt = rng.choice(bases)[: rng.randrange(1, 41)] + keys(50_000 + step, rng.randrange(0, 60))
-        trie.insert(prompt, f"w{rng.randrange(4)}")
+    for step, (prompt, worker) in enumerate(_shared_prefix_prompts(rng, clock)):
+        trie.insert(prompt, worker)
         assert len(trie) <= 400 + 200
         while True:
             before = trie.evictions + trie.expirations
