@@ -49,6 +49,13 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+def kill_left(pids: list[int]) -> None:
+    """SIGKILL what a test started and left running (its cleanup, whatever the asserts found)."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
@@ -89,9 +96,7 @@ def test_a_guarded_family_ends_when_its_starter_is_killed() -> None:
         starter.wait()
         assert wait_gone([guard, grandchild, *command]) == []
     finally:
-        for pid in (guard, grandchild, *command):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left([guard, grandchild, *command])
 
 
 def test_without_the_guard_the_same_family_outlives_its_starter() -> None:
@@ -111,9 +116,7 @@ def test_without_the_guard_the_same_family_outlives_its_starter() -> None:
         time.sleep(1.5)  # three of the guard's polls
         assert all(alive(p) for p in pids)
     finally:
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(pids)
 
 
 def test_the_guard_passes_on_the_commands_exit() -> None:
@@ -147,9 +150,7 @@ def test_a_simulated_engine_does_not_outlive_its_starter(tiny_model_dir: Path) -
         starter.wait()
         assert wait_gone(family) == []
     finally:
-        for pid in family:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(family)
 
 
 FAMILY_SCRIPT = ROOT / "tests" / "process_family.py"
@@ -177,9 +178,7 @@ def test_the_guard_ends_what_its_command_leaves_when_it_dies() -> None:
         assert [p for p in (core, worker) if alive(p)] == []
         assert status == -signal.SIGKILL
     finally:
-        for pid in (proc.pid, api, core, worker):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left([proc.pid, api, core, worker])
 
 
 def test_stopping_a_server_ends_its_whole_session_also_when_its_main_process_is_gone(tmp_path: Path) -> None:
@@ -199,9 +198,7 @@ def test_stopping_a_server_ends_its_whole_session_also_when_its_main_process_is_
         assert in_session(proc.pid) == [] and [p for p in family if alive(p)] == []
         assert time.monotonic() - started < 10  # SIGTERM, 1 s, SIGKILL: not the fixture's grace of 30 s
     finally:
-        for pid in family:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(family)
 
 
 @pytest.mark.vllm
@@ -223,9 +220,7 @@ def test_a_real_vllm_whose_api_server_was_killed_leaves_nothing_once_stopped(tin
         server.stop()
         assert in_session(sid) == []
     finally:
-        for pid in family:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(family)
 
 
 LEAKING_TEST = """
