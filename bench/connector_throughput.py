@@ -48,7 +48,7 @@ from typing import Any
 
 from bench.make_model import LLAMA_3_1_8B, MODEL_SHAPES, forward_costs, write_model
 from bench.overhead import _descendants, named_threads_cpu_seconds, tree_cpu_seconds
-from bench.procs import exit_on_sigterm
+from bench.procs import exit_on_sigterm, stop_all
 from bench.sim.launch import AgentSettings, agent_process
 from bench.vllm_engine import BLOCK_SIZE, CONNECTOR, MODEL_NAME, EngineServer, start_engine
 
@@ -470,10 +470,7 @@ def main(argv: list[str] | None = None) -> None:
             for rev, agent in agents.items():
                 stored[rev or "this tree"] = _metric(agent.metrics_url, "kvgate_agent_bytes_stored_total")
         finally:
-            for server in servers.values():
-                server.stop()
-            for agent in agents.values():
-                agent.stop()
+            stop_all([*(server.stop for server in servers.values()), *(agent.stop for agent in agents.values())])
     summary = summarize(rows, modes)
     summary["model"] = model_summary(args.model)
     prompt = statistics.mean(r["prompt_tokens"] for r in rows) / args.requests

@@ -40,7 +40,7 @@ import aiohttp
 import orjson
 
 from bench import machine
-from bench.procs import CLOCK_TICKS, exit_on_sigterm, free_port, spawn_kvgate, stop, wait_http
+from bench.procs import CLOCK_TICKS, exit_on_sigterm, free_port, spawn_kvgate, stop, stop_all, wait_http
 from bench.wrk_load import WrkRun, missing_tools, nginx_standins, run_wrk, write_script
 
 QUESTION_CHARS = 200
@@ -564,8 +564,7 @@ def run(args: argparse.Namespace) -> int:
                            for router in routers if router.target.startswith("kvgate:") for api in apis]
         finally:
             bar.close()
-            for router in routers:
-                router.stop()
+            stop_all(router.stop for router in routers)
     header = (f"{'target':<24}{'api':<12}{'chars':>6}{'mode':>7}{'conc':>5}{'direct p50':>12}{'routed p50':>12}"
               f"{'added p50':>11}{'added p99':>11}{'direct rps':>12}{'rps':>8}{'CPU/req':>10}{'errors':>8}")
     print(header)

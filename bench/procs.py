@@ -13,7 +13,8 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,14 @@ def session_processes(sid: int) -> dict[int, str]:
         if fields is not None and int(fields[3]) == sid and fields[0] != "Z":
             found[int(entry)] = fields[19]
     return found
+
+
+def stop_all(stops: Iterable[Callable[[], object]]) -> None:
+    """Call each of `stops` in order, every one even when an earlier one raises (a server whose stop fails must not
+    leave the rest running); then raise what was raised (the last error, the earlier ones as its context)."""
+    with ExitStack() as stack:
+        for stop in reversed(list(stops)):
+            stack.callback(stop)
 
 
 def stop_session(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:

@@ -20,10 +20,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.procs import exit_on_sigterm, free_port, guarded, spawn_valkey, stop_session
+from bench.procs import exit_on_sigterm, free_port, guarded, spawn_valkey, stop_all, stop_session
 from bench.procs import stop as stop_process
 from bench.sim.launch import AgentSettings, SimAgentProcess, agent_process
 
@@ -202,13 +203,10 @@ class VllmFleet:
                 for spec, a in zip(specs, self.agents, strict=True)]
 
     def stop(self) -> None:
-        for engine in self.engines:
-            engine.stop()
-        for agent in self.agents:
-            agent.stop()
+        stops: list[Callable[[], object]] = [*(e.stop for e in self.engines), *(a.stop for a in self.agents)]
         if self.valkey is not None:
-            stop_process(self.valkey)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+            stops.append(functools.partial(stop_process, self.valkey))
+        stop_all([*stops, functools.partial(shutil.rmtree, self.workdir, ignore_errors=True)])
 
 
 def start_vllm_fleet(n: int, model_dir: Path, *, gpu_blocks: int, agents: AgentSettings | None = None,

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.procs import free_port, spawn_valkey, valkey_server_binary
+from bench.procs import free_port, spawn_valkey, stop_all, valkey_server_binary
 from bench.procs import stop as stop_process
 from bench.standin import StandinBehaviour, create_standin_app
 from kvgate.serve import assemble
@@ -189,8 +189,7 @@ def sim_fleet(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
     try:
         yield start
     finally:
-        for fleet in fleets:
-            fleet.stop()
+        stop_all(fleet.stop for fleet in fleets)
 
 
 
@@ -303,8 +302,7 @@ def agents() -> Iterator[list[AgentProcess]]:
     """Tier agent processes a test starts; each is stopped at the end (a test may override this fixture)."""
     started: list[AgentProcess] = []
     yield started
-    for agent in started:
-        agent.stop()
+    stop_all(agent.stop for agent in started)
 
 
 @pytest.fixture
@@ -312,8 +310,7 @@ def servers() -> Iterator[list[EngineServer]]:
     """Real vLLM servers a test starts; each is stopped at the end."""
     started: list[EngineServer] = []
     yield started
-    for server in started:
-        server.stop()
+    stop_all(server.stop for server in started)
 
 
 async def health_while(http: aiohttp.ClientSession, gw_url: str, work: Any) -> tuple[Any, float]:

@@ -30,7 +30,7 @@ from agent.server import FIRST_FRAME_TIMEOUT_S, TierAgent
 from agent.store import TierStore, build_nvme_tier
 from agent.tiers.base import StoreItem
 from agent.tiers.dram import DramTier
-from bench.procs import free_port, spawn_valkey
+from bench.procs import free_port, spawn_valkey, stop_all
 from bench.procs import stop as stop_process
 from kvcore.kv_events import BlockStored, decode_batch
 from tests.agent_process import AgentProcess
@@ -50,8 +50,7 @@ def content(block_hash: int, size: int = BLOCK) -> bytes:
 def agents(subprocess_env: dict[str, str]) -> Iterator[list[AgentProcess]]:
     started: list[AgentProcess] = []
     yield started
-    for agent in started:
-        agent.stop()
+    stop_all(agent.stop for agent in started)
 
 
 def test_store_lookup_load_events_and_metrics(tmp_path: Path, agents: list[AgentProcess],

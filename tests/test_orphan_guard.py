@@ -201,6 +201,30 @@ def test_stopping_a_server_ends_its_whole_session_also_when_its_main_process_is_
         kill_left(family)
 
 
+def test_a_fleet_whose_first_stop_raises_still_stops_the_rest(tmp_path: Path) -> None:
+    """`VllmFleet.stop` (and every fixture that stops a list of servers) stops each one even when an earlier stop
+    raises, then raises: it stopped them one by one, so a first stop that failed left the second server running."""
+    from bench.vllm_engine import EngineServer, VllmFleet
+
+    class Stuck(EngineServer):
+        def stop(self, timeout: float = 30.0) -> None:
+            raise RuntimeError("stuck in the kernel")
+
+    first, first_family = start_family()
+    second, family = start_family()
+    servers = [Stuck("vllm", "sha256", "http://127.0.0.1:1", "", "", tmp_path, first, tmp_path / "log", 0.0),
+               EngineServer("vllm", "sha256", "http://127.0.0.1:2", "", "", tmp_path, second, tmp_path / "log", 0.0)]
+    workdir = tmp_path / "fleet"
+    workdir.mkdir()
+    try:
+        with pytest.raises(RuntimeError, match="stuck in the kernel"):
+            VllmFleet(servers, [], workdir).stop()
+        assert in_session(second.pid) == [] and [p for p in family if alive(p)] == []
+        assert not workdir.exists()
+    finally:
+        kill_left([first.pid, *first_family, second.pid, *family])
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_a_real_vllm_whose_api_server_was_killed_leaves_nothing_once_stopped(tiny_model_dir: Path,

@@ -15,6 +15,7 @@ loads from it (docs/sim.md), and `worker_specs` carry the agents' event endpoint
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -22,12 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.procs import LoggedProcess, free_port, spawn_valkey, wait_http
+from bench.procs import LoggedProcess, free_port, spawn_valkey, stop_all, wait_http
 from bench.procs import stop as stop_process
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -189,15 +190,16 @@ class SimFleet:
             agent.wait_ready(timeout)
 
     def stop(self) -> None:
-        for replica in self.replicas:
-            replica.stop()
-        for agent in self.agents:
-            agent.stop()
+        stops: list[Callable[[], object]] = [*(r.stop for r in self.replicas), *(a.stop for a in self.agents),
+                                             self._stop_valkey]
+        if self.workdir is not None:
+            stops.append(functools.partial(shutil.rmtree, self.workdir, ignore_errors=True))
+        stop_all(stops)
+
+    def _stop_valkey(self) -> None:
         if self.valkey is not None:
             stop_process(self.valkey)
             self.valkey = None
-        if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
 
 
