@@ -394,11 +394,16 @@ def answer_usage(data: bytes) -> Usage | None:
     for document in reversed(documents):  # the last usage: with continuous usage stats every event has one
         try:
             usage = orjson.loads(document).get("usage")
-            prompt = usage["prompt_tokens"]
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            completion = usage.get("completion_tokens")
+            prompt = _token_count(usage["prompt_tokens"])
+            cached = _token_count((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+            completion = _token_count(usage.get("completion_tokens"))
         except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
             continue
-        if isinstance(prompt, int) and isinstance(cached, int):
-            return Usage(prompt, cached, completion if isinstance(completion, int) else None)
+        if prompt is not None and cached is not None and cached <= prompt:  # else no engine's figures: not counted
+            return Usage(prompt, cached, completion)
     return None
+
+
+def _token_count(value: object) -> int | None:
+    """A count of tokens as an answer reports it: a non-negative integer (JSON's `true` is none)."""
+    return value if type(value) is int and value >= 0 else None

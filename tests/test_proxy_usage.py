@@ -5,6 +5,7 @@ closes. Workers on raw sockets, so every byte and pause is the test's."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -112,3 +113,36 @@ async def test_a_client_gone_before_the_end_is_a_499(http: aiohttp.ClientSession
             await r.content.readline()
             r.close()
         await eventually(lambda: counted(gw, "kvgate_requests_total", model="tiny", worker=url, status="499") == 1)
+
+
+def whole_answer(usage: dict[str, Any]) -> tuple[Any, bytes]:
+    """A whole (non-streamed) answer reporting `usage`, and its body."""
+    body = json.dumps({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "a"}],
+                       "usage": usage}).encode()  # json, not orjson: it writes integers of any size
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+
+    return answer, body
+
+
+@pytest.mark.parametrize("prompt, cached", [
+    (PROMPT, -CACHED), (-PROMPT, CACHED), (PROMPT, PROMPT + 1), (10**400, 10**400), (True, True), (PROMPT, 1.5),
+], ids=["negative_cached", "negative_prompt", "more_cached_than_prompt", "beyond_64_bits", "booleans", "a_float"])
+async def test_an_answer_reporting_impossible_usage_is_relayed_and_not_counted(http: aiohttp.ClientSession,
+                                                                              prompt: Any, cached: Any) -> None:
+    """A worker (one added at run time may be anyone's listener) whose `usage` cannot be an engine's: its answer
+    reaches the client untouched and its figures count nowhere. A negative count made the gateway answer 500
+    (prometheus_client's counters refuse to go down) and more cached than prompt tokens was counted."""
+    answer, body = whole_answer({"prompt_tokens": prompt, "completion_tokens": 1,
+                                 "prompt_tokens_details": {"cached_tokens": cached}})
+    async with raw_worker(answer) as url, running_gateway([url]) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        for _ in range(2):
+            async with http.post(gw.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"}) as resp:
+                assert (resp.status, await resp.read()) == (200, body)
+        assert counted(gw, "kvgate_requests_total", model="tiny", worker=url, status="200") == 2
+        assert counted(gw, "kvgate_usage_prompt_tokens_total", strategy="round_robin") == 0
+        assert counted(gw, "kvgate_actual_cached_tokens_total", strategy="round_robin") == 0
+        assert counted(gw, "kvgate_worker_reported_cached_tokens_total", worker=url) == 0
