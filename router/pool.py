@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -132,8 +133,14 @@ class Worker:
 
 
 def parse_load_gauges(text: str) -> dict[str, float]:
-    """The load gauges of a vLLM `/metrics` page, by Worker attribute, summed over label sets."""
-    return {LOAD_GAUGES[name]: value for name, value in sum_samples(text, LOAD_GAUGES).items()}
+    """The load gauges of a vLLM `/metrics` page, by Worker attribute, summed over label sets; one whose total no
+    engine could report (NaN, infinite, negative) is left out, so the worker keeps its last value (a NaN load made
+    every strategy's comparisons false and every request a 500), and the cache usage is at most 1."""
+    values = {LOAD_GAUGES[name]: value for name, value in sum_samples(text, LOAD_GAUGES).items()
+              if math.isfinite(value) and value >= 0}
+    if "kv_usage" in values:
+        values["kv_usage"] = min(values["kv_usage"], 1.0)
+    return values
 
 
 def parse_cache_config(text: str) -> tuple[int, int] | None:
@@ -141,9 +148,10 @@ def parse_cache_config(text: str) -> tuple[int, int] | None:
     each rank has its own cache of that size); None when it is absent or does not say them."""
     labels = info_labels(text, "vllm:cache_config_info")
     try:
-        return (int(labels["num_gpu_blocks"]), int(labels["block_size"])) if labels else None
+        blocks, block_size = (int(labels["num_gpu_blocks"]), int(labels["block_size"])) if labels else (0, 0)
     except (KeyError, ValueError):
         return None  # older vLLM, or num_gpu_blocks "None" before the engine has profiled
+    return (blocks, block_size) if blocks > 0 and block_size > 0 else None
 
 
 class WorkerPool:
