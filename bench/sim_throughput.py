@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from bench.procs import cpu_seconds, exit_on_sigterm, free_port, spawn_kvgate, stop, wait_http
-from router.upstream import UpstreamPool
+from router.upstream import FETCH_MAX_BYTES, UpstreamPool
 
 
 @dataclass
@@ -71,7 +71,7 @@ async def drive(url: str, model: str, scenario: dict[str, Any], concurrency: int
         t0 = time.perf_counter()
         response = await pool.request("POST", target, headers, body, read_timeout=30)
         try:
-            await response.read()
+            await response.read(FETCH_MAX_BYTES)
             if response.status != 200:
                 errors += 1
         finally:

@@ -141,6 +141,10 @@ class GatewayConfig:
     )
     max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body in bytes (413 above)")
     body_timeout_s: float = option(30.0, "longest wait for a client's request body (408 after)")
+    max_response_bytes: int = option(
+        256 * 1024 * 1024, "largest whole (non-streamed) answer relayed from a worker in bytes (502 above; a stream "
+        "is relayed as it arrives, unbounded)"
+    )
     max_in_flight_requests: int = option(
         4096, "proxied requests in flight at once, gateway-wide; beyond, an immediate 503 with Retry-After"
     )

@@ -26,7 +26,7 @@ from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool, describe_error
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS
 from router.routing import Decision, RouteRequest, Strategy
-from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse
+from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,10 @@ class Proxy:
                     handed_over = True
                     done = route.path in (COMPLETIONS, CHAT_COMPLETIONS) and _is_event_stream(upstream.headers)
                     return _OpenStream(upstream, route, decision, chunks, first, headers, worker, model_label, done)
-                data = await upstream.read()
+                data = await upstream.read(cfg.max_response_bytes)
+            except UpstreamTooLarge as exc:  # the worker did its job: no retry elsewhere, nothing to eject it for
+                self._metrics.requests.labels(model_label, worker.url, "502").inc()
+                raise GatewayError(502, str(exc), type="upstream_error", code="upstream_response_too_large") from None
             except UpstreamError as exc:
                 raise self._connection_lost(worker, exc) from None
             except TimeoutError:

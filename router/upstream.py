@@ -26,6 +26,11 @@ import httptools
 IDLE_TTL_S = 4.0
 # Above this many buffered body bytes the socket stops reading until the consumer catches up.
 HIGH_WATER = 1 << 20
+# A response head (status line and headers) still unfinished after this many bytes is no worker's: vLLM's are a
+# few hundred bytes, and one that never ends would otherwise grow in the gateway until a timeout.
+MAX_HEAD_BYTES = 64 * 1024
+# The largest body `fetch` reads (a worker's /health, /v1/models, /metrics: vLLM's /metrics is tens of kB).
+FETCH_MAX_BYTES = 16 * 1024 * 1024
 
 
 class UpstreamError(Exception):
@@ -34,6 +39,10 @@ class UpstreamError(Exception):
 
 class UpstreamConnectError(UpstreamError):
     """The connection could not be opened (refused, unreachable, connect timeout)."""
+
+
+class UpstreamTooLarge(UpstreamError):
+    """The response's body is larger than its reader's limit (the connection is dropped)."""
 
 
 class _Stale(Exception):
@@ -55,6 +64,7 @@ class _Connection(asyncio.Protocol):
         self.headers: list[tuple[str, str]] = []
         self.keep_alive = False
         self.got_bytes = False
+        self.head_bytes = 0  # fed to the parser before the head was complete
         self.headers_done = False
         self.close_delimited = False  # the body ends when the connection closes (no length, not chunked)
         self.complete = False
@@ -77,6 +87,10 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamError("unexpected protocol upgrade from worker"))
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"malformed HTTP response from worker: {exc}"))
+        if not self.headers_done:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(UpstreamError(f"the worker's response head exceeds {MAX_HEAD_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -151,6 +165,10 @@ class _Connection(asyncio.Protocol):
     def has_data(self) -> bool:
         return bool(self._chunks)
 
+    @property
+    def buffered(self) -> int:
+        return self._buffered
+
     def send(self, payload: bytes) -> None:
         self._reset()
         assert self.transport is not None
@@ -200,13 +218,20 @@ class UpstreamResponse:
                 return
             await conn.wait(self._read_timeout)
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int) -> bytes:
+        """The whole body; UpstreamTooLarge once it exceeds `limit` bytes (what was read is let go)."""
         conn = self._conn
-        if conn.complete and conn.error is None:  # all of it came with the headers, as short answers do
-            data = conn.take()
+        if conn.complete and conn.error is None and conn.buffered <= limit:  # it came with the headers, as short
+            data = conn.take()                                               # answers do
             self._finish()
             return data
-        parts = [chunk async for chunk in self.chunks()]
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks():
+            size += len(chunk)
+            if size > limit:
+                raise UpstreamTooLarge(f"the worker's answer exceeds {limit} bytes")
+            parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _finish(self) -> None:
@@ -332,12 +357,12 @@ class UpstreamPool:
         if conn.transport is not None:
             conn.transport.abort()
 
-    async def fetch(self, url: str, timeout: float) -> tuple[int, bytes]:
-        """GET a small resource (health, models, metrics) within `timeout` seconds."""
+    async def fetch(self, url: str, timeout: float, limit: int = FETCH_MAX_BYTES) -> tuple[int, bytes]:
+        """GET a small resource (health, models, metrics) within `timeout` seconds and `limit` bytes."""
         async with asyncio.timeout(timeout):
             response = await self.request("GET", url)
             try:
-                return response.status, await response.read()
+                return response.status, await response.read(limit)
             finally:
                 response.close()
 

@@ -139,3 +139,73 @@ async def test_an_error_answered_to_a_stream_request_is_relayed_whole(http: aioh
                 http.post(gw.url + "/v1/completions", json={**COMPLETION, "stream": True}) as resp):
         assert resp.status == 400 and await resp.read() == error
         assert resp.headers["Content-Type"] == "application/json"
+
+
+# --- answers too large to hold ------------------------------------------------------------------------------------
+
+
+async def _endless_head(writer: asyncio.StreamWriter) -> None:
+    """A status line, then header lines for as long as the gateway reads them (bounded: 64 MiB)."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+    line = b"X-Filler: " + b"a" * 1000 + b"\r\n"
+    for _ in range(64 * 1024):
+        writer.write(line)
+        await writer.drain()
+    writer.write(b"Content-Length: 2\r\n\r\n{}")
+
+
+async def test_a_response_head_that_does_not_end_is_cut_at_a_bound(http: aiohttp.ClientSession) -> None:
+    """A worker whose headers go on and on: the gateway held every header line it sent (64 MiB and counting, until
+    the answer's timeout) and relayed them all; now it cuts the connection once the head passes 64 KiB, retries
+    elsewhere, and says 502 when nowhere answers, the same connection's next request served."""
+    async with raw_worker(_endless_head) as url, running_gateway([url]) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        started = time.monotonic()
+        async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
+            error = await resp.json()
+            assert resp.status == 502 and error["error"]["code"] == "upstream_failed"
+        assert time.monotonic() - started < 5
+        async with http.get(gw.url + "/health") as resp:
+            assert resp.status == 200
+
+
+async def test_a_whole_answer_over_the_limit_is_a_502_and_the_gateway_keeps_serving(
+        http: aiohttp.ClientSession) -> None:
+    """A non-streamed answer is held whole before it is relayed: one larger than `max_response_bytes` is a 502 with
+    its own code, not retried (the worker did its job) and no mark against the worker; one at the limit passes."""
+    limit = 1 << 20
+    sizes = iter([limit + 1, limit, limit * 8])
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        body = b'"' + b"x" * (next(sizes) - 2) + b'"'
+        writer.write(_reply("200 OK", [("Content-Type", "application/json")], body))
+        await writer.drain()
+
+    async with raw_worker(answer) as url, running_gateway([url], max_response_bytes=limit) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        for expected in (502, 200, 502):
+            async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
+                body = await resp.read()
+                assert resp.status == expected
+                if expected == 502:
+                    assert orjson.loads(body)["error"]["code"] == "upstream_response_too_large"
+                else:
+                    assert len(body) == limit
+        worker = gw.gateway.pool.get(url)
+        assert worker is not None and worker.healthy and worker.consecutive_failures == 0
+        assert "kvgate_retries_total{" not in await _metrics(http, gw.url)
+
+
+async def test_a_metrics_page_too_large_to_read_is_not_read(http: aiohttp.ClientSession) -> None:
+    """The pool's scrapes of a worker (health, models, metrics) read at most 16 MiB: a /metrics page of 32 MiB
+    (vLLM's is tens of kB) leaves the worker's load as it was, and the worker serves."""
+    page = b"vllm:num_requests_waiting 7\n" + b"# " + b"x" * (32 << 20) + b"\n"
+    async with raw_worker(answering(_reply("200 OK", [], BODY)), metrics=page) as url, \
+            running_gateway([url], strategy="least_load") as gw:
+        worker = gw.gateway.pool.get(url)
+        assert worker is not None
+        await eventually(lambda: worker.healthy)
+        await asyncio.sleep(0.5)  # two scrapes' time (metrics_interval_s 0.2)
+        assert worker.load_scraped_at == 0 and worker.waiting == 0
+        async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
+            assert (resp.status, await resp.read()) == (200, BODY)

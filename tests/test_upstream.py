@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from bench.procs import free_port
-from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool
+from router.upstream import FETCH_MAX_BYTES, UpstreamConnectError, UpstreamError, UpstreamPool
 from tests.abuse_servers import raw_server, read_request
 from tests.conftest import running_standin
 
@@ -26,7 +26,7 @@ async def test_json_stream_and_keep_alive_reuse(pool: UpstreamPool) -> None:
             resp = await pool.request("POST", worker.url + "/v1/completions", [("Content-Type", "application/json")],
                                       b'{"model": "tiny", "prompt": "x", "max_tokens": 3}')
             assert resp.status == 200
-            assert b'" t0 t1 t2"' in await resp.read()
+            assert b'" t0 t1 t2"' in await resp.read(FETCH_MAX_BYTES)
             resp.close()
         resp = await pool.request("POST", worker.url + "/v1/completions", [],
                                   b'{"model": "tiny", "prompt": "x", "max_tokens": 50, "stream": true}')
@@ -99,7 +99,7 @@ async def test_truncated_and_malformed_answers_raise(pool: UpstreamPool) -> None
     async with raw_server(truncated) as url:
         resp = await pool.request("GET", url)
         with pytest.raises(UpstreamError, match="closed"):
-            await resp.read()
+            await resp.read(FETCH_MAX_BYTES)
         resp.close()
     async with raw_server(garbage) as url:
         with pytest.raises(UpstreamError, match="malformed"):
@@ -117,7 +117,7 @@ async def test_read_timeout_on_silence_and_slot_released(pool: UpstreamPool) -> 
         for _ in range(6):  # more than limit_per_host: slots must come back after each failure
             resp = await pool.request("GET", url, read_timeout=0.1)
             with pytest.raises(TimeoutError):
-                await resp.read()
+                await resp.read(FETCH_MAX_BYTES)
             resp.close()
 
 
