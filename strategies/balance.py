@@ -175,12 +175,18 @@ class PrefillBalance:
         # Recorded now rather than once the worker answers: a burst of one prefix must see its own first
         # request, or every request of the burst would be a miss.
         self._queue(worker.url).add(prompt - predicted, now)
-        if keys:
-            self.trie.insert(keys, worker.url)
-            if self.trie.trim_due and not self._trimming:
-                self._trim_soon()
+        self.remember(keys, worker.url)
         self.record(prompt, predicted)
         return Decision(worker, reason, predicted)
+
+    def remember(self, keys: Sequence[int], worker: str) -> None:
+        """Put a decision in the trie (`keys` sent to `worker`), and have what that puts past its budget or TTL
+        removed: every strategy's inserts go through here, or the trie's slack would stay over its budget and its
+        expired prefixes would stay predicted."""
+        if keys:
+            self.trie.insert(keys, worker)
+            if self.trie.trim_due and not self._trimming:
+                self._trim_soon()
 
     def _trim_soon(self) -> None:
         """Have the trie's removals done in slices on the running event loop; without one (a simulation calling

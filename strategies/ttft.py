@@ -1167,7 +1167,7 @@ class TtftAware(KvAware):
         if rank is not None:
             self._rank_in_flight[cache] = self._rank_in_flight.get(cache, 0) + 1
         if keys:
-            self.balance.trie.insert(keys, worker.url)
+            self.balance.remember(keys, worker.url)
             self.pending.add(cache_name(worker.url, rank), keys)
         self.balance.record(prompt, cached)
         return Decision(worker, reason, cached, rank, estimate.ttft_s)
