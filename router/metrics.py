@@ -246,9 +246,18 @@ class GatewayMetrics:
         )
 
     def forget_worker(self, url: str) -> None:
-        """Drop a removed worker's label sets so dashboards stop showing it."""
-        for gauge in (self.in_flight, self.healthy, self.worker_waiting, self.worker_running, self.worker_kv_usage,
-                      self.worker_prefix_hits, self.worker_prefix_queries, self.worker_predicted_cached_tokens,
-                      self.worker_reported_cached_tokens):
-            with contextlib.suppress(KeyError):
-                gauge.remove(url)
+        """Drop every label set naming a removed worker (or one of its data-parallel ranks' caches, `URL#dpN`), so
+        dashboards stop showing it and a fleet whose workers come and go (discovery, /admin/workers) does not grow
+        the metrics without bound."""
+        rank = url + "#dp"
+        for metric in vars(self).values():
+            if not isinstance(metric, prometheus_client.metrics.MetricWrapperBase):
+                continue
+            names = metric._labelnames
+            if "worker" not in names:
+                continue
+            at = names.index("worker")
+            for labels in [k for k in list(metric._metrics)
+                           if k[at] == url or (k[at].startswith(rank) and k[at][len(rank):].isdigit())]:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*labels)

@@ -1,0 +1,57 @@
+"""What the gateway takes in from workers and their event publishers, beyond the answers it relays: hostile values
+must not grow its memory without bound nor leave state behind (see also test_abuse.py, test_kv_events_fuzz.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from kvcore.kv_events import BlockStored, KvEventPublisher
+from router.metrics import GatewayMetrics
+from tests.conftest import eventually, running_gateway, running_standin
+from tests.test_kv_events_in import BS, _two_free_ports
+
+
+def _series_of(metrics: GatewayMetrics, url: str) -> list[str]:
+    """Every sample whose `worker` label names `url` (or one of its data-parallel ranks' caches)."""
+    return [f"{sample.name}{sample.labels}" for family in metrics.registry.collect() for sample in family.samples
+            if sample.labels.get("worker", "").split("#dp")[0] == url]
+
+
+async def test_a_removed_worker_leaves_no_metric_series(http: aiohttp.ClientSession) -> None:
+    """Every label set naming a worker goes with it: a fleet whose workers come and go (discovery on a cluster
+    whose pods get new addresses, workers added and removed by /admin/workers) otherwise grows the gateway's
+    metrics without bound (the requests counter, ejections and the KV event counters kept each removed worker's
+    series forever)."""
+    events, replay = _two_free_ports(), _two_free_ports()
+    publisher = KvEventPublisher(f"tcp://*:{events}", f"tcp://*:{replay}", data_parallel_rank=None)
+    await publisher.start()
+    try:
+        async with running_standin() as worker, running_gateway([], strategy="kv", block_size=BS) as gw:
+            spec = {"url": worker.url, "events": f"tcp://127.0.0.1:{events}", "replay": f"tcp://127.0.0.1:{replay}"}
+            metrics = gw.gateway.metrics
+            for _ in range(3):  # added and removed again and again, as discovery churns
+                async with http.post(gw.url + "/admin/workers", json=spec) as resp:
+                    assert resp.status == 201, await resp.text()
+                hub = gw.gateway.kv_events
+                assert hub is not None
+                while not hub.trusted(worker.url):
+                    publisher.publish([BlockStored(block_hashes=[1], token_ids=[1, 2, 3, 4], block_size=BS)])
+                    await asyncio.sleep(0.05)
+                publisher.publish([BlockStored(block_hashes=[2], parent_block_hash=99, token_ids=[5, 6, 7, 8],
+                                               block_size=BS)])  # an unknown parent: counted unmapped
+                async with http.post(gw.url + "/v1/completions",
+                                     json={"model": "tiny", "prompt": "hello", "max_tokens": 1}) as resp:
+                    assert resp.status == 200
+                metrics.ejections.labels(worker.url).inc()  # as a failed probe would count it
+                await eventually(lambda: any("unmapped" in s for s in _series_of(metrics, worker.url)))
+                assert any("kvgate_requests" in s for s in _series_of(metrics, worker.url))
+                async with http.delete(gw.url + "/admin/workers", params={"url": worker.url}) as resp:
+                    assert resp.status == 202
+                await eventually(lambda: not gw.gateway.pool.all())
+                assert _series_of(metrics, worker.url) == []
+                async with http.get(gw.url + "/metrics") as resp:
+                    assert worker.url not in await resp.text()
+    finally:
+        await publisher.close()
