@@ -301,6 +301,7 @@ class KvEventApplier:
             self._held.pop(source, None)
             self._group.pop(source, None)
             self._learned.pop(source, None)
+        self._warned = {warned for warned in self._warned if warned[0].cache != worker}
         self._waiting_drop(lambda w: w.source.cache == worker)
         self.index.clear(worker)
 

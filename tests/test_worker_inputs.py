@@ -4,10 +4,11 @@ must not grow its memory without bound nor leave state behind (see also test_abu
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 
-from kvcore.kv_events import BlockStored, KvEventPublisher
+from kvcore.kv_events import AllBlocksCleared, BlockStored, KvEventPublisher
 from router.metrics import GatewayMetrics
 from tests.conftest import eventually, running_gateway, running_standin
 from tests.test_kv_events_in import BS, _two_free_ports
@@ -36,21 +37,27 @@ async def test_a_removed_worker_leaves_no_metric_series(http: aiohttp.ClientSess
                     assert resp.status == 201, await resp.text()
                 hub = gw.gateway.kv_events
                 assert hub is not None
+                deadline = time.monotonic() + 10
                 while not hub.trusted(worker.url):
+                    assert time.monotonic() < deadline, "the worker's events never made its picture whole"
                     publisher.publish([BlockStored(block_hashes=[1], token_ids=[1, 2, 3, 4], block_size=BS)])
                     await asyncio.sleep(0.05)
                 publisher.publish([BlockStored(block_hashes=[2], parent_block_hash=99, token_ids=[5, 6, 7, 8],
                                                block_size=BS)])  # an unknown parent: counted unmapped
+                publisher.publish([BlockStored(block_hashes=[3], token_ids=[1] * 8, block_size=8)])  # rejected
+                publisher.publish([AllBlocksCleared()])  # whole again (the next round replays all of this)
                 async with http.post(gw.url + "/v1/completions",
                                      json={"model": "tiny", "prompt": "hello", "max_tokens": 1}) as resp:
                     assert resp.status == 200
                 metrics.ejections.labels(worker.url).inc()  # as a failed probe would count it
-                await eventually(lambda: any("unmapped" in s for s in _series_of(metrics, worker.url)))
+                await eventually(lambda: all(any(what in s for s in _series_of(metrics, worker.url))
+                                               for what in ("unmapped", "mismatches")))
                 assert any("kvgate_requests" in s for s in _series_of(metrics, worker.url))
                 async with http.delete(gw.url + "/admin/workers", params={"url": worker.url}) as resp:
                     assert resp.status == 202
                 await eventually(lambda: not gw.gateway.pool.all())
                 assert _series_of(metrics, worker.url) == []
+                assert not hub.applier._warned  # nor its warnings (one per source and reason, kept to warn once)
                 async with http.get(gw.url + "/metrics") as resp:
                     assert worker.url not in await resp.text()
     finally:
