@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import cast
 
 from prometheus_client import Counter
@@ -46,6 +47,7 @@ MAX_EVENT_BLOCKS = 1 << 16  # blocks one BlockStored may name (vLLM: a step's ne
 SLICE_BLOCKS = 2048  # blocks applied between two chances for the event loop to run
 WAIT_S = 30.0  # how long an announcement without token ids waits for the engine to name its block
 WAIT_MAX = 65_536  # announcements waiting at most, over all sources (the oldest give up first)
+MAX_HELD = 20_000_000  # blocks a source may hold on one tier, for an index without a bound of its own
 LEARNED_MAX = 65_536  # blocks learned from answers per source at most (the oldest are dropped first)
 # tier -> what makes a source's map of engine hash -> gateway key there where not a dict (`compact_tables`)
 HoldingTables = Mapping[str, Callable[[], MutableMapping[BlockHash, BlockKey]]]
@@ -186,6 +188,8 @@ class KvEventApplier:
         self.index = index
         self._clock = clock
         self.block_size = block_size  # the gateway's; 0 = take each event's own (tests, tools)
+        # blocks one source may hold on one tier: as many as the index holds at most (beyond, it drops the oldest)
+        self.max_held: int = getattr(index, "max_entries", MAX_HELD)
         self._metrics = metrics
         self._model_of = model_of
         self.identity = ContentIdentity(identity_blocks)
@@ -470,6 +474,20 @@ class KvEventApplier:
             if self._compact:
                 held.trim(tier, len(new_keys))
             self.index.add(worker, new_keys, tier)
+            if len(held.tiers[tier]) > self.max_held:
+                self._drop_oldest(source, held, tier)
+
+    def _drop_oldest(self, source: EventSource, held: _Holdings, tier: str) -> None:
+        """A source holds more blocks on `tier` than the index can: its oldest tenth is forgotten (the index drops
+        its oldest too), so that a source announcing blocks it never removes does not grow memory forever."""
+        keys = held.tiers[tier]
+        oldest = list(islice(keys.items(), len(keys) - int(self.max_held * 0.9)))
+        extra = held.extra
+        for engine_hash, _ in oldest:
+            del keys[engine_hash]
+            if extra:
+                extra.pop((engine_hash, tier), None)
+        self.index.remove(source.cache, [key for _, key in oldest], tier)
 
     def _removed(self, source: EventSource, held: _Holdings, hashes: Sequence[BlockHash], tier: str,
                  model: str | None) -> None:

@@ -8,10 +8,13 @@ import time
 
 import aiohttp
 
-from kvcore.kv_events import AllBlocksCleared, BlockStored, KvEventPublisher
+from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
+from router.kv_apply import KvEventApplier
+from router.kv_index import InMemoryKvIndex
+from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
 from tests.conftest import eventually, running_gateway, running_standin
-from tests.test_kv_events_in import BS, _two_free_ports
+from tests.test_kv_events_in import BS, WORKER, _two_free_ports
 
 
 def _series_of(metrics: GatewayMetrics, url: str) -> list[str]:
@@ -62,3 +65,29 @@ async def test_a_removed_worker_leaves_no_metric_series(http: aiohttp.ClientSess
                     assert worker.url not in await resp.text()
     finally:
         await publisher.close()
+
+
+def test_what_a_source_holds_is_bounded_as_the_index_is() -> None:
+    """The index keeps at most `max_entries` (block, worker) entries and drops the oldest beyond; what each source
+    says it holds (engine hash -> key, kept to undo its removals) was unbounded: an engine that announced blocks
+    and never removed them (a buggy or hostile one; or one announcing the same content under ever new hashes, which
+    the index holds as one entry) grew the gateway's memory for as long as it ran. Now a source's holdings on a
+    tier are kept to the index's bound the same way, oldest first."""
+    index = InMemoryKvIndex(max_entries=1000)
+    applier = KvEventApplier(index, GatewayMetrics(), lambda url: "tiny", block_size=BS)
+    engine = EventSource(WORKER, "tcp://127.0.0.1:9")
+    for batch in range(50):  # 5000 blocks of other content each, none removed
+        hashes = list(range(batch * 100, batch * 100 + 100))
+        applier.apply(engine, [BlockStored(block_hashes=hashes, token_ids=[batch * 1000 + t for t in range(400)],
+                                           block_size=BS)])
+    assert index.entries() <= 1000
+    assert 0 < len(applier.engine_hashes(WORKER, GPU)) <= 1000
+    newest = set(range(4900, 5000))
+    assert newest <= applier.engine_hashes(WORKER, GPU)  # the newest kept, and removable
+    applier.apply(engine, [BlockRemoved(block_hashes=sorted(newest))])
+    assert not newest & applier.engine_hashes(WORKER, GPU)
+    for batch in range(50, 100):  # the same content under ever new hashes: one entry in the index
+        applier.apply(engine, [BlockStored(block_hashes=list(range(batch * 100, batch * 100 + 100)),
+                                           token_ids=list(range(400)), block_size=BS)])
+    assert len(applier.engine_hashes(WORKER, GPU)) <= 1000
+    assert applier.engine_hashes(WORKER, GPU) <= set(range(5000, 10000))
