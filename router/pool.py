@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import xxhash
 
 from router.config import GatewayConfig, WorkerSpec
 from router.errors import GatewayError, no_worker, unknown_model
@@ -74,6 +75,8 @@ class Worker:
     prefill_prompt_tokens: float = 0.0
     models_fetched_at: float = 0.0
     load_scraped_at: float = 0.0
+    _base: tuple[dict[str, dict[str, Any]], str | None] | None = field(default=None, repr=False)
+    _listing_digest: int | None = field(default=None, repr=False)  # of the last /v1/models body taken
 
     @property
     def url(self) -> str:
@@ -90,9 +93,13 @@ class Worker:
     @property
     def base_model(self) -> str | None:
         """The base model this worker serves (its model card without a `parent`): the root of the block keys of
-        its KV events. None while its models are unknown."""
-        bases = [m for m, card in self.model_cards.items() if card.get("parent") in (None, m)]
-        return bases[0] if bases else None
+        its KV events. None while its models are unknown. Found once per listing (`model_cards` is replaced, never
+        changed in place): it is asked per request and per event batch, and a listing may name 100,000 adapters."""
+        cards = self.model_cards
+        if self._base is None or self._base[0] is not cards:
+            base = next((m for m, card in cards.items() if card.get("parent") in (None, m)), None)
+            self._base = (cards, base)
+        return self._base[1]
 
     def key_names(self, model: str) -> tuple[str, str | None]:
         """What a request for `model` is keyed under on this worker, as its engine names the blocks: (base model,
@@ -351,6 +358,10 @@ class WorkerPool:
         status, body = await self._upstream.fetch(worker.url + "/v1/models", self._config.health_timeout_s)
         if status != 200:
             raise ValueError(f"/v1/models answered {status}")
+        digest = xxhash.xxh3_64_intdigest(body)
+        if digest == worker._listing_digest:  # the same listing: not parsed again (it may be megabytes)
+            worker.models_fetched_at = time.monotonic()
+            return
         listing = orjson.loads(body)
         if not isinstance(listing, dict) or not isinstance(listing.get("data", []), list):
             raise ValueError("/v1/models did not answer a JSON object with a `data` list")
@@ -362,6 +373,7 @@ class WorkerPool:
         worker.model_cards = cards
         worker.models = frozenset(cards)
         worker.models_fetched_at = time.monotonic()
+        worker._listing_digest = digest
 
     async def _scrape_load(self, worker: Worker) -> None:
         try:

@@ -8,11 +8,14 @@ import time
 
 import aiohttp
 
+from bench.procs import free_port
 from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
 from router.kv_apply import KvEventApplier
 from router.kv_index import InMemoryKvIndex
 from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
+from router.pool import Worker
+from tests.abuse_servers import listing_worker
 from tests.conftest import eventually, running_gateway, running_standin
 from tests.test_kv_events_in import BS, WORKER, _two_free_ports
 
@@ -91,3 +94,38 @@ def test_what_a_source_holds_is_bounded_as_the_index_is() -> None:
                                            token_ids=list(range(400)), block_size=BS)])
     assert len(applier.engine_hashes(WORKER, GPU)) <= 1000
     assert applier.engine_hashes(WORKER, GPU) <= set(range(5000, 10000))
+
+
+async def test_a_long_model_listing_costs_the_request_path_nothing_per_model() -> None:
+    """A worker listing 100,000 models (a multi-LoRA engine, or a hostile one): the base model its KV events and
+    requests are keyed under was found by a scan of every card on each call (per request routed and per event
+    batch: about 10 ms each at 100,000 cards); it is found once per listing now. Timed against a one-card worker
+    in the same run (a ratio, for a loaded machine)."""
+    cards = [{"id": "tiny", "object": "model"}] + [
+        {"id": f"adapter-{i}", "object": "model", "parent": "tiny"} for i in range(100_000)]
+    async with listing_worker(free_port()) as many, listing_worker(free_port()) as one:
+        many.models = {"object": "list", "data": cards}
+        async with running_gateway([many.url, one.url], models_refresh_s=0.2) as gw:
+            pool = gw.gateway.pool
+            await eventually(lambda: all(w.models for w in pool.all()), timeout=30)
+            big, small = pool.get(many.url), pool.get(one.url)
+            assert big is not None and small is not None
+            assert big.key_names("adapter-7") == ("tiny", "adapter-7") and big.key_names("tiny") == ("tiny", None)
+
+            def timed(worker: Worker) -> float:
+                began = time.perf_counter()
+                for _ in range(100):
+                    worker.key_names("tiny")
+                    assert worker.base_model == "tiny"
+                return time.perf_counter() - began
+
+            ratios = []
+            for _ in range(3):
+                ratios.append(timed(big) / timed(small))
+            assert min(ratios) < 10, ratios
+            # an unchanged listing is not parsed again at each refresh (16 MiB of JSON: a stall of its own)
+            listed, fetched = big.model_cards, big.models_fetched_at
+            await eventually(lambda: big.models_fetched_at > fetched, timeout=10)
+            assert big.model_cards is listed
+            many.models = {"object": "list", "data": cards[:10]}  # a changed one is
+            await eventually(lambda: len(big.models) == 10, timeout=10)
