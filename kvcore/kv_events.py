@@ -116,22 +116,32 @@ _loose_decoder = msgspec.msgpack.Decoder(_LooseBatch)
 _event_decoder: msgspec.msgpack.Decoder[KvEvent] = msgspec.msgpack.Decoder(KvEvent)
 
 
-def decode_batch_tolerant(payload: bytes) -> tuple[KvEventBatch, int]:
+_KNOWN_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+
+
+def decode_batch_tolerant(payload: bytes) -> tuple[KvEventBatch, int, int]:
     """Decode one payload, skipping events of a type or shape this version does not know (a newer vLLM may
-    add some) instead of losing the whole batch; returns the batch and how many events were skipped. Raises
-    msgspec.DecodeError (or ValidationError) when the batch itself is garbage."""
+    add some) instead of losing the whole batch; returns the batch, how many events of an unknown type were
+    skipped, and how many of a known type were skipped as malformed (a field of the wrong type: an event no engine
+    could send, whose loss leaves the receiver's picture incomplete). Raises msgspec.DecodeError (or
+    ValidationError) when the batch itself is garbage."""
     try:
-        return _decoder.decode(payload), 0
+        return _decoder.decode(payload), 0, 0
     except msgspec.ValidationError:
         loose = _loose_decoder.decode(payload)
     events: list[KvEvent] = []
+    malformed = 0
     for raw in loose.events:
         try:
             events.append(_event_decoder.decode(raw))
         except msgspec.ValidationError:
+            with contextlib.suppress(msgspec.DecodeError):
+                event = msgspec.msgpack.decode(raw)
+                if isinstance(event, dict) and event.get("type") in _KNOWN_TYPES:
+                    malformed += 1
             continue
     batch = KvEventBatch(ts=loose.ts, events=events, data_parallel_rank=loose.data_parallel_rank)
-    return batch, len(loose.events) - len(events)
+    return batch, len(loose.events) - len(events) - malformed, malformed
 
 
 BATCH_BLOCKS = 65_536  # blocks one published batch names at most

@@ -231,12 +231,16 @@ class StreamRecovery:
             self._metrics.kv_decode_errors.labels(self.source.cache, "too_large").inc()
             return None
         try:
-            batch, skipped = decode_batch_tolerant(payload)
+            batch, skipped, malformed = decode_batch_tolerant(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._metrics.kv_decode_errors.labels(self.source.cache, what).inc()
             return None
         if skipped:
             self._metrics.kv_decode_errors.labels(self.source.cache, "unknown_event").inc(skipped)
+        if malformed:
+            # a stored or removed event lost: what it said is missing from the picture
+            self._metrics.kv_decode_errors.labels(self.source.cache, "invalid_event").inc(malformed)
+            self._partial(f"{malformed} event(s) of a known type malformed")
         rank = self.source.dp_rank
         if rank is not None and batch.data_parallel_rank not in (None, rank):
             # another rank's cache: its events would put that rank's blocks on this one

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import aiohttp
+import msgspec
 
 from bench.procs import free_port
 from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
@@ -17,7 +18,18 @@ from router.metrics import GatewayMetrics
 from router.pool import Worker
 from tests.abuse_servers import listing_worker
 from tests.conftest import eventually, running_gateway, running_standin
-from tests.test_kv_events_in import BS, WORKER, _two_free_ports
+from tests.test_kv_events_in import (
+    BS,
+    KEYS,
+    TOKENS,
+    WORKER,
+    _two_free_ports,
+    connected,
+    held,
+    hub_and_publisher,
+    metric,
+    stored,
+)
 
 
 def _series_of(metrics: GatewayMetrics, url: str) -> list[str]:
@@ -129,3 +141,26 @@ async def test_a_long_model_listing_costs_the_request_path_nothing_per_model() -
             assert big.model_cards is listed
             many.models = {"object": "list", "data": cards[:10]}  # a changed one is
             await eventually(lambda: len(big.models) == 10, timeout=10)
+
+
+async def test_a_malformed_event_of_a_known_type_makes_the_picture_partial() -> None:
+    """An event type this version does not know is skipped (a newer vLLM may add some); a BlockRemoved or
+    BlockStored with a field of the wrong type is an event no engine could send, and skipping it loses what it
+    said: a removal skipped so left a block in the index, and the worker's picture still counted as complete
+    (routed by it). Now it is counted as invalid and the picture is partial, as for every other invalid event."""
+    async with hub_and_publisher() as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        await publisher.send([stored([1], TOKENS[:4])])
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU)})
+        assert hub.trusted(WORKER)
+        future = msgspec.msgpack.encode({"type": "BlockMigrated", "block_hashes": [1]})
+        await publisher.send_encoded(msgspec.msgpack.encode([1.0, [msgspec.Raw(future)], None]))
+        await eventually(lambda: metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER,
+                                        reason="unknown_event") == 1)
+        assert hub.trusted(WORKER)  # an unknown type: skipped, nothing lost that this version could apply
+        removal = msgspec.msgpack.encode({"type": "BlockRemoved", "block_hashes": [1], "medium": 5})
+        await publisher.send_encoded(msgspec.msgpack.encode([1.0, [msgspec.Raw(removal)], None]))
+        await eventually(lambda: metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER,
+                                        reason="invalid_event") == 1)
+        assert not hub.trusted(WORKER)
