@@ -9,6 +9,7 @@ forgotten once their in-flight requests finish.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 import time
@@ -405,7 +406,7 @@ class WorkerPool:
             return
         self._metrics.healthy.labels(worker.url).set(1 if healthy else 0)
         if healthy:
-            log.info("worker %s is healthy (models: %s)", worker.url, ", ".join(sorted(worker.models)))
+            log.info("worker %s is healthy (%s)", worker.url, _models_named(worker.models))
         else:
             self._metrics.ejections.labels(worker.url).inc()
             log.warning("worker %s ejected: %s", worker.url, worker.last_error)
@@ -414,3 +415,11 @@ class WorkerPool:
 def describe_error(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _models_named(models: frozenset[str], most: int = 8) -> str:
+    """A worker's models for a log line: its own strings, so escaped (a newline would forge a line) and a few of
+    them at most (a listing may name 100,000)."""
+    shown = [repr(model[:200])[1:-1] for model in heapq.nsmallest(most, models)]
+    more = ", ..." if len(models) > most else ""
+    return f"{len(models)} models: {', '.join(shown)}{more}"

@@ -4,10 +4,12 @@ must not grow its memory without bound nor leave state behind (see also test_abu
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import aiohttp
 import msgspec
+import pytest
 
 from bench.procs import free_port
 from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
@@ -164,3 +166,22 @@ async def test_a_malformed_event_of_a_known_type_makes_the_picture_partial() -> 
         await eventually(lambda: metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER,
                                         reason="invalid_event") == 1)
         assert not hub.trusted(WORKER)
+
+
+async def test_model_ids_reach_the_log_escaped_and_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's model ids are its own strings: one with a newline wrote a forged line into the gateway's log
+    ("worker ... is healthy (models: ...)"), and a listing of 100,000 ids a line of megabytes each time the worker
+    came back. They are logged escaped now, and a few of them at most."""
+    forged = "a\n2026-01-01 ERROR forged line"  # sorted first: among the few shown
+    cards = [{"id": forged}] + [{"id": f"adapter-{i:06d}"} for i in range(100_000)]
+    async with listing_worker(free_port()) as worker:
+        worker.models = {"object": "list", "data": cards}
+        with caplog.at_level(logging.INFO, logger="router.pool"):
+            async with running_gateway([worker.url]) as gw:
+                await eventually(lambda: gw.gateway.pool.all()[0].healthy, timeout=30)
+    lines = [r.getMessage() for r in caplog.records if "is healthy" in r.getMessage()]
+    assert lines
+    for line in lines:
+        assert "\n" not in line and len(line) < 2000, line[:300]
+        assert "100001 models" in line
+        assert repr(forged)[1:-1] in line  # escaped, still readable
