@@ -77,6 +77,9 @@ class WorkerSpec:
 def _check_worker_url(url: object) -> None:
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ConfigError(f"worker URL must start with http:// or https://: {url!r}")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        # a URL is a label value and is logged: a newline in it forges log lines (Python's parser drops it)
+        raise ConfigError(f"worker URL must not contain whitespace or control characters: {url!r}")
     parts = urlsplit(url)
     if parts.username is not None or parts.password is not None:
         # a password in a URL ends up in labels, logs and listings; workers authenticate with upstream_api_key

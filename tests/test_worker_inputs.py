@@ -185,3 +185,14 @@ async def test_model_ids_reach_the_log_escaped_and_bounded(caplog: pytest.LogCap
         assert "\n" not in line and len(line) < 2000, line[:300]
         assert "100001 models" in line
         assert repr(forged)[1:-1] in line  # escaped, still readable
+
+
+async def test_a_worker_url_with_control_characters_is_refused(http: aiohttp.ClientSession) -> None:
+    """A worker URL is a label value and is logged: one with a newline (Python's URL parser drops it when it
+    connects, so the worker even answered) forged log lines from then on. Refused as any other bad URL is."""
+    async with running_gateway([]) as gw:
+        for bad in ("http://127.0.0.1\n2026-01-01 ERROR forged:1", "http://127.0.0.1:1/\x1b[2J", "http://a\tb:1"):
+            async with http.post(gw.url + "/admin/workers", json={"url": bad}) as resp:
+                body = await resp.json()
+                assert resp.status == 400 and body["error"]["code"] == "invalid_worker", (bad, body)
+        assert gw.gateway.pool.all() == []
