@@ -12,17 +12,19 @@ with the blocks it holds but will not announce again.
 
 What a source holds is a set per (block, tier) for an engine (vLLM may re-announce a block it reuses: one
 eviction removes it) and a reference count for the tier agent (whose protocol may announce a block once per
-copy). Events are checked before they touch the index: an invalid event (a token id outside uint32, a
-non-positive block size, more blocks than `MAX_EVENT_BLOCKS`), one with a block size other than the gateway's, or
-one from a KV-cache group that is not full attention (hybrid and sliding-window models index their full-attention
-group only) is counted and dropped; the first two make the source's picture incomplete. A batch is applied in slices of
-SLICE_BLOCKS blocks, so that the caller can let the event loop run between them.
+copy). Events are checked before they touch the index: an invalid event (a non-positive block size, more blocks
+than `MAX_EVENT_BLOCKS`, a token id outside uint32 -- this one slice by slice, as the ids are converted), one with a
+block size other than the gateway's, or one from a KV-cache group that is not full attention (hybrid and
+sliding-window models index their full-attention group only) is counted and dropped; the first two make the
+source's picture incomplete. A batch is applied in slices of SLICE_BLOCKS blocks, so that the caller can let the
+event loop run between them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -32,7 +34,7 @@ from prometheus_client import Counter
 
 from kvcore.dict_tables import OldestFirst, TableTrim
 from kvcore.kv_events import GPU, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEvent
-from router.block_keys import BlockKey, block_keys, root_key
+from router.block_keys import BlockKey, chain_keys, root_key
 from router.kv_index import TIERS, KvBlockIndex, tier_of
 from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
@@ -53,7 +55,6 @@ LEARNED_MAX = 65_536  # blocks learned from answers per source at most (the olde
 HoldingTables = Mapping[str, Callable[[], MutableMapping[BlockHash, BlockKey]]]
 # cache kinds whose blocks cover the whole prefix (vLLM's KVCacheSpecKind); None: a model with one group
 FULL_PREFIX_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
-_U32 = 1 << 32
 
 
 class InvalidEvent(ValueError):
@@ -257,14 +258,19 @@ class KvEventApplier:
                                  result, mismatch=True)
                     continue
                 for start in range(0, len(event.block_hashes), SLICE_BLOCKS):
-                    self._stored(source, held, event, start, size, model)
+                    try:
+                        self._stored(source, held, event, start, size, model)
+                    except InvalidEvent as exc:  # its blocks before this slice are applied; the picture is partial
+                        self._reject(source, "invalid_event", str(exc), result)
+                        break
                     done += min(SLICE_BLOCKS, len(event.block_hashes) - start)
                     if done >= SLICE_BLOCKS:
                         done = 0
                         yield
                         if self._held.get(source) is not held:
                             return  # forgotten (its worker left, or a reset) while we yielded
-                counters[0].inc()
+                else:
+                    counters[0].inc()
             elif isinstance(event, BlockRemoved):
                 if not self._indexed_group(source, event.group_idx, None):
                     continue
@@ -360,8 +366,8 @@ class KvEventApplier:
                 raise InvalidEvent(f"block size {event.block_size}")
             if len(tokens) < event.block_size * blocks:
                 raise InvalidEvent(f"{len(tokens)} token ids for {blocks} blocks of {event.block_size}")
-            if min(tokens) < 0 or max(tokens) >= _U32:
-                raise InvalidEvent("a token id outside 0..2^32-1")
+            # each slice's token ids are checked as they are converted to uint32 (`_stored`): a min() and max()
+            # over the million ids an event may carry held the event loop for tens of ms in one go
         elif event.block_size < 0:
             raise InvalidEvent(f"block size {event.block_size}")
 
@@ -415,13 +421,16 @@ class KvEventApplier:
         hashes = event.block_hashes[start:start + SLICE_BLOCKS]
         new_keys: list[BlockKey] = []
         if event.token_ids:
+            try:
+                tokens = array("I", event.token_ids[start * size:(start + len(hashes)) * size])
+            except OverflowError:
+                raise InvalidEvent("a token id outside 0..2^32-1") from None
             parent_hash = event.parent_block_hash if start == 0 else event.block_hashes[start - 1]
             parent = (root_key(model, event.lora_name, _salt(event)) if parent_hash is None
                       else self._key_of(model, worker, parent_hash))
             if parent is None:
                 self._metrics.kv_unmapped_blocks.labels(worker).inc(len(hashes))
                 return
-            tokens = event.token_ids[start * size:(start + len(hashes)) * size]
             learned = self._learned.get(source) if tier == GPU else None
             # per block, `identity.put`, `_hold` and `_place_waiting` written out: this loop runs for every block
             # an engine computes
@@ -433,7 +442,7 @@ class KvEventApplier:
                 keys = held.table(tier)
             extra = held.extra
             waiting = self._waiting
-            for engine_hash, key in zip(hashes, block_keys(tokens, size, parent), strict=True):
+            for engine_hash, key in zip(hashes, chain_keys(tokens, size, parent), strict=True):
                 named.pop(engine_hash, None)  # re-inserted: the newest again
                 named[engine_hash] = key
                 touched(engine_hash)
