@@ -175,11 +175,13 @@ class StreamRecovery:
         if expected is None:
             if batches and batches[0][0] != 0:
                 self._reset("late_start", partial=True)
+            elif not _in_order(batches, 0):
+                self._reset("gap", partial=True)
             todo = batches
             self.expected = 0
         else:
             todo = [(seq, payload) for seq, payload in batches if seq >= expected]
-            if todo and todo[0][0] != expected:
+            if todo and not _in_order(todo, expected):
                 self._reset("gap", partial=True)
             if todo:
                 self._metrics.kv_replays.labels(self.source.cache, "repaired").inc()
@@ -196,10 +198,11 @@ class StreamRecovery:
             self._metrics.kv_replays.labels(self.source.cache, "too_frequent").inc()
             raise _Gap(f"missed batches {start}..{stop - 1}; gaps too frequent to repair each")
         self._repairs -= 1
-        batches = [(s, p) for s, p in await self._fetch(start) if s < stop]
-        if not batches or batches[0][0] != start or batches[-1][0] != stop - 1:
+        batches = [(s, p) for s, p in await self._fetch(start) if start <= s < stop]
+        if len(batches) != stop - start or not _in_order(batches, start):
             first = batches[0][0] if batches else None
-            raise _Gap(f"replay could not cover batches {start}..{stop - 1} (first buffered: {first})")
+            raise _Gap(f"replay could not cover batches {start}..{stop - 1} in order (first buffered: {first}, "
+                       f"{len(batches)} of {stop - start})")
         for seq, payload in batches:
             await self._take(seq, payload, self._replayed(payload))
         self._metrics.kv_replays.labels(self.source.cache, "repaired").inc()
@@ -310,3 +313,8 @@ class StreamRecovery:
 
 def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def _in_order(batches: Batches, first: int) -> bool:
+    """Whether the batches are `first`, `first` + 1, ... without a hole (a publisher buffers them so)."""
+    return all(seq == first + i for i, (seq, _) in enumerate(batches))

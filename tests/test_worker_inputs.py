@@ -227,3 +227,23 @@ def test_one_large_event_is_applied_in_even_slices() -> None:
     tokens[-1] = 2**32
     assert applier.apply(EventSource(WORKER, "tcp://127.0.0.1:9"),
                          [BlockStored(block_hashes=list(range(blocks)), block_size=size, token_ids=tokens)]).rejected
+
+
+async def test_a_replay_with_a_hole_does_not_count_as_repairing_the_gap() -> None:
+    """A gap of three batches, and a replay that answers the first and the last of them but not the one between
+    (a publisher's buffer is contiguous; one that is not is broken): the gap counted as repaired, the batch in the
+    hole was lost silently and the worker was still routed by its picture as complete. A replay must cover every
+    batch of the gap, in order."""
+    async with hub_and_publisher() as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        await publisher.send([stored([1], TOKENS[:4])])
+        await eventually(lambda: held(hub) == {(KEYS[0], GPU)})
+        await publisher.send([stored([2], TOKENS[4:8], parent=1)], deliver=False)
+        hole = await publisher.send([BlockRemoved(block_hashes=[1])], deliver=False)
+        await publisher.send([stored([3], TOKENS[8:12], parent=2)], deliver=False)
+        del publisher.buffer[hole]
+        await publisher.send([stored([7], [1, 2, 3, 4])])
+        await eventually(lambda: metric(metrics, "kvgate_kv_state_resets_total", worker=WORKER, reason="gap") == 1)
+        assert metric(metrics, "kvgate_kv_event_replays_total", worker=WORKER, outcome="repaired") == 0
+        assert not hub.trusted(WORKER)
