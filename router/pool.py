@@ -43,6 +43,10 @@ LOAD_GAUGES = {
 }
 
 
+MAX_CACHE_BLOCKS = 1 << 40  # KV blocks in one engine's cache, at most (more than any GPU's)
+MAX_BLOCK_SIZE = 1 << 20  # tokens in one block, at most
+
+
 @dataclass(eq=False)
 class Worker:
     """One upstream replica as the gateway sees it."""
@@ -159,7 +163,8 @@ def parse_cache_config(text: str) -> tuple[int, int] | None:
         blocks, block_size = (int(labels["num_gpu_blocks"]), int(labels["block_size"])) if labels else (0, 0)
     except (KeyError, ValueError):
         return None  # older vLLM, or num_gpu_blocks "None" before the engine has profiled
-    return (blocks, block_size) if blocks > 0 and block_size > 0 else None
+    # a size no engine could have (the strategies compute with it as a float: 10^400 blocks raised there) is not read
+    return (blocks, block_size) if 0 < blocks <= MAX_CACHE_BLOCKS and 0 < block_size <= MAX_BLOCK_SIZE else None
 
 
 class WorkerPool:

@@ -11,6 +11,7 @@ import time
 
 import aiohttp
 import msgspec
+import orjson
 import pytest
 
 from bench.procs import free_port
@@ -19,8 +20,8 @@ from router.kv_apply import Applied, KvEventApplier
 from router.kv_index import InMemoryKvIndex
 from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
-from router.pool import Worker
-from tests.abuse_servers import listing_worker
+from router.pool import Worker, parse_cache_config
+from tests.abuse_servers import listing_worker, raw_worker
 from tests.conftest import eventually, running_gateway, running_standin
 from tests.test_kv_events_in import (
     BS,
@@ -247,3 +248,32 @@ async def test_a_replay_with_a_hole_does_not_count_as_repairing_the_gap() -> Non
         await eventually(lambda: metric(metrics, "kvgate_kv_state_resets_total", worker=WORKER, reason="gap") == 1)
         assert metric(metrics, "kvgate_kv_event_replays_total", worker=WORKER, outcome="repaired") == 0
         assert not hub.trusted(WORKER)
+
+
+async def test_a_cache_size_no_engine_could_have_does_not_stop_routing(http: aiohttp.ClientSession) -> None:
+    """`vllm:cache_config_info` with a num_gpu_blocks of 401 digits (Python reads it as an int; the ttft strategy
+    multiplies it by the cache usage, a float): every request routed while the gateway held blocks there was a 500
+    (int too large to convert to float). A cache size past any GPU's (2^40 blocks) is not read, as a non-positive
+    one is not."""
+    body = orjson.dumps({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]})
+
+    async def slow(writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.3)  # requests overlap: the gateway holds blocks on the worker
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+
+    page = (b'vllm:cache_config_info{block_size="16",num_gpu_blocks="1' + b"0" * 400 + b'"} 1.0\n'
+            b"vllm:kv_cache_usage_perc 0.5\n")
+    assert parse_cache_config(page.decode()) is None
+    assert parse_cache_config('vllm:cache_config_info{block_size="16",num_gpu_blocks="27000"} 1.0') == (27000, 16)
+    async with raw_worker(slow, metrics=page) as odd, running_gateway([odd], strategy="ttft") as gw:
+        worker = gw.gateway.pool.get(odd)
+        assert worker is not None
+        await eventually(lambda: worker.healthy and worker.load_scraped_at > 0)
+
+        async def one(i: int) -> int:
+            async with http.post(gw.url + "/v1/completions", json={"model": "tiny", "prompt": f"{i} " * 50}) as resp:
+                await resp.read()
+                return resp.status
+
+        assert await asyncio.gather(*(one(i) for i in range(6))) == [200] * 6
