@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from bench.procs import free_port
-from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
+from kvcore.kv_events import GPU, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEventPublisher
 from router.kv_apply import Applied, KvEventApplier
 from router.kv_index import InMemoryKvIndex
 from router.kv_transport import EventSource
@@ -96,8 +96,8 @@ def test_what_a_source_holds_is_bounded_as_the_index_is() -> None:
     index = InMemoryKvIndex(max_entries=1000)
     applier = KvEventApplier(index, GatewayMetrics(), lambda url: "tiny", block_size=BS)
     engine = EventSource(WORKER, "tcp://127.0.0.1:9")
-    for batch in range(50):  # 5000 blocks of other content each, none removed
-        hashes = list(range(batch * 100, batch * 100 + 100))
+    for batch in range(50):  # 100 blocks of other content each, 5000 in all, none removed
+        hashes: list[BlockHash] = list(range(batch * 100, batch * 100 + 100))
         applier.apply(engine, [BlockStored(block_hashes=hashes, token_ids=[batch * 1000 + t for t in range(400)],
                                            block_size=BS)])
     assert index.entries() <= 1000
