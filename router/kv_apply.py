@@ -50,6 +50,7 @@ SLICE_BLOCKS = 2048  # blocks applied between two chances for the event loop to 
 WAIT_S = 30.0  # how long an announcement without token ids waits for the engine to name its block
 WAIT_MAX = 65_536  # announcements waiting at most, over all sources (the oldest give up first)
 MAX_HELD = 20_000_000  # blocks a source may hold on one tier, for an index without a bound of its own
+IDENTITY_MODELS = 64  # models whose content identity is kept at most (the least recently used go first)
 LEARNED_MAX = 65_536  # blocks learned from answers per source at most (the oldest are dropped first)
 # tier -> what makes a source's map of engine hash -> gateway key there where not a dict (`compact_tables`)
 HoldingTables = Mapping[str, Callable[[], MutableMapping[BlockHash, BlockKey]]]
@@ -152,9 +153,14 @@ class ContentIdentity:
     def names(self, model: str) -> _Names:
         """The model's names (created empty if it has none): for a caller that puts many at once, as `put` does
         (touching `oldest` for each), keeps them within `max_blocks` and, if `compact`, calls `trim` after."""
-        names = self._by_model.get(model)
+        by_model = self._by_model
+        names = by_model.get(model)
         if names is None:
-            names = self._by_model[model] = _Names()
+            names = by_model[model] = _Names()
+            if len(by_model) > IDENTITY_MODELS:  # a worker naming another model at every listing: bounded
+                del by_model[next(iter(by_model))]
+        elif next(reversed(by_model)) != model:
+            by_model[model] = by_model.pop(model)  # the most recently used last
         return names
 
     def put(self, model: str, engine_hash: BlockHash, key: BlockKey) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from bench.procs import free_port
 from kvcore.kv_events import GPU, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEventPublisher
-from router.kv_apply import Applied, KvEventApplier
+from router.kv_apply import IDENTITY_MODELS, Applied, KvEventApplier
 from router.kv_index import InMemoryKvIndex
 from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
@@ -299,3 +299,20 @@ def test_a_large_metrics_page_is_read_at_c_speed() -> None:
         ratios.append(parsed / (time.perf_counter() - began))
         assert values["running"] == 7 and values["waiting"] == 0 and cache == (27000, 16)
     assert min(ratios) < 40, ratios  # about 170 before, 2-11 after
+
+
+def test_content_identity_is_kept_for_a_bounded_number_of_models() -> None:
+    """Content identity (engine hash -> gateway key) is kept per model, the newest `identity_blocks` of each; a
+    worker whose listing names another base model at every refresh (a hostile one) made a new model's names each
+    time, and none was ever dropped. The names of the models used least recently go beyond `IDENTITY_MODELS`."""
+    models = iter(f"model-{i}" for i in range(10_000))
+    current = ["tiny"]
+    applier = KvEventApplier(InMemoryKvIndex(), GatewayMetrics(), lambda url: current[0], block_size=BS)
+    engine = EventSource(WORKER, "tcp://127.0.0.1:9")
+    for batch in range(IDENTITY_MODELS * 4):
+        current[0] = next(models)
+        applier.apply(engine, [AllBlocksCleared(), BlockStored(block_hashes=list(range(10)), block_size=BS,
+                                                               token_ids=list(range(batch, batch + 40)))])
+    assert len(applier.identity._by_model) <= IDENTITY_MODELS
+    assert len(applier.identity) <= IDENTITY_MODELS * 10
+    assert applier.identity.get(current[0], 9) is not None  # the newest model's names are kept
