@@ -26,6 +26,7 @@ Batches = list[tuple[int, bytes]]  # (sequence number, payload), in order
 
 HARD_MAX_MESSAGE_BYTES = 256 * 2**20  # libzmq drops a peer that sends a bigger message (a memory guard)
 REPLAY_MAX_BYTES = 512 * 2**20  # a replay answer bigger than this is abandoned
+MAX_SOCKETS = 65_536  # sockets of all subscriptions and replay requests of one gateway
 YIELD_AFTER_S = 0.005  # draining the socket lets the event loop run at least this often
 
 
@@ -73,22 +74,21 @@ class ZmqEventTransport:
 
     def __init__(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        # a subscription takes three sockets (SUB, its monitor, the monitor's pair): libzmq's default of 1023
+        # would end at ~340 sources; the process's file descriptor limit is the bound then
+        self._ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
 
     async def subscribe(self, endpoint: str, receiver: Receiver) -> None:
         """Receive from `endpoint` until cancelled; a bug or a broken socket never ends the subscription."""
         backoff = 0.1
         while True:
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.IPV6, 1)  # endpoints of workers discovered by AAAA records are IPv6
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            try:
+                sock, monitor = self._open()
+            except zmq.ZMQError as exc:  # out of sockets or file descriptors: tried again, never given up
+                log.error("kv event subscriber for %s cannot open its sockets (%s); retrying", endpoint, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
             raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
             poller = zmq.asyncio.Poller()
             poller.register(sock, zmq.POLLIN)
@@ -123,6 +123,24 @@ class ZmqEventTransport:
                 sock.disable_monitor()
                 monitor.close(linger=0)
                 sock.close(linger=0)
+
+    def _open(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """A SUB socket for one subscription, and its monitor."""
+        sock = self._ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.IPV6, 1)  # endpoints of workers discovered by AAAA records are IPv6
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            return sock, sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        except BaseException:
+            sock.close(linger=0)
+            raise
 
     async def replay(self, endpoint: str, start: int, timeout_s: float) -> Batches:
         """The batches the publisher at `endpoint` still buffers with seq >= start; ReplayError on timeout."""

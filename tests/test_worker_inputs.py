@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import resource
 import statistics
 import time
 
@@ -18,7 +19,7 @@ from bench.procs import free_port
 from kvcore.kv_events import GPU, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEventPublisher
 from router.kv_apply import IDENTITY_MODELS, Applied, KvEventApplier
 from router.kv_index import InMemoryKvIndex
-from router.kv_transport import EventSource
+from router.kv_transport import EventSource, ZmqEventTransport
 from router.metrics import GatewayMetrics
 from router.pool import Worker, parse_cache_config, parse_load_gauges
 from tests.abuse_servers import listing_worker, raw_worker
@@ -316,3 +317,48 @@ def test_content_identity_is_kept_for_a_bounded_number_of_models() -> None:
     assert len(applier.identity._by_model) <= IDENTITY_MODELS
     assert len(applier.identity) <= IDENTITY_MODELS * 10
     assert applier.identity.get(current[0], 9) is not None  # the newest model's names are kept
+
+
+async def test_hundreds_of_event_sources_each_keep_their_subscription() -> None:
+    """Each subscription takes three ZMQ sockets (the SUB, its monitor and the monitor's pair) and a ZMQ context
+    allows 1023 by default: past ~340 sources (170 workers with an engine and a tier agent each) creating a socket
+    raised outside the subscription's retry loop, and the subscription's task ended silently for good (its worker
+    routed approximately forever). Every subscription stays, and hears its publisher."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    heard: list[list[bytes]] = []
+
+    class Receiver:
+        async def opened(self) -> None:
+            pass
+
+        async def disconnected(self) -> None:
+            pass
+
+        async def reconnected(self) -> None:
+            pass
+
+        async def received(self, frames: list[bytes]) -> None:
+            heard.append(frames)
+
+    ports = [free_port() for _ in range(400)]
+    transport = ZmqEventTransport()
+    publisher = KvEventPublisher(f"tcp://*:{ports[-1]}")
+    tasks = [asyncio.get_running_loop().create_task(transport.subscribe(f"tcp://127.0.0.1:{port}", Receiver()))
+             for port in ports]
+    try:
+        deadline = time.monotonic() + 20
+        while not heard:
+            assert time.monotonic() < deadline, "the last subscription never heard its publisher"
+            assert not any(task.done() for task in tasks), [t.exception() for t in tasks if t.done()][:1]
+            publisher.publish([AllBlocksCleared()])
+            await asyncio.sleep(0.1)
+        assert not any(task.done() for task in tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        transport.close()
+        await publisher.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
