@@ -90,6 +90,7 @@ class WorkerDiscovery:
         self._metrics = metrics
         self._seen: dict[Source, dict[str, WorkerSpec]] = {}
         self._file_text: dict[str, str] = {}
+        self._reading: dict[str, asyncio.Future[str]] = {}  # reads of workers files under way, by path
         self._added: dict[str, WorkerSpec] = {}   # workers this discovery put in the pool, by URL
         self._task: asyncio.Task[None] | None = None
         self._resolver: dns.asyncresolver.Resolver | None = None
@@ -114,6 +115,8 @@ class WorkerDiscovery:
         self._task = asyncio.get_running_loop().create_task(self._poll(), name="worker discovery")
 
     async def stop(self) -> None:
+        for reading in self._reading.values():
+            reading.cancel()  # its thread ends when the read does
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -210,12 +213,22 @@ class WorkerDiscovery:
         return sorted({str(info[4][0]) for info in infos})
 
     async def _read_file(self, path: str) -> list[WorkerSpec]:
+        # a read that never returns (a FIFO, a hung network mount) fails the round after the timeout; the next
+        # rounds wait for that same read instead of starting another thread each
+        reading = self._reading.get(path)
+        if reading is None:
+            reading = self._reading[path] = asyncio.ensure_future(asyncio.to_thread(Path(path).read_text))
         try:
-            text = await asyncio.to_thread(Path(path).read_text)
+            text = await asyncio.wait_for(asyncio.shield(reading), self._timeout)
+        except TimeoutError:
+            raise DiscoveryError(f"cannot read {path}: no answer within {self._timeout:g} s") from None
         except OSError as exc:
             raise DiscoveryError(f"cannot read {path}: {exc}") from exc
         except UnicodeDecodeError as exc:
             raise DiscoveryError(f"{path} is not text: {exc}") from exc
+        finally:
+            if reading.done():
+                self._reading.pop(path, None)
         if self._file_text.get(path) != text:
             self._file_text[path] = text
             log.info("discovery: workers file %s changed", path)

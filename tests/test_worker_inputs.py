@@ -4,11 +4,15 @@ must not grow its memory without bound nor leave state behind (see also test_abu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import random
 import resource
 import statistics
+import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -362,3 +366,26 @@ async def test_hundreds_of_event_sources_each_keep_their_subscription() -> None:
         transport.close()
         await publisher.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_workers_file_that_never_answers_does_not_hang_discovery(tmp_path: Path) -> None:
+    """A `file:` discovery source whose read never returns (a FIFO nobody writes, a hung network mount): the
+    gateway awaited it without a timeout, so it never started (the first discovery round is awaited at start) and
+    discovery stopped for every source. Now such a read fails the round for its source after the discovery
+    timeout, the other sources go on, and a read still pending is not started again."""
+    stuck = tmp_path / "stuck.yaml"
+    os.mkfifo(stuck)
+    listed = tmp_path / "workers.yaml"
+    try:
+        async with running_standin() as worker:
+            listed.write_text(f"- {worker.url}\n")
+            async with asyncio.timeout(15), running_gateway(
+                    [], discover=[f"file:{stuck}", f"file:{listed}"], discover_interval_s=0.5) as gw:
+                assert [w.url for w in gw.gateway.pool.all()] == [worker.url]
+                metrics = gw.gateway.metrics
+                await eventually(lambda: (metrics.registry.get_sample_value(
+                    "kvgate_discovery_errors_total", {"source": f"file:{stuck}"}) or 0) >= 2)
+                assert threading.active_count() < 30  # one read left waiting, not one per round
+    finally:
+        with contextlib.suppress(OSError):  # a writer that comes and goes lets the read end
+            os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))
