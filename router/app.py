@@ -368,8 +368,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    cards = request.app[GATEWAY].pool.model_cards()
-    return web.json_response({"object": "list", "data": cards}, dumps=_dumps)
+    return web.Response(body=request.app[GATEWAY].pool.models_listing(), content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:

@@ -12,6 +12,7 @@ import asyncio
 import heapq
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -188,6 +189,8 @@ class WorkerPool:
         self._drains: set[asyncio.Task[None]] = set()
         self._idle: dict[str, asyncio.Event] = {}
         self._running = False
+        # GET /v1/models's body and the healthy workers' listings it was made of (see models_listing)
+        self._listing: tuple[list[dict[str, dict[str, Any]]], bytes] | None = None
 
     # --- membership -------------------------------------------------------------------------------------------
 
@@ -214,13 +217,22 @@ class WorkerPool:
     def healthy(self) -> list[Worker]:
         return [w for w in self._workers.values() if w.healthy and not w.draining]
 
-    def model_cards(self) -> list[dict[str, Any]]:
-        """The de-duplicated union of the models the healthy workers serve, as OpenAI model cards."""
+    def models_listing(self) -> bytes:
+        """GET /v1/models's body: the de-duplicated union of the models the healthy workers serve, as OpenAI model
+        cards by id. Made again only when the healthy workers or one of their listings changed (a worker's
+        `model_cards` is replaced, never changed in place): a listing may hold 100,000 adapters, 87 ms to sort and
+        serialise on the event loop at every call."""
+        listings = [worker.model_cards for worker in self.healthy()]
+        made = self._listing
+        if made is not None and len(made[0]) == len(listings) and all(map(operator.is_, made[0], listings)):
+            return made[1]
         cards: dict[str, dict[str, Any]] = {}
-        for worker in self.healthy():
-            for model_id, card in worker.model_cards.items():
+        for listing in listings:
+            for model_id, card in listing.items():
                 cards.setdefault(model_id, card)
-        return [cards[k] for k in sorted(cards)]
+        body = orjson.dumps({"object": "list", "data": [cards[k] for k in sorted(cards)]})
+        self._listing = (listings, body)  # the listings held, so none's id is reused while this is kept
+        return body
 
     async def start(self) -> None:
         """Start probing every configured worker and wait (bounded) for the first round of probes."""
