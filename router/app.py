@@ -98,7 +98,7 @@ class Gateway:
             self.kv_events = KvEventHub(index, self.metrics, self._base_model, replay_timeout_s=cfg.kv_replay_timeout_s,
                                         resync_s=cfg.kv_resync_s, block_size=cfg.block_size,
                                         identity_blocks=cfg.kv_identity_blocks)
-            self.strategy.attach_kv(index, self.kv_events.trusted)
+            self.strategy.attach_kv(index, self.kv_events.trusted, self.kv_events.any_sources)
         self._pool = WorkerPool(cfg, self._upstream, self.metrics, on_added=self._worker_added,
                                 on_removed=self._worker_removed)
         for spec in cfg.worker:

@@ -118,6 +118,10 @@ class KvEventHub:
     def watched(self, worker: str) -> bool:
         return worker in self._tasks
 
+    def any_sources(self) -> bool:
+        """Whether any cache has an event source (without one, `trusted` is false for every cache)."""
+        return bool(self._caches)
+
     def trusted(self, cache: str) -> bool:
         """Whether the index's picture of this cache (a worker's URL, or `URL#dpN` for a data-parallel rank) is
         complete (else its worker is routed by the approximate trie)."""

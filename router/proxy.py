@@ -125,7 +125,7 @@ class Proxy:
                 break
             decision = self._strategy.choose(route, candidates)
             worker = decision.worker
-            tried.add(worker.url)
+            tried.add(worker.spec.url)
             if outcome is not None:
                 outcome.decision = decision
             self._metrics.decisions.labels(self._strategy.name, decision.reason).inc()
@@ -215,7 +215,7 @@ class Proxy:
         try:
             with self.deadlines.after(headers_timeout):
                 upstream = await self._upstream.request(
-                    request.method, worker.url + request.rel_url.raw_path_qs,
+                    request.method, worker.spec.url + request.rel_url.raw_path_qs,
                     self._upstream_headers(request, decision), body, read_timeout=cfg.read_timeout_s,
                 )
         except TimeoutError:
@@ -251,7 +251,7 @@ class Proxy:
             elapsed = time.perf_counter() - started
             self._metrics.ttfb.labels(model_label).observe(elapsed)
             self._metrics.request_duration.labels(model_label).observe(elapsed)
-            self._metrics.requests.labels(model_label, worker.url, str(upstream.status)).inc()
+            self._metrics.requests.labels(model_label, worker.spec.url, str(upstream.status)).inc()
             usage = answer_usage(data)
             self._count_usage(route, decision, usage)
             if outcome is not None:

@@ -76,9 +76,11 @@ class Strategy(abc.ABC):
     def register_metrics(self, registry: CollectorRegistry) -> None:  # noqa: B027 - optional hook
         """Called once by the gateway with its metrics registry, for strategies that export their own."""
 
-    def attach_kv(self, index: KvBlockIndex, trusted: Callable[[str], bool]) -> None:  # noqa: B027
+    def attach_kv(self, index: KvBlockIndex, trusted: Callable[[str], bool],  # noqa: B027
+                  any_sources: Callable[[], bool] | None = None) -> None:
         """Called once by the gateway, for strategies with `uses_kv_events`: the block index fed by KV events
-        and `trusted(worker_url)`, true while the index's picture of that worker is complete."""
+        and `trusted(worker_url)`, true while the index's picture of that worker is complete; `any_sources()`,
+        if given, false while no cache has an event source (`trusted` then false for all, not asked per cache)."""
 
     def on_routed(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once the request was sent to the chosen worker."""

@@ -174,8 +174,8 @@ class PrefillBalance:
         reason = MISS if longest == 0 else HIT if predicted >= longest else SPILL
         # Recorded now rather than once the worker answers: a burst of one prefix must see its own first
         # request, or every request of the burst would be a miss.
-        self._queue(worker.url).add(prompt - predicted, now)
-        self.remember(keys, worker.url)
+        self._queue(worker.spec.url).add(prompt - predicted, now)
+        self.remember(keys, worker.spec.url)
         self.record(prompt, predicted)
         return Decision(worker, reason, predicted)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -73,6 +73,7 @@ class KvAware(Strategy):
         self.pending_grace_s = options.kv_pending_grace_s
         self.index: KvBlockIndex | None = None
         self._trusted: Callable[[str], bool] = lambda url: False
+        self._any_sources: Callable[[], bool] = lambda: False  # false: no cache is trusted, none asked
         self._ranks: dict[str, int | None] = {}  # this decision's best rank per data-parallel worker
         self._next_rank: dict[str, int] = {}  # per data-parallel worker, the rank the next prompt none holds goes to
         self._turned: set[str] = set()  # this decision's data-parallel workers whose rank is their turn's
@@ -85,22 +86,24 @@ class KvAware(Strategy):
     def register_metrics(self, registry: CollectorRegistry) -> None:
         self.balance.register_metrics(registry)
 
-    def attach_kv(self, index: KvBlockIndex, trusted: Callable[[str], bool]) -> None:
+    def attach_kv(self, index: KvBlockIndex, trusted: Callable[[str], bool],
+                  any_sources: Callable[[], bool] | None = None) -> None:
         self.index = index
         self._trusted = trusted
+        self._any_sources = any_sources if any_sources is not None else lambda: True
 
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
         self._ranks.clear()
         self._turned.clear()
         decision = self.balance.choose(request, workers, self.predict)
-        url = decision.worker.url
+        url = decision.worker.spec.url
         rank = self._ranks.get(url)
         if rank is not None:
             decision = dataclasses.replace(decision, dp_rank=rank)
             if url in self._turned:  # no rank held any of it: the next such prompt goes to the next rank
                 self._next_rank[url] = (rank + 1) % decision.worker.spec.dp_ranks
         if request.block_keys:
-            self.pending.add(cache_name(decision.worker.url, rank), request.block_keys)
+            self.pending.add(url if rank is None else cache_name(url, rank), request.block_keys)
         return decision
 
     def predict(self, keys: Sequence[int], workers: Sequence[Worker], cacheable: int) -> tuple[list[int], list[float]]:
@@ -110,9 +113,9 @@ class KvAware(Strategy):
         if keys and not self._any_trusted(workers):
             # no worker's events can be trusted (none has a stream, or each stream has a gap): what `holdings` says
             # then, the trie and the requests in flight, without a Holding per worker
-            bs, guessed, match = self.balance.block_size, self.balance.trie.match(keys), self.pending.match
-            tokens = [min(match(keys, url, guessed.get(url, 0)) * bs, cacheable)
-                      for w in workers for url in (w.spec.url,)]
+            bs = self.balance.block_size
+            tokens = [min(blocks * bs, cacheable) for blocks in
+                      self.pending.match_each(keys, [w.spec.url for w in workers], self.balance.trie.match(keys))]
             return tokens, [float(t) for t in tokens]
         cached: list[int] = []
         saved: list[float] = []
@@ -125,6 +128,8 @@ class KvAware(Strategy):
         return cached, saved
 
     def _any_trusted(self, workers: Sequence[Worker]) -> bool:
+        if not self._any_sources():  # no event source at all (the one call instead of one per cache)
+            return False
         trusted, known = self._trusted, self._spec_caches
         for worker in workers:  # written out (`_caches_of` too): a generator in any() cost more than the calls
             spec = worker.spec
@@ -206,8 +211,9 @@ class KvAware(Strategy):
             # one timer for all finished requests, at the first one's end of grace (the grace is the same for all,
             # so they end in the order they finished), rather than one timer per request (2.3 us under uvloop)
             loop = asyncio.get_running_loop()
+            url, rank = decision.worker.spec.url, decision.dp_rank
             self._finished.append((loop.time() + self.pending_grace_s,
-                                   cache_name(decision.worker.url, decision.dp_rank), request.block_keys))
+                                   url if rank is None else cache_name(url, rank), request.block_keys))
             if self._sweeping is not loop:
                 self._sweeping = loop
                 loop.call_at(self._finished[0][0], self._discard_finished)
@@ -381,6 +387,18 @@ class PendingBlocks:
             i += _shared(keys, i, head, min(len(head), n - i))
             break
         return i if i > at_least else at_least
+
+    def match_each(self, keys: Sequence[int], caches: Sequence[str], at_least: Mapping[str, int]) -> list[int]:
+        """`match` for each of `caches`, each at least its `at_least` (0 where absent): one call for all, the
+        caches with no pending run starting like `keys` answered without a `match` each."""
+        by_worker = self._by_worker
+        out = []
+        first = keys[0] if keys else None
+        for cache in caches:
+            floor = at_least.get(cache, 0)
+            after = by_worker.get(cache)
+            out.append(floor if after is None or first not in after else self.match(keys, cache, floor))
+        return out
 
     def pending(self, worker: str) -> dict[int, int]:
         """A cache's pending keys with their counts (for tests)."""
