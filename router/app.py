@@ -220,10 +220,18 @@ def _key_matches(given: str, keys: list[str]) -> bool:
 
 def _check_header_bytes(request: web.Request, tenant_header: str) -> None:
     """The headers the gateway reads or passes on must be ASCII: their bytes become keys and upstream requests."""
-    for name in (*FORWARDED_REQUEST_HEADERS, "Authorization", *((tenant_header,) if tenant_header else ())):
-        value = request.headers.get(name)
+    headers = request.headers
+    for name in _CHECKED_HEADERS:
+        value = headers.get(name)
         if value is not None and not value.isascii():
             raise bad_request(f"header {name} holds bytes that are not ASCII", "invalid_header")
+    if tenant_header:
+        value = headers.get(tenant_header)
+        if value is not None and not value.isascii():
+            raise bad_request(f"header {tenant_header} holds bytes that are not ASCII", "invalid_header")
+
+
+_CHECKED_HEADERS = (*FORWARDED_REQUEST_HEADERS, "Authorization")  # and the tenant header, if the gateway has one
 
 
 @web.middleware

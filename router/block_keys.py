@@ -8,6 +8,7 @@ events carry token ids, from which the gateway computes its own keys.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Container, Sequence
 
@@ -16,6 +17,7 @@ import xxhash
 BlockKey = int
 
 
+@functools.lru_cache(maxsize=4096)  # asked once per request, with the same few models, adapters and tenants
 def root_key(model: str, lora: str | None = None, namespace: str | None = None) -> BlockKey:
     """The parent of a prompt's first block: what must match before any block can be shared."""
     return xxhash.xxh3_64_intdigest("\x00".join((model, lora or "", namespace or "")).encode())

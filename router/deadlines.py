@@ -35,7 +35,17 @@ class Deadline:
             raise RuntimeError("a Deadline is entered by a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._owner._arm(self)
+        # armed here, not in a method of the owner's: a call per deadline, two per request
+        owner = self._owner
+        loop = owner._loop
+        if loop is None:
+            loop = owner._loop = asyncio.get_running_loop()
+        if self.when <= loop.time():  # passed already: cancelled at the block's first wait, as asyncio's
+            self._expire()
+            return self
+        owner._armed.add(self)
+        if owner._sweep is None:
+            owner._sweep = loop.call_later(owner._tick, owner._check)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -69,17 +79,6 @@ class Deadlines:
     def after(self, seconds: float) -> Deadline:
         """A deadline `seconds` from now."""
         return Deadline(self, asyncio.get_running_loop().time() + seconds)
-
-    def _arm(self, deadline: Deadline) -> None:
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        if deadline.when <= loop.time():  # passed already: cancelled at the block's first wait, as asyncio's
-            deadline._expire()
-            return
-        self._armed.add(deadline)
-        if self._sweep is None:
-            self._sweep = loop.call_later(self._tick, self._check)
 
     def _check(self) -> None:
         self._sweep = None

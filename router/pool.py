@@ -83,6 +83,10 @@ class Worker:
     load_scraped_at: float = 0.0
     _base: tuple[dict[str, dict[str, Any]], str | None] | None = field(default=None, repr=False)
     _listing_digest: int | None = field(default=None, repr=False)  # of the last /v1/models body taken
+    # `key_names`'s last answer (asked per request) and the model cards it read: (cards, model, names); the cards are
+    # replaced whole when fetched, never changed in place
+    _key_names: tuple[dict[str, dict[str, Any]], str, tuple[str, str | None]] | None = field(
+        default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -110,12 +114,19 @@ class Worker:
     def key_names(self, model: str) -> tuple[str, str | None]:
         """What a request for `model` is keyed under on this worker, as its engine names the blocks: (base model,
         LoRA adapter or None). Every alias of the base model (`--served-model-name a b`) is keyed as the first."""
+        cards = self.model_cards
+        known = self._key_names  # the last answer, while the cards it was read from are this worker's
+        if known is not None and known[0] is cards and known[1] == model:
+            return known[2]
         base = self.lora_base(model)
         if base is not None:
-            return base, model
-        card = self.model_cards.get(model)
-        canonical = self.base_model if card is not None else None
-        return canonical or model, None
+            names: tuple[str, str | None] = (base, model)
+        else:
+            card = cards.get(model)
+            canonical = self.base_model if card is not None else None
+            names = (canonical or model, None)
+        self._key_names = (cards, model, names)
+        return names
 
     def lora_base(self, model: str) -> str | None:
         """The base model of the LoRA adapter this worker serves as `model` (vLLM's model card names it

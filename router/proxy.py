@@ -253,7 +253,8 @@ class Proxy:
             self._metrics.request_duration.labels(model_label).observe(elapsed)
             self._metrics.requests.labels(model_label, worker.spec.url, str(upstream.status)).inc()
             usage = answer_usage(data)
-            self._count_usage(route, decision, usage)
+            if usage is not None:
+                self._count_usage(route, decision, usage)
             if outcome is not None:
                 outcome.answered(upstream.status, elapsed, elapsed, usage)
             return web.Response(status=upstream.status, body=data, headers=headers)
@@ -366,11 +367,18 @@ class SseWatch:
 def end_to_end(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """A worker's response headers that describe the answer: not the hop-by-hop ones, nor those its `Connection`
     header names (RFC 9110 7.6.1: they describe its connection to the gateway)."""
-    dropped = DROPPED_RESPONSE_HEADERS
-    for k, v in headers:
-        if k.lower() == "connection":
-            dropped = dropped.union(name.strip().lower() for name in v.split(","))
-    return [(k, v) for k, v in headers if k.lower() not in dropped]
+    kept: list[tuple[str, str, str]] = []  # with the name in lower case
+    named: list[str] = []  # the `Connection` headers' values
+    for k, v in headers:  # one pass, each name lowered once
+        name = k.lower()
+        if name not in DROPPED_RESPONSE_HEADERS:
+            kept.append((name, k, v))
+        elif name == "connection":
+            named.append(v)
+    if named:
+        dropped = {name.strip().lower() for v in named for name in v.split(",")}
+        return [(k, v) for name, k, v in kept if name not in dropped]
+    return [(k, v) for _, k, v in kept]
 
 
 def _is_event_stream(headers: Sequence[tuple[str, str]]) -> bool:
