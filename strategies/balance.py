@@ -174,7 +174,11 @@ class PrefillBalance:
         reason = MISS if longest == 0 else HIT if predicted >= longest else SPILL
         # Recorded now rather than once the worker answers: a burst of one prefix must see its own first
         # request, or every request of the burst would be a miss.
-        self._queue(worker.spec.url).add(prompt - predicted, now)
+        # `_queue` and `PrefillQueue.add` written out: two calls per request
+        queue = queues.get(worker.spec.url) or self._queue(worker.spec.url)
+        level = queue.tokens - queue.rate * (now - queue.at)
+        queue.tokens = (level if level > 0.0 else 0.0) + (prompt - predicted)
+        queue.at = now
         self.remember(keys, worker.spec.url)
         self.record(prompt, predicted)
         return Decision(worker, reason, predicted)
