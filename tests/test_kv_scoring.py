@@ -283,3 +283,45 @@ async def test_finished_requests_stop_counting_each_at_the_end_of_its_own_grace(
     assert kv.pending.match(KEYS, A) == 12 and kv.pending.pending(A)[KEYS[0]] == 1
     await asyncio.sleep(0.2)
     assert kv.pending.match(KEYS, A) == 0 and kv._sweeping is None
+
+
+def test_without_event_sources_the_one_question_decides_as_asking_each_cache() -> None:
+    """`any_sources` false (the gateway's hub has no source) skips asking `trusted` per cache: the decisions, with
+    requests in flight and a prefix routed before, are those of the strategy that asks every cache (all untrusted),
+    and `trusted` is never asked."""
+    asked: list[str] = []
+
+    def untrusted(cache: str) -> bool:
+        asked.append(cache)
+        return False
+
+    plain, _, pool_a = strategy([A, B, "http://127.0.0.1:9003"])
+    plain.attach_kv(InMemoryKvIndex(), lambda cache: False)
+    fast, _, pool_b = strategy([A, B, "http://127.0.0.1:9003"])
+    fast.attach_kv(InMemoryKvIndex(), untrusted, lambda: False)
+    prompts = [KEYS[:10], KEYS[:6], [*KEYS[:4], 7, 8], KEYS[:10], [9, 10, 11], KEYS[:12]]
+    for round_ in range(3):
+        for i, keys in enumerate(prompts):
+            route = RouteRequest("m", "/v1/completions", token_ids=list(range(len(keys) * BS + 3)),
+                                 block_keys=keys, prompt_tokens=len(keys) * BS + 3)
+            a, b = plain.choose(route, pool_a), fast.choose(route, pool_b)
+            assert (a.worker.url, a.reason, a.predicted_cached_tokens) == (
+                b.worker.url, b.reason, b.predicted_cached_tokens), (round_, i)
+            if i % 2:  # every other request stays in flight
+                a.worker.in_flight += 1
+                b.worker.in_flight += 1
+    assert not asked
+
+
+def test_pending_match_each_is_match_per_cache() -> None:
+    """`PendingBlocks.match_each` answers what `match` answers for each cache, with each cache's floor."""
+    from strategies.kv import PendingBlocks
+    pending = PendingBlocks()
+    pending.add(A, KEYS[:10])
+    pending.add(A, [*KEYS[:4], 7, 8])
+    pending.add(B, KEYS[:3])
+    caches = [A, B, "http://127.0.0.1:9003"]
+    for keys in (KEYS[:12], KEYS[:2], [*KEYS[:4], 7], [5, 6], []):
+        for floors in ({}, {A: 2}, {B: 5, A: 11}, {"http://127.0.0.1:9003": 1}):
+            assert pending.match_each(keys, caches, floors) == [
+                pending.match(keys, cache, floors.get(cache, 0)) for cache in caches], (keys, floors)
