@@ -33,6 +33,7 @@ from router.block_keys import BlockKey
 
 TOUCH_S = 1.0  # step of the times kept (a segment stamped in the current step is not stamped again)
 SHARDS = 64  # dicts per map, by the key's low bits (a power of two)
+DROP_STEP = 256  # entries of a replaced leaf heap freed per unit of `trim`'s work
 
 # a walk of a prompt's path: how many leading keys are nodes, and the segments they run through (each segment's
 # top key and the index in the keys just past its last node on the path)
@@ -79,6 +80,13 @@ class PrefixTrie:
         self._last_walk: tuple[Sequence[BlockKey], Path] | None = None
         # leaves by last use; entries go stale when a leaf is used again, gains a child or is removed
         self._leaves: list[tuple[float, BlockKey]] = []
+        # a rebuild of the leaf heap in slices (`_compact`, `trim`): the heap being built (every push goes to it too),
+        # the next shard of the maps to scan and the leaves of the last one scanned not yet pushed
+        self._rebuild: list[tuple[float, BlockKey]] | None = None
+        self._rebuild_shard = 0
+        self._rebuild_keys: list[BlockKey] = []
+        self._dropped: list[tuple[float, BlockKey]] = []  # the heap a rebuild replaced, freed a slice at a time
+        self._slicing = False  # removals now are a slice of the owner's (`trim` with a bound): `_compact` slices too
         self._worker_nodes: dict[str, int] = {}
         self._trims: list[tuple[TableTrim, dict[Any, Any], bool]] = []  # see compact_tables
         self.evictions = 0  # nodes removed to stay under max_nodes
@@ -121,6 +129,7 @@ class PrefixTrie:
         100,000 nodes) whenever CPython would grow it. For long simulations (`kvgate bench vsim`); a live gateway
         would stall its event loop meanwhile. The maps become one dict each (a copy of each of 64 shards could not
         be told when it is due, and small dicts are left alone)."""
+        self._rebuild, self._rebuild_keys = None, []  # (its shard numbers would change; the old heap is whole)
         self._shard_maps(1)
         self._trims = [(TableTrim(), getattr(self, name)[0], name in ("_parent", "_children", "_top"))
                        for name in self._MAPS]
@@ -231,18 +240,29 @@ class PrefixTrie:
         shard = node & mask
         top = self._top[shard][node]
         if self._children[shard][node] == 0 and self._used[top & mask][top] == now:
-            heapq.heappush(self._leaves, (now, node))
+            self._push((now, node))
         leaves = self._leaves
         expired = bool(leaves) and leaves[0][0] < now - self.ttl_s  # (`_expire`'s own test, without a call)
         if self.slack:  # the owner removes what is due in slices (`trim`); here only what passes the ceiling
-            self.trim_due = expired or self._nodes > self.max_nodes
             if self._nodes > self.max_nodes + self.slack:
-                self._shrink(self.max_nodes + self.slack)
+                self._slicing = True  # a rebuild of the heap this starts is left to the slices
+                try:
+                    self._shrink(self.max_nodes + self.slack)
+                finally:
+                    self._slicing = False
+            self.trim_due = (expired or self._nodes > self.max_nodes or self._rebuild is not None
+                             or bool(self._dropped))
             return
         if expired:
             self._expire(now)
         if self._nodes > self.max_nodes:
             self._shrink(self.max_nodes)
+
+    def _push(self, entry: tuple[float, BlockKey]) -> None:
+        """A leaf's entry onto the heap (and onto the one a rebuild is building)."""
+        heapq.heappush(self._leaves, entry)
+        if self._rebuild is not None:
+            heapq.heappush(self._rebuild, entry)
 
     def _stamp(self, top: BlockKey, worker: str, now: float) -> None:
         """Mark segment `top` as sent to `worker` at `now`."""
@@ -343,17 +363,28 @@ class PrefixTrie:
             now -= now % self._step
         limit = now - self.ttl_s
         left = -1 if work is None else work  # (`self._leaves` read anew each time: `_compact` may replace it)
-        while left and self._leaves and self._leaves[0][0] < limit:
-            removed = self._pop_leaf(limit, self._nodes if left < 0 else left)
-            self.expirations += removed
-            left = left if left < 0 else max(0, left - max(1, removed))
-        while left and self._nodes > self.max_nodes and self._leaves:
-            excess = self._nodes - self.max_nodes
-            removed = self._pop_leaf(None, excess if left < 0 else min(excess, left))
-            self.evictions += removed
-            left = left if left < 0 else max(0, left - max(1, removed))
+        self._slicing = work is not None
+        try:
+            if self._rebuild is not None:  # a rebuild of the heap first, or the removals could starve it
+                left = self._rebuild_step(left)
+            dropped = self._dropped
+            while left and dropped:  # the old heap freed: 1.1 million entries took 40-60 ms at once
+                del dropped[-DROP_STEP:]
+                left = left if left < 0 else left - 1
+            while left and self._leaves and self._leaves[0][0] < limit:
+                removed = self._pop_leaf(limit, self._nodes if left < 0 else left)
+                self.expirations += removed
+                left = left if left < 0 else max(0, left - max(1, removed))
+            while left and self._nodes > self.max_nodes and self._leaves:
+                excess = self._nodes - self.max_nodes
+                removed = self._pop_leaf(None, excess if left < 0 else min(excess, left))
+                self.evictions += removed
+                left = left if left < 0 else max(0, left - max(1, removed))
+        finally:
+            self._slicing = False
         leaves = self._leaves
-        self.trim_due = bool(leaves) and (leaves[0][0] < limit or self._nodes > self.max_nodes)
+        self.trim_due = self._rebuild is not None or bool(self._dropped) or (
+            bool(leaves) and (leaves[0][0] < limit or self._nodes > self.max_nodes))
         return self.trim_due
 
     def _pop_leaf(self, limit: float | None, most: int) -> int:
@@ -416,18 +447,53 @@ class PrefixTrie:
             children[shard][above] -= 1
             if children[shard][above] == 0:
                 top = tops[shard][above]
-                heapq.heappush(self._leaves, (used[top & mask][top], above))
+                self._push((used[top & mask][top], above))
         self._compact()
         return removed
 
     def _compact(self) -> None:
-        """Rebuild the leaf heap when stale entries outnumber live nodes (each insert pushes one)."""
-        if len(self._leaves) > 2 * self._nodes + 64:
+        """Rebuild the leaf heap when stale entries outnumber live nodes (each insert pushes one). In one call, or,
+        inside a slice of the owner's removals (`trim` with a bound, or `insert` at the ceiling with `slack`), in the
+        slices that follow (`_rebuild_step`): a rebuild of 1.66 million entries took 224 ms of CPU in one call, the
+        event loop waiting (issue 18)."""
+        if len(self._leaves) > 2 * self._nodes + 64 and self._rebuild is None:
+            if self._slicing:
+                self._rebuild, self._rebuild_shard, self._rebuild_keys = [], 0, []
+                self.trim_due = True
+                return
             mask, used = self._mask, self._used
             self._leaves = [(used[top & mask][top], key)
                             for children, tops in zip(self._children, self._top, strict=True)
                             for key, count in children.items() if count == 0 for top in (tops[key],)]
             heapq.heapify(self._leaves)
+
+    def _rebuild_step(self, work: int) -> int:
+        """Go on with a rebuild of the leaf heap for `work` units (a leaf looked at is one, and so is scanning a
+        shard of the maps for its leaves; -1: to the end); returns the work left. The old heap serves meanwhile; every
+        entry pushed goes to both, so a leaf that appears after its shard was scanned is in the new one too, and
+        entries that go stale meanwhile are skipped when popped, as on the old one. Once every shard is scanned the
+        new heap replaces the old: the same live entries, the stale ones left behind."""
+        new = self._rebuild
+        assert new is not None
+        mask, used, tops, children = self._mask, self._used, self._top, self._children
+        pending = self._rebuild_keys
+        while work:
+            if work > 0:
+                work -= 1
+            if not pending:
+                shard = self._rebuild_shard
+                if shard > mask:  # every shard scanned; the old heap is freed in later steps
+                    self._dropped, self._leaves, self._rebuild = self._leaves, new, None
+                    return work
+                self._rebuild_shard = shard + 1
+                pending = self._rebuild_keys = [key for key, count in children[shard].items() if count == 0]
+                continue
+            key = pending.pop()
+            shard = key & mask
+            top = tops[shard].get(key)
+            if top is not None and children[shard][key] == 0:  # (still a leaf)
+                heapq.heappush(new, (used[top & mask][top], key))
+        return work
 
     def expire(self) -> None:
         """Apply the TTL now (insertions do it as they go)."""
@@ -462,7 +528,7 @@ class PrefixTrie:
             children[shard][parent] -= 1
             if children[shard][parent] == 0:
                 top = tops[shard][parent]
-                heapq.heappush(self._leaves, (self._used[top & mask][top], parent))
+                self._push((self._used[top & mask][top], parent))
 
     def clear(self) -> None:
         self._last_walk = None
@@ -471,6 +537,7 @@ class PrefixTrie:
                 fields.clear()
         self._nodes = 0
         self._leaves.clear()
+        self._rebuild, self._rebuild_keys, self._dropped = None, [], []
         self._worker_nodes.clear()
 
     def stats(self) -> TrieStats:
@@ -528,6 +595,12 @@ class PrefixTrie:
             for url in self._sent(key):
                 held[url] = held.get(url, 0) + 1
         assert held == {url: n for url, n in self._worker_nodes.items() if n}, "worker node counts out of step"
+        leaves = {(used[tops[key]], key) for key, count in children.items() if count == 0}
+        assert leaves <= set(self._leaves), "a leaf not on the heap"
+        if self._rebuild is not None:  # the shards scanned so far, but for the leaves still to push
+            scanned = {(at, key) for at, key in leaves if key & mask < self._rebuild_shard}
+            assert scanned - set(self._rebuild) <= {(used[tops[key]], key) for key in self._rebuild_keys}, \
+                "a leaf not on the heap being built"
 
     def _chain(self, bottom: BlockKey, top: BlockKey) -> list[BlockKey]:
         """The nodes from `bottom` up to `top`, both included (one chain; for checks)."""
