@@ -410,6 +410,40 @@ def test_shared_blocks_need_the_fleet_secret(valkey: ValkeyServer, tmp_path: Pat
         tier.close()
 
 
+def test_a_key_of_another_type_is_one_bad_block_not_the_backend_down(valkey: ValkeyServer) -> None:
+    """A hash or list under a block's name (another program's key, a hostile one) answered WRONGTYPE: the fetch
+    raised, so the tier counted the backend down for retry_s (every block a miss, lookups counting none) and kept
+    the name in its index, to fail again at its next load; it is one unreadable block now, deleted."""
+    tier = RedisSharedTier(valkey.url, ttl_s=60, retry_s=30)
+    raw = redis.Redis.from_url(valkey.url)
+    assert tier.store_many([StoreItem(key(i), payload(i)) for i in range(3)]) == 3
+    big = payload(9, 300 * 1024)
+    assert tier.store(key(9), memoryview(bytearray(big)))
+    name = f"kvgate:{key_name(key(1))}"
+    raw.delete(name)
+    raw.hset(name, "field", "value")
+    raw.delete(f"kvgate:{key_name(key(9))}:p")  # a split block whose payload's string is a list
+    raw.rpush(f"kvgate:{key_name(key(9))}:p", "item")
+    outs = [memoryview(bytearray(len(big))) for _ in range(4)]
+    for fetch in ("direct", "pipelined"):
+        if fetch == "pipelined":  # the path a reply the direct one does not take goes (a cluster's redirection)
+            raw.hset(name, "field", "value")
+            assert tier.store(key(9), memoryview(bytearray(big)))
+            raw.delete(f"kvgate:{key_name(key(9))}:p")
+            raw.rpush(f"kvgate:{key_name(key(9))}:p", "item")
+            keys = [key(0), key(1), key(2), key(9)]
+            found = tier._fetch_pipelined(keys, [tier._name(k) for k in keys], outs)
+            assert [type(r) for r in found] == [int, BlockError, int, BlockError]
+            continue
+        assert tier.read_many([key(0), key(1), key(2), key(9)], outs) == [1000, None, 1000, None]
+        assert bytes(outs[2][:1000]) == payload(2)
+        assert tier.available and tier.stats.backend_errors == 0 and tier.stats.read_errors == 2
+        assert not tier.contains(key(1)) and not raw.exists(name)  # the foreign key went with its block
+        assert not raw.exists(f"kvgate:{key_name(key(9))}") and not raw.exists(f"kvgate:{key_name(key(9))}:p")
+        assert read(tier, key(0)) == payload(0)
+    tier.close()
+
+
 def test_a_refused_write_does_not_switch_off_reads(tmp_path: Path) -> None:
     """Issue 14: any error, an OOM answer to a write too, made the tier skip reads for retry_s."""
     port = free_port()

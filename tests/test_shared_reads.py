@@ -112,13 +112,17 @@ def test_a_joined_block_wins_over_a_stale_payload_string(valkey: ValkeyServer) -
 
 def test_a_reply_of_another_kind_is_read_as_redis_py_reads_it(valkey: ValkeyServer,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    """A GET answered with an error (a key of another type) goes through redis-py's pipeline: the error counts as
-    before, and the connection the direct read gave up on is not handed to the next read."""
-    tier = RedisSharedTier(valkey.url, ttl_s=60, retry_s=0.1)
+    """A GET answered with an error the direct read does not take (here NOPERM: an ACL user that may not read one
+    block's payload) goes through redis-py's pipeline: the error counts as before, and the connection the direct
+    read gave up on is not handed to the next read. (WRONGTYPE, a key of another type, is one unreadable block:
+    test_agent_tiers.)"""
+    writer = RedisSharedTier(valkey.url, ttl_s=60)
+    assert writer.store_many([StoreItem(key(i), memoryview(payload(i, 300 * 1024))) for i in range(4)]) == 4
+    writer.close()
     raw = redis.Redis.from_url(valkey.url)
-    assert tier.store_many([StoreItem(key(i), memoryview(payload(i, 300 * 1024))) for i in range(4)]) == 4
-    raw.delete(f"kvgate:{key_name(key(1))}:p")
-    raw.rpush(f"kvgate:{key_name(key(1))}:p", b"x")  # WRONGTYPE
+    raw.acl_setuser("reader", enabled=True, passwords=["+pw"], keys=["kvgate:*[023]", "kvgate:*[023]:p"],
+                    commands=["+@all"], channels=["*"])
+    tier = RedisSharedTier(valkey.url.replace("redis://", "redis://reader:pw@"), ttl_s=60, retry_s=0.1)
     with caplog.at_level(logging.DEBUG, logger="agent.tiers.shared"):
         assert tier.read_many([key(0), key(1), key(2)], outs(3, 300 * 1024)) == [None] * 3
     assert "through the pipeline" in caplog.text and tier.stats.backend_errors == 1

@@ -551,7 +551,8 @@ class RedisSharedTier(SharedTier):
             pipe.get(name)
             if two:
                 pipe.get(name + _PAYLOAD)
-        values = iter(pipe.execute())
+        # an error reply stays that GET's value (WRONGTYPE: one block refused, not the backend counted down)
+        values = iter(pipe.execute(raise_on_error=False))
         results: list[int | Exception | None] = []
         for key, two, out in zip(keys, split, outs, strict=True):
             value, payload_value = next(values), next(values) if two else None
@@ -559,6 +560,11 @@ class RedisSharedTier(SharedTier):
                 results.append(None)
                 continue
             try:
+                for reply in (value, payload_value):
+                    if isinstance(reply, Exception):
+                        if "WRONGTYPE" not in str(reply):
+                            raise reply
+                        raise BlockError(f"a key of another type: {reply}")
                 if payload_value is not None and len(value) == self.seal.prefix_size:
                     payload: memoryview = memoryview(payload_value)
                     self.seal.open(key, value, payload)
@@ -608,6 +614,10 @@ class _Surprise(Exception):
     """A reply the direct GET path does not take (an error, a redirection, a push message, garbage)."""
 
 
+class _NotAString(Exception):
+    """A GET answered WRONGTYPE: the name holds a hash, a list, ... (another program's key, or a hostile one)."""
+
+
 def _pooled_connection(pool: Any) -> Any:
     """A connected connection of `pool` (redis-py before 5.3 wants a command name, later ones warn on one)."""
     try:
@@ -634,6 +644,7 @@ class _Fetch:
         self.joined: list[int | None] = [None] * n  # payload bytes that came with the prefix (one string)
         self.payloads: list[int | None] = [None] * n  # payload bytes of the `:p` string
         self.too_big = [False] * n  # a payload the caller's buffer cannot take: a miss, the block is fine
+        self.errors: list[BlockError | None] = [None] * n  # a string of the block's that is no string
 
     def results(self, seal: BlockSeal, keys: Sequence[BlockKey]) -> list[int | Exception | None]:
         """Each block checked (MAC or checksum) where it now lies, in the caller's buffer: its length, None for a
@@ -641,6 +652,9 @@ class _Fetch:
         results: list[int | Exception | None] = []
         for i, key in enumerate(keys):
             prefix = self.prefixes[i]
+            if self.errors[i] is not None:
+                results.append(self.errors[i])
+                continue
             if prefix is None or self.too_big[i]:
                 results.append(None)
                 continue
@@ -710,7 +724,11 @@ class _GetReplies:
 
     def _reply(self, batch: _Fetch, command: int) -> None:
         i = command // 2
-        size = self._header()
+        try:
+            size = self._header()
+        except _NotAString as exc:  # another writer's key of another type under a block's name: this block only
+            batch.errors[i] = BlockError(str(exc))
+            return
         if size is None:
             return
         out = batch.outs[i]
@@ -766,6 +784,8 @@ class _GetReplies:
             return None if size < 0 else size
         if line == b"_":  # RESP3's nil
             return None
+        if line.startswith(b"-WRONGTYPE"):
+            raise _NotAString(f"a key of another type: {line[1:80].decode(errors='replace')}")
         raise _Surprise(f"reply {line[:80]!r}")
 
     def _into(self, dest: memoryview) -> None:
