@@ -13,7 +13,7 @@ import pytest
 import redis
 import redis.cluster
 
-from agent.block import HEADER_SIZE, BlockError, ChecksumError, key_name, pack, parse_key_name, verify
+from agent.block import HEADER_SIZE, BlockError, BlockKey, ChecksumError, key_name, pack, parse_key_name, verify
 from agent.config import AgentConfig
 from agent.store import TierStore
 from agent.tiers.base import DiskSpace, Removed, StoreItem, TierUsage
@@ -431,7 +431,7 @@ def test_a_key_of_another_type_is_one_bad_block_not_the_backend_down(valkey: Val
             assert tier.store(key(9), memoryview(bytearray(big)))
             raw.delete(f"kvgate:{key_name(key(9))}:p")
             raw.rpush(f"kvgate:{key_name(key(9))}:p", "item")
-            keys = [key(0), key(1), key(2), key(9)]
+            keys: list[BlockKey] = [key(0), key(1), key(2), key(9)]
             found = tier._fetch_pipelined(keys, [tier._name(k) for k in keys], outs)
             assert [type(r) for r in found] == [int, BlockError, int, BlockError]
             continue
@@ -509,6 +509,58 @@ def test_fs_shared_round_trip_ttl_sweep(tmp_path: Path) -> None:
     data[-1] ^= 1
     corrupt.write_bytes(data)
     assert read(b, key(1)) is None and b.stats.checksum_failures == 1 and not corrupt.exists()
+
+
+SHARED_DISK_FULL_SCRIPT = """
+import resource, signal, sys
+from agent.tiers.shared import FsSharedTier
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
+tier = FsSharedTier(sys.argv[1], ttl_s=60, retry_s=30)
+assert tier.store((1, 1), b"x" * 1000)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # the "disk" takes no file over 4 KiB now
+refused = tier.store((1, 2), b"y" * 100_000)
+out = memoryview(bytearray(2000))
+print(refused, tier.available, tier.read_into((1, 1), out), tier.stats.backend_errors)
+"""
+
+
+def test_what_holds_a_blocks_place_in_the_shared_directory_costs_that_block_only(tmp_path: Path) -> None:
+    """A directory where a block's file goes, a file where a shard's directory goes, a full disk: each write error
+    counted the whole directory down for retry_s (reads too: every block a miss); deleting a directory under a
+    block's name (after reading it failed) did the same; a sweep ended at the first entry it could not delete,
+    leaving every expired block after it on the disk."""
+    tier = FsSharedTier(tmp_path, ttl_s=60, retry_s=30)
+    root = tmp_path / "kvgate"
+
+    def place(i: int) -> Path:
+        return root / key_name(key(i))[-2:] / key_name(key(i))
+
+    assert tier.store(key(1), payload(1))
+    place(2).mkdir(parents=True)  # a directory under block 2's name
+    (place(2) / "inside").write_bytes(b"z")
+    shard3 = place(3).parent
+    shard3.write_bytes(b"a file where block 3's shard directory goes")
+    assert tier.store_many([StoreItem(key(i), payload(i)) for i in (2, 3, 4)]) == 1
+    assert tier.available and tier.stats.backend_errors == 0 and tier.stats.refused == 2
+    assert read(tier, key(4)) == payload(4) and read(tier, key(1)) == payload(1)
+    assert not tier.contains(key(2)) and not tier.contains(key(3))
+    assert tier.refresh_index() == 2  # a directory is no block
+    tier.learn([key(2)])  # announced all the same: reading it fails, deleting it too; the tier stays up
+    assert read(tier, key(2), size=1 << 20) is None
+    assert tier.available and tier.stats.backend_errors == 0 and place(2).is_dir()
+    assert read(tier, key(1)) == payload(1)
+    old = time.time() - 7200
+    (root / "tmp" / "a-directory.tmp").mkdir()
+    os.utime(root / "tmp" / "a-directory.tmp", (old, old))
+    for path in (place(2), place(1), place(4)):
+        os.utime(path, (old, old))
+    assert tier.sweep() == 2  # blocks 1 and 4 went, past the directories it cannot unlink
+    assert not place(1).exists() and not place(4).exists() and place(2).is_dir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", SHARED_DISK_FULL_SCRIPT, str(tmp_path / "full")], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "1000", "1"]  # refused, reads go on
 
 
 def test_a_fifo_planted_in_the_shared_directory_is_a_miss_not_a_hang(tmp_path: Path) -> None:

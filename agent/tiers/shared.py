@@ -13,6 +13,7 @@ reconnects by itself); a write the backend refuses (out of memory) only pauses w
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -71,8 +72,9 @@ class SharedTier:
 
     # -- backend hooks ---------------------------------------------------------------------------------------
 
-    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
-        """Write (key, prefix, payload) blocks, each whole or not at all, each with its TTL."""
+    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> set[int]:
+        """Write (key, prefix, payload) blocks, each whole or not at all, each with its TTL; the positions of those
+        not written because their place in the backend is taken by something else (the others are written)."""
         raise NotImplementedError
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
@@ -135,7 +137,7 @@ class SharedTier:
             return 0
         parts = [(key, self.seal.prefix(key, payload, digest), payload) for key, payload, digest in todo]
         try:
-            self._put_many(parts)
+            skipped = self._put_many(parts)
         except Exception as exc:
             if self._refuses_writes(exc):
                 self._write_refused(exc)
@@ -147,14 +149,18 @@ class SharedTier:
         entry = (expiry, -1)
         with self._lock:
             index = self._index
-            for key, payload, _digest in todo:
+            for position, (key, payload, _digest) in enumerate(todo):
+                if position in skipped:
+                    continue
                 size = self.seal.prefix_size + len(payload)
                 if entry[1] != size:  # one entry for a write's blocks of one size: the index can hold millions
                     entry = (expiry, size)
                 index[key] = entry
                 index.move_to_end(key)
-        self.stats.add("stores", len(todo))
-        return len(items)
+        self.stats.add("stores", len(todo) - len(skipped))
+        if skipped:
+            self.stats.add("refused", len(skipped))
+        return len(items) - len(skipped)
 
     def read_into(self, key: BlockKey, out: memoryview, touch: bool = True) -> int | None:
         return self.read_many([key], [out])[0]
@@ -409,11 +415,11 @@ class RedisSharedTier(SharedTier):
     def _refuses_writes(self, exc: Exception) -> bool:
         return isinstance(exc, self._redis.ResponseError)
 
-    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
+    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> set[int]:
         px = int(self.ttl_s * 1000) if self.ttl_s > 0 else None
         if not isinstance(self.client, self._redis.cluster.RedisCluster):
             self._put_direct(self.client, items, px)
-            return
+            return set()  # (SET replaces a key of any type)
         # a cluster's nodes each take their keys: redis-py's cluster pipeline sends them there
         pipe = self.client.pipeline(transaction=False)  # type: ignore[no-untyped-call, unused-ignore]
         for key, prefix, payload in items:
@@ -425,6 +431,7 @@ class RedisSharedTier(SharedTier):
                 pipe.set(name, prefix, px=px)
         pipe.execute()
         self.client.publish(self.channel, "+" + " ".join(key_name(key) for key, _prefix, _payload in items))
+        return set()
 
     def _put_direct(self, client: redis.Redis, items: list[tuple[BlockKey, bytes, Buffer]], px: int | None) -> None:
         """The same SETs and PUBLISH as through redis-py's pipeline, packed here: small blocks' commands, prefix and
@@ -841,11 +848,25 @@ class FsSharedTier(SharedTier):
     def _expired(self, mtime: float) -> bool:
         return self.ttl_s > 0 and time.time() - mtime > self.ttl_s
 
-    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
-        for key, prefix, payload in items:
+    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> set[int]:
+        skipped: set[int] = set()
+        for position, (key, prefix, payload) in enumerate(items):
             final = self._path(key)
-            final.parent.mkdir(SHARED_DIR_MODE, exist_ok=True)
-            write_file_atomically(self.tmp_dir, final, [prefix, payload], self.fsync, SHARED_FILE_MODE)
+            try:
+                final.parent.mkdir(SHARED_DIR_MODE, exist_ok=True)
+                write_file_atomically(self.tmp_dir, final, [prefix, payload], self.fsync, SHARED_FILE_MODE)
+            except OSError as exc:
+                if exc.errno not in _PLACE_TAKEN:
+                    raise
+                # a directory where the block's file goes, a file where its shard's directory goes: that block
+                # is not written; the directory is not counted down for it
+                log.warning("shared tier: %s not written, its place is taken: %s", key_name(key), exc)
+                skipped.add(position)
+        return skipped
+
+    def _refuses_writes(self, exc: Exception) -> bool:
+        # a full or read-only file system, or one this agent may not write: reads go on
+        return isinstance(exc, OSError) and exc.errno in _WRITES_REFUSED
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
         results: list[int | Exception | None] = []
@@ -888,36 +909,50 @@ class FsSharedTier(SharedTier):
         return found
 
     def _delete(self, key: BlockKey) -> None:
-        self._path(key).unlink(missing_ok=True)
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            if exc.errno not in _UNDELETABLE:
+                raise
+            # a directory under a block's name, a directory this agent may not write: the block stays a miss
+            log.warning("shared tier: cannot delete %s: %s", key_name(key), exc)
 
-    def _list_keys(self) -> Iterable[BlockKey]:
+    def _shard_entries(self) -> Iterable[os.DirEntry[str]]:
+        """Every entry of every shard directory, a shard that cannot be listed left out (logged)."""
         for shard in os.scandir(self.root):
             if not shard.is_dir() or shard.name == "tmp":
                 continue
-            for entry in os.scandir(shard.path):
-                key = parse_key_name(entry.name)
-                if key is not None:
-                    yield key
+            try:
+                entries = list(os.scandir(shard.path))
+            except (NotADirectoryError, FileNotFoundError, PermissionError) as exc:
+                log.warning("shared tier: shard %s left out: %s", shard.name, exc)
+                continue
+            yield from entries
+
+    def _list_keys(self) -> Iterable[BlockKey]:
+        for entry in self._shard_entries():
+            key = parse_key_name(entry.name)
+            if key is not None and not entry.is_dir(follow_symlinks=False):
+                yield key
 
     def sweep(self) -> int:
         """Delete blocks older than the TTL, and temp files a crashed writer left; returns files removed."""
         removed = 0
         horizon = time.time() - max(self.ttl_s, 60.0)
+        undeletable = 0  # (a directory, a file this agent may not delete: the sweep goes on past it)
         for entry in os.scandir(self.tmp_dir):
             try:
-                if entry.stat().st_mtime < horizon:
+                if entry.stat(follow_symlinks=False).st_mtime < horizon:
                     os.unlink(entry.path)
                     removed += 1
             except FileNotFoundError:
                 pass
-        if self.ttl_s <= 0:
-            return removed
-        for shard in os.scandir(self.root):
-            if not shard.is_dir() or shard.name == "tmp":
-                continue
-            for entry in os.scandir(shard.path):
+            except OSError:
+                undeletable += 1
+        if self.ttl_s > 0:
+            for entry in self._shard_entries():
                 try:
-                    if self._expired(entry.stat().st_mtime):
+                    if self._expired(entry.stat(follow_symlinks=False).st_mtime):
                         os.unlink(entry.path)
                         removed += 1
                         key = parse_key_name(entry.name)
@@ -928,4 +963,16 @@ class FsSharedTier(SharedTier):
                                 self._report([Removed(key)])
                 except FileNotFoundError:
                     pass
+                except OSError:
+                    undeletable += 1
+        if undeletable:
+            log.warning("shared tier: the sweep left %d expired entries it could not delete", undeletable)
         return removed
+
+
+# what a block's write meets when something else holds its place (a directory, a file as its shard)
+_PLACE_TAKEN = frozenset((errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY))
+# a file system that refuses writes but still serves reads
+_WRITES_REFUSED = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM))
+# what unlinking a block's name can meet that says nothing about the backend
+_UNDELETABLE = frozenset((errno.EISDIR, errno.ENOTDIR, errno.EPERM, errno.EACCES, errno.EROFS))

@@ -537,8 +537,9 @@ class FleetSharedTier(SharedTier):
         self.stats.add("stores", len(fresh))
         return fresh if entry[0] > now else []
 
-    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> None:
+    def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> set[int]:
         self.backend.put([key for key, _prefix, _payload in items], self.ttl_s)
+        return set()
 
     def _fetch_many(self, keys: list[BlockKey], outs: list[memoryview]) -> list[int | Exception | None]:
         results: list[int | Exception | None] = []
