@@ -444,6 +444,23 @@ def test_a_key_of_another_type_is_one_bad_block_not_the_backend_down(valkey: Val
     tier.close()
 
 
+def test_a_key_name_that_is_not_utf8_is_no_block(valkey: ValkeyServer) -> None:
+    """A key under the prefix whose name is not UTF-8 made the keyspace scan raise: the subscription (which scans
+    first) failed and was tried again forever, so the tier counted itself down for good, and every index refresh
+    failed too."""
+    raw = redis.Redis.from_url(valkey.url)
+    raw.set(b"kvgate:\xff\xfe-not-a-block", b"junk")
+    writer = RedisSharedTier(valkey.url, ttl_s=60)
+    assert writer.store(key(1), payload(1))
+    tier = RedisSharedTier(valkey.url, ttl_s=60, retry_s=0.2)
+    tier.listen()
+    assert tier.wait_subscribed(5) and tier.available and tier.contains(key(1))
+    assert tier.refresh_index() == 1 and tier.stats.backend_errors == 0
+    assert read(tier, key(1)) == payload(1)
+    for t in (writer, tier):
+        t.close()
+
+
 def test_a_refused_write_does_not_switch_off_reads(tmp_path: Path) -> None:
     """Issue 14: any error, an OOM answer to a write too, made the tier skip reads for retry_s."""
     port = free_port()

@@ -600,7 +600,8 @@ class RedisSharedTier(SharedTier):
     def _list_keys(self) -> Iterable[BlockKey]:
         skip = len(self.prefix) + 1
         for raw in self.client.scan_iter(match=f"{self.prefix}:*", count=1000):
-            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            # (a name that is not UTF-8 is no block's: it raised, and every subscription's scan with it)
+            name = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
             key = parse_key_name(name[skip:])
             if key is not None:
                 yield key
