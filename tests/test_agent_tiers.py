@@ -580,6 +580,17 @@ def test_what_holds_a_blocks_place_in_the_shared_directory_costs_that_block_only
     assert out.stdout.split() == ["False", "True", "1000", "1"]  # refused, reads go on
 
 
+def test_a_probe_past_a_file_where_a_shard_goes_is_a_miss(tmp_path: Path) -> None:
+    """Asking whether a block exists when a file holds its shard directory's name raised NotADirectoryError: the
+    probe (every lookup of blocks not yet known) counted the directory down for retry_s."""
+    tier = FsSharedTier(tmp_path, ttl_s=60, retry_s=30)
+    assert tier.store(key(1), payload(1))
+    shard = tmp_path / "kvgate" / key_name(key(3))[-2:]
+    shard.write_bytes(b"a file where block 3's shard directory goes")
+    assert tier.probe([key(1), key(3)]) == [True, False]
+    assert tier.available and tier.stats.backend_errors == 0 and read(tier, key(1)) == payload(1)
+
+
 def test_a_fifo_planted_in_the_shared_directory_is_a_miss_not_a_hang(tmp_path: Path) -> None:
     """Issue 14: opening a FIFO named like a block waited for a writer forever, in every request thread."""
     import threading

@@ -905,7 +905,7 @@ class FsSharedTier(SharedTier):
         for key in keys:
             try:
                 found.append(not self._expired(self._path(key).stat().st_mtime))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError, PermissionError):  # (a file where its shard goes)
                 found.append(False)
         return found
 
