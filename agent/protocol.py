@@ -15,11 +15,19 @@ sides agree on the region before any block bytes move, and bytes one side would 
 from __future__ import annotations
 
 import struct
+from typing import Annotated
 
 import msgspec
 
 # as in agent.block (not imported: this module also loads inside vLLM's environment, which lacks xxhash)
 BlockHash = int | bytes
+# what a request may name, as the tiers can keep it: a 64-bit unsigned layout and int hash (the NVMe segments' and
+# the shared tier's headers pack them as such; a negative one raised in the store's threads, a store without DRAM
+# lost its connection with no answer), a bytes hash of at most 64 bytes (a segment record's key; as a file name
+# in the shared directory a longer one was too long, and every such store counted the directory down)
+MAX_HASH_BYTES = 64
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # (msgpack carries no int above 2**64 - 1)
+WireHash = U64 | Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]
 
 FRAME = struct.Struct("<I")
 MAX_FRAME = 256 * 2**20
@@ -37,22 +45,22 @@ class Hello(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
     client: str = ""
     # the client's PROTOCOL_VERSION; absent in a Hello of the protocol-2 clients that did not send it yet
     version: int = 2
-    layout: int = 0  # nonzero: the only layout this connection stores and loads
+    layout: U64 = 0  # nonzero: the only layout this connection stores and loads
     block_bytes: int = 0  # nonzero: the only block size this connection loads (must fit the shared memory)
 
 
 class Lookup(msgspec.Struct, tag="lookup", tag_field="op", kw_only=True):
-    layout: int
-    hashes: list[BlockHash]
+    layout: U64
+    hashes: list[WireHash]
     probe_ms: int = 0  # > 0: wait up to this long for the shared backend to be asked about unknown blocks
 
 
 class Store(msgspec.Struct, tag="store", tag_field="op", kw_only=True):
     """Consecutive blocks of one prefix: block i's parent is block i-1, block 0's is `parent`."""
 
-    layout: int
-    hashes: list[BlockHash]
-    parent: BlockHash | None = None
+    layout: U64
+    hashes: list[WireHash]
+    parent: WireHash | None = None
     offsets: list[int] = []  # in the client's shared memory ...
     lengths: list[int] = []
     data: list[bytes] = []  # ... or inline
@@ -61,8 +69,8 @@ class Store(msgspec.Struct, tag="store", tag_field="op", kw_only=True):
 class Load(msgspec.Struct, tag="load", tag_field="op", kw_only=True):
     """Load the leading run of these blocks; block i goes to `offsets[i]`, at most `block_bytes` long."""
 
-    layout: int
-    hashes: list[BlockHash]
+    layout: U64
+    hashes: list[WireHash]
     block_bytes: int
     offsets: list[int] = []  # empty: reply with the bytes inline
 

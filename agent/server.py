@@ -508,6 +508,10 @@ class TierAgent:
             if op == "hello":
                 log.warning("client refused at hello: %s", exc)
             return ErrorReply(message=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a request no check above foresaw: answered, the connection goes on serving
+            self.metrics.request_errors.labels(op).inc()
+            log.exception("%s request failed", op)
+            return ErrorReply(message=f"internal error: {type(exc).__name__}: {exc}")
 
     def _prefaultable(self) -> bool:
         return self.config.dram_prefault and isinstance(self.store.dram, DramTier)

@@ -331,6 +331,37 @@ def test_hostile_frames_are_answered_with_an_error_on_a_connection_that_keeps_se
     assert agent.proc is not None and agent.proc.poll() is None
 
 
+def test_hashes_and_layouts_no_tier_can_keep_are_refused_at_the_door(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """A negative layout or int hash, or a bytes hash longer than a segment record's key, was taken: without a DRAM
+    tier the NVMe segments' header packing raised in the request thread and the connection was dropped with no
+    answer; with one, every write down raised in the background, and a 300-byte hash, too long for a file name,
+    counted the shared directory down (reads too) at each store. Each is an error reply now."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "0", "--nvme-dir", str(tmp_path / "nvme"),
+                         "--no-nvme-fsync", "--shared-backend", "fs", "--shared-dir", str(tmp_path / "shared"))
+    agents.append(agent)
+    hostile = [
+        {"op": "store", "layout": LAYOUT, "hashes": [-1], "data": [content(7)]},
+        {"op": "store", "layout": -5, "hashes": [3], "data": [content(3)]},
+        {"op": "store", "layout": LAYOUT, "hashes": [4], "parent": -2, "data": [content(4)]},
+        {"op": "store", "layout": LAYOUT, "hashes": [b"x" * 300], "data": [content(5)]},
+        {"op": "lookup", "layout": LAYOUT, "hashes": [1, -1]},
+        {"op": "load", "layout": -1, "hashes": [1], "block_bytes": BLOCK},
+    ]
+    with connect(agent.socket) as sock:
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        for message in hostile:
+            reply = raw_call(sock, message)
+            assert reply["op"] == "error", (message["op"], reply)
+            assert ">= 0" in reply["message"] or "length <= 64" in reply["message"], reply
+        assert raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [7, 8], "data": [content(7), content(8)],
+                               "parent": 2**64 - 1})["stored"] == 2
+        assert raw_call(sock, {"op": "load", "layout": LAYOUT, "hashes": [7, 8], "block_bytes": BLOCK}) == {
+            "op": "load", "lengths": [BLOCK, BLOCK], "data": [content(7), content(8)]}
+    assert agent.metric("kvgate_agent_backend_errors_total", tier="shared") == 0
+    assert "Traceback" not in agent.log_path.read_text(errors="replace")
+
+
 def test_a_client_shrinking_its_shared_memory_cannot_kill_the_agent(tmp_path: Path, agents: list[AgentProcess],
                                                                     subprocess_env: dict[str, str]) -> None:
     """Issue 14: a client truncating its /dev/shm file after Hello made the agent's next copy into the mapping
