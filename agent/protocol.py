@@ -28,6 +28,12 @@ BlockHash = int | bytes
 MAX_HASH_BYTES = 64
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # (msgpack carries no int above 2**64 - 1)
 WireHash = U64 | Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]
+# blocks one request may name (16 million tokens at vLLM's default 16 per block): a frame of 10 million hashes and
+# offsets (180 MB, under MAX_FRAME) made the agent hold 5 GB while it decoded the lists and made a key and a view
+# per block; a longer list is refused before its elements are decoded
+MAX_BLOCKS = 2**20
+Hashes = Annotated[list[WireHash], msgspec.Meta(max_length=MAX_BLOCKS)]
+Ints = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS)]
 
 FRAME = struct.Struct("<I")
 MAX_FRAME = 256 * 2**20
@@ -51,7 +57,7 @@ class Hello(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
 
 class Lookup(msgspec.Struct, tag="lookup", tag_field="op", kw_only=True):
     layout: U64
-    hashes: list[WireHash]
+    hashes: Hashes
     probe_ms: int = 0  # > 0: wait up to this long for the shared backend to be asked about unknown blocks
 
 
@@ -59,20 +65,20 @@ class Store(msgspec.Struct, tag="store", tag_field="op", kw_only=True):
     """Consecutive blocks of one prefix: block i's parent is block i-1, block 0's is `parent`."""
 
     layout: U64
-    hashes: list[WireHash]
+    hashes: Hashes
     parent: WireHash | None = None
-    offsets: list[int] = []  # in the client's shared memory ...
-    lengths: list[int] = []
-    data: list[bytes] = []  # ... or inline
+    offsets: Ints = []  # in the client's shared memory ...
+    lengths: Ints = []
+    data: Annotated[list[bytes], msgspec.Meta(max_length=MAX_BLOCKS)] = []  # ... or inline
 
 
 class Load(msgspec.Struct, tag="load", tag_field="op", kw_only=True):
     """Load the leading run of these blocks; block i goes to `offsets[i]`, at most `block_bytes` long."""
 
     layout: U64
-    hashes: list[WireHash]
+    hashes: Hashes
     block_bytes: int
-    offsets: list[int] = []  # empty: reply with the bytes inline
+    offsets: Ints = []  # empty: reply with the bytes inline
 
 
 class Stats(msgspec.Struct, tag="stats", tag_field="op", kw_only=True):

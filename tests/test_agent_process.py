@@ -362,6 +362,39 @@ def test_hashes_and_layouts_no_tier_can_keep_are_refused_at_the_door(
     assert "Traceback" not in agent.log_path.read_text(errors="replace")
 
 
+def test_a_request_naming_more_blocks_than_any_prompt_is_refused_before_it_is_decoded(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """A frame of 10 million hashes and offsets (180 MB, under the frame bound) made the agent hold 5 GB (3 million:
+    1.6 GB, 6.5 s in a request thread) while it decoded the lists and made a key and a view per block. A request
+    names at most MAX_BLOCKS blocks; a longer list is an error reply, and the agent's memory stays where it was."""
+    from agent.protocol import MAX_BLOCKS
+
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    assert agent.proc is not None
+    too_many = list(range(1, MAX_BLOCKS + 2))
+    with connect(agent.socket) as sock:
+        sock.settimeout(60)
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        assert raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [1], "data": [content(1)]})["stored"] == 1
+        peak = _peak_rss_kib(agent.proc.pid)
+        for message in ({"op": "lookup", "layout": LAYOUT, "hashes": too_many},
+                        {"op": "load", "layout": LAYOUT, "hashes": too_many, "block_bytes": BLOCK,
+                         "offsets": [0] * len(too_many)},
+                        {"op": "store", "layout": LAYOUT, "hashes": [2], "data": [content(2)],
+                         "offsets": [0] * len(too_many)}):
+            reply = raw_call(sock, message)
+            assert reply["op"] == "error" and f"length <= {MAX_BLOCKS}" in reply["message"], (message["op"], reply)
+        assert _peak_rss_kib(agent.proc.pid) - peak < 64 * 1024  # (the frames are 9-18 MB)
+        assert raw_call(sock, {"op": "lookup", "layout": LAYOUT, "hashes": too_many[:MAX_BLOCKS]}) == {
+            "op": "lookup", "count": 1, "where": "C"}
+
+
+def _peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
 def test_a_client_shrinking_its_shared_memory_cannot_kill_the_agent(tmp_path: Path, agents: list[AgentProcess],
                                                                     subprocess_env: dict[str, str]) -> None:
     """Issue 14: a client truncating its /dev/shm file after Hello made the agent's next copy into the mapping
