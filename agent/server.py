@@ -74,6 +74,7 @@ INLINE_STORE_BYTES = 2 * 2**20
 INLINE_STORE_PIECE_BYTES = 128 * 2**10
 INLINE_LOAD_BYTES = MAX_FRAME // 2  # an inline load's blocks, at most: its answer must fit one frame
 FIRST_FRAME_TIMEOUT_S = 10.0  # a connection that has not sent its Hello by then is dropped
+ACCEPT_RETRY_S = 0.05  # after an accept failed (no file descriptor left), the next try
 
 
 def request_bytes(request: Store) -> int:
@@ -387,9 +388,22 @@ class TierAgent:
     # -- the block API ---------------------------------------------------------------------------------------
 
     async def _accept(self, listener: socket.socket) -> None:
+        """Every connection, for good: an accept that fails (out of file descriptors: as many clients connected as
+        the process may have files open) ended this task, silently, and the agent never accepted again; now the
+        failure is counted and logged, and accepting goes on after a pause."""
         loop = asyncio.get_running_loop()
+        logged_at = -math.inf
         while True:
-            sock, _addr = await loop.sock_accept(listener)
+            try:
+                sock, _addr = await loop.sock_accept(listener)
+            except OSError as exc:
+                self.metrics.request_errors.labels("accept").inc()
+                if time.monotonic() - logged_at >= 10:
+                    logged_at = time.monotonic()
+                    log.warning("cannot accept a client (kvgate_agent_request_errors_total{op=accept} counts every "
+                                "one): %s", exc)
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
             task = loop.create_task(self._serve_client(sock))
             self._clients.add(task)  # a strong reference while it runs
             task.add_done_callback(self._clients.discard)

@@ -395,6 +395,37 @@ def _peak_rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 
 
+def test_the_agent_accepts_again_once_file_descriptors_are_free(tmp_path: Path, agents: list[AgentProcess],
+                                                                subprocess_env: dict[str, str]) -> None:
+    """Clients connecting past the agent's limit of open files made an accept fail with EMFILE; that ended the
+    accepting task, silently, and the agent never took a connection again (a vLLM restarted later could not
+    reach it). The failure is counted and logged now, and accepting goes on once descriptors are free."""
+    import resource
+
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    assert agent.proc is not None
+    pid = agent.proc.pid
+    limit = len(os.listdir(f"/proc/{pid}/fd")) + 16
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, limit))
+    crowd = [connect(agent.socket) for _ in range(40)]  # more than the agent can hold open
+    try:
+        deadline = time.monotonic() + 30
+        while len(os.listdir(f"/proc/{pid}/fd")) < limit:  # every descriptor it may have is taken
+            assert time.monotonic() < deadline, "the agent did not reach its limit of open files"
+            time.sleep(0.05)
+        time.sleep(0.5)  # (its accepts fail meanwhile)
+    finally:
+        for sock in crowd:
+            sock.close()
+    with connect(agent.socket) as sock:
+        sock.settimeout(30)
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        assert raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [1], "data": [content(1)]})["stored"] == 1
+    assert agent.metric("kvgate_agent_request_errors_total", op="accept") >= 1
+    assert "Too many open files" in agent.log_path.read_text(errors="replace")
+
+
 def test_a_client_shrinking_its_shared_memory_cannot_kill_the_agent(tmp_path: Path, agents: list[AgentProcess],
                                                                     subprocess_env: dict[str, str]) -> None:
     """Issue 14: a client truncating its /dev/shm file after Hello made the agent's next copy into the mapping
