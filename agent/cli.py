@@ -31,5 +31,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log.info("tier agent config: %s", describe(config, hide=("shared_secret",)))
     gc.set_threshold(*GC_THRESHOLDS)
-    run_until_signalled(TierAgent(config).serve_forever())
+    try:  # the tiers: a directory that cannot be made, a shared URL that is not one
+        agent = TierAgent(config)
+    except (OSError, ValueError) as exc:
+        log.error("cannot start the tier agent: %s", exc)
+        return 2
+    run_until_signalled(agent.serve_forever())
     return 0

@@ -5,6 +5,7 @@ Environment variables use the prefix `KVGATE_AGENT_` (e.g. `KVGATE_AGENT_DRAM_CA
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,25 @@ class AgentConfig:
         if self.shared_backend == "fs" and not self.shared_dir:
             raise ConfigError("shared_backend=fs needs shared_dir")
         self.shared_key()
+        try:
+            mode = int(self.socket_mode, 8)
+        except ValueError:
+            mode = -1
+        if not 0 <= mode <= 0o777:
+            raise ConfigError(f"socket_mode must be octal permissions such as 660: {self.socket_mode!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be 0 to 65535: {self.metrics_port}")
+        # an interval of 0 ran its task in a loop that never waited (a core at 100%), NaN never compared true (a
+        # NaN retry kept the shared tier down for good), a timeout of 0 made redis-py's sockets non-blocking (the
+        # shared tier never connected)
+        for name in ("events_interval_s", "shared_timeout_s", "shared_sweep_interval_s", "shared_index_refresh_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds: {value}")
+        for name in ("shared_ttl_s", "shared_retry_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be 0 or a positive number of seconds: {value}")
         for low, high, name in ((self.dram_low_watermark, self.dram_high_watermark, TierName.DRAM),
                                 (self.nvme_low_watermark, self.nvme_high_watermark, TierName.NVME)):
             if not 0.0 < low <= high <= 1.0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,32 @@ def test_strategy_options_come_from_the_same_file_env_and_flags(tmp_path: Path) 
         cfg_file.write_text("strategy: prefix\n" + bad)
         with pytest.raises(ConfigError, match=match):
             load(parser.parse_args(["--config", str(cfg_file)]), {})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("socket_mode", "999"), ("socket_mode", "rw"), ("metrics_port", 70000),
+    ("events_interval_s", 0.0), ("events_interval_s", float("nan")), ("shared_timeout_s", 0.0),
+    ("shared_index_refresh_s", 0.0), ("shared_sweep_interval_s", -1.0), ("shared_retry_s", float("nan")),
+    ("shared_ttl_s", float("inf")),
+])
+def test_agent_settings_that_cannot_work_are_config_errors(field: str, value: Any) -> None:
+    """A socket mode that is not octal raised a ValueError traceback at start; an events interval of 0 ran the
+    flush in a loop that never waited (a core at 100%); a shared timeout of 0 made redis-py's sockets non-blocking
+    (the shared tier never connected); a NaN retry kept the shared tier down for good after its first error."""
+    from agent.config import AgentConfig
+
+    with pytest.raises(ConfigError, match=field):
+        AgentConfig(**{field: value}).validate()
+
+
+def test_an_agent_that_cannot_make_its_tiers_exits_with_one_line(tmp_path: Path) -> None:
+    """An NVMe or shared directory that cannot be made, a shared URL that is not one: a traceback at start; now
+    one error line and exit status 2, as for any other configuration error."""
+    (tmp_path / "file").write_bytes(b"")
+    for flags, message in ((["--nvme-dir", str(tmp_path / "file" / "nvme")], "Not a directory"),
+                           (["--shared-backend", "redis", "--shared-url", "redis://[bad"], "Invalid IPv6 URL")):
+        out = subprocess.run([sys.executable, "-m", "kvgate.cli", "agent", "--socket-path", str(tmp_path / "s"),
+                              "--metrics-port", "0", *flags], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert "cannot start the tier agent" in out.stderr and message in out.stderr
