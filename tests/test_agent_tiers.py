@@ -267,6 +267,43 @@ print(ok, small, u.blocks, u.used_bytes, tier.stats.backend_errors)
 """
 
 
+def test_what_is_no_block_in_the_nvme_directory_is_left_alone_at_restart(tmp_path: Path) -> None:
+    """A FIFO named like a segment made the restart's scan wait for a writer forever (the agent never started); a
+    directory named like a segment was counted as one and its eviction raised at every upkeep; a directory in the
+    files layout's tmp/ or shards made the restart raise (the agent did not start)."""
+    import threading
+
+    segments = tmp_path / "seg" / "segments"
+    segments.mkdir(parents=True)
+    os.mkfifo(segments / f"{1:016x}.seg")
+    (segments / f"{2:016x}.seg").mkdir()
+    files = tmp_path / "files"
+    (files / "tmp" / "a-directory.tmp").mkdir(parents=True)
+    (files / "blocks" / "ab" / "a-directory").mkdir(parents=True)
+    made: list[object] = []
+
+    def restart() -> None:
+        made.append(SegmentNvmeTier(tmp_path / "seg", capacity=2**20, fsync=False, segment_bytes=2**16))
+        made.append(NvmeTier(files, capacity=2**20, fsync=False))
+
+    starting = threading.Thread(target=restart, daemon=True)
+    starting.start()
+    starting.join(10)
+    if starting.is_alive():  # release the hung scan before failing
+        os.close(os.open(segments / f"{1:016x}.seg", os.O_WRONLY | os.O_NONBLOCK))
+        raise AssertionError("the restart hung on a FIFO named like a segment")
+    assert len(made) == 2, "a tier did not start"
+    for tier in made:
+        assert isinstance(tier, SegmentNvmeTier | NvmeTier)
+        assert tier.usage().used_bytes == 0
+        for i in range(40):  # 40 KB into 1 MiB: no eviction needed; then past the bound, evicting
+            assert tier.store(key(i), payload(i, 60_000))
+        assert read(tier, key(39), size=60_000) == payload(39, 60_000)
+        tier.evict_to_low_watermark()
+        assert tier.usage().used_bytes <= 2**20
+    assert (segments / f"{2:016x}.seg").is_dir() and (files / "blocks" / "ab" / "a-directory").is_dir()
+
+
 def test_disk_space_reserve(tmp_path: Path) -> None:
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     roomy = DiskSpace(str(tmp_path), min_free=0)

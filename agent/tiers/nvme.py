@@ -158,12 +158,18 @@ class NvmeTier:
 
     def _rebuild(self) -> None:
         for tmp in self.tmp_dir.iterdir():  # writes a crash interrupted: never renamed, never served
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError as exc:  # (a directory: unlinking it raised, and the agent did not start)
+                log.warning("nvme tier: cannot remove %s: %s", tmp, exc)
         found: list[tuple[int, BlockKey, int]] = []
         for shard in self.blocks_dir.iterdir():
             if not shard.is_dir():
                 continue
             for entry in os.scandir(shard):
+                if not entry.is_file(follow_symlinks=False):  # no block: left alone (unlinking a directory raised)
+                    log.warning("nvme tier: %s is not a regular file: left alone", entry.path)
+                    continue
                 key = parse_key_name(entry.name)
                 try:
                     st = entry.stat()

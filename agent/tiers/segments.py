@@ -203,8 +203,9 @@ class SegmentNvmeTier:
         self._copier = copier
         self.read_part_bytes = read_part_bytes
         self.seg_dir.mkdir(DIR_MODE, parents=True, exist_ok=True)
+        self._next_id = 1
         self._rebuild()
-        self._next_id = max(self._segments, default=0) + 1
+        self._next_id = max(self._next_id, max(self._segments, default=0) + 1)
 
     # -- restart ---------------------------------------------------------------------------------------------
 
@@ -213,6 +214,11 @@ class SegmentNvmeTier:
         for entry in os.scandir(self.seg_dir):
             stem, dot, ext = entry.name.partition(".")
             if dot and ext == "seg" and len(stem) == 16:
+                if not entry.is_file(follow_symlinks=False):  # opening a FIFO waited forever: the agent never started
+                    log.warning("nvme segments: %s is not a regular file: left alone", entry.path)
+                    with contextlib.suppress(ValueError):  # (its name is not one a new segment may take)
+                        self._next_id = max(self._next_id, int(stem, 16) + 1)
+                    continue
                 try:
                     ids.append(int(stem, 16))
                 except ValueError:
