@@ -72,6 +72,9 @@ INLINE_STORE_BYTES = 2 * 2**20
 # between: a lookup that arrived during a 36-block save waited for the whole copy (page faults included), past
 # the connector's 1 ms budget, and its request lost a step
 INLINE_STORE_PIECE_BYTES = 128 * 2**10
+# ... and of at most this many blocks (about 1 ms of the loop's time): a chain of 200,000 empty blocks was one piece
+# (0 bytes), and held the loop, every other client's lookups with it, for 0.74 s (2^20 of them: about 4 s)
+INLINE_STORE_PIECE_BLOCKS = 256
 INLINE_LOAD_BYTES = MAX_FRAME // 2  # an inline load's blocks, at most: its answer must fit one frame
 FIRST_FRAME_TIMEOUT_S = 10.0  # a connection that has not sent its Hello by then is dropped
 ACCEPT_RETRY_S = 0.05  # after an accept failed (no file descriptor left), the next try
@@ -598,7 +601,8 @@ class TierAgent:
             stored, start, hashes = 0, 0, request.hashes
             while start < len(hashes):
                 end, size = start + 1, len(payloads[start])
-                while end < len(hashes) and size + len(payloads[end]) <= INLINE_STORE_PIECE_BYTES:
+                while (end < len(hashes) and size + len(payloads[end]) <= INLINE_STORE_PIECE_BYTES
+                       and end - start < INLINE_STORE_PIECE_BLOCKS):
                     size += len(payloads[end])
                     end += 1
                 if start:

@@ -426,6 +426,39 @@ def test_the_agent_accepts_again_once_file_descriptors_are_free(tmp_path: Path, 
     assert "Too many open files" in agent.log_path.read_text(errors="replace")
 
 
+def test_a_store_of_many_empty_blocks_lets_other_clients_lookups_in(tmp_path: Path, agents: list[AgentProcess],
+                                                                    subprocess_env: dict[str, str]) -> None:
+    """A store small in bytes is copied into DRAM on the event loop, in pieces with other work let in between; the
+    pieces were cut by bytes only, so a chain of 200,000 empty blocks was one piece and held the loop (every other
+    client's lookups) for the whole store, 0.74 s here (2^20 blocks: about 4 s). A lookup sent while such a store
+    runs is answered before it ends now."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "64MiB")
+    agents.append(agent)
+    n = 200_000
+    with connect(agent.socket) as big, connect(agent.socket) as small:
+        for sock in (big, small):
+            sock.settimeout(120)
+            assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        assert raw_call(small, {"op": "store", "layout": LAYOUT, "hashes": [n + 1], "data": [content(1)]})[
+            "stored"] == 1
+        answered: dict[str, float] = {}
+        body = msgspec.msgpack.encode({"op": "store", "layout": LAYOUT, "hashes": list(range(1, n + 1)),
+                                       "data": [b""] * n})
+        big.sendall(FRAME.pack(len(body)) + body)
+
+        def store_reply() -> None:
+            (size,) = FRAME.unpack(big.recv(FRAME.size, socket.MSG_WAITALL))
+            assert msgspec.msgpack.decode(big.recv(size, socket.MSG_WAITALL))["stored"] == n
+            answered["store"] = time.monotonic()
+
+        waiter = threading.Thread(target=store_reply)
+        waiter.start()  # (the store's frame is read whole by now: sendall returned; it is decoded or copied)
+        assert raw_call(small, {"op": "lookup", "layout": LAYOUT, "hashes": [n + 1]})["count"] == 1
+        answered["lookup"] = time.monotonic()
+        waiter.join(120)
+        assert "store" in answered and answered["lookup"] < answered["store"], answered
+
+
 def test_a_client_shrinking_its_shared_memory_cannot_kill_the_agent(tmp_path: Path, agents: list[AgentProcess],
                                                                     subprocess_env: dict[str, str]) -> None:
     """Issue 14: a client truncating its /dev/shm file after Hello made the agent's next copy into the mapping
