@@ -628,6 +628,28 @@ def test_a_probe_past_a_file_where_a_shard_goes_is_a_miss(tmp_path: Path) -> Non
     assert tier.available and tier.stats.backend_errors == 0 and read(tier, key(1)) == payload(1)
 
 
+def test_a_symlink_in_the_shared_directory_leads_nothing_outside_it(tmp_path: Path) -> None:
+    """Whoever can write the shared directory could replace a shard (or tmp/) by a symlink to any directory the
+    agent may write: the sweep then deleted every file there older than the TTL, and blocks were written there."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    precious = victim / "precious.txt"
+    precious.write_text("keep me")
+    old = time.time() - 7200
+    os.utime(precious, (old, old))
+    tier = FsSharedTier(tmp_path / "shared", ttl_s=60, retry_s=30)
+    root = tmp_path / "shared" / "kvgate"
+    (root / key_name(key(3))[-2:]).symlink_to(victim)
+    assert tier.sweep() == 0 and precious.exists()
+    assert tier.store_many([StoreItem(key(i), payload(i)) for i in (1, 3)]) == 1
+    assert os.listdir(victim) == ["precious.txt"] and tier.available
+    (root / "tmp").rename(root / "old-tmp")
+    (root / "tmp").symlink_to(victim)
+    assert tier.sweep() == 0 and precious.exists()
+    assert not tier.store(key(2), payload(2)) and os.listdir(victim) == ["precious.txt"]
+    assert tier.available and read(tier, key(1)) == payload(1)  # writes pause, reads go on
+
+
 def test_a_fifo_planted_in_the_shared_directory_is_a_miss_not_a_hang(tmp_path: Path) -> None:
     """Issue 14: opening a FIFO named like a block waited for a writer forever, in every request thread."""
     import threading

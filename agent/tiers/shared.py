@@ -850,11 +850,15 @@ class FsSharedTier(SharedTier):
         return self.ttl_s > 0 and time.time() - mtime > self.ttl_s
 
     def _put_many(self, items: list[tuple[BlockKey, bytes, Buffer]]) -> set[int]:
+        if self.tmp_dir.is_symlink():  # its files would be made wherever it points
+            raise OSError(errno.EACCES, f"{self.tmp_dir} is a symlink")
         skipped: set[int] = set()
         for position, (key, prefix, payload) in enumerate(items):
             final = self._path(key)
             try:
                 final.parent.mkdir(SHARED_DIR_MODE, exist_ok=True)
+                if final.parent.is_symlink():  # a block file would be made wherever it points
+                    raise OSError(errno.ENOTDIR, f"shard {final.parent.name} is a symlink")
                 write_file_atomically(self.tmp_dir, final, [prefix, payload], self.fsync, SHARED_FILE_MODE)
             except OSError as exc:
                 if exc.errno not in _PLACE_TAKEN:
@@ -921,7 +925,9 @@ class FsSharedTier(SharedTier):
     def _shard_entries(self) -> Iterable[os.DirEntry[str]]:
         """Every entry of every shard directory, a shard that cannot be listed left out (logged)."""
         for shard in os.scandir(self.root):
-            if not shard.is_dir() or shard.name == "tmp":
+            # a symlink is no shard: whoever can write the directory could point one anywhere the agent may write,
+            # and the sweep deleted every old file there
+            if not shard.is_dir(follow_symlinks=False) or shard.name == "tmp":
                 continue
             try:
                 entries = list(os.scandir(shard.path))
@@ -941,6 +947,9 @@ class FsSharedTier(SharedTier):
         removed = 0
         horizon = time.time() - max(self.ttl_s, 60.0)
         undeletable = 0  # (a directory, a file this agent may not delete: the sweep goes on past it)
+        if self.tmp_dir.is_symlink():  # (see _shard_entries)
+            log.warning("shared tier: %s is a symlink: not swept, nothing written", self.tmp_dir)
+            return 0
         for entry in os.scandir(self.tmp_dir):
             try:
                 if entry.stat(follow_symlinks=False).st_mtime < horizon:
