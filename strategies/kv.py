@@ -103,7 +103,7 @@ class KvAware(Strategy):
             if url in self._turned:  # no rank held any of it: the next such prompt goes to the next rank
                 self._next_rank[url] = (rank + 1) % decision.worker.spec.dp_ranks
         if request.block_keys:
-            self.pending.add(url if rank is None else cache_name(url, rank), request.block_keys)
+            self.pending.add(cache_name(url, rank), request.block_keys)
         return decision
 
     def predict(self, keys: Sequence[int], workers: Sequence[Worker], cacheable: int) -> tuple[list[int], list[float]]:
@@ -213,7 +213,7 @@ class KvAware(Strategy):
             loop = asyncio.get_running_loop()
             url, rank = decision.worker.spec.url, decision.dp_rank
             self._finished.append((loop.time() + self.pending_grace_s,
-                                   url if rank is None else cache_name(url, rank), request.block_keys))
+                                   cache_name(url, rank), request.block_keys))
             if self._sweeping is not loop:
                 self._sweeping = loop
                 loop.call_at(self._finished[0][0], self._discard_finished)
