@@ -81,12 +81,13 @@ class Worker:
     prefill_prompt_tokens: float = 0.0
     models_fetched_at: float = 0.0
     load_scraped_at: float = 0.0
-    _base: tuple[dict[str, dict[str, Any]], str | None] | None = field(default=None, repr=False)
+    # the base model this worker serves (its model card without a `parent`): the root of the block keys of its KV
+    # events; None while its models are unknown. Found once per listing (`take_listing`): it is asked per request and
+    # per event batch, and a listing may name 100,000 adapters
+    base_model: str | None = None
     _listing_digest: int | None = field(default=None, repr=False)  # of the last /v1/models body taken
-    # `key_names`'s last answer (asked per request) and the model cards it read: (cards, model, names); the cards are
-    # replaced whole when fetched, never changed in place
-    _key_names: tuple[dict[str, dict[str, Any]], str, tuple[str, str | None]] | None = field(
-        default=None, init=False, repr=False)
+    # `key_names`'s last answer (asked per request) for the listing taken last: (model, names)
+    _key_names: tuple[str, tuple[str, str | None]] | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -100,32 +101,26 @@ class Worker:
     def serves(self, model: str) -> bool:
         return self.healthy and not self.draining and model in self.models
 
-    @property
-    def base_model(self) -> str | None:
-        """The base model this worker serves (its model card without a `parent`): the root of the block keys of
-        its KV events. None while its models are unknown. Found once per listing (`model_cards` is replaced, never
-        changed in place): it is asked per request and per event batch, and a listing may name 100,000 adapters."""
-        cards = self.model_cards
-        if self._base is None or self._base[0] is not cards:
-            base = next((m for m, card in cards.items() if card.get("parent") in (None, m)), None)
-            self._base = (cards, base)
-        return self._base[1]
+    def take_listing(self, cards: dict[str, dict[str, Any]]) -> None:
+        """This worker's model cards (its /v1/models listing, by id), and what is derived from them once."""
+        self.model_cards = cards
+        self.models = frozenset(cards)
+        self.base_model = next((m for m, card in cards.items() if card.get("parent") in (None, m)), None)
+        self._key_names = None
 
     def key_names(self, model: str) -> tuple[str, str | None]:
         """What a request for `model` is keyed under on this worker, as its engine names the blocks: (base model,
         LoRA adapter or None). Every alias of the base model (`--served-model-name a b`) is keyed as the first."""
-        cards = self.model_cards
-        known = self._key_names  # the last answer, while the cards it was read from are this worker's
-        if known is not None and known[0] is cards and known[1] == model:
-            return known[2]
+        known = self._key_names
+        if known is not None and known[0] == model:
+            return known[1]
         base = self.lora_base(model)
         if base is not None:
             names: tuple[str, str | None] = (base, model)
         else:
-            card = cards.get(model)
-            canonical = self.base_model if card is not None else None
+            canonical = self.base_model if model in self.model_cards else None
             names = (canonical or model, None)
-        self._key_names = (cards, model, names)
+        self._key_names = (model, names)
         return names
 
     def lora_base(self, model: str) -> str | None:
@@ -233,8 +228,8 @@ class WorkerPool:
     def models_listing(self) -> bytes:
         """GET /v1/models's body: the de-duplicated union of the models the healthy workers serve, as OpenAI model
         cards by id. Made again only when the healthy workers or one of their listings changed (a worker's
-        `model_cards` is replaced, never changed in place): a listing may hold 100,000 adapters, 87 ms to sort and
-        serialise on the event loop at every call."""
+        `model_cards` is replaced by `Worker.take_listing`, never changed in place): a listing may hold 100,000
+        adapters, 87 ms to sort and serialise on the event loop at every call."""
         listings = [worker.model_cards for worker in self.healthy()]
         made = self._listing
         if made is not None and len(made[0]) == len(listings) and all(map(operator.is_, made[0], listings)):
@@ -401,8 +396,7 @@ class WorkerPool:
             for card in listing.get("data", [])
             if isinstance(card, dict) and isinstance(card.get("id"), str)
         }
-        worker.model_cards = cards
-        worker.models = frozenset(cards)
+        worker.take_listing(cards)
         worker.models_fetched_at = time.monotonic()
         worker._listing_digest = digest
 

@@ -153,9 +153,9 @@ async def test_tenants_with_different_salts_never_share_keys(tiny_model_dir: Pat
 
 async def test_lora_adapter_uses_its_base_tokenizer_and_its_own_keys(tiny_model_dir: Path) -> None:
     prompts = service([f"tiny={tiny_model_dir}"])
-    worker = Worker(spec=WorkerSpec("http://127.0.0.1:1"), healthy=True, models=frozenset({"tiny", "sql-lora"}))
-    worker.model_cards = {"tiny": {"id": "tiny", "parent": None},
-                          "sql-lora": {"id": "sql-lora", "root": "/adapters/sql", "parent": "tiny"}}
+    worker = Worker(spec=WorkerSpec("http://127.0.0.1:1"), healthy=True)
+    worker.take_listing({"tiny": {"id": "tiny", "parent": None},
+                         "sql-lora": {"id": "sql-lora", "root": "/adapters/sql", "parent": "tiny"}})
     assert worker.base_model == "tiny"
     assert worker.lora_base("sql-lora") == "tiny" and worker.lora_base("tiny") is None
     assert worker.lora_base("absent") is None
