@@ -39,10 +39,12 @@ from bench import loadgen, machine, vsim_report, workloads
 from bench.make_model import bench_model_dir
 from bench.report import write_markdown, write_plots
 from bench.sim.launch import AgentSettings, SimFleet, start_sim_fleet
-from bench.sim.perf_model import load_profile
+from bench.sim.perf_model import Profile, load_profile
+from bench.stats import percentile
 from bench.targets import DEFAULT_TARGETS, Target, TargetError, TargetSettings, parse_target
 from bench.workload_options import add_workload_arguments, build_workload
 from bench.workloads import PromptVocabulary
+from router.block_keys import block_keys, root_key
 
 MODEL = "tiny"
 
@@ -192,6 +194,8 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
             arrivals = workloads.poisson_arrivals(len(workload.requests), args.rate, args.seed)
     bodies = [loadgen.request_body(r, vocab, MODEL, args.prompt_mode) for r in workload.requests]
     bound = workloads.ideal_hit_rate(wire, bs)
+    profile = load_profile(args.profile).sped_up(args.speedup)
+    prompts = [(len(ids), block_keys(ids, bs, root_key("bench"))) for ids in wire]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any traffic
     balance_abs = args.peer_balance_abs or max(2, round(args.concurrency / args.replicas))
@@ -214,6 +218,8 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         # router's and HTTP's own time comes on top of it in every row
         "ttft_limit": {k: None if v is None else v / args.speedup
                        for k, v in vsim_report.ttft_limit(bound, load_profile(args.profile)).items()},
+        # per target (`ttft_limit_causal`): the same, but each request sent when that target's client sent it and a
+        # prefix there only once a prefill computing it has (`vsim_report.causal_ttfts`)
         "peer_tuning": {"balance_abs_threshold": balance_abs, "balance_rel_threshold": args.peer_balance_rel},
         "command": _command_line(),
         "targets": [],
@@ -238,6 +244,8 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
                 target.name = name = base + suffix  # also names its log file
                 row = await run_target(target, fleet, settings, bodies, arrivals, args)
                 row["agents"] = agents is not None
+                if "per_request" in row:
+                    row["ttft_limit_causal"] = causal_limit(prompts, row["per_request"], bs, profile)
                 bound_rate = bound.hit_rate
                 if "fleet" in row:
                     row["fraction_of_bound"] = row["fleet"]["hit_rate"] / bound_rate if bound_rate else None
@@ -262,6 +270,14 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
     write_markdown(report, out / "report.md")
     write_plots(report, out)
     return report
+
+
+def causal_limit(prompts: list[tuple[int, list[int]]], sent: list[dict[str, Any]], block_size: int,
+                 profile: Profile) -> dict[str, float | None]:
+    """TTFT p50 / p90 / p99 (ms) of `vsim_report.causal_ttfts` at the times a target's client sent each request."""
+    times = vsim_report.causal_ttfts(prompts, [r["start_s"] for r in sent], block_size, profile)
+    return {f"ttft_ms_p{p}": None if (v := percentile(times, p / 100)) is None else v * 1e3
+            for p in vsim_report.PERCENTILES}
 
 
 def agent_settings(args: argparse.Namespace) -> AgentSettings:

@@ -11,15 +11,20 @@ def _f(value: Any, fmt: str = "{:.0f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _limit(limit: dict[str, float | None] | None) -> str:
+    return "-" if not limit else " / ".join(_f(limit[f"ttft_ms_p{p}"]) for p in (50, 90, 99)) + " ms"
+
+
 def headline_table(report: dict[str, Any]) -> list[str]:
     tiers = any(t.get("agents") for t in report["targets"])
     lines = ["| target | hit rate | " + ("hit incl. tiers | " if tiers else "") + "of bound | TTFT p50 | TTFT p90 | "
-             "TTFT p99 | ITL p50 | e2e p50 | req imbalance | token imbalance | errors | req/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tiers else "")]
+             "TTFT p99 | limit for its sends p50 / p90 / p99 | ITL p50 | e2e p50 | req imbalance | token imbalance | "
+             "errors | req/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tiers else "")]
     for t in report["targets"]:
         if "fleet" not in t:
             lines.append(f"| {t['name']} | did not run: {t.get('error', '?').splitlines()[0][:160]} |"
-                         + " |" * 10)
+                         + " |" * 11)
             continue
         lat, fleet = t["latency"], t["fleet"]
         lines.append(
@@ -27,6 +32,7 @@ def headline_table(report: dict[str, Any]) -> list[str]:
             + (f"{fleet.get('hit_rate_with_tiers', fleet['hit_rate']):.3f} | " if tiers else "")
             + f"{_f(t.get('fraction_of_bound'), '{:.0%}')} | "
             f"{_f(lat['ttft_ms_p50'])} ms | {_f(lat['ttft_ms_p90'])} ms | {_f(lat['ttft_ms_p99'])} ms | "
+            f"{_limit(t.get('ttft_limit_causal'))} | "
             f"{_f(lat['itl_ms_p50'], '{:.1f}')} ms | {_f(lat['e2e_ms_p50'])} ms | "
             f"{_f(fleet['request_imbalance'], '{:.2f}')} | {_f(fleet['prompt_token_imbalance'], '{:.2f}')} | "
             f"{lat['errors']} | {_f(fleet['requests_per_s'], '{:.1f}')} |")
@@ -73,6 +79,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
            f"own time comes on top): p50 {_f(report['ttft_limit']['ttft_ms_p50'])} / p90 "
            f"{_f(report['ttft_limit']['ttft_ms_p90'])} / p99 {_f(report['ttft_limit']['ttft_ms_p99'])} ms."
            if report.get("ttft_limit") else ""),
+        "The limit for a target's sends is the same with each request sent when that target's client sent it, a "
+        "prefix there only once a prefill computing it has (a request may wait for one still running): what no "
+        "router reaches with those sends (`bench/vsim_report.py` `causal_ttfts`).",
         "",
         *headline_table(report),
         "",

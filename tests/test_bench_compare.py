@@ -73,8 +73,14 @@ def test_short_comparison_writes_every_output(live_report: tuple[dict[str, Any],
         assert fleet["request_imbalance"] >= 1.0
     limit = on_disk["ttft_limit"]  # the model's prefill alone: below what any router's clients see
     assert 0 < limit["ttft_ms_p50"] <= min(t["latency"]["ttft_ms_p50"] for t in report["targets"])
+    for target in on_disk["targets"]:  # with the target's own sends, a prefix there only once computed
+        causal = target["ttft_limit_causal"]
+        for p in (50, 90, 99):
+            assert limit[f"ttft_ms_p{p}"] <= causal[f"ttft_ms_p{p}"] + 1e-9, (target["name"], p)
+        assert causal["ttft_ms_p50"] <= target["latency"]["ttft_ms_p50"], target["name"]
     markdown = (out / "report.md").read_text()
     assert "| kvgate:kv |" in markdown and "Upper bound" in markdown and "TTFT limit" in markdown
+    assert "limit for its sends" in markdown
     by_name = {t["name"]: t["fleet"]["hit_rate"] for t in report["targets"]}
     assert by_name["kvgate:kv"] > by_name["kvgate:round_robin"]
     # the gateway's predictions (X-Kvgate-Predicted-Ttft-Ms) against the client's TTFT: `ttft` predicts, the rest not

@@ -3,6 +3,7 @@ the limit, and the `ttft` strategy's predictions recorded beside the simulated T
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,54 @@ def test_the_limit_is_each_prefill_alone_with_the_ideal_hit() -> None:
     p50 = limit["ttft_ms_p50"]
     assert p50 is not None and abs(p50 - (times[0] + times[1]) / 2 * 1e3) < 1e-9  # interpolated, as vsim does
     assert vsim_report.ttft_limit(IdealCache(0, 0), profile)["ttft_ms_p90"] is None
+
+
+def test_the_limit_for_the_sends_waits_for_a_prefix_whose_first_prefill_still_runs() -> None:
+    """`causal_ttfts`: requests far apart are the limit's (each prefill alone with what came before); a copy sent
+    while the first is computed cannot hit what is not there yet: it takes the chunks done and waits for the rest
+    or computes it, whichever is sooner."""
+    profile = dataclasses.replace(PROFILES["llama-3.1-8b-h100"], max_num_batched_tokens=1024,
+                                  request_overhead_s=0.002)
+    keys = list(range(1000, 1016))  # 16 full blocks of 256 tokens, and one token more
+    longer = keys + list(range(2000, 2004))
+    cold = [profile.step_time([(1024, 1024 * k)]) for k in range(4)] + [profile.step_time([(1, 4096)])]
+    assert profile.prefill_time(4097) == pytest.approx(sum(cold), rel=1e-12)
+    # apart: the second extends the first, which was done long before, and hits all of its blocks
+    far = vsim_report.causal_ttfts([(4097, keys), (5121, longer)], [0.0, 10.0], 256, profile)
+    assert far == pytest.approx([sum(cold) + 0.002, profile.prefill_time(1025, 4096) + 0.002], rel=1e-9)
+    # at once: nothing is there, and waiting for the first costs more than computing it again
+    both = vsim_report.causal_ttfts([(4097, keys), (4097, keys)], [0.0, 0.0], 256, profile)
+    assert both == pytest.approx([sum(cold) + 0.002] * 2, rel=1e-9)
+    # sent as the first's second chunk ends: its first 8 blocks are there, 12 after the next chunk, 16 after two
+    options = [profile.prefill_time(4097 - 2048, 2048), cold[2] + profile.prefill_time(4097 - 3072, 3072),
+               cold[2] + cold[3] + profile.prefill_time(1, 4096)]
+    assert min(options) < options[0]  # (the case tests a wait: the rest is cheaper waited for)
+    later = vsim_report.causal_ttfts([(4097, keys), (4097, keys)], [0.0, cold[0] + cold[1]], 256, profile)
+    assert later[1] == pytest.approx(min(options) + 0.002, rel=1e-9)
+    # what the second computes is there for a third at the end of the second's own steps, not before
+    third = vsim_report.causal_ttfts([(4097, keys), (5121, longer), (5121, longer)], [0.0, 10.0, 10.0], 256,
+                                     profile)
+    assert third[2] == pytest.approx(third[1], rel=1e-9)
+
+
+def test_a_replay_at_its_arrival_times_has_a_limit_for_them_and_a_paced_one_has_none(tiny_model_dir: Path) -> None:
+    profile = PROFILES["llama-3.1-8b-h100"]
+    vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
+    document = list(range(100, 4196))
+    apart = Workload("apart", [WorkloadRequest([*document, 7], 1, arrival_s=0.0),
+                               WorkloadRequest([*document, 8], 1, arrival_s=10.0)])
+    source = workloads.WorkloadSource(apart, vocab)
+    causal = vsim_report.causal_limit(source, 16, profile)
+    assert causal == pytest.approx(vsim_report.ttft_limit(source.ideal(16), profile), rel=1e-9)
+    # the same two at once: the second cannot hit what the first has not computed yet
+    burst = Workload("burst", [WorkloadRequest(r.token_ids, 1, arrival_s=0.0) for r in apart.requests])
+    source = workloads.WorkloadSource(burst, vocab)
+    causal = vsim_report.causal_limit(source, 16, profile)
+    limit = vsim_report.ttft_limit(source.ideal(16), profile)
+    assert causal is not None and limit["ttft_ms_p50"] is not None and causal["ttft_ms_p50"] is not None
+    assert causal["ttft_ms_p50"] > 1.5 * limit["ttft_ms_p50"]
+    paced = Workload("paced", [WorkloadRequest(r.token_ids, 1) for r in apart.requests])
+    assert vsim_report.causal_limit(workloads.WorkloadSource(paced, vocab), 16, profile) is None
 
 
 def test_rows_are_measured_against_round_robin_of_their_own_fleet_and_the_limit() -> None:
