@@ -94,6 +94,8 @@ class AgentMetrics:
                                       ["op"], registry=self.registry)
         self.shm_clients = Gauge("kvgate_agent_shm_clients", "connected clients whose shared memory the agent "
                                  "mapped (the vLLM workers: 0 means no KV bytes can move)", registry=self.registry)
+        self.unsent_bytes = Gauge("kvgate_agent_unsent_bytes", "bytes of answers written to clients and not yet "
+                                  "taken by them, and of inline answers being made", registry=self.registry)
         self.bytes_stored = Counter("kvgate_agent_bytes_stored", "payload bytes clients handed over to store",
                                     registry=self.registry)
         self.bytes_loaded = Counter("kvgate_agent_bytes_loaded", "payload bytes loaded into clients' memory",

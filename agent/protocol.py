@@ -140,6 +140,10 @@ reply_decoder = msgspec.msgpack.Decoder(Reply)
 encoder = msgspec.msgpack.Encoder()
 
 
-def frame(message: msgspec.Struct) -> bytes:
-    body = encoder.encode(message)
-    return FRAME.pack(len(body)) + body
+def frame(message: msgspec.Struct) -> bytearray:
+    """The message with its length in front, encoded into one buffer (a 128 MiB answer is not copied again to
+    put 4 bytes before it)."""
+    buffer = bytearray(FRAME.size)
+    encoder.encode_into(message, buffer, FRAME.size)
+    FRAME.pack_into(buffer, 0, len(buffer) - FRAME.size)
+    return buffer

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from aiohttp import web
@@ -77,11 +77,20 @@ INLINE_STORE_PIECE_BYTES = 128 * 2**10
 INLINE_STORE_PIECE_BLOCKS = 256
 INLINE_LOAD_BYTES = MAX_FRAME // 2  # an inline load's blocks, at most: its answer must fit one frame
 FIRST_FRAME_TIMEOUT_S = 10.0  # a connection that has not sent its Hello by then is dropped
+# inline answers (LoadReply with the bytes) written but not yet taken by their clients, over all connections, at
+# most: a load past it is an error reply (retry). 12 clients that sent inline loads of 32 MiB and never read made
+# the agent hold 884 MiB; each connection holds at most one unsent answer (the next request is read once the last
+# answer is sent), and one that takes none of it for `client_write_timeout_s` is dropped
+MAX_UNSENT_BYTES = INLINE_LOAD_BYTES
 ACCEPT_RETRY_S = 0.05  # after an accept failed (no file descriptor left), the next try
 
 
 def request_bytes(request: Store) -> int:
     return sum(request.lengths) + sum(len(d) for d in request.data)
+
+
+class _Stalled(Exception):
+    """A client took none of its answer's bytes for the write timeout."""
 
 _SEALED = fcntl.F_SEAL_SHRINK  # what a client's shared memory must be sealed with before it is mapped
 
@@ -226,6 +235,9 @@ class TierAgent:
         self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        self._unsent_reserved = 0  # bytes of inline answers being made (not yet in a connection's write buffer)
+        self._stalled_logged_at = -math.inf
+        self.metrics.unsent_bytes.set_function(self._unsent)
         self._dropped_logged_at = -math.inf  # when a client dropped before its Hello was last logged
         self._presence: PresenceMap | None = None
         # the DRAM tier's pre-faulting (config.dram_prefault), started by the first Hello that declares a block size
@@ -450,8 +462,7 @@ class TierAgent:
         assert task is not None
         self._connections[task] = writer
         try:
-            writer.write(frame(first))
-            await writer.drain()
+            await self._send(writer, first)
             while True:
                 try:
                     header = await reader.readexactly(FRAME.size)
@@ -463,16 +474,46 @@ class TierAgent:
                     return
                 body = await reader.readexactly(size)
                 reply = await self._answer(conn, body)
-                writer.write(frame(reply))
-                await writer.drain()
+                # the next request is read once this answer is sent: a client that sends and never reads
+                # holds one answer here, and only for the write timeout
+                await self._send(writer, reply)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except _Stalled:
+            self.metrics.request_errors.labels("write_timeout").inc()
+            now = time.monotonic()
+            if now - self._stalled_logged_at >= 10:
+                self._stalled_logged_at = now
+                log.warning("client dropped: it took none of its answer for %g s (kvgate_agent_request_errors_total"
+                            "{op=write_timeout} counts every one)", self.config.client_write_timeout_s)
+            writer.transport.abort()  # (close() would wait for the client to read what is buffered)
         finally:
             self._connections.pop(task, None)
             self._detach(conn)
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1)
+
+    async def _send(self, writer: asyncio.StreamWriter, reply: Reply) -> None:
+        """Write an answer and wait until the client has taken all but the transport's high-water mark of it;
+        _Stalled if a whole `client_write_timeout_s` goes by with none of it taken."""
+        writer.write(frame(reply))
+        transport = writer.transport
+        left = transport.get_write_buffer_size()
+        while True:
+            try:
+                await asyncio.wait_for(writer.drain(), self.config.client_write_timeout_s)
+                return
+            except TimeoutError:
+                now_left = transport.get_write_buffer_size()
+                if now_left >= left:
+                    raise _Stalled from None
+                left = now_left
+
+    def _unsent(self) -> int:
+        """Bytes of answers written to clients and not yet taken by them, and of inline answers being made."""
+        writers = list(self._connections.values())  # (also read by a /metrics scrape's thread)
+        return self._unsent_reserved + sum(w.transport.get_write_buffer_size() for w in writers)
 
     def _detach(self, conn: Connection) -> None:
         if conn.view is not None:
@@ -493,15 +534,17 @@ class TierAgent:
                     return await self._store_inline(conn, request)
                 return await loop.run_in_executor(self._pool, self._store, conn, request)
             if isinstance(request, Load):
-                if not self._all_in_dram(request):
-                    return await loop.run_in_executor(self._pool, self._load, conn, request)
-                # on the loop, from DRAM only: a block demoted or evicted since the check (by a thread of this
-                # process) is read from below with the rest of the chain in the request pool, never on the loop
-                reply = self._load(conn, request, memory_only=True)
-                if len(reply.lengths) == len(request.hashes):
-                    return reply
-                rest = await loop.run_in_executor(self._pool, self._load, conn, request, len(reply.lengths))
-                return LoadReply(lengths=reply.lengths + rest.lengths, data=reply.data + rest.data)
+                if not request.offsets:  # an inline answer: its bytes wait in memory until the client reads them
+                    size = len(request.hashes) * max(request.block_bytes, 0)
+                    if size > INLINE_LOAD_BYTES // 64 and self._unsent() + size > MAX_UNSENT_BYTES:
+                        raise ValueError(f"busy: {self._unsent()} bytes of answers not yet read by their clients; "
+                                         f"retry, or load into shared memory")
+                    self._unsent_reserved += size
+                    try:
+                        return await self._load_answer(conn, request)
+                    finally:
+                        self._unsent_reserved -= size
+                return await self._load_answer(conn, request)
             if isinstance(request, Hello):
                 if fds is None:
                     raise ValueError("Hello is the first frame of a connection only")
@@ -529,6 +572,18 @@ class TierAgent:
             self.metrics.request_errors.labels(op).inc()
             log.exception("%s request failed", op)
             return ErrorReply(message=f"internal error: {type(exc).__name__}: {exc}")
+
+    async def _load_answer(self, conn: Connection, request: Load) -> LoadReply:
+        loop = asyncio.get_running_loop()
+        if not self._all_in_dram(request):
+            return await loop.run_in_executor(self._pool, self._load, conn, request)
+        # on the loop, from DRAM only: a block demoted or evicted since the check (by a thread of this
+        # process) is read from below with the rest of the chain in the request pool, never on the loop
+        reply = self._load(conn, request, memory_only=True)
+        if len(reply.lengths) == len(request.hashes):
+            return reply
+        rest = await loop.run_in_executor(self._pool, self._load, conn, request, len(reply.lengths))
+        return LoadReply(lengths=reply.lengths + rest.lengths, data=reply.data + rest.data)
 
     def _prefaultable(self) -> bool:
         return self.config.dram_prefault and isinstance(self.store.dram, DramTier)
@@ -638,8 +693,10 @@ class TierAgent:
             raise ValueError(f"{len(request.hashes)} blocks of {request.block_bytes} bytes do not fit an inline "
                              f"answer ({INLINE_LOAD_BYTES} bytes at most): pass shared memory")
         hashes = request.hashes[start:]
-        if inline:
-            buffers = [memoryview(bytearray(request.block_bytes)) for _ in hashes]
+        arrays: list[bytearray] = []
+        if inline:  # the answer's bytes are read into the buffers it sends (not copied once more)
+            arrays = [bytearray(request.block_bytes) for _ in hashes]
+            buffers = [memoryview(a) for a in arrays]
         else:
             if len(request.offsets) != len(request.hashes):
                 raise ValueError(f"{len(request.hashes)} hashes but {len(request.offsets)} offsets")
@@ -647,10 +704,11 @@ class TierAgent:
         try:
             lengths = self.store.load_chain(request.layout, hashes, buffers, memory_only)
             self.metrics.bytes_loaded.inc(sum(lengths))
-            data = [bytes(b[:n]) for b, n in zip(buffers, lengths, strict=False)] if inline else []
         finally:
             for b in buffers:
                 b.release()
+        # (bytearrays, encoded as bytes are)
+        data = cast(list[bytes], [a if n == len(a) else a[:n] for a, n in zip(arrays, lengths, strict=False)])
         return LoadReply(lengths=lengths, data=data)
 
     def _stats(self) -> StatsReply:

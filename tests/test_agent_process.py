@@ -888,3 +888,62 @@ def test_a_hello_that_arrived_while_the_agent_was_not_running_is_answered(
         talking.close()
         silent.close()
     assert "client dropped before its Hello" in agent.log_path.read_text()
+
+
+def test_clients_that_never_read_their_replies_are_dropped_and_hold_bounded_memory(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """A client that sends inline loads and never reads the answers made the agent keep each connection's unsent
+    answer (up to 128 MiB) for good: no write ever timed out, and closing such a connection waited for the buffer
+    to drain. 12 such clients asking for 32 MiB each made it hold 884 MiB until it was stopped. Now a connection
+    reads no request while its answer is unsent, one whose writes make no progress for `--client-write-timeout-s`
+    is dropped (its buffer with it), inline answers waiting to be sent over all connections are bounded
+    (MAX_UNSENT_BYTES: past it an inline load gets an error reply), and other clients are served meanwhile."""
+    from agent.server import MAX_UNSENT_BYTES
+
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "64MiB", "--client-write-timeout-s", "2")
+    agents.append(agent)
+    assert agent.proc is not None
+    pid = agent.proc.pid
+    mib = 2**20
+    hashes = list(range(1, 33))
+    with connect(agent.socket) as sock:
+        sock.settimeout(60)
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        for start in range(0, 32, 4):
+            chunk = hashes[start:start + 4]
+            assert raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": chunk, "parent": start or None,
+                                   "data": [content(h, mib) for h in chunk]})["stored"] == 4
+    baseline = _peak_rss_kib(pid)
+    load = msgspec.msgpack.encode({"op": "load", "layout": LAYOUT, "hashes": hashes, "block_bytes": mib})
+    hostile = []
+    try:
+        for _ in range(12):  # 12 x 32 MiB unsent: 384 MiB if nothing bounds it
+            sock = connect(agent.socket)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+            sock.sendall((FRAME.pack(len(load)) + load) * 3)  # and never read
+            hostile.append(sock)
+        time.sleep(1.0)  # (the agent answers them meanwhile, as far as it will)
+        # another client is served at once
+        started = time.monotonic()
+        with AgentClient(agent.socket, shm_bytes=4 * mib, timeout_s=10) as client:
+            assert client.lookup(LAYOUT, hashes) == (32, "C" * 32)
+            assert client.load(LAYOUT, hashes[:2], mib) == [content(1, mib), content(2, mib)]
+        assert time.monotonic() - started < 5.0
+        # unsent answers at most MAX_UNSENT_BYTES; while one is encoded its blocks and its frame are both held
+        assert 0 < agent.metric("kvgate_agent_unsent_bytes") <= MAX_UNSENT_BYTES
+        held_kib = _peak_rss_kib(pid) - baseline
+        assert held_kib < (2 * MAX_UNSENT_BYTES + 96 * mib) // 1024, held_kib
+        # the stalled connections are dropped, and what they held is let go
+        deadline = time.monotonic() + 60
+        while agent.metric("kvgate_agent_unsent_bytes") > 0:
+            assert time.monotonic() < deadline, "the stalled connections were not dropped"
+            time.sleep(0.2)
+    finally:
+        for sock in hostile:
+            sock.close()
+    # the connections whose answers were sent in part were dropped; the others' loads were refused
+    dropped = agent.metric("kvgate_agent_request_errors_total", op="write_timeout")
+    refused = agent.metric("kvgate_agent_request_errors_total", op="load")
+    assert dropped >= 1 and refused >= 1, (dropped, refused)
+    assert agent.proc.poll() is None
