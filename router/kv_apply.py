@@ -6,9 +6,9 @@ own. A `BlockStored` event carries the blocks' token ids, from which the gateway
 engine hash names which gateway key is *content identity*: it is kept per model, bounded, across resets, so
 blocks announced after a reset still chain to parents announced before it, and announcements without token ids
 (the tier agent's, an offload tier's) are placed by it. Such an announcement that arrives before the engine's
-event for the same block waits for it (bounded in number and time) instead of being lost. While a source's picture
-is incomplete (after a reset, a late start), what its worker's answers report cached (`learn`) fills the index
-with the blocks it holds but will not announce again.
+event for the same block waits for it (bounded in number per source, and in time) instead of being lost. While a
+source's picture is incomplete (after a reset, a late start), what its worker's answers report cached (`learn`)
+fills the index with the blocks it holds but will not announce again.
 
 What a source holds is a set per (block, tier) for an engine (vLLM may re-announce a block it reuses: one
 eviction removes it) and a reference count for the tier agent (whose protocol may announce a block once per
@@ -48,7 +48,9 @@ ModelOf = Callable[[str], str | None]
 MAX_EVENT_BLOCKS = 1 << 16  # blocks one BlockStored may name (vLLM: a step's new blocks of one request)
 SLICE_BLOCKS = 2048  # blocks applied between two chances for the event loop to run
 WAIT_S = 30.0  # how long an announcement without token ids waits for the engine to name its block
-WAIT_MAX = 65_536  # announcements waiting at most, over all sources (the oldest give up first)
+# announcements waiting at most, per source (its oldest give up first): with one cap over all sources, a broken or
+# hostile source announcing 70,000 blocks no engine names pushed every other source's announcements out
+WAIT_MAX = 65_536
 MAX_HELD = 20_000_000  # blocks a source may hold on one tier, for an index without a bound of its own
 IDENTITY_MODELS = 64  # models whose content identity is kept at most (the least recently used go first)
 LEARNED_MAX = 65_536  # blocks learned from answers per source at most (the oldest are dropped first)
@@ -208,6 +210,8 @@ class KvEventApplier:
         self._learned: dict[EventSource, dict[BlockKey, None]] = {}  # blocks learned from answers, oldest first
         self._waiting: dict[tuple[str, BlockHash], list[_Waiting]] = {}  # (model, engine hash) -> announcements
         self._waiting_count = 0
+        # source -> its waiting announcements' (model, engine hash, tier), oldest first (the per-source cap)
+        self._waiting_of: dict[EventSource, dict[tuple[str, BlockHash, str], None]] = {}
         self._compact = False  # see compact_tables
         self._tables: HoldingTables = {}  # see compact_tables
         metrics.kv_index_entries.set_function(index.entries)
@@ -551,15 +555,20 @@ class KvEventApplier:
             return
         waiting.append(_Waiting(source, tier, now))
         self._waiting_count += 1
-        if self._waiting_count > WAIT_MAX:
-            oldest = next(iter(self._waiting))
-            self._give_up(self._waiting.pop(oldest))
+        mine = self._waiting_of.get(source)
+        if mine is None:
+            mine = self._waiting_of[source] = {}
+        mine[(model, engine_hash, tier)] = None
+        if len(mine) > WAIT_MAX:  # this source's oldest gives up; no other source's
+            oldest_model, oldest_hash, oldest_tier = next(iter(mine))
+            self._unwait(oldest_model, oldest_hash, source, oldest_tier)
+            self._metrics.kv_unmapped_blocks.labels(source.cache).inc()
 
     def _place_waiting(self, model: str, engine_hash: BlockHash, key: BlockKey) -> None:
         waiting = self._waiting.pop((model, engine_hash), None) if self._waiting else None
         if not waiting:
             return
-        self._waiting_count -= len(waiting)
+        self._forget_waiting(model, engine_hash, waiting)
         for w in waiting:
             held = self._held.get(w.source)
             if held is not None and _hold(held, engine_hash, w.tier, key, w.source.name == "agent"):
@@ -570,11 +579,24 @@ class KvEventApplier:
         if not waiting:
             return
         left = [w for w in waiting if not (w.source == source and w.tier == tier)]
-        self._waiting_count -= len(waiting) - len(left)
+        if len(left) == len(waiting):
+            return
+        self._forget_waiting(model, engine_hash, [w for w in waiting if w.source == source and w.tier == tier])
         if left:
             self._waiting[(model, engine_hash)] = left
         else:
             del self._waiting[(model, engine_hash)]
+
+    def _forget_waiting(self, model: str, engine_hash: BlockHash, gone: list[_Waiting]) -> None:
+        """Announcements taken out of `_waiting` (placed, withdrawn, given up): out of the counts too."""
+        self._waiting_count -= len(gone)
+        waiting_of = self._waiting_of
+        for w in gone:
+            mine = waiting_of.get(w.source)
+            if mine is not None:
+                mine.pop((model, engine_hash, w.tier), None)
+                if not mine:
+                    del waiting_of[w.source]
 
     def _expire_waiting(self, now: float) -> None:
         while self._waiting:
@@ -583,17 +605,20 @@ class KvEventApplier:
             if now - oldest[0].since < WAIT_S:
                 return
             del self._waiting[oldest_key]
-            self._give_up(oldest)
+            self._give_up(oldest_key, oldest)
 
-    def _give_up(self, waiting: list[_Waiting]) -> None:
-        self._waiting_count -= len(waiting)
+    def _give_up(self, key: tuple[str, BlockHash], waiting: list[_Waiting]) -> None:
+        self._forget_waiting(*key, waiting)
         for w in waiting:
             self._metrics.kv_unmapped_blocks.labels(w.source.cache).inc()
 
     def _waiting_drop(self, which: Callable[[_Waiting], bool]) -> None:
         for key in list(self._waiting):
-            left = [w for w in self._waiting[key] if not which(w)]
-            self._waiting_count -= len(self._waiting[key]) - len(left)
+            waiting = self._waiting[key]
+            left = [w for w in waiting if not which(w)]
+            if len(left) == len(waiting):
+                continue
+            self._forget_waiting(*key, [w for w in waiting if which(w)])
             if left:
                 self._waiting[key] = left
             else:

@@ -481,6 +481,59 @@ async def test_an_agent_announcement_waits_for_the_engine_to_name_its_block() ->
         ctx.destroy(0)
 
 
+async def _joined(hub: KvEventHub, publisher: Publisher, source: EventSource) -> None:
+    """Until the hub has seen a batch of `source` (an agent's stream: its subscription may still be joining)."""
+    await eventually(lambda: hub.stream(source).expected is not None)
+    for _ in range(100):
+        await publisher.send([])
+        try:
+            await eventually(lambda: (hub.stream(source).expected or 0) > 1, timeout=0.3)
+            return
+        except AssertionError:
+            continue
+
+
+async def test_a_flooding_source_cannot_cost_another_its_waiting_announcements() -> None:
+    """The announcements waiting for the engine to name their blocks were capped over all sources, the oldest
+    giving up first: one broken or hostile agent announcing 70,000 blocks no engine names pushed out another
+    worker's agent's announcements, and that worker's DRAM blocks were never indexed. The cap is per source now:
+    a flood costs the flooding source its own oldest announcements only."""
+    from router.kv_apply import WAIT_MAX
+
+    ctx = zmq.asyncio.Context()
+    engine, agent, flood = Publisher(ctx), Publisher(ctx), Publisher(ctx)
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny")
+    agent_source = EventSource(WORKER, f"tcp://127.0.0.1:{agent.port}", f"tcp://127.0.0.1:{agent.replay_port}",
+                               "agent")
+    other = "http://127.0.0.1:10"
+    flood_source = EventSource(other, f"tcp://127.0.0.1:{flood.port}", f"tcp://127.0.0.1:{flood.replay_port}",
+                               "agent")
+    try:
+        hub.watch([engine.source, agent_source, flood_source])
+        await connected(hub, engine)
+        await _joined(hub, agent, agent_source)
+        await _joined(hub, flood, flood_source)
+        await agent.send([BlockStored(block_hashes=[1, 2], medium="CPU", token_ids=[], block_size=BS)])
+        await eventually(lambda: hub.applier.waiting() == 2)
+        many = WAIT_MAX + 4464
+        names: list[BlockHash] = [2**40 + i for i in range(many)]
+        await flood.send([BlockStored(block_hashes=names[i:i + 35_000], medium="CPU", token_ids=[], block_size=BS)
+                          for i in range(0, many, 35_000)])
+        await eventually(lambda: metric(metrics, "kvgate_kv_unmapped_blocks_total", worker=other) >= many - WAIT_MAX,
+                         timeout=30)
+        await engine.send([stored([1, 2], TOKENS[:8])])
+        await eventually(lambda: {(KEYS[0], CPU), (KEYS[1], CPU)} <= held(hub), timeout=10)
+        assert metric(metrics, "kvgate_kv_unmapped_blocks_total", worker=WORKER) == 0
+        assert hub.applier.waiting() <= WAIT_MAX
+    finally:
+        await hub.close()
+        engine.close()
+        agent.close()
+        flood.close()
+        ctx.destroy(0)
+
+
 async def test_another_block_size_is_counted_and_not_indexed() -> None:
     """Issue 12 item 6: events whose block size differs from the gateway's silently voided or corrupted the index."""
     async with hub_and_publisher(block_size=BS, resync_s=600) as (hub, publisher, metrics):
