@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 ModelOf = Callable[[str], str | None]
 
 MAX_EVENT_BLOCKS = 1 << 16  # blocks one BlockStored may name (vLLM: a step's new blocks of one request)
-SLICE_BLOCKS = 2048  # blocks applied between two chances for the event loop to run
+# blocks (or events: one rejected or of a group not indexed names none, and a batch of them never let the loop
+# run) applied between two chances for the event loop to run
+SLICE_BLOCKS = 2048
 WAIT_S = 30.0  # how long an announcement without token ids waits for the engine to name its block
 # announcements waiting at most, per source (its oldest give up first): with one cap over all sources, a broken or
 # hostile source announcing 70,000 blocks no engine names pushed every other source's announcements out
@@ -238,8 +240,8 @@ class KvEventApplier:
         return result
 
     def steps(self, source: EventSource, events: Sequence[KvEvent], result: Applied) -> Iterator[None]:
-        """Apply one batch in slices of about SLICE_BLOCKS blocks, yielding between them (the caller may let the
-        event loop run there). Stops early if the source is forgotten meanwhile."""
+        """Apply one batch in slices of about SLICE_BLOCKS blocks or events, yielding between them (the caller may
+        let the event loop run there). Stops early if the source is forgotten meanwhile."""
         held = self._held.get(source)
         if held is None:
             held = self._held[source] = _Holdings(self._tables)
@@ -254,6 +256,12 @@ class KvEventApplier:
                                                  applied.labels(worker, "AllBlocksCleared"))
         done = 0
         for event in events:
+            done += 1  # (an event costs its checks, whatever it names)
+            if done >= SLICE_BLOCKS:
+                done = 0
+                yield
+                if self._held.get(source) is not held:
+                    return
             if isinstance(event, BlockStored):
                 try:
                     self._check(event)

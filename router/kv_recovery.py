@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 import msgspec
 import xxhash
 
-from kvcore.kv_events import AllBlocksCleared, KvEvent, decode_batch_tolerant
+from kvcore.kv_events import AllBlocksCleared, KvEvent, decode_batch_in_steps, decode_batch_tolerant
 from router.kv_apply import Applied
 from router.kv_transport import Batches, EventSource, ReplayError
 from router.metrics import GatewayMetrics
@@ -47,7 +47,10 @@ ApplySteps = Callable[[Sequence[KvEvent], Applied], Iterator[None]]
 
 # batches whose payload digests are remembered: a re-delivered batch is told apart from a restarted publisher's
 HISTORY = 4096
-MAX_BATCH_BYTES = 4 * 2**20  # a bigger payload is dropped undecoded (decoding it would stall the event loop)
+MAX_BATCH_BYTES = 4 * 2**20  # a bigger payload is dropped undecoded (decoding it would hold the event loop)
+# a bigger payload is decoded an event at a time, the event loop let in between: 4 MiB decoded at once held it
+# for 30-90 ms (a step's new blocks of a long-context engine, an offload tier's mass eviction, come close)
+DECODE_AT_ONCE_BYTES = 256 * 2**10
 # gap repairs allowed: a burst of REPLAY_BURST, then one per REPLAY_EVERY_S (a flood must not become a replay storm)
 REPLAY_BURST = 5
 REPLAY_EVERY_S = 1.0
@@ -130,7 +133,7 @@ class StreamRecovery:
             # between two batches, so the live stream overlaps it), or a duplicate on the wire
             self._metrics.kv_duplicates.labels(worker).inc()
             return
-        events = self._decode(frames[2], "payload")
+        events = await self._decode(frames[2], "payload")
         if events is None:
             return  # not a batch: a valid copy (live or replayed) may still come
         if expected is not None and seq != expected:
@@ -186,7 +189,7 @@ class StreamRecovery:
             if todo:
                 self._metrics.kv_replays.labels(self.source.cache, "repaired").inc()
         for seq, payload in todo:
-            await self._take(seq, payload, self._replayed(payload))
+            await self._take(seq, payload, await self._replayed(payload))
 
     async def _fill_gap(self, start: int, stop: int) -> None:
         if self._replay is None:
@@ -204,7 +207,7 @@ class StreamRecovery:
             raise _Gap(f"replay could not cover batches {start}..{stop - 1} in order (first buffered: {first}, "
                        f"{len(batches)} of {stop - start})")
         for seq, payload in batches:
-            await self._take(seq, payload, self._replayed(payload))
+            await self._take(seq, payload, await self._replayed(payload))
         self._metrics.kv_replays.labels(self.source.cache, "repaired").inc()
 
     async def _fetch(self, start: int) -> Batches:
@@ -229,12 +232,23 @@ class StreamRecovery:
 
     # --- state ------------------------------------------------------------------------------------------------------
 
-    def _decode(self, payload: bytes, what: str) -> list[KvEvent] | None:
+    async def _decode(self, payload: bytes, what: str) -> list[KvEvent] | None:
         if len(payload) > MAX_BATCH_BYTES:
             self._metrics.kv_decode_errors.labels(self.source.cache, "too_large").inc()
             return None
         try:
-            batch, skipped, malformed = decode_batch_tolerant(payload)
+            if len(payload) <= DECODE_AT_ONCE_BYTES:
+                batch, skipped, malformed = decode_batch_tolerant(payload)
+            else:
+                await self._pause()
+                steps = decode_batch_in_steps(payload)
+                while True:
+                    try:
+                        next(steps)
+                    except StopIteration as done:
+                        batch, skipped, malformed = done.value
+                        break
+                    await self._pause()
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._metrics.kv_decode_errors.labels(self.source.cache, what).inc()
             return None
@@ -252,9 +266,9 @@ class StreamRecovery:
             return []
         return batch.events
 
-    def _replayed(self, payload: bytes) -> list[KvEvent]:
+    async def _replayed(self, payload: bytes) -> list[KvEvent]:
         """A replayed batch's events; a replayed batch that cannot be decoded is lost for good."""
-        events = self._decode(payload, "replay_payload")
+        events = await self._decode(payload, "replay_payload")
         if events is None:
             self._partial("a replayed batch could not be decoded")
             return []

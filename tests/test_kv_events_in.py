@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import socket
 import time
@@ -39,7 +40,7 @@ from router.kv_apply import ContentIdentity, KvEventApplier, _Names
 from router.kv_index import InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.metrics import GatewayMetrics
-from tests.conftest import eventually, running_gateway, running_standin
+from tests.conftest import eventually, health_while, running_gateway, running_standin
 
 WORKER = "http://127.0.0.1:9"
 BS = 4
@@ -748,3 +749,77 @@ def test_announcements_wait_on_the_clock_the_applier_is_given() -> None:
     index = applier.index
     assert isinstance(index, InMemoryKvIndex)
     assert index.holds(WORKER) == {(KEYS[0], GPU), (KEYS[1], GPU), (KEYS[1], CPU)}
+
+
+async def test_a_4_mib_batch_is_decoded_and_applied_with_the_event_loop_let_in(http: aiohttp.ClientSession) -> None:
+    """A batch of up to MAX_BATCH_BYTES (4 MiB) was decoded in one go: 35-90 ms of the gateway's event loop here
+    (every request, /health included, waited). A legal vLLM batch is rarely that big, but an offload tier's mass
+    eviction (one BlockRemoved per block, as vLLM sends them), an engine with a large `max_num_batched_tokens`, or
+    a replay of such batches come close. A big batch is decoded an event at a time now, the loop let in between,
+    in order with the batch after it. Measured in the loop thread's CPU time per turn (what a stall is, however
+    loaded the machine) and in /health probes; removals of blocks the worker does not hold, so that what is
+    measured is the decoding, not the index growing."""
+    from router.kv_recovery import MAX_BATCH_BYTES
+
+    rng = random.Random(5)
+    events: list[KvEvent] = [BlockRemoved(block_hashes=[rng.getrandbits(64)], medium="GPU")
+                             for _ in range(MAX_BATCH_BYTES // 56)]
+    payload, count = encode_batch(events), len(events)
+    del events
+    assert MAX_BATCH_BYTES // 2 < len(payload) <= MAX_BATCH_BYTES, len(payload)
+    ctx = zmq.asyncio.Context()
+    publisher = Publisher(ctx)
+    try:
+        async with running_standin() as worker:
+            spec = f"{worker.url};events=tcp://127.0.0.1:{publisher.port};replay=tcp://127.0.0.1:{publisher.replay_port}"
+            async with running_gateway([spec], strategy="kv", block_size=BS) as gw:
+                hub = gw.gateway.kv_events
+                assert hub is not None
+                for attempt in range(200):  # until the subscription has joined
+                    await publisher.send([stored([attempt + 1], TOKENS[:4])])
+                    with contextlib.suppress(AssertionError):
+                        await eventually(lambda: len(hub.engine_hashes(worker.url, GPU)) > 0, timeout=0.2)
+                        break
+                await publisher.send([AllBlocksCleared()])
+                await eventually(lambda: not hub.engine_hashes(worker.url, GPU))
+                longest = 0.0
+                done = asyncio.Event()
+
+                async def turns() -> None:  # the loop thread's CPU time between two turns of this task
+                    nonlocal longest
+                    last = time.thread_time()
+                    while not done.is_set():
+                        await asyncio.sleep(0)
+                        now = time.thread_time()
+                        longest = max(longest, now - last)
+                        last = now
+
+                async def apply() -> None:
+                    await publisher.send_encoded(payload)
+                    await publisher.send([stored([1], TOKENS[:4])])  # the batch after it: applied after it
+                    await eventually(lambda: len(hub.engine_hashes(worker.url, GPU)) == 1, timeout=120)
+
+                # as `kvgate serve` does after start-up (router/app.py): what exists already is out of the cycle
+                # collector's sight, so a full collection walks what the batch made, not this test's objects
+                gc.collect()
+                gc.freeze()
+                counter = asyncio.create_task(turns())
+                began = time.thread_time()
+                try:
+                    _, slowest = await health_while(http, gw.url, apply())
+                finally:
+                    done.set()
+                    await counter
+                    gc.unfreeze()
+                spent = time.thread_time() - began
+                assert hub.trusted(worker.url)
+                assert metric(gw.gateway.metrics, "kvgate_kv_events_applied_total", worker=worker.url,
+                              type="BlockRemoved") == count
+                print(f"{len(payload)} bytes, {count} events: longest loop turn {longest * 1e3:.1f} ms of CPU "
+                      f"of {spent * 1e3:.0f} ms, slowest /health {slowest * 1e3:.0f} ms")
+                # (decoded at once: 37 of 200 ms; in steps about 15 of 250, a full collection of what it made)
+                assert longest < 0.12 * spent, (longest, spent)
+                assert slowest < 2.0, slowest
+    finally:
+        publisher.close()
+        ctx.destroy(0)
