@@ -5,25 +5,31 @@ trie whose path is a prompt's chained block keys and whose nodes hold the worker
 each was last sent it. It is bounded twice — a node budget and a TTL — and evicts least-recently-used leaves first,
 so a flood of unique prompts cannot grow it past its budget.
 
-Because block keys are chained, one key names its whole prefix: a node is a key, with its parent's key and its
-count of children. A path is cut into segments, stretches of nodes one below the other whose workers and times are
-the same, and those are kept once per segment: sending a prompt again stamps each segment of its path, not each
-block (a 4,000-character system prompt's 62 blocks are one segment, its questions one each), so the work per
-request follows the segments of its path and what is new in it, not its length. A segment splits where a new
+A path is cut into segments, stretches of nodes one below the other whose workers and times are the same, and the
+trie keeps segments, not nodes: each one's block keys as one array, and its bookkeeping once (its parent, the child
+count of its bottom, its workers and times). Because block keys are chained, one key names its whole prefix, so a
+walk steps from segment top to segment top, comparing one key per segment (and searching the segment's own array
+only where a prompt parts from it or ends inside it). Sending a prompt again stamps each segment of its path, not
+each block (a 4,000-character system prompt's 62 blocks are one segment, its questions one each); growing a cold
+prompt is one array; evicting the bottom of a segment is one cut of its array. The work per request follows the
+segments of its path, not its length (issue 18: with three dict entries per node, a cold 32,000-character prompt's
+608 new nodes cost 0.66-0.80 ms of the event loop's CPU to add and as much to evict). A segment splits where a new
 prompt parts from it or ends inside it, and grows where a prompt continues the one that made it in the same step.
 Times are kept in steps of `TOUCH_S` (or a hundredth of the TTL, if shorter), so a segment stamped in the current
 step for a worker is not stamped again.
 
 The maps are split by key into `SHARDS` dicts each: a dict that outgrows its table is copied whole into a larger
 one, with the GIL held, and the maps of one trie grew at the same insert — at 87,000 nodes 20-50 ms in one call,
-the event loop (and `/health`) waiting; a shard holds a 64th of the nodes, and the shards outgrow their tables at
-different inserts.
+the event loop (and `/health`) waiting; a shard holds a 64th of the segments, and the shards outgrow their tables
+at different inserts.
 """
 
 from __future__ import annotations
 
 import heapq
+import sys
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,9 +41,16 @@ TOUCH_S = 1.0  # step of the times kept (a segment stamped in the current step i
 SHARDS = 64  # dicts per map, by the key's low bits (a power of two)
 DROP_STEP = 256  # entries of a replaced leaf heap freed per unit of `trim`'s work
 
+ORDER = sys.byteorder  # of the keys packed into a segment's bytes (as `array('Q')` packs them)
+
 # a walk of a prompt's path: how many leading keys are nodes, and the segments they run through (each segment's
 # top key and the index in the keys just past its last node on the path)
 Path = tuple[int, list[BlockKey], list[int]]
+
+
+def _last(run: bytes) -> BlockKey:
+    """The last key of a segment's packed keys: its bottom."""
+    return int.from_bytes(run[-8:], ORDER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +65,17 @@ class TrieStats:
 class PrefixTrie:
     """Block-key prefixes → workers recently sent them; bounded by `max_nodes` and `ttl_s`.
 
-    A node is its last block's key, its fields kept in dicts keyed by it (parent key, child count, its segment's
-    top key), not an object of its own, and so is a segment, by its top key (its bottom key, length, last use, the
-    workers sent it with when): dicts holding only numbers and strings are not tracked by Python's cycle collector,
-    an object per node would be, and every full collection walks all tracked objects with the GIL held (35,000-67,000
-    nodes after 100 prompts of 32,000 characters cost 86-133 ms per collection, the event loop stalled meanwhile).
+    A segment is kept by its top key, in dicts: its keys (an `array('Q')`, top first; block keys are unsigned
+    64-bit), its top's parent key, its bottom's child count, its last use and the workers sent it with when; and
+    its bottom key names it too (`_ending`, for the walk up from a leaf and down from a parent). No node has an
+    entry of its own. Dicts holding only numbers, strings and arrays of numbers are not tracked by Python's cycle
+    collector, an object per node or segment would be, and every full collection walks all tracked objects with the
+    GIL held (35,000-67,000 nodes after 100 prompts of 32,000 characters cost 86-133 ms per collection, the event
+    loop stalled meanwhile).
 
-    A segment's nodes above its bottom have one child each (the next node of the segment): a branch, or the end of
-    a prompt, is a segment's bottom. Every node of a segment has that segment's workers and times.
+    A segment's nodes above its bottom have one child each (the next key of its array): a branch, or the end of a
+    prompt, is a segment's bottom, and a segment's top is a first block or a child of another segment's bottom.
+    Every node of a segment has that segment's workers and times.
 
     Most segments were only ever sent to one worker (routing by prefix keeps a prefix in one place): such a
     segment's workers are that worker's URL alone, its time the segment's last use, and a dict of URL -> time only
@@ -78,17 +94,18 @@ class PrefixTrie:
         # the keys `match` walked last and their path: `insert` of the same keys (the decision that follows) takes
         # it rather than walk again; any removal or split forgets it
         self._last_walk: tuple[Sequence[BlockKey], Path] | None = None
-        # leaves by last use; entries go stale when a leaf is used again, gains a child or is removed
+        # leaves (segment bottoms without children) by last use: (time, bottom key); entries go stale when a leaf
+        # is used again, gains a child or is removed
         self._leaves: list[tuple[float, BlockKey]] = []
         # a rebuild of the leaf heap in slices (`_compact`, `trim`): the heap being built (every push goes to it too),
-        # the next shard of the maps to scan and the leaves of the last one scanned not yet pushed
+        # the next shard of the maps to scan and the segments of the last one scanned not yet looked at
         self._rebuild: list[tuple[float, BlockKey]] | None = None
         self._rebuild_shard = 0
         self._rebuild_keys: list[BlockKey] = []
         self._dropped: list[tuple[float, BlockKey]] = []  # the heap a rebuild replaced, freed a slice at a time
         self._slicing = False  # removals now are a slice of the owner's (`trim` with a bound): `_compact` slices too
         self._worker_nodes: dict[str, int] = {}
-        self._trims: list[tuple[TableTrim, dict[Any, Any], bool]] = []  # see compact_tables
+        self._trims: list[tuple[TableTrim, dict[Any, Any]]] = []  # see compact_tables
         self.evictions = 0  # nodes removed to stay under max_nodes
         # nodes `insert` may leave over `max_nodes`, with what the TTL removes, for its owner to remove in slices
         # (`trim`) between other work: 0, insert removes them itself. The gateway's strategies set it (issue 18: at
@@ -98,7 +115,7 @@ class PrefixTrie:
         self.trim_due = False  # with slack: something is due for `trim` (as of the last insert or trim)
         self.expirations = 0  # nodes removed because nobody was sent them within ttl_s
 
-    _MAPS = ("_parent", "_children", "_top", "_bottom", "_length", "_used", "_workers")
+    _MAPS = ("_keys", "_parent", "_children", "_used", "_workers", "_ending")
 
     def _shard_maps(self, shards: int) -> None:
         """The maps as `shards` dicts each (`key` in dict `key & self._mask`), their entries kept."""
@@ -109,64 +126,64 @@ class PrefixTrie:
             for fields in old_maps:
                 for key, value in fields.items():
                     shard_maps[key & self._mask][key] = value
-        # per node: every node's parent (None for a first block), its child count and its segment's top key
-        self._parent: list[dict[BlockKey, BlockKey | None]] = maps[0]
-        self._children: list[dict[BlockKey, int]] = maps[1]
-        self._top: list[dict[BlockKey, BlockKey]] = maps[2]
-        # per segment, by its top key: its deepest node, its node count, when last sent to any worker, and the
-        # workers sent it: the URL of the only one (last sent: the segment's `_used`), or url -> last sent
-        self._bottom: list[dict[BlockKey, BlockKey]] = maps[3]
-        self._length: list[dict[BlockKey, int]] = maps[4]
-        self._used: list[dict[BlockKey, float]] = maps[5]
-        self._workers: list[dict[BlockKey, str | dict[str, float]]] = maps[6]
+        # per segment, by its top key: its keys (top first), its top's parent (None for a first block), its
+        # bottom's child count, when last sent to any worker, and the workers sent it: the URL of the only one
+        # (last sent: the segment's `_used`), or url -> last sent
+        self._keys: list[dict[BlockKey, bytes]] = maps[0]
+        self._parent: list[dict[BlockKey, BlockKey | None]] = maps[1]
+        self._children: list[dict[BlockKey, int]] = maps[2]
+        self._used: list[dict[BlockKey, float]] = maps[3]
+        self._workers: list[dict[BlockKey, str | dict[str, float]]] = maps[4]
+        # per segment, by its bottom key: its top key
+        self._ending: list[dict[BlockKey, BlockKey]] = maps[5]
 
     def __len__(self) -> int:
         return self._nodes
 
     def compact_tables(self) -> None:
-        """From now on keep the maps at the table size a copy of them would have (`TableTrim`; nodes come and
+        """From now on keep the maps at the table size a copy of them would have (`TableTrim`; segments come and
         go, evicted at the budget or expired): half their memory, for copying a map into itself (tens of ms per
-        100,000 nodes) whenever CPython would grow it. For long simulations (`kvgate bench vsim`); a live gateway
+        100,000 entries) whenever CPython would grow it. For long simulations (`kvgate bench vsim`); a live gateway
         would stall its event loop meanwhile. The maps become one dict each (a copy of each of 64 shards could not
         be told when it is due, and small dicts are left alone)."""
         self._rebuild, self._rebuild_keys = None, []  # (its shard numbers would change; the old heap is whole)
         self._shard_maps(1)
-        self._trims = [(TableTrim(), getattr(self, name)[0], name in ("_parent", "_children", "_top"))
-                       for name in self._MAPS]
+        self._trims = [(TableTrim(), getattr(self, name)[0]) for name in self._MAPS]
 
     # --- lookup -----------------------------------------------------------------------------------------------
 
     def _walk(self, keys: Sequence[BlockKey]) -> Path:
         """How many leading `keys` are nodes, and the segments they run through: a dict step and one key
-        compared per segment (a binary search only where the keys part from a segment or end inside it)."""
-        lengths, bottoms, mask = self._length, self._bottom, self._mask
+        compared per segment (a binary search in the segment's array only where the keys part from it or end
+        inside it)."""
+        segments, ending, mask = self._keys, self._ending, self._mask
         tops: list[BlockKey] = []
         ends: list[int] = []
         i, n = 0, len(keys)
         while i < n:
             top = keys[i]
             # a node after a segment's bottom is a segment's top (the first one too): not a top, not a node
-            length = lengths[top & mask].get(top)
-            if length is None:
+            run = segments[top & mask].get(top)
+            if run is None:
                 break
             tops.append(top)
+            length = len(run) >> 3
             end = i + length
-            if end <= n and keys[end - 1] == bottoms[top & mask][top]:
+            if end <= n and ending[(key := keys[end - 1]) & mask].get(key) == top:  # (its bottom)
                 ends.append(end)
                 i = end
                 continue
-            # the keys part from the segment (or end) inside it: its nodes lead them, chained, to where they part
-            parents = self._parent
-            lo, hi = i + 1, min(end, n)
+            # the keys part from the segment (or end) inside it: chained, they equal its keys up to where they part
+            view = memoryview(run).cast("Q")
+            lo, hi = 1, min(length, n - i)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                key = keys[mid - 1]
-                if key in parents[key & mask]:
+                if keys[i + mid - 1] == view[mid - 1]:
                     lo = mid
                 else:
                     hi = mid - 1
-            ends.append(lo)
-            return lo, tops, ends
+            ends.append(i + lo)
+            return i + lo, tops, ends
         return i, tops, ends
 
     def match(self, keys: Sequence[BlockKey], workers: Sequence[str] | None = None) -> dict[str, int]:
@@ -219,27 +236,27 @@ class PrefixTrie:
         self._last_walk = None
         grows = depth < len(keys)
         mask = self._mask
-        lengths, sent_to, used = self._length, self._workers, self._used
+        segments, sent_to, used = self._keys, self._workers, self._used
         start = 0
         for top, end in zip(tops, ends, strict=True):
             shard = top & mask
             sent = sent_to[shard][top]
             stamped = (used[shard][top] == now and sent == worker) if isinstance(sent, str) else sent.get(worker) == now
-            if end - start < lengths[shard][top] and (grows or not stamped):
+            if (end - start) << 3 < len(segments[shard][top]) and (grows or not stamped):
                 # the path ends (or parts, new nodes to grow there) inside the segment: it splits at that point
-                self._split(top, end - start, keys[end - 1])
+                self._split(top, end - start)
             if not stamped:
                 self._stamp(top, worker, now)
             start = end
         node = keys[depth - 1] if depth else None
         if grows:
-            for trim, fields, per_node in self._trims:  # the maps take the new keys: copied before, not after
-                trim.make_room(fields, len(keys) - depth if per_node else 2)
+            for trim, fields in self._trims:  # the maps take a segment or two: copied before, not after
+                trim.make_room(fields, 2)
             node = self._grow(keys, depth, node, worker, now)
         assert node is not None
-        shard = node & mask
-        top = self._top[shard][node]
-        if self._children[shard][node] == 0 and self._used[top & mask][top] == now:
+        # the path's end is a leaf (a segment's bottom without children) used now: onto the heap
+        at = self._ending[node & mask].get(node)
+        if at is not None and self._children[at & mask][at] == 0 and used[at & mask][at] == now:
             self._push((now, node))
         leaves = self._leaves
         expired = bool(leaves) and leaves[0][0] < now - self.ttl_s  # (`_expire`'s own test, without a call)
@@ -271,76 +288,66 @@ class PrefixTrie:
         workers = sent_to[top]
         if isinstance(workers, str):
             if workers != worker:  # a second worker: the segment gets a dict, the first one's time its last use
-                counts[worker] = counts.get(worker, 0) + self._length[shard][top]
+                counts[worker] = counts.get(worker, 0) + (len(self._keys[shard][top]) >> 3)
                 sent_to[top] = {workers: used[top], worker: now}
         else:
             if worker not in workers:
-                counts[worker] = counts.get(worker, 0) + self._length[shard][top]
+                counts[worker] = counts.get(worker, 0) + (len(self._keys[shard][top]) >> 3)
             workers[worker] = now
         used[top] = now
 
-    def _split(self, top: BlockKey, head: int, last: BlockKey) -> None:
-        """Cut segment `top` after its first `head` nodes (the last of them `last`): the nodes below become a
-        segment of their own, with the same workers and times."""
+    def _split(self, top: BlockKey, head: int) -> None:
+        """Cut segment `top` after its first `head` nodes: the nodes below become a segment of their own (its
+        array a slice of this one's), with the same workers and times."""
         mask = self._mask
         shard = top & mask
-        parents, tops = self._parent, self._top
-        bottom, length = self._bottom[shard][top], self._length[shard][top]
-        below: list[BlockKey] = []
-        key = bottom
-        for _ in range(length - head):  # up from the bottom, to the node under `last`
-            below.append(key)
-            key = parents[key & mask][key]  # type: ignore[assignment]
-        assert key == last
-        new = below[-1]
-        for key in below:
-            tops[key & mask][key] = new
-        workers = self._workers[shard][top]
+        run = self._keys[shard][top]
+        above, below = run[: head << 3], run[head << 3:]
+        new, last, bottom = int.from_bytes(below[:8], ORDER), int.from_bytes(above[-8:], ORDER), _last(below)
         new_shard = new & mask
-        self._bottom[new_shard][new] = bottom
-        self._length[new_shard][new] = length - head
+        self._keys[shard][top] = above
+        self._keys[new_shard][new] = below
+        self._parent[new_shard][new] = last
+        self._children[new_shard][new] = self._children[shard][top]
+        self._children[shard][top] = 1
         self._used[new_shard][new] = self._used[shard][top]
+        workers = self._workers[shard][top]
         self._workers[new_shard][new] = workers if isinstance(workers, str) else dict(workers)
-        self._bottom[shard][top] = last
-        self._length[shard][top] = head
+        self._ending[bottom & mask][bottom] = new
+        self._ending[last & mask][last] = top
         self._last_walk = None
 
     def _grow(self, keys: Sequence[BlockKey], depth: int, parent: BlockKey | None, worker: str,
               now: float) -> BlockKey:
-        """Add the nodes for keys[depth:] below `parent`; returns the deepest. They continue `parent`'s segment
-        where it ends there, childless, sent only to `worker` at `now`; else they are a segment of their own."""
+        """Add the nodes for keys[depth:] below `parent` (a segment's bottom); returns the deepest. They continue
+        `parent`'s segment where it ends there, childless, sent only to `worker` at `now` (its array extended);
+        else they are a segment of their own (one array)."""
         new = len(keys) - depth
         self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + new
         self._nodes += new
-        parents, children, tops, mask = self._parent, self._children, self._top, self._mask
-        top = keys[depth]
+        mask, ending = self._mask, self._ending
+        bottom = keys[-1]
         if parent is not None:
-            shard = parent & mask
-            children[shard][parent] += 1
-            above = tops[shard][parent]
-            above_shard = above & mask
-            if (children[shard][parent] == 1 and self._used[above_shard][above] == now
-                    and self._workers[above_shard][above] == worker):
-                top = above  # the same stamps: one segment, longer
-        node = parent
-        for i in range(depth, len(keys)):
-            key = keys[i]
-            shard = key & mask
-            parents[shard][key] = node
-            children[shard][key] = 1  # the next one; the deepest gets 0 below
-            tops[shard][key] = top
-            node = key
-        assert node is not None
-        children[node & mask][node] = 0
+            above = ending[parent & mask][parent]
+            shard = above & mask
+            children = self._children[shard]
+            children[above] += 1
+            if children[above] == 1 and self._used[shard][above] == now and self._workers[shard][above] == worker:
+                # the same stamps: one segment, longer
+                self._keys[shard][above] += array("Q", keys[depth:]).tobytes()
+                children[above] = 0
+                del ending[parent & mask][parent]
+                ending[bottom & mask][bottom] = above
+                return bottom
+        top = keys[depth]
         shard = top & mask
-        if top == keys[depth]:
-            self._length[shard][top] = new
-            self._used[shard][top] = now
-            self._workers[shard][top] = worker
-        else:
-            self._length[shard][top] += new
-        self._bottom[shard][top] = node
-        return node
+        self._keys[shard][top] = array("Q", keys[depth:]).tobytes()
+        self._parent[shard][top] = parent
+        self._children[shard][top] = 0
+        self._used[shard][top] = now
+        self._workers[shard][top] = worker
+        ending[bottom & mask][bottom] = top
+        return bottom
 
     # --- eviction ---------------------------------------------------------------------------------------------
 
@@ -357,7 +364,13 @@ class PrefixTrie:
     def trim(self, work: int | None = None) -> bool:
         """Remove what `insert` left due with `slack` set: leaves past the TTL, then least-recently-used leaves down to
         `max_nodes`; at most `work` units (a node removed, or a leaf looked at, is one), all of it when None. Returns
-        whether more is due (a later call goes on)."""
+        whether more is due (a later call goes on).
+
+        A unit is still a node, though a node no longer costs a unit's work: removing a segment, or cutting the
+        bottom off one, costs the same few lines whatever its length, so the owner's slices (`PrefillBalance`, in
+        steps of 32) remove the nodes of a cold prompt 32 at a time at a fraction of a microsecond each, and a slice
+        ends on its clock, not on a count. Kept a node so a slice removes what the same slice of `insert` without
+        slack would (the counters step by at most `work`)."""
         now = self.clock()
         if self._step:
             now -= now % self._step
@@ -393,61 +406,67 @@ class PrefixTrie:
         removed (0 for a stale heap entry).
 
         A leaf is its segment's bottom, and a segment's nodes share its workers and time and have one child each
-        above its bottom, so the chain is removed a segment at a time: its nodes' three entries each, the
-        segment's bookkeeping once. At the budget each cold 32,000-character prompt (one segment of 608 blocks)
-        evicts as many nodes on the event loop: node by node that took about 0.85 ms of the insert's 1.65 (CPU,
-        in process), 0.5 a segment at a time (issue 18)."""
+        above its bottom, so the chain is removed a segment at a time: a whole segment is its entries in the maps,
+        the bottom of one is a cut of its array. At the budget each cold 32,000-character prompt (one segment of
+        608 blocks) evicts as many nodes on the event loop: node by node that took about 0.85 ms of the insert's
+        1.65 (CPU, in process), 0.5 with the segment's bookkeeping once and the nodes' entries one by one (issue
+        18), and now the same few lines whatever the segment's length."""
         last, key = heapq.heappop(self._leaves)
-        parents, children, tops, mask = self._parent, self._children, self._top, self._mask
-        used, sent_to = self._used, self._workers
-        shard = key & mask
-        top = tops[shard].get(key)
-        if top is None or used[top & mask][top] != last or children[shard][key]:
+        mask, ending = self._mask, self._ending
+        top = ending[key & mask].get(key)
+        if top is None:
+            return 0
+        shard = top & mask
+        segments, parents, children, used, sent_to = self._keys, self._parent, self._children, self._used, self._workers
+        if used[shard][top] != last or children[shard][top]:
             return 0
         self._last_walk = None
         bound = last if limit is None else limit
-        counts, lengths, bottoms = self._worker_nodes, self._length, self._bottom
+        counts = self._worker_nodes
         removed = 0
         while True:
             # segment `top`, from its bottom `key` up: as many nodes as `most` leaves, the whole segment if it can
-            top_shard = top & mask
-            length = lengths[top_shard][top]
+            run = segments[shard][top]
+            length = len(run) >> 3
             take = min(length, most - removed)
-            node = key
-            for _ in range(take - 1):  # every node taken below the last has a parent: the next one up
-                shard = node & mask
-                del children[shard][node], tops[shard][node]
-                node = parents[shard].pop(node)  # type: ignore[assignment]
-            shard = node & mask
-            del children[shard][node], tops[shard][node]
-            above = parents[shard].pop(node)
+            assert take > 0
             removed += take
-            workers = sent_to[top_shard][top]
+            workers = sent_to[shard][top]
             if isinstance(workers, str):
                 counts[workers] -= take
             else:
                 for url in workers:
                     counts[url] -= take
-            if take < length:  # `most` reached inside it: the rest of the segment stays, `above` its bottom
-                lengths[top_shard][top] = length - take
-                bottoms[top_shard][top] = above  # type: ignore[assignment]
-                break
-            del bottoms[top_shard][top], lengths[top_shard][top], used[top_shard][top], sent_to[top_shard][top]
+            del ending[key & mask][key]
+            if take < length:  # `most` reached inside it: the rest of the segment stays, a leaf now
+                segments[shard][top] = run = run[: (length - take) << 3]
+                bottom = _last(run)
+                ending[bottom & mask][bottom] = top
+                children[shard][top] = 0  # (its child, if any, was removed above)
+                self._nodes -= removed
+                self._push((used[shard][top], bottom))
+                self._compact()
+                return removed
+            above = parents[shard].pop(top)
+            del segments[shard][top], children[shard][top], used[shard][top], sent_to[shard][top]
             # the segment above (`above` is its bottom) goes too if this was its only child and it is as old
-            if removed >= most or above is None or children[above & mask][above] != 1:
+            if removed >= most or above is None:
                 break
-            top = tops[above & mask][above]
-            at = used[top & mask][top]
+            up = ending[above & mask][above]
+            up_shard = up & mask
+            if children[up_shard][up] != 1:
+                break
+            at = used[up_shard][up]
             if not (at == bound if limit is None else at < bound):
                 break
-            key = above
+            key, top, shard = above, up, up_shard
         self._nodes -= removed
         if above is not None:
-            shard = above & mask
-            children[shard][above] -= 1
-            if children[shard][above] == 0:
-                top = tops[shard][above]
-                self._push((used[top & mask][top], above))
+            up = ending[above & mask][above]
+            up_shard = up & mask
+            children[up_shard][up] -= 1
+            if children[up_shard][up] == 0:
+                self._push((used[up_shard][up], above))
         self._compact()
         return removed
 
@@ -461,21 +480,20 @@ class PrefixTrie:
                 self._rebuild, self._rebuild_shard, self._rebuild_keys = [], 0, []
                 self.trim_due = True
                 return
-            mask, used = self._mask, self._used
-            self._leaves = [(used[top & mask][top], key)
-                            for children, tops in zip(self._children, self._top, strict=True)
-                            for key, count in children.items() if count == 0 for top in (tops[key],)]
+            self._leaves = [(used[top], _last(segments[top]))
+                            for children, used, segments in zip(self._children, self._used, self._keys, strict=True)
+                            for top, count in children.items() if count == 0]
             heapq.heapify(self._leaves)
 
     def _rebuild_step(self, work: int) -> int:
-        """Go on with a rebuild of the leaf heap for `work` units (a leaf looked at is one, and so is scanning a
-        shard of the maps for its leaves; -1: to the end); returns the work left. The old heap serves meanwhile; every
-        entry pushed goes to both, so a leaf that appears after its shard was scanned is in the new one too, and
-        entries that go stale meanwhile are skipped when popped, as on the old one. Once every shard is scanned the
-        new heap replaces the old: the same live entries, the stale ones left behind."""
+        """Go on with a rebuild of the leaf heap for `work` units (a segment looked at is one, and so is scanning a
+        shard of the maps for its leaf segments; -1: to the end); returns the work left. The old heap serves
+        meanwhile; every entry pushed goes to both, so a leaf that appears after its shard was scanned is in the new
+        one too, and entries that go stale meanwhile are skipped when popped, as on the old one. Once every shard is
+        scanned the new heap replaces the old: the same live entries, the stale ones left behind."""
         new = self._rebuild
         assert new is not None
-        mask, used, tops, children = self._mask, self._used, self._top, self._children
+        mask, used, segments, children = self._mask, self._used, self._keys, self._children
         pending = self._rebuild_keys
         while work:
             if work > 0:
@@ -486,13 +504,13 @@ class PrefixTrie:
                     self._dropped, self._leaves, self._rebuild = self._leaves, new, None
                     return work
                 self._rebuild_shard = shard + 1
-                pending = self._rebuild_keys = [key for key, count in children[shard].items() if count == 0]
+                pending = self._rebuild_keys = [top for top, count in children[shard].items() if count == 0]
                 continue
-            key = pending.pop()
-            shard = key & mask
-            top = tops[shard].get(key)
-            if top is not None and children[shard][key] == 0:  # (still a leaf)
-                heapq.heappush(new, (used[top & mask][top], key))
+            top = pending.pop()
+            shard = top & mask
+            run = segments[shard].get(top)
+            if run is not None and children[shard][top] == 0:  # (still a leaf segment)
+                heapq.heappush(new, (used[shard][top], _last(run)))
         return work
 
     def expire(self) -> None:
@@ -501,34 +519,35 @@ class PrefixTrie:
 
     def forget_worker(self, url: str) -> None:
         """Remove a worker from every node; prefixes no worker holds any more are removed with their subtrees."""
-        parents, children, tops, mask = self._parent, self._children, self._top, self._mask
         self._last_walk = None
         # a segment left with one worker keeps its dict: its last use may be the forgotten worker's time
-        emptied = {top for sent_to in self._workers for top, workers in sent_to.items()
+        emptied = [top for sent_to in self._workers for top, workers in sent_to.items()
                    if (workers == url if isinstance(workers, str)
-                       else workers.pop(url, None) is not None and not workers)}
+                       else workers.pop(url, None) is not None and not workers)]
         self._worker_nodes.pop(url, None)
         if not emptied:
             return
+        # a segment's workers include those of the segments below it: an emptied segment's subtree is emptied
+        mask, ending, children = self._mask, self._ending, self._children
+        above: list[BlockKey] = []
         for top in emptied:
             shard = top & mask
-            del self._bottom[shard][top], self._length[shard][top], self._used[shard][top]
-            del self._workers[shard][top]
-        # a segment's workers include those of the segments below it: an emptied segment's subtree is emptied; the
-        # top of one has a parent still held (or none)
-        above = [parent for top in emptied
-                 if (parent := parents[top & mask][top]) is not None and tops[parent & mask][parent] not in emptied]
-        gone = [key for fields in tops for key, top in fields.items() if top in emptied]
-        for key in gone:
-            shard = key & mask
-            del parents[shard][key], children[shard][key], tops[shard][key]
-        self._nodes -= len(gone)
+            run = self._keys[shard].pop(top)
+            parent = self._parent[shard].pop(top)
+            del children[shard][top], self._used[shard][top], self._workers[shard][top]
+            bottom = _last(run)
+            del ending[bottom & mask][bottom]
+            self._nodes -= len(run) >> 3
+            if parent is not None:
+                above.append(parent)
         for parent in above:
-            shard = parent & mask
-            children[shard][parent] -= 1
-            if children[shard][parent] == 0:
-                top = tops[shard][parent]
-                self._push((self._used[top & mask][top], parent))
+            up = ending[parent & mask].get(parent)
+            if up is None:  # its segment emptied too
+                continue
+            shard = up & mask
+            children[shard][up] -= 1
+            if children[shard][up] == 0:
+                self._push((self._used[shard][up], parent))
 
     def clear(self) -> None:
         self._last_walk = None
@@ -549,79 +568,83 @@ class PrefixTrie:
 
     def nodes(self) -> dict[BlockKey, BlockKey | None]:
         """Every node with its parent (for checks)."""
-        return {key: parent for fields in self._parent for key, parent in fields.items()}
+        out: dict[BlockKey, BlockKey | None] = {}
+        for segments, parents in zip(self._keys, self._parent, strict=True):
+            for top, run in segments.items():
+                parent = parents[top]
+                for key in array("Q", run):
+                    out[key] = parent
+                    parent = key
+        return out
 
     def segments(self) -> int:
         """How many segments the nodes are cut into (for checks)."""
-        return sum(len(fields) for fields in self._length)
+        return sum(len(fields) for fields in self._keys)
 
     def check(self) -> None:
-        """Assert the nodes are a consistent tree, cut into consistent segments (for tests)."""
+        """Assert the segments are a consistent tree of nodes, with consistent bookkeeping (for tests)."""
         mask = self._mask
         for name in self._MAPS:
             for shard, fields in enumerate(getattr(self, name)):
                 assert all(key & mask == shard for key in fields), "an entry in another key's shard"
-        parents = self.nodes()
-        children = {key: n for fields in self._children for key, n in fields.items()}
-        tops = {key: top for fields in self._top for key, top in fields.items()}
-        assert parents.keys() == children.keys() == tops.keys()
-        assert len(parents) == self._nodes, "node count out of step"
-        bottoms = {top: key for fields in self._bottom for top, key in fields.items()}
-        lengths = {top: n for fields in self._length for top, n in fields.items()}
+        runs = {top: run for fields in self._keys for top, run in fields.items()}
+        parents = {top: p for fields in self._parent for top, p in fields.items()}
+        children = {top: n for fields in self._children for top, n in fields.items()}
         used = {top: t for fields in self._used for top, t in fields.items()}
         sent_to = {top: w for fields in self._workers for top, w in fields.items()}
-        assert bottoms.keys() == lengths.keys() == used.keys() == sent_to.keys() == set(tops.values())
-        for top, bottom in bottoms.items():
-            chain = self._chain(bottom, top)
-            assert len(chain) == lengths[top], "segment length out of step"
-            assert all(tops[key] == top for key in chain), "a segment's node in another segment"
-            assert all(children[key] == 1 for key in chain[1:]), "a branch inside a segment"
-            parent = parents[top]
-            assert parent is None or bottoms[tops[parent]] == parent, "a segment below the middle of another"
-            workers = sent_to[top]
-            assert isinstance(workers, str) or (workers and used[top] >= max(workers.values()))
+        ending = {bottom: top for fields in self._ending for bottom, top in fields.items()}
+        assert runs.keys() == parents.keys() == children.keys() == used.keys() == sent_to.keys()
+        for top, run in runs.items():
+            assert type(run) is bytes and run and len(run) % 8 == 0, "a segment's keys not packed"
+            assert int.from_bytes(run[:8], ORDER) == top, "a segment's keys not from its top"
+        assert ending == {_last(run): top for top, run in runs.items()}, "a segment's bottom out of step"
+        nodes = self.nodes()
+        assert len(nodes) == sum(len(run) >> 3 for run in runs.values()) == self._nodes, "a node twice, or count off"
         counts: dict[BlockKey, int] = {}
-        for key, parent in parents.items():
-            if parent is not None:
-                assert parent in parents, "a node whose parent is gone"
-                assert self._sent(key).keys() <= self._sent(parent).keys()
-                assert all(at <= self._sent(parent)[url] for url, at in self._sent(key).items())
-                assert used[tops[key]] <= used[tops[parent]]
-                counts[parent] = counts.get(parent, 0) + 1
-        for key, count in children.items():
-            assert count == counts.get(key, 0), "child count out of step"
+        for top, parent in parents.items():
+            if parent is None:
+                continue
+            # a segment's top is the child of another's bottom, never of a node in the middle of one
+            assert parent in ending, "a segment below the middle of another, or below nothing"
+            above = ending[parent]
+            counts[above] = counts.get(above, 0) + 1
+            sent, sent_above = self._sent(top), self._sent(above)
+            assert sent.keys() <= sent_above.keys(), "a worker sent a node but not its parent"
+            assert all(at <= sent_above[url] for url, at in sent.items())
+            assert used[top] <= used[above]
+        for top, count in children.items():
+            assert count == counts.get(top, 0), "child count out of step"
+        for top in runs:  # up from every segment to a first block: no cycle
+            seen = 0
+            parent = parents[top]
+            while parent is not None:
+                seen += 1
+                assert seen <= len(runs), "a cycle of segments"
+                parent = parents[ending[parent]]
+        for top, workers in sent_to.items():
+            assert isinstance(workers, str) or (workers and used[top] >= max(workers.values()))
         held: dict[str, int] = {}
-        for key in parents:
-            for url in self._sent(key):
-                held[url] = held.get(url, 0) + 1
+        for top, run in runs.items():
+            for url in self._sent(top):
+                held[url] = held.get(url, 0) + (len(run) >> 3)
         assert held == {url: n for url, n in self._worker_nodes.items() if n}, "worker node counts out of step"
-        leaves = {(used[tops[key]], key) for key, count in children.items() if count == 0}
+        leaves = {(used[top], _last(runs[top])) for top, count in children.items() if count == 0}
         assert leaves <= set(self._leaves), "a leaf not on the heap"
-        if self._rebuild is not None:  # the shards scanned so far, but for the leaves still to push
-            scanned = {(at, key) for at, key in leaves if key & mask < self._rebuild_shard}
-            assert scanned - set(self._rebuild) <= {(used[tops[key]], key) for key in self._rebuild_keys}, \
-                "a leaf not on the heap being built"
+        if self._rebuild is not None:  # the shards scanned so far, but for the segments still to look at
+            scanned = {(used[top], _last(runs[top])) for top, count in children.items()
+                       if count == 0 and top & mask < self._rebuild_shard}
+            pending = {(used[top], _last(runs[top])) for top in self._rebuild_keys if top in runs}
+            assert scanned - set(self._rebuild) <= pending, "a leaf not on the heap being built"
 
-    def _chain(self, bottom: BlockKey, top: BlockKey) -> list[BlockKey]:
-        """The nodes from `bottom` up to `top`, both included (one chain; for checks)."""
-        parents, mask = self._parent, self._mask
-        out = [bottom]
-        key = bottom
-        while key != top:
-            up = parents[key & mask][key]
-            assert up is not None, "a segment's bottom not below its top"
-            key = up
-            out.append(key)
-        return out
-
-    def _sent(self, key: BlockKey) -> dict[str, float]:
-        """The workers sent node `key`, with when each last was (for checks)."""
-        top = self._top[key & self._mask][key]
+    def _sent(self, top: BlockKey) -> dict[str, float]:
+        """The workers sent segment `top`, with when each last was (for checks)."""
         shard = top & self._mask
         workers = self._workers[shard][top]
         return {workers: self._used[shard][top]} if isinstance(workers, str) else dict(workers)
 
     def sent_to(self) -> list[str | dict[str, float]]:
-        """Every node's workers as kept: a URL, or URL -> last sent (for checks)."""
+        """Every node's workers as kept, in the order of the nodes' keys: a URL, or URL -> last sent (for
+        checks)."""
+        nodes = sorted((key, top) for fields in self._keys for top, run in fields.items() for key in array("Q", run))
         mask = self._mask
-        return [self._workers[top & mask][top] for fields in self._top for top in fields.values()]
+        return [self._workers[top & mask][top] for _, top in nodes]
