@@ -6,14 +6,15 @@ each was last sent it. It is bounded twice — a node budget and a TTL — and e
 so a flood of unique prompts cannot grow it past its budget.
 
 A path is cut into segments, stretches of nodes one below the other whose workers and times are the same, and the
-trie keeps segments, not nodes: each one's block keys as one array, and its bookkeeping once (its parent, the child
-count of its bottom, its workers and times). Because block keys are chained, one key names its whole prefix, so a
-walk steps from segment top to segment top, comparing one key per segment (and searching the segment's own array
-only where a prompt parts from it or ends inside it). Sending a prompt again stamps each segment of its path, not
-each block (a 4,000-character system prompt's 62 blocks are one segment, its questions one each); growing a cold
-prompt is one array; evicting the bottom of a segment is one cut of its array. The work per request follows the
-segments of its path, not its length (issue 18: with three dict entries per node, a cold 32,000-character prompt's
-608 new nodes cost 0.66-0.80 ms of the event loop's CPU to add and as much to evict). A segment splits where a new
+trie keeps segments, not nodes: each one's block keys packed into one bytes object, and its bookkeeping once (its
+parent, the child count of its bottom, its workers and times). Because block keys are chained, one key names its
+whole prefix, so a walk steps from segment top to segment top, one dict step per segment (and a search in the
+segment's own keys only where a prompt parts from it or ends inside it). Sending a prompt again stamps each segment
+of its path, not each block (a 4,000-character system prompt's 62 blocks are one segment, its questions one each);
+growing a cold prompt packs its new keys once; evicting the bottom of a segment is one slice of its keys. The work
+per request, and per removal, follows the segments it touches, not their length (issue 18: with three dict entries
+per node, a cold 32,000-character prompt's 608 new nodes cost 0.66-0.80 ms of the event loop's CPU to add and as
+much to evict; a prompt of 4,096 blocks now runs the Python lines of one of 64). A segment splits where a new
 prompt parts from it or ends inside it, and grows where a prompt continues the one that made it in the same step.
 Times are kept in steps of `TOUCH_S` (or a hundredth of the TTL, if shorter), so a segment stamped in the current
 step for a worker is not stamped again.
@@ -65,15 +66,15 @@ class TrieStats:
 class PrefixTrie:
     """Block-key prefixes → workers recently sent them; bounded by `max_nodes` and `ttl_s`.
 
-    A segment is kept by its top key, in dicts: its keys (an `array('Q')`, top first; block keys are unsigned
-    64-bit), its top's parent key, its bottom's child count, its last use and the workers sent it with when; and
-    its bottom key names it too (`_ending`, for the walk up from a leaf and down from a parent). No node has an
-    entry of its own. Dicts holding only numbers, strings and arrays of numbers are not tracked by Python's cycle
-    collector, an object per node or segment would be, and every full collection walks all tracked objects with the
-    GIL held (35,000-67,000 nodes after 100 prompts of 32,000 characters cost 86-133 ms per collection, the event
-    loop stalled meanwhile).
+    A segment is kept by its top key, in dicts: its keys (top first, packed as `array('Q')` packs them: block keys
+    are xxh3_64, unsigned 64-bit), its top's parent key, its bottom's child count, its last use and the workers sent
+    it with when; and its bottom key names it too (`_ending`: the walk's test that a prompt runs through a segment
+    to its bottom, and the way up from a leaf). No node has an entry of its own. Dicts holding only numbers, strings
+    and bytes are not tracked by Python's cycle collector; an object per node or segment would be (an `array` too,
+    hence bytes), and every full collection walks all tracked objects with the GIL held (35,000-67,000 nodes after
+    100 prompts of 32,000 characters cost 86-133 ms per collection, the event loop stalled meanwhile).
 
-    A segment's nodes above its bottom have one child each (the next key of its array): a branch, or the end of a
+    A segment's nodes above its bottom have one child each (the next key of its run): a branch, or the end of a
     prompt, is a segment's bottom, and a segment's top is a first block or a child of another segment's bottom.
     Every node of a segment has that segment's workers and times.
 
@@ -153,9 +154,9 @@ class PrefixTrie:
     # --- lookup -----------------------------------------------------------------------------------------------
 
     def _walk(self, keys: Sequence[BlockKey]) -> Path:
-        """How many leading `keys` are nodes, and the segments they run through: a dict step and one key
-        compared per segment (a binary search in the segment's array only where the keys part from it or end
-        inside it)."""
+        """How many leading `keys` are nodes, and the segments they run through: two dict steps per segment (its
+        top, and its bottom among the keys), and a binary search in the segment's own keys only where the keys part
+        from it or end inside it."""
         segments, ending, mask = self._keys, self._ending, self._mask
         tops: list[BlockKey] = []
         ends: list[int] = []
@@ -298,7 +299,7 @@ class PrefixTrie:
 
     def _split(self, top: BlockKey, head: int) -> None:
         """Cut segment `top` after its first `head` nodes: the nodes below become a segment of their own (its
-        array a slice of this one's), with the same workers and times."""
+        keys a slice of this one's), with the same workers and times."""
         mask = self._mask
         shard = top & mask
         run = self._keys[shard][top]
@@ -320,8 +321,8 @@ class PrefixTrie:
     def _grow(self, keys: Sequence[BlockKey], depth: int, parent: BlockKey | None, worker: str,
               now: float) -> BlockKey:
         """Add the nodes for keys[depth:] below `parent` (a segment's bottom); returns the deepest. They continue
-        `parent`'s segment where it ends there, childless, sent only to `worker` at `now` (its array extended);
-        else they are a segment of their own (one array)."""
+        `parent`'s segment where it ends there, childless, sent only to `worker` at `now` (its keys extended);
+        else they are a segment of their own (its keys packed at once)."""
         new = len(keys) - depth
         self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + new
         self._nodes += new
@@ -407,7 +408,7 @@ class PrefixTrie:
 
         A leaf is its segment's bottom, and a segment's nodes share its workers and time and have one child each
         above its bottom, so the chain is removed a segment at a time: a whole segment is its entries in the maps,
-        the bottom of one is a cut of its array. At the budget each cold 32,000-character prompt (one segment of
+        the bottom of one is a slice of its keys. At the budget each cold 32,000-character prompt (one segment of
         608 blocks) evicts as many nodes on the event loop: node by node that took about 0.85 ms of the insert's
         1.65 (CPU, in process), 0.5 with the segment's bookkeeping once and the nodes' entries one by one (issue
         18), and now the same few lines whatever the segment's length."""
