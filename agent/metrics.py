@@ -24,6 +24,8 @@ _TIER_COUNTERS = {
     "checksum_failures": "blocks whose payload failed its checksum (deleted, recomputed by the engine)",
     "read_errors": "blocks that could not be read (torn, foreign, I/O error)",
     "backend_errors": "medium or backend failures (disk full, Redis down, ...)",
+    "dropped_announcements": "names announced on the shared tier's channel and not learned: not a block's name, "
+                             "or naming a block the backend does not hold (or a deletion of one it holds)",
 }
 
 

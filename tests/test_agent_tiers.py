@@ -353,6 +353,54 @@ def test_redis_shared_round_trip_across_replicas(valkey: ValkeyServer) -> None:
     b.close()
 
 
+def test_announcements_of_blocks_the_backend_does_not_hold_are_dropped_and_counted(valkey: ValkeyServer) -> None:
+    """Anyone who could PUBLISH on the block channel could put any name in every agent's index (and so in every
+    gateway's picture of the shared tier: lookups answered "S" for blocks no one wrote, loads of them missed), and
+    take real blocks out of it with a `-name`. An announcement is checked now: a message that is not a list of
+    block names, a name that is not a block's (or of a hash longer than any request may name) is dropped; the
+    names left are confirmed with the backend (one pipelined EXISTS per announcement): a written block is learned,
+    a deleted one forgotten, and any other is dropped. Every drop is counted."""
+    writer = RedisSharedTier(valkey.url, ttl_s=60)
+    tier = RedisSharedTier(valkey.url, ttl_s=60)
+    tier.listen()
+    try:
+        assert tier.wait_subscribed(5)
+        assert writer.store(key(1), payload(1))
+        deadline = time.monotonic() + 10
+        while not tier.contains(key(1)):  # a real write is learned from its announcement
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        raw = redis.Redis.from_url(valkey.url)
+        forged = [key_name(key(i)) for i in range(100, 110)]
+        hostile: list[bytes | str] = [
+            "+" + " ".join(forged),  # well-formed names of blocks no one wrote
+            "-" + key_name(key(1)),  # a real block said to be gone
+            "+" + key_name((LAYOUT, b"\x01" * 65)),  # a hash longer than any request may name
+            "+not-a-block 0123",  # not block names
+            "hello",  # no + or -
+            b"+\xff\xfe",  # not UTF-8
+        ]
+        for message in hostile:
+            raw.publish(tier.channel, message)
+        assert writer.store(key(2), payload(2))  # announced after them: once it is learned, they were handled
+        deadline = time.monotonic() + 10
+        while not tier.contains(key(2)):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert not any(tier.contains(key(i)) for i in range(100, 110))
+        assert not tier.contains((LAYOUT, b"\x01" * 65))
+        assert tier.contains(key(1)) and read(tier, key(1)) == payload(1)
+        assert tier.stats.dropped_announcements == 10 + 1 + 1 + 2 + 1 + 1, tier.stats
+        writer.delete(key(2))  # a real deletion is still followed
+        deadline = time.monotonic() + 10
+        while tier.contains(key(2)):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        writer.close()
+        tier.close()
+
+
 def test_redis_shared_ttl_and_corruption(valkey: ValkeyServer) -> None:
     tier = RedisSharedTier(valkey.url, ttl_s=0.3)
     tier.store(key(1), payload(1))

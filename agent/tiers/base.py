@@ -103,6 +103,7 @@ class TierStats:
     checksum_failures: int = 0
     read_errors: int = 0
     backend_errors: int = 0
+    dropped_announcements: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, n: int = 1) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.block import BlockError, BlockKey, BlockSeal, ChecksumError, decode_header, key_name, parse_key_name
+from agent.protocol import MAX_HASH_BYTES
 from agent.tiers.base import (
     Buffer,
     HeldBlock,
@@ -399,13 +400,34 @@ class RedisSharedTier(SharedTier):
                 with contextlib.suppress(Exception):
                     pubsub.close()
 
-    def _announced(self, data: bytes) -> None:
-        text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
-        keys = [k for k in map(parse_key_name, text[1:].split()) if k is not None]
-        if text.startswith("+"):
-            self.learn(keys)
-        elif text.startswith("-"):
-            self.learn((), gone=keys)
+    def _announced(self, data: bytes | str) -> None:
+        """A message on the channel: `+name ...` (written) or `-name ...` (deleted). Anyone who may PUBLISH there
+        can send one, so nothing it says is taken on trust: what is not a list of block names (of hashes a request
+        may name) is dropped, and the rest is confirmed with the backend, one pipelined EXISTS for the message:
+        only a block it holds is learned, and only one it does not hold forgotten. Every name dropped is counted."""
+        try:
+            text = data.decode() if isinstance(data, bytes) else str(data)
+        except UnicodeDecodeError:
+            self.stats.add("dropped_announcements")
+            return
+        names = text[1:].split()
+        if text[:1] not in ("+", "-") or not names:
+            self.stats.add("dropped_announcements", max(1, len(names)))
+            return
+        keys = [k for k in map(parse_key_name, names)
+                if k is not None and (isinstance(k[1], int) or len(k[1]) <= MAX_HASH_BYTES)]
+        dropped = len(names) - len(keys)
+        written = text[0] == "+"
+        if keys:
+            present = self._exists_many(keys)  # (a backend error: the subscription starts again, with a scan)
+            confirmed = [k for k, there in zip(keys, present, strict=True) if there == written]
+            dropped += len(keys) - len(confirmed)
+            if written:
+                self.learn(confirmed)
+            else:
+                self.learn((), gone=confirmed)
+        if dropped:
+            self.stats.add("dropped_announcements", dropped)
 
     # -- backend hooks ---------------------------------------------------------------------------------------
 
