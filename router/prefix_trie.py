@@ -154,18 +154,20 @@ class PrefixTrie:
     # --- lookup -----------------------------------------------------------------------------------------------
 
     def _walk(self, keys: Sequence[BlockKey]) -> Path:
-        """How many leading `keys` are nodes, and the segments they run through: two dict steps per segment (its
-        top, and its bottom among the keys), and a binary search in the segment's own keys only where the keys part
-        from it or end inside it."""
-        segments, ending, mask = self._keys, self._ending, self._mask
+        """How many leading `keys` are nodes, and the segments they run through: three dict steps per segment (its
+        top, the top's parent, and its bottom among the keys), and a binary search in the segment's own keys only
+        where the keys part from it or end inside it."""
+        segments, parents, ending, mask = self._keys, self._parent, self._ending, self._mask
         tops: list[BlockKey] = []
         ends: list[int] = []
         i, n = 0, len(keys)
+        above: BlockKey | None = None
         while i < n:
             top = keys[i]
-            # a node after a segment's bottom is a segment's top (the first one too): not a top, not a node
+            # a node after a segment's bottom is a segment's top (the first one too): not a top, not a node; nor is
+            # a top below another key (the same key elsewhere in the trie: a collision of chained keys)
             run = segments[top & mask].get(top)
-            if run is None:
+            if run is None or parents[top & mask][top] != above:
                 break
             tops.append(top)
             length = len(run) >> 3
@@ -173,6 +175,7 @@ class PrefixTrie:
             if end <= n and ending[(key := keys[end - 1]) & mask].get(key) == top:  # (its bottom)
                 ends.append(end)
                 i = end
+                above = key
                 continue
             # the keys part from the segment (or end) inside it: chained, they equal its keys up to where they part
             view = memoryview(run).cast("Q")
@@ -243,9 +246,11 @@ class PrefixTrie:
             shard = top & mask
             sent = sent_to[shard][top]
             stamped = (used[shard][top] == now and sent == worker) if isinstance(sent, str) else sent.get(worker) == now
-            if (end - start) << 3 < len(segments[shard][top]) and (grows or not stamped):
-                # the path ends (or parts, new nodes to grow there) inside the segment: it splits at that point
-                self._split(top, end - start)
+            # the path ends (or parts, new nodes to grow there) inside the segment: it splits at that point (if
+            # refused, a key of the segment already elsewhere, the prompt is not remembered past here)
+            if ((end - start) << 3 < len(segments[shard][top]) and (grows or not stamped)
+                    and not self._split(top, end - start)):
+                return
             if not stamped:
                 self._stamp(top, worker, now)
             start = end
@@ -253,8 +258,11 @@ class PrefixTrie:
         if grows:
             for trim, fields in self._trims:  # the maps take a segment or two: copied before, not after
                 trim.make_room(fields, 2)
-            node = self._grow(keys, depth, node, worker, now)
-        assert node is not None
+            grown = self._grow(keys, depth, node, worker, now)
+            if grown is not None:  # (else nothing new remembered, a key already elsewhere: the path ends above)
+                node = grown
+        if node is None:
+            return
         # the path's end is a leaf (a segment's bottom without children) used now: onto the heap
         at = self._ending[node & mask].get(node)
         if at is not None and self._children[at & mask][at] == 0 and used[at & mask][at] == now:
@@ -297,15 +305,19 @@ class PrefixTrie:
             workers[worker] = now
         used[top] = now
 
-    def _split(self, top: BlockKey, head: int) -> None:
+    def _split(self, top: BlockKey, head: int) -> bool:
         """Cut segment `top` after its first `head` nodes: the nodes below become a segment of their own (its
-        keys a slice of this one's), with the same workers and times."""
+        keys a slice of this one's), with the same workers and times. Refused (False, nothing changed) where the
+        new top is a segment's top already, or the new bottom a segment's bottom: the same key at two places (a
+        collision of chained keys, or a key repeated in one prompt) must not overwrite another segment's entry."""
         mask = self._mask
         shard = top & mask
         run = self._keys[shard][top]
         above, below = run[: head << 3], run[head << 3:]
         new, last, bottom = int.from_bytes(below[:8], ORDER), int.from_bytes(above[-8:], ORDER), _last(below)
         new_shard = new & mask
+        if new in self._keys[new_shard] or last in self._ending[last & mask]:
+            return False
         self._keys[shard][top] = above
         self._keys[new_shard][new] = below
         self._parent[new_shard][new] = last
@@ -317,31 +329,40 @@ class PrefixTrie:
         self._ending[bottom & mask][bottom] = new
         self._ending[last & mask][last] = top
         self._last_walk = None
+        return True
 
     def _grow(self, keys: Sequence[BlockKey], depth: int, parent: BlockKey | None, worker: str,
-              now: float) -> BlockKey:
+              now: float) -> BlockKey | None:
         """Add the nodes for keys[depth:] below `parent` (a segment's bottom); returns the deepest. They continue
         `parent`'s segment where it ends there, childless, sent only to `worker` at `now` (its keys extended);
-        else they are a segment of their own (its keys packed at once)."""
-        new = len(keys) - depth
-        self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + new
-        self._nodes += new
+        else they are a segment of their own (its keys packed at once). None, nothing added, where the new bottom
+        is another segment's bottom already or the new top a segment's top (see `_split`)."""
         mask, ending = self._mask, self._ending
-        bottom = keys[-1]
+        bottom, top = keys[-1], keys[depth]
+        above: BlockKey | None = None
         if parent is not None:
             above = ending[parent & mask][parent]
             shard = above & mask
-            children = self._children[shard]
-            children[above] += 1
-            if children[above] == 1 and self._used[shard][above] == now and self._workers[shard][above] == worker:
+            if (self._children[shard][above] == 0 and self._used[shard][above] == now
+                    and self._workers[shard][above] == worker):
                 # the same stamps: one segment, longer
+                if bottom != parent and bottom in ending[bottom & mask]:
+                    return None
+                new = len(keys) - depth
+                self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + new
+                self._nodes += new
                 self._keys[shard][above] += array("Q", keys[depth:]).tobytes()
-                children[above] = 0
                 del ending[parent & mask][parent]
                 ending[bottom & mask][bottom] = above
                 return bottom
-        top = keys[depth]
         shard = top & mask
+        if top in self._keys[shard] or bottom in ending[bottom & mask]:
+            return None
+        if above is not None:
+            self._children[above & mask][above] += 1
+        new = len(keys) - depth
+        self._worker_nodes[worker] = self._worker_nodes.get(worker, 0) + new
+        self._nodes += new
         self._keys[shard][top] = array("Q", keys[depth:]).tobytes()
         self._parent[shard][top] = parent
         self._children[shard][top] = 0
@@ -431,6 +452,11 @@ class PrefixTrie:
             length = len(run) >> 3
             take = min(length, most - removed)
             assert take > 0
+            if take < length:  # the bottom left must not be another segment's bottom already (see `_split`)
+                cut = (length - take) << 3
+                kept = int.from_bytes(run[cut - 8:cut], ORDER)
+                if kept != key and kept in ending[kept & mask]:
+                    take = length
             removed += take
             workers = sent_to[shard][top]
             if isinstance(workers, str):
@@ -582,8 +608,9 @@ class PrefixTrie:
         """How many segments the nodes are cut into (for checks)."""
         return sum(len(fields) for fields in self._keys)
 
-    def check(self) -> None:
-        """Assert the segments are a consistent tree of nodes, with consistent bookkeeping (for tests)."""
+    def check(self, distinct: bool = True) -> None:
+        """Assert the segments are a consistent tree of nodes, with consistent bookkeeping (for tests). `distinct`:
+        every key at one place only (no two keys of the trie's prompts collided)."""
         mask = self._mask
         for name in self._MAPS:
             for shard, fields in enumerate(getattr(self, name)):
@@ -600,7 +627,8 @@ class PrefixTrie:
             assert int.from_bytes(run[:8], ORDER) == top, "a segment's keys not from its top"
         assert ending == {_last(run): top for top, run in runs.items()}, "a segment's bottom out of step"
         nodes = self.nodes()
-        assert len(nodes) == sum(len(run) >> 3 for run in runs.values()) == self._nodes, "a node twice, or count off"
+        assert sum(len(run) >> 3 for run in runs.values()) == self._nodes, "node count off"
+        assert len(nodes) == self._nodes or not distinct, "a node twice"
         counts: dict[BlockKey, int] = {}
         for top, parent in parents.items():
             if parent is None:

@@ -475,6 +475,56 @@ def test_random_operations_keep_every_invariant() -> None:
                 assert len(trie) <= trie.max_nodes
 
 
+def test_the_same_key_at_two_places_corrupts_nothing() -> None:
+    """Block keys are 64-bit hashes: two prompts' keys may collide (a key equal to one elsewhere in the trie, or
+    repeated in one prompt; xxh3 is no cryptographic hash, so a client can make such prompts). The trie cannot
+    tell, and may route such a prompt as another, but its bookkeeping must stay whole and bounded: a segment whose
+    bottom (or top) was another's already overwrote that one's entry, the node count went out of step, and the next
+    `forget_worker` (or eviction) raised KeyError."""
+    hi = 1 << 63  # (and keys past the signed range, packed unsigned)
+    a, b, c, x, y = hi + 1, hi + 2, 3, hi + 4, 5
+    trie = PrefixTrie(max_nodes=64, ttl_s=60)
+    trie.insert([a, b], "w0")
+    trie.insert([c, b], "w0")  # b again: the bottom of another prompt
+    trie.forget_worker("w0")
+    trie.check(distinct=False)
+    assert len(trie) == 0
+
+    trie.insert([a, b, a, c], "w0")  # a repeated in one prompt
+    trie.insert([a, x], "w1")
+    trie.insert([a, b, a, y], "w0")  # parts below the second a: a split would make it a bottom twice
+    trie.check(distinct=False)
+    trie.forget_worker("w0")
+    trie.check(distinct=False)
+    assert trie.match([a, x]) == {"w1": 2}
+
+    # random prompts over a few keys: collisions everywhere
+    for alphabet in (4, 30):
+        for seed in range(40):
+            rng = random.Random(seed)
+            clock = Clock()
+            trie = PrefixTrie(max_nodes=rng.choice([64, 200]), ttl_s=rng.choice([5.0, 40.0]), clock=clock)
+            trie.slack = rng.choice([0, 20])
+            if seed % 4 == 3:
+                trie.compact_tables()
+            for _ in range(200):
+                clock.now += rng.choice([0.0, 0.3, 1.0, 4.0])
+                prompt = [hi * (k & 1) + k for k in (rng.randrange(alphabet) for _ in range(rng.randrange(12)))]
+                op = rng.random()
+                if op < 0.6:
+                    trie.insert(prompt, f"w{rng.randrange(3)}")
+                elif op < 0.75:
+                    assert all(0 < depth <= len(prompt) for depth in trie.match(prompt).values())
+                elif op < 0.9:
+                    trie.trim(rng.choice([None, 1, 5]))
+                elif op < 0.95:
+                    trie.expire()
+                else:
+                    trie.forget_worker(f"w{rng.randrange(3)}")
+                trie.check(distinct=False)
+                assert len(trie) <= trie.max_nodes + trie.slack
+
+
 def _shared_prefix_prompts(rng: random.Random, clock: Clock) -> Iterator[tuple[list[int], str]]:
     """2,000 prompts, each a share of one of 12 prefixes plus its own blocks, for one of 4 workers; the clock moves
     on a little before each, and now and then past the TTL."""
