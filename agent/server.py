@@ -82,6 +82,10 @@ FIRST_FRAME_TIMEOUT_S = 10.0  # a connection that has not sent its Hello by then
 # the agent hold 884 MiB; each connection holds at most one unsent answer (the next request is read once the last
 # answer is sent), and one that takes none of it for `client_write_timeout_s` is dropped
 MAX_UNSENT_BYTES = INLINE_LOAD_BYTES
+# an inline answer this small is let past MAX_UNSENT_BYTES (not worth summing every connection's buffer for): a
+# transport keeps as much after a drain anyway (asyncio's write high-water mark). Up to 2 MiB was let past it: 100
+# clients asking for 2 MiB each and never reading made the agent hold 180 MiB, more clients more
+UNCOUNTED_ANSWER_BYTES = 64 * 2**10
 ACCEPT_RETRY_S = 0.05  # after an accept failed (no file descriptor left), the next try
 
 
@@ -536,7 +540,7 @@ class TierAgent:
             if isinstance(request, Load):
                 if not request.offsets:  # an inline answer: its bytes wait in memory until the client reads them
                     size = len(request.hashes) * max(request.block_bytes, 0)
-                    if size > INLINE_LOAD_BYTES // 64 and self._unsent() + size > MAX_UNSENT_BYTES:
+                    if size > UNCOUNTED_ANSWER_BYTES and self._unsent() + size > MAX_UNSENT_BYTES:
                         raise ValueError(f"busy: {self._unsent()} bytes of answers not yet read by their clients; "
                                          f"retry, or load into shared memory")
                     self._unsent_reserved += size

@@ -947,3 +947,37 @@ def test_clients_that_never_read_their_replies_are_dropped_and_hold_bounded_memo
     refused = agent.metric("kvgate_agent_request_errors_total", op="load")
     assert dropped >= 1 and refused >= 1, (dropped, refused)
     assert agent.proc.poll() is None
+
+
+def test_many_clients_that_never_read_small_inline_answers_are_bounded_too(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """Inline answers waiting to be taken are bounded over all connections (MAX_UNSENT_BYTES, the README says an
+    inline load is refused past it), but a load of up to 2 MiB was not counted against the bound: 100 clients asking
+    for 2 MiB each and never reading made the agent hold about 180 MiB of answers for the write timeout, and more
+    clients, more. Only an answer no bigger than what a transport keeps after a drain anyway is let past it now."""
+    from agent.server import MAX_UNSENT_BYTES
+
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "16MiB", "--client-write-timeout-s", "30")
+    agents.append(agent)
+    mib = 2**20
+    with connect(agent.socket) as sock:
+        sock.settimeout(60)
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        assert raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [1, 2], "parent": None,
+                               "data": [content(1, mib), content(2, mib)]})["stored"] == 2
+    load = msgspec.msgpack.encode({"op": "load", "layout": LAYOUT, "hashes": [1, 2], "block_bytes": mib})
+    hostile = []
+    try:
+        for _ in range(100):  # 100 x 2 MiB unsent: 200 MiB if nothing bounds it
+            sock = connect(agent.socket)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+            sock.sendall(FRAME.pack(len(load)) + load)  # and never read
+            hostile.append(sock)
+        time.sleep(1.0)  # (the agent answers them meanwhile, as far as it will)
+        unsent = agent.metric("kvgate_agent_unsent_bytes")
+        assert 0 < unsent <= MAX_UNSENT_BYTES, unsent / mib
+    finally:
+        for sock in hostile:
+            sock.close()
+    assert agent.metric("kvgate_agent_request_errors_total", op="load") >= 1
