@@ -9,6 +9,7 @@ to it a strategy goes (`gap_closed`, per percentile) is the figure that can be c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,51 @@ def ttft_limit(ideal: IdealCache, profile: Profile) -> dict[str, float | None]:
     return out
 
 
+class OutOfOrder(ValueError):
+    """A request that came before one already taken."""
+
+
+class CausalCache:
+    """The one unbounded cache of `causal_ttfts`, taking requests one at a time in the order they came."""
+
+    def __init__(self, block_size: int, profile: Profile) -> None:
+        self.block_size = block_size
+        self.profile = profile
+        self.ready: dict[BlockKey, float] = {}  # block -> when a prefill's step computing it first ended
+        self.last = -math.inf
+
+    def first_token(self, tokens: int, keys: Sequence[BlockKey], came: float) -> float:
+        """Seconds from `came` to the first token of a prompt of `tokens` whose full blocks' keys are `keys`; its
+        blocks are there for later requests from the end of the step computing each. `came` never goes back."""
+        if came < self.last:
+            raise OutOfOrder(f"a request that came at {came} s after one that came at {self.last} s")
+        self.last = came
+        profile, size, ready = self.profile, self.block_size, self.ready
+        cacheable = (tokens - 1) // size if tokens else 0
+        options = {came: 0}  # when -> the leading blocks all there by then (the latest of their times)
+        latest = came
+        for j, key in enumerate(keys[:cacheable]):
+            at = ready.get(key)
+            if at is None:
+                break
+            latest = max(latest, at)
+            options[latest] = j + 1
+        start, hit = min(options.items(), key=lambda o: o[0] + profile.prefill_time(tokens - o[1] * size,
+                                                                                     o[1] * size))
+        done = hit * size
+        clock = start
+        while done < tokens:  # its own prefill, a chunk a step; the blocks each step completes are there after it
+            chunk = min(tokens - done, profile.max_num_batched_tokens)
+            clock += profile.step_time([(chunk, done)])
+            for j in range(done // size, min(len(keys), (done + chunk) // size)):
+                if ready.get(keys[j], math.inf) > clock:
+                    ready[keys[j]] = clock
+            done += chunk
+        if clock == start:  # nothing to compute (an empty prompt): the one step that makes the first token
+            clock += profile.step_time([(1, done)])
+        return clock - came + profile.request_overhead_s
+
+
 def causal_ttfts(prompts: Sequence[tuple[int, Sequence[BlockKey]]], starts: Sequence[float], block_size: int,
                  profile: Profile) -> list[float]:
     """Each request's time to first token (s) had it come when it did (`starts`, s) to a fleet of idle replicas, as
@@ -43,51 +89,33 @@ def causal_ttfts(prompts: Sequence[tuple[int, Sequence[BlockKey]]], starts: Sequ
 
     Where `ttft_limit` takes every block seen before a request as there, this one waits for a prefix whose first
     prefill is still running: with the client's own send times, a bound no router reaches on the same fleet model,
-    the prefix of a burst's first request computed once and every other request's wait for it counted."""
-    ready: dict[BlockKey, float] = {}
+    the prefix of a burst's first request computed once and every other request's wait for it counted. (A request
+    that came later never helps one before it: whatever it computes, the earlier one could have computed itself
+    from the same blocks, sooner.)"""
+    cache = CausalCache(block_size, profile)
     out = [0.0] * len(prompts)
     for i in sorted(range(len(prompts)), key=starts.__getitem__):
-        tokens, keys = prompts[i]
-        came = starts[i]
-        cacheable = (tokens - 1) // block_size if tokens else 0
-        options = {came: 0}  # when -> the leading blocks all there by then (the latest of their times)
-        latest = came
-        for j, key in enumerate(keys[:cacheable]):
-            at = ready.get(key)
-            if at is None:
-                break
-            latest = max(latest, at)
-            options[latest] = j + 1
-        best = min(options.items(), key=lambda o: o[0] + profile.prefill_time(tokens - o[1] * block_size,
-                                                                              o[1] * block_size))
-        start, hit = best
-        done = hit * block_size
-        clock = start
-        while done < tokens:  # its own prefill, a chunk a step; the blocks each step completes are there after it
-            chunk = min(tokens - done, profile.max_num_batched_tokens)
-            clock += profile.step_time([(chunk, done)])
-            for j in range(done // block_size, min(len(keys), (done + chunk) // block_size)):
-                if ready.get(keys[j], clock + 1) > clock:
-                    ready[keys[j]] = clock
-            done += chunk
-        if clock == start:  # nothing to compute (an empty prompt): the one step that makes the first token
-            clock += profile.step_time([(1, done)])
-        out[i] = clock - came + profile.request_overhead_s
+        out[i] = cache.first_token(prompts[i][0], prompts[i][1], starts[i])
     return out
 
 
 def causal_limit(source: RequestSource, block_size: int, profile: Profile) -> dict[str, float | None] | None:
     """TTFT p50 / p90 / p99 (ms) of `causal_ttfts` over a replay's requests at their arrival times; None when the
-    replay paces them (a closed loop: when each comes depends on the fleet)."""
-    prompts: list[tuple[int, list[BlockKey]]] = []
-    starts: list[float] = []
+    replay paces them (a closed loop: when each comes depends on the fleet). Read as a stream, each prompt hashed
+    and dropped (a trace in arrival order; read again, whole, if it is not)."""
     root = root_key("bench")
-    for arrival in source:
-        if arrival.at is None:
-            return None
-        prompts.append((len(arrival.token_ids), block_keys(arrival.token_ids, block_size, root)))
-        starts.append(arrival.at)
-    times = causal_ttfts(prompts, starts, block_size, profile)
+    cache = CausalCache(block_size, profile)
+    times: list[float] = []
+    try:
+        for arrival in source:
+            if arrival.at is None:
+                return None
+            keys = block_keys(arrival.token_ids, block_size, root)
+            times.append(cache.first_token(len(arrival.token_ids), keys, arrival.at))
+    except OutOfOrder:
+        arrivals = [(a.at or 0.0, len(a.token_ids), block_keys(a.token_ids, block_size, root)) for a in source]
+        times = causal_ttfts([(n, keys) for _, n, keys in arrivals], [at for at, _, _ in arrivals], block_size,
+                             profile)
     return {f"ttft_ms_p{p}": None if (v := percentile(times, p / 100)) is None else v * 1e3 for p in PERCENTILES}
 
 

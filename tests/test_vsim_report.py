@@ -21,6 +21,7 @@ from bench.workload_options import build_workload
 from bench.workloads import IdealCache, PromptVocabulary, Workload, WorkloadRequest, ideal_hit_rate
 from kvcore.config import ConfigError
 from kvcore.kv_events import SHARED
+from router.block_keys import block_keys, root_key
 from tests.test_bench_compare import compare_args
 
 
@@ -79,6 +80,18 @@ def test_a_replay_at_its_arrival_times_has_a_limit_for_them_and_a_paced_one_has_
     limit = vsim_report.ttft_limit(source.ideal(16), profile)
     assert causal is not None and limit["ttft_ms_p50"] is not None and causal["ttft_ms_p50"] is not None
     assert causal["ttft_ms_p50"] > 1.5 * limit["ttft_ms_p50"]
+    # arrivals out of order are taken in the order they came
+    shuffled = workloads.WorkloadSource(burst, vocab, arrivals=[5.0, 0.0])
+    prompts = [(len(vocab.wire_ids(r.token_ids)), block_keys(vocab.wire_ids(r.token_ids), 16, root_key("bench")))
+               for r in burst.requests]
+    times = sorted(vsim_report.causal_ttfts(prompts, [5.0, 0.0], 16, profile))
+    assert vsim_report.causal_limit(shuffled, 16, profile) == pytest.approx(
+        {"ttft_ms_p50": (times[0] + times[1]) / 2 * 1e3, "ttft_ms_p90": (times[0] + 0.9 * (times[1] - times[0])) * 1e3,
+         "ttft_ms_p99": (times[0] + 0.99 * (times[1] - times[0])) * 1e3}, rel=1e-9)
+    cache = vsim_report.CausalCache(16, profile)
+    cache.first_token(10, [], 1.0)
+    with pytest.raises(vsim_report.OutOfOrder):
+        cache.first_token(10, [], 0.0)
     paced = Workload("paced", [WorkloadRequest(r.token_ids, 1) for r in apart.requests])
     assert vsim_report.causal_limit(workloads.WorkloadSource(paced, vocab), 16, profile) is None
 
