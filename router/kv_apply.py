@@ -310,8 +310,7 @@ class KvEventApplier:
     def release(self, source: EventSource) -> None:
         """Forget everything `source` said (its blocks leave the index unless another source holds them); what
         names which content is kept."""
-        if self._waiting:
-            self._waiting_drop(lambda w: w.source == source)
+        self._drop_waiting_of(source)
         learned = self._learned.pop(source, None)
         if learned:
             self.index.remove(source.cache, list(learned), GPU)
@@ -326,11 +325,13 @@ class KvEventApplier:
         """Forget a worker and all its sources at once (a worker re-added under the same URL starts clean)."""
         self._counters.pop(worker, None)
         for source in self._sources.pop(worker, []):
+            self._drop_waiting_of(source)
             self._held.pop(source, None)
             self._group.pop(source, None)
             self._learned.pop(source, None)
         self._warned = {warned for warned in self._warned if warned[0].cache != worker}
-        self._waiting_drop(lambda w: w.source.cache == worker)
+        for source in [source for source in self._waiting_of if source.cache == worker]:  # (any not in _sources)
+            self._drop_waiting_of(source)
         self.index.clear(worker)
 
     def engine_hashes(self, worker: str, tier: str) -> set[BlockHash]:
@@ -620,17 +621,12 @@ class KvEventApplier:
         for w in waiting:
             self._metrics.kv_unmapped_blocks.labels(w.source.cache).inc()
 
-    def _waiting_drop(self, which: Callable[[_Waiting], bool]) -> None:
-        for key in list(self._waiting):
-            waiting = self._waiting[key]
-            left = [w for w in waiting if not which(w)]
-            if len(left) == len(waiting):
-                continue
-            self._forget_waiting(*key, [w for w in waiting if which(w)])
-            if left:
-                self._waiting[key] = left
-            else:
-                del self._waiting[key]
+    def _drop_waiting_of(self, source: EventSource) -> None:
+        """Take back every announcement of `source` still waiting: its own, found through `_waiting_of` (not a scan
+        of every source's; an AllBlocksCleared from any source asks for this)."""
+        mine = self._waiting_of.get(source)
+        for model, engine_hash, tier in list(mine or ()):
+            self._unwait(model, engine_hash, source, tier)
 
     def waiting(self) -> int:
         """Announcements waiting for the engine to name their block."""

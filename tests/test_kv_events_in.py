@@ -535,6 +535,34 @@ async def test_a_flooding_source_cannot_cost_another_its_waiting_announcements()
         ctx.destroy(0)
 
 
+def test_a_clear_takes_back_its_own_waiting_announcements_without_scanning_every_sources() -> None:
+    """An AllBlocksCleared (any source may send them, as many as it likes) scanned every waiting announcement of
+    every source, 65,536 per source since the cap is per source: 300 clears beside one flooding agent cost seconds
+    of the event loop. Now a clear takes back the clearing source's own announcements, found through its own list."""
+    from router.kv_apply import WAIT_MAX
+
+    def applier_with(flood: int) -> tuple[KvEventApplier, EventSource]:
+        applier = KvEventApplier(InMemoryKvIndex(), GatewayMetrics(), lambda url: "tiny", block_size=BS)
+        agent = EventSource(WORKER, "tcp://127.0.0.1:2", name="agent")
+        flooding = EventSource("http://127.0.0.1:10", "tcp://127.0.0.1:3", name="agent")
+        applier.apply(agent, [BlockStored(block_hashes=[1, 2], medium="CPU", token_ids=[], block_size=BS)])
+        if flood:
+            applier.apply(flooding, [BlockStored(block_hashes=list(range(2**40, 2**40 + flood)), medium="CPU",
+                                                 token_ids=[], block_size=BS)])
+        assert applier.waiting() == 2 + flood
+        return applier, agent
+
+    clears: list[KvEvent] = [AllBlocksCleared() for _ in range(300)]
+    cpu: dict[int, list[float]] = {}
+    for flood in (0, WAIT_MAX, 0, WAIT_MAX):
+        applier, agent = applier_with(flood)
+        started = time.process_time()
+        applier.apply(agent, clears)
+        cpu.setdefault(flood, []).append(time.process_time() - started)
+        assert applier.waiting() == flood  # its own two taken back, the other source's all kept
+    assert min(cpu[WAIT_MAX]) < 20 * max(min(cpu[0]), 1e-3), cpu
+
+
 async def test_another_block_size_is_counted_and_not_indexed() -> None:
     """Issue 12 item 6: events whose block size differs from the gateway's silently voided or corrupted the index."""
     async with hub_and_publisher(block_size=BS, resync_s=600) as (hub, publisher, metrics):
