@@ -457,14 +457,7 @@ async def test_an_agent_announcement_waits_for_the_engine_to_name_its_block() ->
     try:
         hub.watch([engine.source, agent_source])
         await connected(hub, engine)
-        await eventually(lambda: hub.stream(agent_source).expected is not None)
-        for _ in range(100):  # the agent's subscription may still be joining: until its first batch is seen
-            await agent.send([])
-            try:
-                await eventually(lambda: (hub.stream(agent_source).expected or 0) > 1, timeout=0.3)
-                break
-            except AssertionError:
-                continue
+        await _joined(hub, agent, agent_source)
         await agent.send([BlockStored(block_hashes=[1, 2, 3], medium="CPU", token_ids=[], block_size=BS),
                           BlockStored(block_hashes=[1, 2], medium="SHARED", token_ids=[], block_size=BS)])
         await eventually(lambda: hub.applier.waiting() == 5)

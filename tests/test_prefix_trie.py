@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import statistics
+import sys
 import time
 from collections.abc import Iterator
+from types import CodeType, FrameType
+from typing import Any
 
 import pytest
 
 from kvcore import dict_tables
 from router.prefix_trie import PrefixTrie
+
+
+class Lines:
+    """Python lines run, counted by `python_lines` (a count, not a clock)."""
+
+    count = 0
+
+
+@contextlib.contextmanager
+def python_lines(only: CodeType | None = None) -> Iterator[Lines]:
+    """Count the Python lines run inside the block (only in the function whose code is `only`, if given)."""
+    counted = Lines()
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        if only is not None and frame.f_code is not only:
+            return None
+        if event == "line":
+            counted.count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        yield counted
+    finally:
+        sys.settrace(None)
 
 
 class Clock:
@@ -374,32 +403,15 @@ def test_evicting_a_cold_prompt_costs_a_few_lines_per_node() -> None:
     many nodes, on the event loop, while `/health` waits. A segment's nodes share its workers, time and
     bookkeeping: counted in Python lines run by `_pop_leaf` (no clock; with its bookkeeping per node, 18 lines a
     node, with three map entries per node, 3; with its keys packed, a few lines per segment)."""
-    import sys
-    from types import FrameType
-    from typing import Any
-
     trie = PrefixTrie(max_nodes=8 * 600, ttl_s=600)  # a prompt may take an eighth of the budget
     for i in range(8):
         trie.insert(keys(i, 600), f"w{i % 3}")
     trie.insert(keys(9, 300), "w0")  # the oldest segment cut in two by `most`, its remainder evicted next
-    lines = 0
-
-    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
-        nonlocal lines
-        if frame.f_code is PrefixTrie._pop_leaf.__code__:
-            if event == "line":
-                lines += 1
-            return tracer
-        return None
-
     evicted = trie.evictions
-    sys.settrace(tracer)
-    try:
+    with python_lines(PrefixTrie._pop_leaf.__code__) as lines:
         trie.insert(keys(10, 600), "w1")
-    finally:
-        sys.settrace(None)
     assert trie.evictions - evicted == 600 and len(trie) == 4800
-    assert lines < 100, lines  # two segments: 30 lines (node by node, 1,800 and more)
+    assert lines.count < 100, lines.count  # two segments: 30 lines (node by node, 1,800 and more)
     trie.check()
 
 
@@ -409,36 +421,19 @@ def test_a_cold_prompt_costs_the_same_python_lines_whatever_its_length() -> None
     adding it took 0.66-0.80 ms of the event loop's CPU and evicting it as much. Its keys are one packed run now:
     inserting it, matching it and evicting it run the same Python lines for 64 blocks as for 4,096 (counted, no
     clock; with entries per node, a few lines a block)."""
-    import sys
-    from types import FrameType
-    from typing import Any
-
-    lines = 0
-
-    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
-        nonlocal lines
-        if event == "line":
-            lines += 1
-        return tracer
-
     def cost(blocks: int) -> int:
-        nonlocal lines
         trie = PrefixTrie(max_nodes=8 * blocks, ttl_s=600)  # a prompt may take an eighth of the budget
         for i in range(8):
             trie.insert(keys(i, blocks), f"w{i % 3}")
         cold, warm = keys(100, blocks), keys(3, blocks)
-        lines = 0
-        sys.settrace(tracer)
-        try:
+        with python_lines() as lines:
             trie.match(cold)
             trie.insert(cold, "w1")  # evicts the oldest prompt, whole
             trie.match(warm)
             trie.insert(warm[: blocks // 2] + keys(101, 2), "w2")  # a split, a two-block question
-        finally:
-            sys.settrace(None)
         assert trie.evictions == blocks + 2 and len(trie) == 8 * blocks
         trie.check()
-        return lines
+        return lines.count
 
     short, long = cost(64), cost(4_096)
     assert long <= short + 60, (short, long)  # (the search inside the split segment: a few lines per doubling)
@@ -594,10 +589,6 @@ def test_the_leaf_heap_is_rebuilt_in_slices_when_its_owner_trims_in_slices() -> 
     waiting. With `slack` and slices of `trim`, the rebuild goes a shard at a time, and the trie is the one that
     rebuilds at once: its nodes, workers and counters, and the same live entries on the heap. Work per `trim` call
     counted in Python lines run (no clock): a call that rebuilds the whole heap runs a line or more per node."""
-    import sys
-    from types import FrameType
-    from typing import Any
-
     clock = Clock()
     inline = PrefixTrie(max_nodes=10_500, ttl_s=100_000, clock=clock)
     sliced = PrefixTrie(max_nodes=10_500, ttl_s=100_000, clock=clock)
@@ -612,14 +603,6 @@ def test_the_leaf_heap_is_rebuilt_in_slices_when_its_owner_trims_in_slices() -> 
             inline.insert(prompt, f"w{i % 3}")
             sliced.insert(prompt, f"w{i % 3}")
     assert len(sliced._leaves) > 2 * len(sliced) + 64  # the next removal finds the heap due for a rebuild
-    lines = 0
-
-    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
-        nonlocal lines
-        if event == "line":
-            lines += 1
-        return tracer
-
     most = rebuilt_in_slices = 0
     for i in range(500):  # 2,000 new nodes, 1,500 over the budget: removals, and the rebuild they set off
         clock.now += 1.0
@@ -627,13 +610,9 @@ def test_the_leaf_heap_is_rebuilt_in_slices_when_its_owner_trims_in_slices() -> 
         inline.insert(prompt, "w0")
         sliced.insert(prompt, "w0")
         while True:
-            lines = 0
-            sys.settrace(tracer)
-            try:
+            with python_lines() as lines:
                 due = sliced.trim(32)
-            finally:
-                sys.settrace(None)
-            most = max(most, lines)
+            most = max(most, lines.count)
             rebuilt_in_slices += getattr(sliced, "_rebuild", None) is not None
             if not due:
                 break
