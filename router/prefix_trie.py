@@ -267,6 +267,12 @@ class PrefixTrie:
         at = self._ending[node & mask].get(node)
         if at is not None and self._children[at & mask][at] == 0 and used[at & mask][at] == now:
             self._push((now, node))
+            if len(self._leaves) > 2 * self._nodes + 64:  # stale entries of leaves used again, with nothing removed
+                self._slicing = bool(self.slack)  # (with slack, in the owner's trim slices)
+                try:
+                    self._compact()
+                finally:
+                    self._slicing = False
         leaves = self._leaves
         expired = bool(leaves) and leaves[0][0] < now - self.ttl_s  # (`_expire`'s own test, without a call)
         if self.slack:  # the owner removes what is due in slices (`trim`); here only what passes the ceiling
@@ -498,7 +504,8 @@ class PrefixTrie:
         return removed
 
     def _compact(self) -> None:
-        """Rebuild the leaf heap when stale entries outnumber live nodes (each insert pushes one). In one call, or,
+        """Rebuild the leaf heap when stale entries outnumber live nodes (each insert pushes one; checked at each
+        removal, and at each push, so a trie that removes nothing does not keep an entry per insert). In one call, or,
         inside a slice of the owner's removals (`trim` with a bound, or `insert` at the ceiling with `slack`), in the
         slices that follow (`_rebuild_step`): a rebuild of 1.66 million entries took 224 ms of CPU in one call, the
         event loop waiting (issue 18)."""

@@ -624,3 +624,25 @@ def test_the_leaf_heap_is_rebuilt_in_slices_when_its_owner_trims_in_slices() -> 
     assert most < 2_000, most  # a shard's scan (10,500 / 64 nodes) and 32 units of pushes or removals
     assert rebuilt_in_slices and len(sliced._leaves) < 2 * len(sliced) + 64
     sliced.check()
+
+
+def test_a_trie_that_removes_nothing_keeps_its_leaf_heap_bounded() -> None:
+    """Each prompt sent again in a new step pushes its leaf onto the heap again, the old entry left stale; stale
+    entries were dropped only when a removal (an eviction, or a leaf past the TTL) popped one, so a trie under its
+    budget within the TTL kept an entry per such insert: 64 prompts sent again every second for ten minutes, 38,400
+    entries for 64 leaves. The heap is rebuilt once stale entries outnumber the nodes, at a push too; with slack,
+    in the owner's trim slices."""
+    for slack in (0, 1_000):
+        clock = Clock()
+        trie = PrefixTrie(max_nodes=100_000, ttl_s=3_600, clock=clock)
+        trie.slack = slack
+        prompts = [keys(i, 4) for i in range(64)]
+        for _ in range(600):
+            clock.now += 1.0
+            for i, prompt in enumerate(prompts):
+                trie.insert(prompt, f"w{i % 3}")
+            while trie.trim_due and trie.trim(32):
+                pass
+            assert len(trie._leaves) <= 2 * len(trie) + 64 + 64 + 1, len(trie._leaves)
+        assert trie.evictions == trie.expirations == 0 and len(trie) == 256
+        trie.check()
