@@ -49,6 +49,9 @@ MAX_BLOCK_SIZE = 1 << 20  # tokens in one block, at most
 # a /metrics page is read this many bytes at a time as it arrives (each about 3 ms; a data-parallel engine's page
 # has a sample per rank: megabytes are legal)
 PAGE_SLICE_BYTES = 1 << 20
+# a /metrics line longer than this is skipped unread: the lines read here (load gauges, cache_config_info) are
+# hundreds of bytes; a longer one is a label set no engine writes, or a broken or hostile page
+MAX_LINE_BYTES = 64 << 10
 
 
 @dataclass(eq=False)
@@ -188,42 +191,48 @@ def cache_config(labels: dict[str, str] | None) -> tuple[int, int] | None:
 class PageReader:
     """`parse_load_gauges` and `parse_cache_config` of a `/metrics` page fed as it arrives, read PAGE_SLICE_BYTES
     at a time (cut at line ends), never the whole page at once: a 16 MiB page joined, decoded and searched in one
-    go held the event loop for 47-52 ms (the join's first touch of 16 fresh MiB alone: 12 ms). `feed` raises
-    UnicodeDecodeError for a page that is not UTF-8."""
+    go held the event loop for 47-52 ms (the join's first touch of 16 fresh MiB alone: 12 ms). A line longer than
+    MAX_LINE_BYTES is skipped as it arrives: a page with no line end was kept whole and read in one go at its end
+    (39 ms for 16 MiB). `feed` raises UnicodeDecodeError for a page that is not UTF-8."""
 
     def __init__(self) -> None:
         self.totals = dict.fromkeys(LOAD_GAUGES, 0.0)
         self.labels: dict[str, str] | None = None
         self._pending: list[bytes] = []
         self._size = 0
+        self._skipping = False  # inside a line too long to read: its bytes are dropped up to its end
 
     def feed(self, chunk: bytes) -> None:
-        pending = self._pending
-        pending.append(chunk)
+        if self._skipping:
+            end = chunk.find(b"\n") + 1
+            if not end:
+                return
+            self._skipping = False
+            chunk = chunk[end:]
+        self._pending.append(chunk)
         self._size += len(chunk)
         if self._size < PAGE_SLICE_BYTES:
             return
-        # cut at the last line end of this chunk: with none in it, a line goes on and the bytes wait for its end
-        # (a line of megabytes, or a page without a line end, read again at every chunk was quadratic: a 16 MiB
-        # comment line took 25 times the CPU of 16 MiB of samples)
-        cut = chunk.rfind(b"\n") + 1
-        if not cut:
-            return
-        pending[-1] = chunk[:cut]
-        data = b"".join(pending)
-        rest = chunk[cut:]
+        # cut at the last line end; what follows is one line still arriving (each byte is joined at most twice:
+        # read again at every chunk, a line of megabytes was quadratic, 25 times the CPU of 16 MiB of samples)
+        data = b"".join(self._pending)
+        cut = data.rfind(b"\n") + 1
+        rest = data[cut:]
+        if len(rest) > MAX_LINE_BYTES:
+            rest, self._skipping = b"", True
         self._pending, self._size = [rest], len(rest)
-        self._read(data)
+        self._read(memoryview(data)[:cut])
 
     def result(self) -> tuple[dict[str, float], tuple[int, int] | None]:
-        self._read(b"".join(self._pending))
-        self._pending, self._size = [], 0
+        if not self._skipping:
+            self._read(b"".join(self._pending))
+        self._pending, self._size, self._skipping = [], 0, False
         return load_gauges(self.totals), cache_config(self.labels)
 
-    def _read(self, data: bytes) -> None:
+    def _read(self, data: bytes | memoryview) -> None:
         if not data:
             return
-        text = data.decode()
+        text = str(data, "utf-8")
         for name, value in sum_samples(text, LOAD_GAUGES).items():
             self.totals[name] += value
         if self.labels is None:

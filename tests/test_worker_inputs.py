@@ -386,6 +386,44 @@ def test_a_metrics_line_of_megabytes_is_not_joined_again_at_every_chunk() -> Non
     assert min(ratios) < 5, ratios  # 25-30 before, about 2 after
 
 
+def test_a_metrics_page_without_line_ends_is_not_kept_whole() -> None:
+    """A /metrics page is read 1 MiB at a time, cut at line ends; bytes after the last line end wait for theirs. A
+    page with no line end (or a line of megabytes: a broken or hostile worker) was kept whole, up to the 16 MiB
+    bound, and decoded and searched in one go at its end: 39 ms of the event loop here. A line longer than any a
+    vLLM page has is skipped as it arrives now, and the samples after it are still read."""
+    from router.pool import MAX_LINE_BYTES, PAGE_SLICE_BYTES, PageReader
+
+    class Recording(PageReader):
+        def __init__(self) -> None:
+            super().__init__()
+            self.held: list[int] = []
+
+        def _read(self, data: bytes | memoryview) -> None:
+            self.held.append(len(data))
+            super()._read(data)
+
+    chunk = 64 * 2**10
+    long_line = b"#" + b"x" * (16 * 2**20)
+    for page in (long_line + b"\nvllm:num_requests_running 7\n", long_line):
+        reader = Recording()
+        most = 0
+        for at in range(0, len(page), chunk):
+            reader.feed(page[at:at + chunk])
+            most = max(most, reader._size)
+        values, _ = reader.result()
+        assert values["running"] == (7 if page is not long_line else 0)
+        assert most < PAGE_SLICE_BYTES + MAX_LINE_BYTES, most
+        assert max(reader.held, default=0) < PAGE_SLICE_BYTES, reader.held  # (16 MiB in one read before)
+    # a line that ends within the bound is read, whatever the chunks' sizes
+    reader = Recording()
+    line = b'vllm:cache_config_info{block_size="16",num_gpu_blocks="27000",pad="' + b"y" * 30_000 + b'"} 1.0\n'
+    page = line * 40 + b"vllm:num_requests_running 3\n"
+    for at in range(0, len(page), 4096):
+        reader.feed(page[at:at + 4096])
+    values, cache = reader.result()
+    assert values["running"] == 3 and cache == (27000, 16)
+
+
 def test_content_identity_is_kept_for_a_bounded_number_of_models() -> None:
     """Content identity (engine hash -> gateway key) is kept per model, the newest `identity_blocks` of each; a
     worker whose listing names another base model at every refresh (a hostile one) made a new model's names each
