@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -398,6 +399,126 @@ def test_announcements_of_blocks_the_backend_does_not_hold_are_dropped_and_count
             time.sleep(0.02)
     finally:
         writer.close()
+        tier.close()
+
+
+class CountingRedisTier(RedisSharedTier):
+    """A Redis shared tier that counts its EXISTS round trips and keyspace scans (one per subscription)."""
+
+    exists_round_trips = 0
+    scans = 0
+
+    def _exists_many(self, keys: list[BlockKey]) -> list[bool]:
+        self.exists_round_trips += 1
+        return super()._exists_many(keys)
+
+    def _list_keys(self) -> Iterator[BlockKey]:
+        self.scans += 1
+        yield from super()._list_keys()
+
+
+def handled(tier: RedisSharedTier, dropped: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while tier.stats.dropped_announcements < dropped:
+        assert time.monotonic() < deadline, tier.stats
+        time.sleep(0.01)
+
+
+def test_waiting_announcements_are_confirmed_together(valkey: ValkeyServer) -> None:
+    """The listener confirmed each message with an EXISTS round trip of its own: 2000 messages waiting cost 2000
+    round trips. The messages waiting are taken together now, their distinct names confirmed with one pipelined
+    EXISTS per batch."""
+    tier = CountingRedisTier(valkey.url, ttl_s=60)
+    tier.listen()
+    try:
+        assert tier.wait_subscribed(5)
+        raw = redis.Redis.from_url(valkey.url)
+        pipe = raw.pipeline(transaction=False)
+        for i in range(2000):  # forged names: each is confirmed absent and dropped, so each is counted once
+            pipe.publish(tier.channel, f"+{key_name(key(10_000 + i % 500))} {key_name(key(20_000 + i))}")
+        pipe.execute()
+        handled(tier, 4000)
+        assert tier.stats.dropped_announcements == 4000
+        assert tier.exists_round_trips <= 2000 // 10, tier.exists_round_trips
+    finally:
+        tier.close()
+
+
+def test_a_batch_of_announcements_ends_as_the_backend_holds_each_block(valkey: ValkeyServer) -> None:
+    """Announcements confirmed together are confirmed after the last of them arrived: whatever order `+x` and `-x`
+    came in, x ends learned if the backend holds it and forgotten if not; what the backend contradicts is counted."""
+    writer = RedisSharedTier(valkey.url, ttl_s=60)
+    tier = RedisSharedTier(valkey.url, ttl_s=60)
+    tier.listen()
+    try:
+        assert tier.wait_subscribed(5)
+        assert writer.store_many([StoreItem(key(i), payload(i)) for i in (1, 2, 3)]) == 3
+        deadline = time.monotonic() + 10
+        while not all(tier.contains(key(i)) for i in (1, 2, 3)):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        raw = redis.Redis.from_url(valkey.url)
+        raw.delete(f"kvgate:{key_name(key(2))}")  # gone without a word: its `+` below is a lie, its `-` the truth
+        a, b, c, d = (key_name(key(i)) for i in (1, 2, 3, 4))
+        pipe = raw.pipeline(transaction=False)
+        for message in (f"+{a}", f"-{a}",  # held: learned, the `-` dropped
+                        f"+{b}", f"-{b}",  # not held: forgotten, the `+` dropped
+                        f"-{c}", f"+{c} {c}",  # held, whatever the order (a name twice counts twice)
+                        f"+{d}", f"-{d}"):  # never written: not learned, the `-` of something unknown is no news
+            pipe.publish(tier.channel, message)
+        pipe.execute()
+        handled(tier, 4)
+        time.sleep(0.2)  # nothing more is dropped
+        assert tier.stats.dropped_announcements == 4, tier.stats
+        assert tier.contains(key(1)) and not tier.contains(key(2)) and tier.contains(key(3))
+        assert not tier.contains(key(4))
+    finally:
+        writer.close()
+        tier.close()
+
+
+def test_an_announcement_flood_does_not_cut_the_subscription_off(valkey: ValkeyServer) -> None:
+    """Anyone who may PUBLISH on the block channel (or many agents writing small chains) could publish faster than
+    one EXISTS round trip per message drained: the server's pub/sub output buffer for the listener grew to its limit
+    and the server disconnected it, again and again, every subscription starting with a scan of the keyspace. At
+    4500 messages a second of 32 names (one message repeated, as a flood does) the listener kept up with about
+    2300 before (a disconnect within two seconds at this limit), 12000 after, on a 2-core machine."""
+    tier = CountingRedisTier(valkey.url, ttl_s=60, retry_s=0.2)
+    raw = redis.Redis.from_url(valkey.url)
+    raw.config_set("client-output-buffer-limit", "pubsub 1mb 512kb 5")
+    tier.listen()
+    try:
+        assert tier.wait_subscribed(5)
+        message = "+" + " ".join(key_name(key(30_000 + i)) for i in range(32))
+        rate, seconds, burst = 4500, 4.0, 100
+        sent = 0
+
+        def flood() -> None:
+            nonlocal sent
+            publisher = redis.Redis.from_url(valkey.url)
+            start = time.monotonic()
+            while time.monotonic() < start + seconds:
+                pipe = publisher.pipeline(transaction=False)
+                for _ in range(burst):
+                    pipe.publish(tier.channel, message)
+                pipe.execute()
+                sent += burst
+                ahead = start + sent / rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+
+        publisher = threading.Thread(target=flood, daemon=True)
+        publisher.start()
+        publisher.join(seconds + 10)
+        assert not publisher.is_alive()
+        deadline = time.monotonic() + 20  # (a message the server dropped with the connection is never handled)
+        while tier.stats.dropped_announcements < 32 * sent and not tier.stats.backend_errors:
+            assert time.monotonic() < deadline, tier.stats
+            time.sleep(0.01)
+        assert raw.info("stats")["client_output_buffer_limit_disconnections"] == 0
+        assert (tier.scans, tier.stats.backend_errors) == (1, 0)
+        assert tier.stats.dropped_announcements == 32 * sent
+    finally:
         tier.close()
 
 
