@@ -15,6 +15,8 @@ sides agree on the region before any block bytes move, and bytes one side would 
 from __future__ import annotations
 
 import struct
+from collections import deque
+from collections.abc import Iterator
 from typing import Annotated
 
 import msgspec
@@ -141,9 +143,58 @@ encoder = msgspec.msgpack.Encoder()
 
 
 def frame(message: msgspec.Struct) -> bytearray:
-    """The message with its length in front, encoded into one buffer (a 128 MiB answer is not copied again to
-    put 4 bytes before it)."""
+    """The message with its length in front, encoded into one buffer (an answer with blocks is written
+    `frame_in_pieces`, not copied into one)."""
     buffer = bytearray(FRAME.size)
     encoder.encode_into(message, buffer, FRAME.size)
     FRAME.pack_into(buffer, 0, len(buffer) - FRAME.size)
     return buffer
+
+
+# blocks smaller than this go out copied together into pieces of about this size (a piece per block of a million
+# tiny ones cost a transport call each); a block this big goes out as its own buffer
+SMALL_PIECE = 64 * 2**10
+_EMPTY_DATA = b"\xa4data\x90"  # what an answer without blocks ends with: the key "data", an empty array
+
+
+def frame_in_pieces(reply: LoadReply) -> Iterator[bytes | bytearray]:
+    """frame(reply), byte for byte, as pieces to write one after the other: the header, then the blocks' own
+    buffers (frame() copied every block into one buffer, so an inline answer was held twice while it was made and
+    sent: 183 MiB more at the peak for a 96 MiB answer). The blocks are taken out of `reply.data` as they are
+    yielded: a block a transport copies (asyncio's does) is let go of at once, not held until the last is out."""
+    blocks = deque(reply.data)
+    reply.data = []
+    skeleton = encoder.encode(reply)
+    if not skeleton.endswith(_EMPTY_DATA):  # (LoadReply's last field is `data`: a new field goes before it)
+        raise AssertionError("a LoadReply that does not end with its blocks")
+    head = _array_header(len(blocks))
+    size = len(skeleton) - 1 + len(head) + sum(len(_bin_header(len(b))) + len(b) for b in blocks)
+    piece = bytearray(FRAME.pack(size))
+    piece += memoryview(skeleton)[:-1]
+    piece += head
+    while blocks:
+        block = blocks.popleft()
+        piece += _bin_header(len(block))
+        if len(block) < SMALL_PIECE:
+            piece += block
+            if len(piece) < SMALL_PIECE:
+                continue
+            yield piece
+        else:
+            yield piece
+            yield block
+        piece = bytearray()  # (a piece given away is never written again: uvloop sends it as it is)
+    if piece:
+        yield piece
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    return b"\xdc" + n.to_bytes(2, "big") if n < 2**16 else b"\xdd" + n.to_bytes(4, "big")
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 2**8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    return b"\xc5" + n.to_bytes(2, "big") if n < 2**16 else b"\xc6" + n.to_bytes(4, "big")

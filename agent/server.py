@@ -54,6 +54,7 @@ from agent.protocol import (
     StoreReply,
     TierInfo,
     frame,
+    frame_in_pieces,
     request_decoder,
 )
 from agent.store import TierStore
@@ -500,8 +501,13 @@ class TierAgent:
 
     async def _send(self, writer: asyncio.StreamWriter, reply: Reply) -> None:
         """Write an answer and wait until the client has taken all but the transport's high-water mark of it;
-        _Stalled if a whole `client_write_timeout_s` goes by with none of it taken."""
-        writer.write(frame(reply))
+        _Stalled if a whole `client_write_timeout_s` goes by with none of it taken. An inline answer's blocks go to
+        the transport as they are (written in one go: what is unsent is its write buffer, `_unsent`)."""
+        if isinstance(reply, LoadReply) and reply.data:
+            for piece in frame_in_pieces(reply):
+                writer.write(piece)
+        else:
+            writer.write(frame(reply))
         transport = writer.transport
         left = transport.get_write_buffer_size()
         while True:
