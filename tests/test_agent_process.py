@@ -987,7 +987,7 @@ def test_many_clients_that_never_read_small_inline_answers_are_bounded_too(
 def test_an_inline_answer_is_not_held_twice_while_it_is_sent(
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
     """An inline load's blocks were read into buffers and then encoded into one frame: while it was made and sent
-    the agent held the answer twice (a 96 MiB answer raised its peak memory by 192 MiB, so MAX_UNSENT_BYTES of
+    the agent held the answer twice (a 96 MiB answer raised its peak memory by 183 MiB, so MAX_UNSENT_BYTES of
     answers cost twice that). The frame goes out as its header and the blocks' own buffers now."""
     agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "160MiB")
     agents.append(agent)
