@@ -546,6 +546,9 @@ class TierAgent:
             if isinstance(request, Load):
                 if not request.offsets:  # an inline answer: its bytes wait in memory until the client reads them
                     size = len(request.hashes) * max(request.block_bytes, 0)
+                    if size > INLINE_LOAD_BYTES:  # (before the bound below, which is as big: never "busy, retry")
+                        raise ValueError(f"{len(request.hashes)} blocks of {request.block_bytes} bytes do not fit "
+                                         f"an inline answer ({INLINE_LOAD_BYTES} bytes at most): pass shared memory")
                     if size > UNCOUNTED_ANSWER_BYTES and self._unsent() + size > MAX_UNSENT_BYTES:
                         raise ValueError(f"busy: {self._unsent()} bytes of answers not yet read by their clients; "
                                          f"retry, or load into shared memory")
@@ -633,8 +636,12 @@ class TierAgent:
     def _payloads(self, conn: Connection, request: Store) -> list[Any]:
         conn.check(request.layout)
         if request.data:
+            if request.offsets or request.lengths:  # (whose lengths chose where the store ran, and were not used)
+                raise ValueError("blocks inline (data) or in shared memory (offsets, lengths), not both")
             payloads: list[Any] = list(request.data)
         else:
+            if len(request.offsets) != len(request.lengths):
+                raise ValueError(f"{len(request.offsets)} offsets but {len(request.lengths)} lengths")
             payloads = [conn.region(o, n) for o, n in zip(request.offsets, request.lengths, strict=True)]
         if len(payloads) != len(request.hashes):
             raise ValueError(f"{len(request.hashes)} hashes but {len(payloads)} blocks")
@@ -699,9 +706,6 @@ class TierAgent:
         inline = not request.offsets
         if request.block_bytes <= 0:
             raise ValueError(f"blocks of {request.block_bytes} bytes")
-        if inline and len(request.hashes) * request.block_bytes > INLINE_LOAD_BYTES:
-            raise ValueError(f"{len(request.hashes)} blocks of {request.block_bytes} bytes do not fit an inline "
-                             f"answer ({INLINE_LOAD_BYTES} bytes at most): pass shared memory")
         hashes = request.hashes[start:]
         arrays: list[bytearray] = []
         if inline:  # the answer's bytes are read into the buffers it sends (not copied once more)

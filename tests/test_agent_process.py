@@ -1037,3 +1037,66 @@ def test_an_answer_written_in_pieces_is_the_frame_byte_for_byte(sizes: list[int]
     assert b"".join(pieces) == whole
     # small blocks go out together in pieces of 64 KiB or more, a big one as its own piece, the one before it short
     assert len(pieces) <= len(whole) // (64 * 2**10) + 2 * sum(n >= 64 * 2**10 for n in sizes) + 1
+
+
+def test_requests_no_answer_can_satisfy_are_refused_for_what_they_are(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """An inline load bigger than any inline answer was refused as "busy: ... retry" (the unsent-answers bound was
+    checked first, and it equals the inline bound): a client told to retry what can never be answered. A store
+    naming its blocks both inline (`data`) and in shared memory (`offsets`, `lengths`) was taken, the `lengths`
+    ignored for the copy but counted to choose where it ran (negative ones sent a block of any size to be copied on
+    the event loop, past INLINE_STORE_BYTES), and offsets and lengths of different counts were refused in zip()'s
+    words."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    with connect(agent.socket) as sock:
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        reply = raw_call(sock, {"op": "load", "layout": LAYOUT, "hashes": list(range(4096)), "block_bytes": 2**26})
+        assert reply["op"] == "error" and "do not fit an inline answer" in reply["message"], reply
+        for extra in ({"lengths": [-(2**60)]}, {"offsets": [0], "lengths": [BLOCK]}):
+            reply = raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [9], "data": [content(9)], **extra})
+            assert reply["op"] == "error" and "not both" in reply["message"], (extra, reply)
+        reply = raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [1, 2], "offsets": [0, BLOCK],
+                                "lengths": [BLOCK]})
+        assert reply == {"op": "error", "message": "ValueError: 2 offsets but 1 lengths"}, reply
+        assert raw_call(sock, {"op": "lookup", "layout": LAYOUT, "hashes": [9]}) == {
+            "op": "lookup", "count": 0, "where": ""}
+        assert raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [9], "data": [content(9)]})["stored"] == 1
+
+
+def test_frames_cut_short_or_too_long_cost_their_connection_only(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """The frame layer: an empty frame is an error reply on a connection that goes on; a frame longer than
+    MAX_FRAME is an error reply and the end of its connection (its body is never read); a first frame longer than
+    MAX_HELLO ends its connection with no answer, counted as a refused Hello; a connection that ends inside a
+    frame's length or body is let go. Other clients are served throughout."""
+    from agent.protocol import MAX_FRAME, MAX_HELLO
+
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    with connect(agent.socket) as sock:
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        sock.sendall(FRAME.pack(0))
+        (size,) = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))
+        assert msgspec.msgpack.decode(sock.recv(size, socket.MSG_WAITALL))["op"] == "error"
+        assert raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [1], "data": [content(1)]})["stored"] == 1
+        sock.sendall(FRAME.pack(MAX_FRAME + 1))
+        (size,) = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))
+        reply = msgspec.msgpack.decode(sock.recv(size, socket.MSG_WAITALL))
+        assert reply == {"op": "error", "message": f"frame of {MAX_FRAME + 1} bytes is too large"}
+        assert sock.recv(1) == b""  # closed
+    with connect(agent.socket) as sock:
+        sock.sendall(FRAME.pack(MAX_HELLO + 1) + b"\x80" * 64)
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(1) == b""
+    for cut in (FRAME.pack(100)[:2], FRAME.pack(100) + b"\x80" * 50):
+        with connect(agent.socket) as sock:
+            assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+            sock.sendall(cut)
+    with connect(agent.socket) as sock:
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        assert raw_call(sock, {"op": "load", "layout": LAYOUT, "hashes": [1], "block_bytes": BLOCK}) == {
+            "op": "load", "lengths": [BLOCK], "data": [content(1)]}
+    assert agent.metric("kvgate_agent_request_errors_total", op="hello") == 1
+    assert agent.metric("kvgate_agent_request_errors_total", op="invalid") == 1
+    assert agent.proc is not None and agent.proc.poll() is None
