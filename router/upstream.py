@@ -45,10 +45,6 @@ class UpstreamTooLarge(UpstreamError):
     """The response's body is larger than its reader's limit (the connection is dropped)."""
 
 
-class _Stale(Exception):
-    """A reused connection failed before any response byte: send again on a fresh one."""
-
-
 class _Connection(asyncio.Protocol):
     """One keep-alive connection and the response currently being read from it."""
 
@@ -138,18 +134,24 @@ class _Connection(asyncio.Protocol):
 
     def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def next_event(self) -> asyncio.Future[None]:
+        """A future done at the next parser event (headers, a chunk, the end or an error): awaited where it is
+        asked for, not through a coroutine of its own (the request path's every resumption passes each one)."""
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        return waiter
 
     async def wait(self, timeout: float | None) -> None:
-        """Wait for the next parser event (headers, a chunk, the end or an error)."""
-        loop = asyncio.get_running_loop()
-        self._waiter = waiter = loop.create_future()
-        handle = loop.call_later(timeout, _expire, waiter) if timeout else None
+        """Wait for the next parser event, at most `timeout` seconds (TimeoutError)."""
+        waiter = self.next_event()
+        handle = asyncio.get_running_loop().call_later(timeout, _expire, waiter) if timeout else None
         try:
             await waiter
         finally:
-            self._waiter = None
             if handle is not None:
                 handle.cancel()
 
@@ -173,6 +175,10 @@ class _Connection(asyncio.Protocol):
         self._reset()
         assert self.transport is not None
         self.transport.write(payload)
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
 
 
 @functools.lru_cache(maxsize=256)
@@ -287,17 +293,32 @@ class UpstreamPool:
             slots = self._slots[key] = asyncio.Semaphore(self._limit)
         await slots.acquire()
         try:
+            # one coroutine frame from here to the socket: the exchange is written out, not a method awaited
             conn = self._take_idle(key)
-            if conn is not None:
-                try:
-                    return await self._exchange(conn, payload, read_timeout, reused=True, slots=slots)
-                except _Stale:
-                    pass
-            conn = await self._open(key)
-            return await self._exchange(conn, payload, read_timeout, reused=False, slots=slots)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._open(key)
+            conn.send(payload)
+            try:
+                while not conn.headers_done:
+                    if conn.error is not None:
+                        if not reused or conn.got_bytes:
+                            raise conn.error
+                        # a stale keep-alive connection, failed before any response byte: once more, on a fresh one
+                        conn.abort()
+                        conn = await self._open(key)
+                        reused = False
+                        conn.send(payload)
+                        continue
+                    await conn.next_event()
+            except BaseException:
+                conn.abort()
+                raise
         except BaseException:
             slots.release()
             raise
+        self._in_use[conn] = slots
+        return UpstreamResponse(self, conn, read_timeout)
 
     def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
         idle = self._idle.get(key)
@@ -320,25 +341,6 @@ class UpstreamPool:
         except OSError as exc:
             raise UpstreamConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}") from None
         return conn
-
-    async def _exchange(
-        self, conn: _Connection, payload: bytes, read_timeout: float | None, *, reused: bool,
-        slots: asyncio.Semaphore,
-    ) -> UpstreamResponse:
-        conn.send(payload)
-        try:
-            while not conn.headers_done:
-                if conn.error is not None:
-                    if reused and not conn.got_bytes:
-                        raise _Stale()
-                    raise conn.error
-                await conn.wait(None)
-        except BaseException:
-            if conn.transport is not None:
-                conn.transport.abort()
-            raise
-        self._in_use[conn] = slots
-        return UpstreamResponse(self, conn, read_timeout)
 
     def _release(self, conn: _Connection) -> None:
         slots = self._in_use.pop(conn, None)
