@@ -61,6 +61,34 @@ async def test_stale_idle_connection_is_replaced_not_reported(pool: UpstreamPool
         assert served == 3 and dropped == 2
 
 
+async def test_a_fresh_connection_that_fails_is_not_sent_again(pool: UpstreamPool) -> None:
+    """Only a reused connection that fails before any response byte is replaced: a fresh one failing so is the
+    worker's error, whether it was the first try or the stale connection's replacement. Slots come back."""
+    requests = 0
+    answer_first = True
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests, answer_first
+        await read_request(reader)
+        requests += 1
+        if answer_first:  # one answer, keep-alive; closed once the next request on it arrives
+            answer_first = False
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            await read_request(reader)
+            requests += 1
+
+    async with raw_server(reply) as url:
+        assert await pool.fetch(url, 2.0) == (200, b"ok")
+        with pytest.raises(UpstreamError, match="closed"):  # stale, then a fresh one that fails: two sends, no third
+            await pool.fetch(url, 2.0)
+        assert requests == 3
+        for _ in range(5):  # a fresh connection each time (nothing idle): one send each; more than limit_per_host
+            with pytest.raises(UpstreamError, match="closed"):
+                await pool.fetch(url, 2.0)
+        assert requests == 8
+
+
 async def test_body_delimited_by_close_and_chunked(pool: UpstreamPool) -> None:
     async def close_delimited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
