@@ -367,18 +367,19 @@ class SseWatch:
 def end_to_end(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """A worker's response headers that describe the answer: not the hop-by-hop ones, nor those its `Connection`
     header names (RFC 9110 7.6.1: they describe its connection to the gateway)."""
-    kept: list[tuple[str, str, str]] = []  # with the name in lower case
-    named: list[str] = []  # the `Connection` headers' values
-    for k, v in headers:  # one pass, each name lowered once
-        name = k.lower()
+    kept: list[tuple[str, str]] = []
+    named = ""  # the `Connection` headers' values
+    for header in headers:  # one pass, each name lowered once, the pairs kept as they came
+        name = header[0].lower()
         if name not in DROPPED_RESPONSE_HEADERS:
-            kept.append((name, k, v))
+            kept.append(header)
         elif name == "connection":
-            named.append(v)
-    if named:
-        dropped = {name.strip().lower() for v in named for name in v.split(",")}
-        return [(k, v) for name, k, v in kept if name not in dropped]
-    return [(k, v) for _, k, v in kept]
+            named = f"{named},{header[1]}" if named else header[1]
+    if named:  # nginx's `Connection: keep-alive` names only a hop-by-hop header: no second pass for it
+        extra = {part.strip() for part in named.lower().split(",")} - DROPPED_RESPONSE_HEADERS
+        if extra:
+            return [header for header in kept if header[0].lower() not in extra]
+    return kept
 
 
 def _is_event_stream(headers: Sequence[tuple[str, str]]) -> bool:

@@ -12,6 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
+from router.proxy import end_to_end
 from tests.abuse_servers import raw_worker
 from tests.conftest import eventually, running_gateway
 
@@ -65,6 +66,16 @@ async def test_hop_by_hop_response_headers_stay_at_the_gateway_end_to_end_ones_p
         for hop in ("x-worker-hop", "keep-alive", "proxy-authenticate", "upgrade"):
             assert hop not in names, hop
         assert resp.headers.get("Server", "") != "worker/1.0"
+
+
+def test_every_connection_header_names_what_stays_at_the_gateway() -> None:
+    """Names in any of several `Connection` headers, in any case, are dropped wherever they stand; a worker's
+    `Connection: keep-alive` alone drops only the hop-by-hop headers, and the kept pairs keep their order."""
+    headers = [("x-early", "1"), ("Connection", "Keep-Alive, X-Early"), ("Content-Type", "application/json"),
+               ("X-Late", "2"), ("connection", " x-late ,"), ("X-Request-Id", "r"), ("Date", "today")]
+    assert end_to_end(headers) == [("Content-Type", "application/json"), ("X-Request-Id", "r")]
+    assert end_to_end([("Server", "nginx"), ("Content-Type", "text/plain"), ("Connection", "keep-alive"),
+                       ("X-A", "1"), ("X-A", "2")]) == [("Content-Type", "text/plain"), ("X-A", "1"), ("X-A", "2")]
 
 
 async def test_only_end_to_end_request_headers_reach_the_worker(http: aiohttp.ClientSession) -> None:
