@@ -220,6 +220,13 @@ def _key_matches(given: str, keys: list[str]) -> bool:
 
 def _check_header_bytes(request: web.Request, tenant_header: str) -> None:
     """The headers the gateway reads or passes on must be ASCII: their bytes become keys and upstream requests."""
+    # the bytes as received, one pass: when all are ASCII, so is every decoded value (the common case; a lookup
+    # per header name costs three times as much); otherwise the headers the gateway reads, one by one
+    for _, raw in request.raw_headers:
+        if not raw.isascii():
+            break
+    else:
+        return
     headers = request.headers
     for name in _CHECKED_HEADERS:
         value = headers.get(name)
