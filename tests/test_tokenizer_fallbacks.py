@@ -5,6 +5,7 @@ serves the next one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -42,10 +43,10 @@ def model_with_template(source: Path, target: Path, template: str | None) -> Pat
     return target
 
 
-async def keys_of(prompts: PromptTokens, path: str, body: dict[str, Any]) -> Any:
-    found = read_payload(path, {"model": "tiny", **body}, model_required=False).prompt
+async def keys_of(prompts: PromptTokens, path: str, body: dict[str, Any], model: str = "tiny") -> Any:
+    found = read_payload(path, {"model": model, **body}, model_required=False).prompt
     assert found is not None and not isinstance(found, LargePrompt)
-    return await prompts.keys(found, "tiny")
+    return await prompts.keys(found, model)
 
 
 async def test_a_chat_the_template_refuses_is_routed_by_text_and_the_next_is_exact_again(
@@ -96,3 +97,42 @@ async def test_the_gateway_answers_a_refused_chat_and_labels_it_text(tiny_model_
     counts = {mode: float(line.split()[-1]) for mode in (TEXT, TOKENS) for line in metrics.splitlines()
               if line.startswith(f'kvgate_tokenize_duration_seconds_count{{mode="{mode}"}}')}
     assert counts == {TEXT: 1.0, TOKENS: 1.0}
+
+
+async def test_a_model_whose_tokenizer_appears_later_is_looked_for_again_after_a_backoff(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    hub = tmp_path / "hub"  # a Hugging Face cache the model is still being downloaded into
+    hub.mkdir()
+    prompts = PromptTokens(GatewayConfig(model_dir=[str(hub)], block_size=16), GatewayMetrics())
+    prompts.retry_first_s = 0.5
+    body = {"prompt": "the quick brown fox jumps over the lazy dog " * 4}
+    try:
+        await prompts.start()
+        assert (await keys_of(prompts, COMPLETIONS, body, "org/m")).mode == TEXT
+        shutil.copytree(tiny_model_dir, hub / "models--org--m" / "snapshots" / "abc")
+        assert (await keys_of(prompts, COMPLETIONS, body, "org/m")).mode == TEXT  # not before its backoff
+        await asyncio.sleep(0.6)
+        found = await keys_of(prompts, COMPLETIONS, body, "org/m")
+        assert found.mode == TOKENS
+        assert list(found.token_ids) == ModelTokenizer(tiny_model_dir).encode(body["prompt"], add_special_tokens=True)
+    finally:
+        prompts.close()
+
+
+async def test_a_tokenizer_that_failed_to_load_is_loaded_again_after_a_backoff(tiny_model_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    model = model_with_template(tiny_model_dir, tmp_path / "broken", None)
+    config = (model / "tokenizer_config.json").read_text()
+    (model / "tokenizer_config.json").write_text(config[:len(config) // 2])  # caught mid-write
+    prompts = PromptTokens(GatewayConfig(model_dir=[f"tiny={model}"], block_size=16), GatewayMetrics())
+    prompts.retry_first_s = 0.5
+    body = {"prompt": "the quick brown fox jumps over the lazy dog " * 4}
+    try:
+        await prompts.start()
+        assert (await keys_of(prompts, COMPLETIONS, body)).mode == TEXT
+        (model / "tokenizer_config.json").write_text(config)
+        assert (await keys_of(prompts, COMPLETIONS, body)).mode == TEXT  # not before its backoff
+        await asyncio.sleep(0.6)
+        assert (await keys_of(prompts, COMPLETIONS, body)).mode == TOKENS
+    finally:
+        prompts.close()
