@@ -56,6 +56,10 @@ ALONE_INLINE_BYTES = 16 * 1024
 TEXT_INLINE_BYTES = 64 * 1024  # text mode (a hash per 64 characters) runs on the loop up to this body size
 INLINE_IDS = 16384  # token-id prompts shorter than this are hashed on the event loop
 TOKENS, TEXT = "tokens", "text"
+# a model without a tokenizer (its directory not there yet: a hub cache still downloading; a file that did not load) is
+# looked for again after this, doubling up to RETRY_MAX_S: it need not stay in text mode until the gateway restarts
+RETRY_FIRST_S = 10.0
+RETRY_MAX_S = 300.0
 
 
 # not frozen (this one and those below): one of each is built per request, and a frozen dataclass's __init__ costs
@@ -182,6 +186,9 @@ class PromptTokens:
         self._tokenizers: dict[str, ModelTokenizer] = {}  # by resolved directory
         self._loading: dict[str, asyncio.Future[ModelTokenizer | None]] = {}
         self._failed: set[str] = set()
+        # a model without a directory, or a directory that failed to load -> (when to look again, the wait before)
+        self._retry: dict[str, tuple[float, float]] = {}
+        self.retry_first_s = RETRY_FIRST_S
         self._directories: dict[str, str | None] = {}  # model -> resolved directory, or None for text mode
         self._ready: dict[str, ModelTokenizer] = {}  # model -> its loaded tokenizer: no coroutine per request
         self.cache = TokenCache(config.prompt_cache_bytes, config.block_size)
@@ -240,9 +247,23 @@ class PromptTokens:
         return {"models": dict(self._named), "default": self._default,
                 "loaded": sorted(self._tokenizers), "mode": TOKENS if (self._named or self._default) else TEXT}
 
+    def _due(self, key: str) -> bool:
+        """Whether a model without a directory, or a directory that failed to load, may be tried again now."""
+        retry = self._retry.get(key)
+        return retry is None or time.monotonic() >= retry[0]
+
+    def _backoff(self, key: str) -> float:
+        """Put off the next try for `key`: RETRY_FIRST_S, then twice the last wait, up to RETRY_MAX_S."""
+        last = self._retry.get(key)
+        wait = self.retry_first_s if last is None else min(RETRY_MAX_S, 2 * last[1])
+        self._retry[key] = (time.monotonic() + wait, wait)
+        return wait
+
     def _directory(self, model: str) -> str | None:
         if model in self._directories:
-            return self._directories[model]
+            found = self._directories[model]
+            if found is not None or not self._due(model):
+                return found
         directory: str | None = None
         try:
             if model in self._named:
@@ -250,14 +271,18 @@ class PromptTokens:
             elif self._default is not None:
                 directory = str(resolve_model_dir(self._default, model))
         except ConfigError as exc:
-            log.warning("no tokenizer for model %s, routing it in text mode: %s", model, exc)
+            log.warning("no tokenizer for model %s, routing it in text mode (looking again in %g s): %s", model,
+                        self._backoff(model), exc)
+        else:
+            self._retry.pop(model, None)
         self._directories[model] = directory
         return directory
 
     async def tokenizer(self, model: str) -> ModelTokenizer | None:
-        """The model's tokenizer, loaded once in the thread pool; None when there is none (text mode)."""
+        """The model's tokenizer, loaded once in the thread pool; None when there is none (text mode). A model
+        without one is looked for again, and a directory that failed to load loaded again, with a backoff."""
         directory = self._directory(model)
-        if directory is None or directory in self._failed:
+        if directory is None or (directory in self._failed and not self._due(directory)):
             return None
         tokenizer = await self._tokenizer_in(directory)
         if tokenizer is not None:
@@ -280,10 +305,13 @@ class PromptTokens:
         try:
             tokenizer = ModelTokenizer(directory, processes=self._processes)
         except Exception as exc:  # tokenizers raises plain Exception for a malformed file
-            log.error("cannot load the tokenizer in %s (text mode for its models): %s", directory, exc)
             self._failed.add(directory)
+            log.error("cannot load the tokenizer in %s (text mode for its models, loading it again in %g s): %s",
+                      directory, self._backoff(directory), exc)
             return None
         self._tokenizers[directory] = tokenizer
+        self._failed.discard(directory)
+        self._retry.pop(directory, None)
         log.info("tokenizer loaded from %s", directory)
         return tokenizer
 
