@@ -136,3 +136,26 @@ async def test_a_tokenizer_that_failed_to_load_is_loaded_again_after_a_backoff(t
         assert (await keys_of(prompts, COMPLETIONS, body)).mode == TOKENS
     finally:
         prompts.close()
+
+
+def text_and_token_counts(metrics: str) -> dict[str, float]:
+    return {mode: float(line.split()[-1]) for mode in (TEXT, TOKENS) for line in metrics.splitlines()
+            if line.startswith(f'kvgate_tokenize_duration_seconds_count{{mode="{mode}"}}')}
+
+
+async def test_a_template_that_fails_its_arithmetic_on_a_clients_kwargs_is_routed_by_text(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    # `1 / n` with n = 0 raises ZeroDivisionError, `range(n)` with a huge n OverflowError: neither a jinja error
+    template = ("{% if every is defined %}{{ (messages | length) / every }}{% endif %}"
+                "{% if upto is defined %}{{ range(upto) | length }}{% endif %}"
+                "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    model = model_with_template(tiny_model_dir, tmp_path / "arith", template)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    async with (running_standin() as worker,
+                running_gateway([worker.url], strategy="prefix", model_dir=[f"tiny={model}"]) as gw,
+                aiohttp.ClientSession() as http):
+        for kwargs in ({"every": 0}, {"upto": 10**30}, {"every": 2}):
+            async with http.post(gw.url + CHAT, json={**chat, "chat_template_kwargs": kwargs}) as resp:
+                assert resp.status == 200, await resp.text()
+        async with http.get(gw.url + "/metrics") as resp:
+            assert text_and_token_counts(await resp.text()) == {TEXT: 2.0, TOKENS: 1.0}
