@@ -524,7 +524,8 @@ class ChatRenderer:
             try:
                 rendered = (compiled.render(**variables_in) if max_chars is None
                             else _render_bounded(compiled, variables_in, max_chars))
-            except (jinja2.TemplateError, TypeError, ValueError) as e:
+            # ArithmeticError: a template's sums on a client's values (`x / n` with n = 0, `range(10**30)`)
+            except (jinja2.TemplateError, TypeError, ValueError, ArithmeticError) as e:
                 raise TokenizationError(f"chat template rejected the request: {e}") from e
             if shape is not None and skeleton is _UNCHECKED:
                 self._learn(shape[0], template, conversation, add_generation_prompt, shape[1], rendered)
