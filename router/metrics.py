@@ -154,6 +154,11 @@ class GatewayMetrics:
             "kvgate_tokenize_duration_seconds", "Time to tokenize and hash one prompt, by mode (tokens or text)",
             ["mode"], buckets=TOKENIZE_BUCKETS, registry=r,
         )
+        self.tokenize_fallbacks = Counter(
+            "kvgate_tokenize_fallbacks", "Prompts routed in text mode although tokenizers are configured, by reason "
+            "(no_tokenizer: none found or loaded for the model; refused: its template or tokenizer refused the "
+            "request; tokenizer_unavailable: no tokenizer process answered in time)", ["reason"], registry=r,
+        )
         self.oversized_prompts = Counter(
             "kvgate_oversized_prompts", "Generation requests over route_max_prompt_bytes, routed by load alone",
             registry=r,

@@ -39,7 +39,7 @@ from router.requests import ChatPrompt, CompletionPrompt, Prompt
 from router.template_sandbox import RenderFailed, TemplateSandbox, sandbox_memory_bytes
 from router.token_cache import Lookup, TokenCache
 from router.tokenizer import ModelTokenizer, TokenizationError, chat_adds_special_tokens
-from router.tokenizer_processes import TokenizerProcesses
+from router.tokenizer_processes import TokenizerProcesses, TokenizerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,11 @@ class PromptKeys:
 
 
 class _PromptCacheCollector(Collector):
-    """The token cache's figures, read when scraped (nothing per request)."""
+    """The token cache's and the tokenizer processes' figures, read when scraped (nothing per request)."""
 
-    def __init__(self, cache: TokenCache) -> None:
+    def __init__(self, cache: TokenCache, processes: TokenizerProcesses | None) -> None:
         self._cache = cache
+        self._processes = processes
 
     def collect(self) -> Iterator[Metric]:
         size = GaugeMetricFamily("kvgate_prompt_cache_bytes", "Bytes held by recent tokenized prompts, against "
@@ -92,6 +93,12 @@ class _PromptCacheCollector(Collector):
         for outcome, count in (("hit", cache.hits), ("miss", cache.misses), ("seam_mismatch", cache.seam_mismatches)):
             outcomes.add_metric([outcome], count)
         yield outcomes
+        if self._processes is not None:
+            restarts = CounterMetricFamily(
+                "kvgate_tokenizer_process_restarts", "Tokenizer processes replaced (found dead, or killed when they "
+                "gave no answer in time)")
+            restarts.add_metric([], self._processes.restarts)
+            yield restarts
 
 
 def resolve_model_dir(path: str | Path, model: str | None = None) -> Path:
@@ -192,14 +199,14 @@ class PromptTokens:
         self._directories: dict[str, str | None] = {}  # model -> resolved directory, or None for text mode
         self._ready: dict[str, ModelTokenizer] = {}  # model -> its loaded tokenizer: no coroutine per request
         self.cache = TokenCache(config.prompt_cache_bytes, config.block_size)
-        if metrics is not None:
-            metrics.registry.register(_PromptCacheCollector(self.cache))
         self._own_threads = threads is None
         self._threads = WorkerThreads(config.tokenizer_threads, "kvgate-tokenize") if threads is None else threads
         # a text goes to a tokenizer process from one of the tokenizer threads: more processes than threads idle
         self._processes = (TokenizerProcesses(min(config.tokenizer_processes, config.tokenizer_threads),
                                               nice=config.tokenizer_processes_nice)
                            if config.tokenizer_processes > 0 else None)
+        if metrics is not None:
+            metrics.registry.register(_PromptCacheCollector(self.cache, self._processes))
         # a client's own chat template runs only in the sandbox, and only when the engines would run it too
         self._sandbox = TemplateSandbox(
             config.template_processes, config.template_timeout_s, sandbox_memory_bytes(config.max_body_bytes),
@@ -342,7 +349,13 @@ class PromptTokens:
                 else:
                     result = await self._threads.run(self.tokenize_now, tokenizer, prompt, root)
             except TokenizationError as exc:
+                self._count_fallback("refused")
                 log.debug("tokenization failed, routing by text: %s", exc)
+            except TokenizerUnavailable as exc:  # the engine tokenizes it anyway: routed worse, still served
+                self._count_fallback("tokenizer_unavailable")
+                log.warning("no tokenizer process answered, routing by text: %s", exc)
+        elif result is None and (self._named or self._default is not None):
+            self._count_fallback("no_tokenizer")
         if result is None:
             result = (self.text_keys(prompt, root) if size <= TEXT_INLINE_BYTES
                       else await self._threads.run(self.text_keys, prompt, root))
@@ -369,6 +382,10 @@ class PromptTokens:
         self._count_render("ok")
         return await self._threads.run(self.encode_now, tokenizer, text,
                                           chat_adds_special_tokens(body), root)
+
+    def _count_fallback(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.tokenize_fallbacks.labels(reason).inc()
 
     def _count_render(self, outcome: str) -> None:
         if self._metrics is not None:
