@@ -18,12 +18,12 @@ preempted sooner), and their deadline below bounds what a call waits in any case
 A child that dies is replaced by the next call that finds it dead; a call that has no answer within `timeout_s`
 (waiting for a free child included) kills its child, starts another, and fails with `TokenizerUnavailable`; the
 gateway then routes that request by its text (router/prompt_tokens.py: the engine tokenizes it anyway, so a hung
-child costs the request its routing, not its answer), counted in `kvgate_tokenize_fallbacks_total`, the
-replacements in `kvgate_tokenizer_process_restarts_total`. A child still starting (importing, loading its tokenizers: seconds at a low priority on a busy
-machine) is not hung: a call that times out waiting for it fails the same way but leaves it to finish, for
-`startup_s` from its start; only then is it killed. (Killing it made each replacement start from nothing, and
-under enough load none would ever finish.) A tokenizer first asked for is loaded by the children that start later
-too, before they answer.
+child costs the request its routing, not its answer), counted in `kvgate_tokenize_fallbacks_total`, the replacements
+in `kvgate_tokenizer_process_restarts_total`. A child still starting (importing, loading its tokenizers: seconds at
+a low priority on a busy machine) is not hung: a call that times out waiting for it fails the same way but leaves it
+to finish, for `startup_s` from its start; only then is it killed. (Killing it made each replacement start from
+nothing, and under enough load none would ever finish.) A tokenizer first asked
+for is loaded by the children that start later too, before they answer.
 """
 
 from __future__ import annotations
