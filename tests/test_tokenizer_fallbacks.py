@@ -159,3 +159,82 @@ async def test_a_template_that_fails_its_arithmetic_on_a_clients_kwargs_is_route
                 assert resp.status == 200, await resp.text()
         async with http.get(gw.url + "/metrics") as resp:
             assert text_and_token_counts(await resp.text()) == {TEXT: 2.0, TOKENS: 1.0}
+
+
+def fallbacks(metrics: GatewayMetrics) -> dict[str, float]:
+    return {sample.labels["reason"]: sample.value for family in metrics.tokenize_fallbacks.collect()
+            for sample in family.samples if sample.name.endswith("_total")}
+
+
+async def test_a_lora_adapter_whose_base_has_no_tokenizer_is_keyed_by_text_under_its_own_name(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    metrics = GatewayMetrics()
+    prompts = PromptTokens(GatewayConfig(model_dir=[f"tiny={tiny_model_dir}", str(tmp_path)], block_size=16), metrics)
+    found = read_payload(COMPLETIONS, {"model": "x", "prompt": "the quick brown fox jumps " * 20},
+                         model_required=False).prompt
+    assert found is not None and not isinstance(found, LargePrompt)
+    try:
+        plain, adapter, other = [await prompts.keys(found, "base", lora=lora) for lora in (None, "sql", "chat")]
+        assert plain.mode == adapter.mode == other.mode == TEXT
+        assert len({plain.block_keys[0], adapter.block_keys[0], other.block_keys[0]}) == 3  # never shared
+        assert fallbacks(metrics) == {"no_tokenizer": 3.0}
+        assert (await prompts.keys(found, "tiny", lora="sql")).mode == TOKENS
+        assert fallbacks(metrics) == {"no_tokenizer": 3.0}
+    finally:
+        prompts.close()
+
+
+async def test_without_any_tokenizer_configured_text_mode_is_no_fallback(tiny_model_dir: Path) -> None:
+    metrics = GatewayMetrics()
+    prompts = PromptTokens(GatewayConfig(block_size=16), metrics)
+    try:
+        assert (await keys_of(prompts, COMPLETIONS, {"prompt": "hello " * 50})).mode == TEXT
+        assert (await keys_of(prompts, COMPLETIONS, {"prompt": [1, 2, 3] * 10})).mode == TOKENS  # ids are exact
+        assert fallbacks(metrics) == {}
+    finally:
+        prompts.close()
+
+
+async def test_what_the_gateway_answers_and_counts_for_each_odd_request(tiny_model_dir: Path) -> None:
+    """Served (routed by text where the tokenizer refuses) unless the body is not what vLLM's API takes; never a 500.
+    Each case: path, body, status, the mode it was routed in (None: not tokenized) and whether a refusal counted."""
+    hi = [{"role": "user", "content": "hi"}]
+    cases: list[tuple[str, dict[str, Any], int, str | None]] = [
+        (CHAT, {"messages": hi, "continue_final_message": True, "add_generation_prompt": True}, 200, TEXT),
+        (CHAT, {"messages": [*hi, {"role": "assistant", "content": "Hel"}], "continue_final_message": True,
+                "add_generation_prompt": False}, 200, TOKENS),
+        (CHAT, {"messages": hi, "add_special_tokens": True, "add_generation_prompt": False}, 200, TOKENS),
+        (CHAT, {"messages": hi, "tools": [{"x": 1}]}, 200, TEXT),
+        (CHAT, {"messages": hi, "tools": {"x": 1}}, 200, TEXT),
+        (CHAT, {"messages": hi, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 200,
+         TOKENS),
+        (CHAT, {"messages": hi, "documents": [{"title": "t", "text": "x"}]}, 200, TOKENS),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 200,
+         TEXT),
+        (CHAT, {"messages": hi, "chat_template_kwargs": {"tokenize": True}}, 200, TEXT),
+        (CHAT, {"messages": hi, "chat_template_kwargs": [1]}, 200, TEXT),
+        (CHAT, {"messages": [{"role": "user", "content": ""}]}, 200, TOKENS),
+        (COMPLETIONS, {"prompt": ""}, 200, TOKENS),
+        (COMPLETIONS, {"prompt": [1, 10**6]}, 200, TOKENS),  # beyond the vocabulary: the engine's to refuse
+        (COMPLETIONS, {"prompt": [-1, 2]}, 400, None),
+        (COMPLETIONS, {"prompt": [1, 2**32]}, 400, None),
+        (COMPLETIONS, {"prompt": [True, 1]}, 400, None),
+        (COMPLETIONS, {"prompt": [1, "a"]}, 400, None),
+        (COMPLETIONS, {"prompt": [1.0, 2]}, 400, None),
+    ]
+    async with (running_standin() as worker,
+                running_gateway([worker.url], strategy="prefix", model_dir=[f"tiny={tiny_model_dir}"]) as gw,
+                aiohttp.ClientSession() as http):
+        seen: list[tuple[int, str | None]] = []
+        counted = {TEXT: 0.0, TOKENS: 0.0}
+        for path, body, _, _ in cases:
+            async with http.post(gw.url + path, json={"model": "tiny", **body}) as resp:
+                status = resp.status
+            async with http.get(gw.url + "/metrics") as resp:
+                now = text_and_token_counts(await resp.text())
+            mode = next((m for m in (TEXT, TOKENS) if now.get(m, 0.0) > counted[m]), None)
+            counted.update(now)
+            seen.append((status, mode))
+        assert seen == [(status, mode) for _, _, status, mode in cases]
+        assert worker.stats.requests == sum(status == 200 for _, _, status, _ in cases)
+        assert fallbacks(gw.gateway.metrics) == {"refused": float(sum(mode == TEXT for *_, mode in cases))}
