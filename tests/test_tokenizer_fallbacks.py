@@ -238,3 +238,24 @@ async def test_what_the_gateway_answers_and_counts_for_each_odd_request(tiny_mod
         assert seen == [(status, mode) for _, _, status, mode in cases]
         assert worker.stats.requests == sum(status == 200 for _, _, status, _ in cases)
         assert fallbacks(gw.gateway.metrics) == {"refused": float(sum(mode == TEXT for *_, mode in cases))}
+
+
+async def test_text_mode_renders_any_body_the_tokenizer_refused_instead_of_a_500(tiny_model_dir: Path) -> None:
+    """A text part whose `text` is not a string, tools nested deeper than orjson writes (255): the tokenizer
+    refuses both, and text mode, the fallback, must not fail on them in turn (it answered 500)."""
+    deep: dict[str, Any] = {}
+    for _ in range(300):
+        deep = {"a": deep}
+    odd = [{"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+           for text in (5, {"a": 1}, ["x"])]
+    odd.append({"messages": [{"role": "user", "content": "hi"}], "tools": [{"not_a_function": deep}]})
+    for model_dir in ([f"tiny={tiny_model_dir}"], []):
+        async with (running_standin() as worker,
+                    running_gateway([worker.url], strategy="prefix", model_dir=model_dir) as gw,
+                    aiohttp.ClientSession() as http):
+            for n, body in enumerate(odd, 1):
+                async with http.post(gw.url + CHAT, json={"model": "tiny", **body}) as resp:
+                    assert "internal_error" not in await resp.text(), body
+                assert worker.stats.requests == n  # forwarded: the engine judges it
+            async with http.get(gw.url + "/metrics") as resp:
+                assert text_and_token_counts(await resp.text()) == {TEXT: float(len(odd))}
