@@ -144,11 +144,13 @@ def parse_model_dirs(entries: Sequence[str]) -> tuple[dict[str, str], str | None
 
 
 def _part_text(content: Any) -> str:
+    # text mode is the fallback for whatever the tokenizer refused: any shape of part must render (a `text` that is
+    # not a string counts as none)
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content
-                         if isinstance(p, (str, dict)))
+        return "\n".join(p if isinstance(p, str) else t if isinstance(t := p.get("text"), str) else ""
+                         for p in content if isinstance(p, (str, dict)))
     return ""
 
 
@@ -160,7 +162,9 @@ def prompt_text(prompt: Prompt) -> str:
     parts: list[str] = []
     tools = prompt.template.get("tools")
     if tools:
-        parts.append("\x1etools\x1f" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
+        # nested deeper than orjson writes (255): keyed by the messages alone
+        with contextlib.suppress(orjson.JSONEncodeError):
+            parts.append("\x1etools\x1f" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
     for message in prompt.messages:
         parts.append(f"\x1e{message.get('role', '')}\x1f{_part_text(message.get('content'))}")
     return "".join(parts)

@@ -246,7 +246,7 @@ async def test_text_mode_renders_any_body_the_tokenizer_refused_instead_of_a_500
     deep: dict[str, Any] = {}
     for _ in range(300):
         deep = {"a": deep}
-    odd = [{"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+    odd: list[dict[str, Any]] = [{"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
            for text in (5, {"a": 1}, ["x"])]
     odd.append({"messages": [{"role": "user", "content": "hi"}], "tools": [{"not_a_function": deep}]})
     for model_dir in ([f"tiny={tiny_model_dir}"], []):
