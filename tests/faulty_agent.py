@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import mmap
 import sys
 from pathlib import Path
 
@@ -50,7 +51,7 @@ class FaultyTierAgent(TierAgent):
         except FileNotFoundError:
             return "ok"
 
-    async def _answer(self, conn: Connection, body: bytes, fds: list[int] | None = None) -> Reply:
+    async def _answer(self, conn: Connection, body: bytes | mmap.mmap, fds: list[int] | None = None) -> Reply:
         mode = self.mode()
         try:
             request = request_decoder.decode(body)
