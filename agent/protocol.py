@@ -1,9 +1,10 @@
 """Wire types of the agent's local API (Unix socket): small msgpack control messages, block bytes in shared memory.
 
 A frame is a 4-byte little-endian length followed by one msgpack message, tagged by `op`. A client first sends
-`Hello`, with the file descriptor of a shared-memory region it created (a memfd sealed against shrinking) passed
-along (SCM_RIGHTS); afterwards `Store` / `Load` refer to block bytes by offset and length inside that region, so
-KV bytes never travel through the socket. A client without shared memory (e.g. a
+`Hello` (the agent answers any other first frame with an error, and closes the connection), with the file
+descriptor of a shared-memory region it created (a memfd sealed against shrinking) passed along (SCM_RIGHTS);
+afterwards `Store` / `Load` refer to block bytes by offset and length inside that region, so KV bytes never travel
+through the socket. A client without shared memory (e.g. a
 remote simulator) sends and receives the bytes inline (`data`) instead.
 
 `Hello` says how big the shared memory is and, for a client with one block layout (a vLLM worker), declares that

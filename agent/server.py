@@ -201,6 +201,7 @@ class Connection:
     Hello, which its stores and loads must keep to."""
 
     def __init__(self) -> None:
+        self.greeted = False  # its first frame was a Hello (else it is told so, and closed)
         self.shm: mmap.mmap | None = None
         self.view: memoryview | None = None
         self.layout = 0
@@ -498,6 +499,8 @@ class TierAgent:
         self._connections[task] = writer
         try:
             await self._send(writer, first)
+            if not conn.greeted:
+                return
             while True:
                 try:
                     header = await reader.readexactly(FRAME.size)
@@ -567,9 +570,13 @@ class TierAgent:
         conn.close()
 
     async def _answer(self, conn: Connection, body: bytes | mmap.mmap, fds: list[int] | None = None) -> Reply:
-        op = "invalid"
+        op = "invalid" if fds is None else "hello"
         try:
             request = request_decoder.decode(body)
+            if fds is not None and not isinstance(request, Hello):
+                # (no client kvgate ships talks before its Hello: one that does skipped the protocol check)
+                raise ValueError(f"the first frame of a connection must be a Hello (protocol {PROTOCOL_VERSION}), "
+                                 f"not a {request.__struct_config__.tag}: closing the connection")
             op = str(request.__struct_config__.tag)  # (its wire name: "store" for a ReceivedStore too)
             self.metrics.requests.labels(op).inc()
             loop = asyncio.get_running_loop()
@@ -597,6 +604,7 @@ class TierAgent:
             if isinstance(request, Hello):
                 if fds is None:
                     raise ValueError("Hello is the first frame of a connection only")
+                conn.greeted = True  # (answered from now on even if refused below: the client is told why)
                 if request.version != PROTOCOL_VERSION:
                     raise ValueError(f"the client {request.client!r} speaks protocol {request.version}, this "
                                      f"tier agent {PROTOCOL_VERSION}: upgrade both")

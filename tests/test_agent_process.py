@@ -287,6 +287,37 @@ def test_the_agent_maps_only_sealed_client_memory(tmp_path: Path, agents: list[A
     assert agent.metric("kvgate_agent_request_errors_total", op="hello") == 2
 
 
+def test_a_connection_that_does_not_start_with_a_hello_is_told_so_and_closed(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """A connection whose first frame was not a Hello was served as if it had said one, past the protocol check
+    (a client of another protocol could store blocks it would misread). Every client kvgate ships (AgentClient:
+    the connector, the simulator, the benchmarks) says Hello first; any other first frame is answered with an
+    error naming the problem (undecodable, or not a Hello), counted as a refused Hello, and the connection closed,
+    before it stores anything. (A Hello refused for the memory it passes is answered and its connection kept:
+    test_the_agent_maps_only_sealed_client_memory.)"""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    garbage = b"\xc1 not msgpack"
+    for first in ({"op": "store", "layout": LAYOUT, "hashes": [1], "data": [b"x" * 16]},  # (within MAX_HELLO)
+                  {"op": "lookup", "layout": LAYOUT, "hashes": [1]}, {"op": "stats"}, garbage):
+        with connect(agent.socket) as sock:
+            if isinstance(first, bytes):
+                sock.sendall(FRAME.pack(len(first)) + first)
+                (size,) = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))
+                reply = msgspec.msgpack.decode(sock.recv(size, socket.MSG_WAITALL))
+            else:
+                reply = raw_call(sock, first)
+            assert reply["op"] == "error", (first, reply)
+            assert reply["message"].startswith("DecodeError" if first is garbage else "ValueError: the first frame "
+                                               "of a connection must be a Hello (protocol 2), not a "), reply
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b"", first  # closed
+    with connect(agent.socket) as sock:
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        assert raw_call(sock, {"op": "lookup", "layout": LAYOUT, "hashes": [1]})["count"] == 0  # nothing stored
+    assert agent.metric("kvgate_agent_request_errors_total", op="hello") == 4
+
+
 HOSTILE_FRAMES: list[tuple[str, dict[str, Any]]] = [
     ("inline load of blocks no index can hold", {"op": "load", "layout": LAYOUT, "hashes": [1], "block_bytes": 2**62}),
     ("inline load whose answer no frame can carry",
