@@ -604,10 +604,10 @@ class TierAgent:
             if isinstance(request, Hello):
                 if fds is None:
                     raise ValueError("Hello is the first frame of a connection only")
-                conn.greeted = True  # (answered from now on even if refused below: the client is told why)
-                if request.version != PROTOCOL_VERSION:
+                if request.version != PROTOCOL_VERSION:  # told why, then closed: its next frames would be misread
                     raise ValueError(f"the client {request.client!r} speaks protocol {request.version}, this "
                                      f"tier agent {PROTOCOL_VERSION}: upgrade both")
+                conn.greeted = True  # (answered from now on even if its memory is refused below: it is told why)
                 if request.shm_bytes or fds:
                     if len(fds) != 1:
                         raise ValueError(f"Hello with {len(fds)} descriptors: pass exactly the shared memory's")

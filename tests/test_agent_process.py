@@ -293,8 +293,8 @@ def test_a_connection_that_does_not_start_with_a_hello_is_told_so_and_closed(
     (a client of another protocol could store blocks it would misread). Every client kvgate ships (AgentClient:
     the connector, the simulator, the benchmarks) says Hello first; any other first frame is answered with an
     error naming the problem (undecodable, or not a Hello), counted as a refused Hello, and the connection closed,
-    before it stores anything. (A Hello refused for the memory it passes is answered and its connection kept:
-    test_the_agent_maps_only_sealed_client_memory.)"""
+    before it stores anything; so is one whose Hello speaks another protocol. (A Hello refused for the memory it
+    passes is answered and its connection kept: test_the_agent_maps_only_sealed_client_memory.)"""
     agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
     agents.append(agent)
     garbage = b"\xc1 not msgpack"
@@ -312,10 +312,16 @@ def test_a_connection_that_does_not_start_with_a_hello_is_told_so_and_closed(
                                                "of a connection must be a Hello (protocol 2), not a "), reply
             with contextlib.suppress(ConnectionResetError):
                 assert sock.recv(1) == b"", first  # closed
+    with connect(agent.socket) as sock:  # a Hello of another protocol: told so, and closed too
+        reply = raw_call(sock, {"op": "hello", "version": 3, "client": "tomorrow"})
+        assert reply["message"] == "ValueError: the client 'tomorrow' speaks protocol 3, this tier agent 2: upgrade " \
+                                   "both", reply
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(1) == b""  # (before, it was served on: its stores read under protocol 2)
     with connect(agent.socket) as sock:
         assert raw_call(sock, {"op": "hello"})["op"] == "hello"
         assert raw_call(sock, {"op": "lookup", "layout": LAYOUT, "hashes": [1]})["count"] == 0  # nothing stored
-    assert agent.metric("kvgate_agent_request_errors_total", op="hello") == 4
+    assert agent.metric("kvgate_agent_request_errors_total", op="hello") == 5
 
 
 HOSTILE_FRAMES: list[tuple[str, dict[str, Any]]] = [
