@@ -22,8 +22,8 @@ child costs the request its routing, not its answer), counted in `kvgate_tokeniz
 in `kvgate_tokenizer_process_restarts_total`. A child still starting (importing, loading its tokenizers: seconds at
 a low priority on a busy machine) is not hung: a call that times out waiting for it fails the same way but leaves it
 to finish, for `startup_s` from its start; only then is it killed. (Killing it made each replacement start from
-nothing, and under enough load none would ever finish.) A tokenizer first asked
-for is loaded by the children that start later too, before they answer.
+nothing, and under enough load none would ever finish.) A tokenizer first asked for is loaded by the children
+that start later too, before they answer.
 """
 
 from __future__ import annotations
