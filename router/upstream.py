@@ -82,7 +82,14 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamError("unexpected protocol upgrade from worker"))
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"malformed HTTP response from worker: {exc}"))
+            if self.complete:
+                # bytes after the answer's end (a body on a 204, more than its Content-Length, a second answer):
+                # the answer stands, but the connection is not used again, or they would be read as the next
+                # request's answer
+                self.keep_alive = False
+                self.abort()
+            else:
+                self._fail(UpstreamError(f"malformed HTTP response from worker: {exc}"))
         if not self.headers_done:
             self.head_bytes += len(data)
             if self.head_bytes > MAX_HEAD_BYTES:
@@ -98,11 +105,19 @@ class _Connection(asyncio.Protocol):
 
     # --- httptools callbacks ---
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # the parser goes on past the answer's end: stopped here (see data_received)
+            raise UpstreamError("bytes after the end of the worker's answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue, 103 Early Hints), never asked for: the answer follows
+            self.headers = []
+            return
+        self.status = status
         self.keep_alive = self._parser.should_keep_alive()
         # a close before a Content-Length or chunked body is complete is a truncated answer, never its end
         self.close_delimited = not self.keep_alive and not any(
@@ -120,8 +135,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        self.complete = True
-        self._wake()
+        if self.headers_done:  # else the end of an interim answer
+            self.complete = True
+            self._wake()
 
     # --- consumer side ---
 

@@ -220,3 +220,28 @@ async def test_a_metrics_page_too_large_to_read_is_not_read(http: aiohttp.Client
         assert worker.load_scraped_at == 0 and worker.waiting == 0
         async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
             assert (resp.status, await resp.read()) == (200, BODY)
+
+
+# --- what a worker sends past its answer's end --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("reply", "status", "body"), [
+    (_reply("200 OK", [("Content-Type", "application/json")], BODY) + _reply("200 OK", [], b"EVIL!"), 200, BODY),
+    (b"HTTP/1.1 204 No Content\r\n\r\nstray", 204, b""),
+    (b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\nstray", 304, b""),
+], ids=["second-answer", "204-with-body", "304-with-body"])
+async def test_bytes_past_the_end_of_an_answer_are_not_relayed(
+        http: aiohttp.ClientSession, reply: bytes, status: int, body: bytes) -> None:
+    """An answer ends where its framing says (no body on a 204 or 304, whatever it declares); what the worker sends
+    after that is no part of it and no answer to anything: the client gets the answer as it ended, the connection is
+    not used again, the worker keeps serving (as nginx: "upstream sent more data than specified"). A second answer
+    in the same read was spliced into the first (its headers added, its body appended), and stray bytes after a
+    204 or 304 made that complete answer a 502 and ejected the worker."""
+    async with raw_worker(answering(reply)) as url, running_gateway([url]) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
+            assert (resp.status, await resp.read()) == (status, body)
+            assert "Content-Length" not in resp.headers or resp.headers["Content-Length"] == str(len(body))
+        worker = gw.gateway.pool.get(url)
+        assert worker is not None and worker.healthy and worker.last_error is None
+        assert "kvgate_retries_total{" not in await _metrics(http, gw.url)

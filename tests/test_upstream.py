@@ -172,3 +172,44 @@ async def test_request_line_and_host_header_per_url(pool: UpstreamPool) -> None:
     assert [h.split(b"\r\n")[:2] for h in heads] == [
         [b"GET " + target + b" HTTP/1.1", b"Host: " + netloc]
         for target in (b"/v1/models?a=1", b"/v1/models?a=2", b"/v1/models", b"/", b"/v1/models?a=1")]
+
+
+async def test_bytes_a_worker_sends_between_answers_do_not_reach_the_next_one(pool: UpstreamPool) -> None:
+    """A keep-alive connection on which the worker wrote after its answer's end (here: an answer's head, left
+    unfinished) is not used again: those bytes were read as the start of the next request's answer, its first bytes
+    taken as the stale answer's body and the rest as a malformed response (UpstreamError on a healthy worker)."""
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+            await writer.drain()
+
+    async with raw_server(reply) as url:
+        for _ in range(3):
+            assert await pool.fetch(url + "/x", 2.0) == (200, b"ok")
+            await asyncio.sleep(0.3)  # the stray head arrives while the connection is idle
+
+
+async def test_interim_answers_are_skipped(pool: UpstreamPool) -> None:
+    """1xx answers (the gateway never asks for one) precede the answer and are skipped: the last of them was taken
+    for the answer (a 103 with no body here), and the real one, arriving later, read as bytes after it."""
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-A: 1\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async with raw_server(reply) as url:
+        resp = await pool.request("GET", url + "/x")
+        assert (resp.status, resp.headers, await resp.read(FETCH_MAX_BYTES)) == (200, [("X-A", "1"), ("Content-Length", "2")], b"ok")
+        resp.close()
