@@ -32,11 +32,12 @@ log = logging.getLogger(__name__)
 
 # Request headers passed on to workers; everything else (Host, hop-by-hop, cookies) stays at the gateway.
 FORWARDED_REQUEST_HEADERS = ("Content-Type", "Accept", "X-Request-Id", "traceparent", "tracestate")
-# Response headers the gateway sets itself or that describe the hop, not the content.
+# Response headers the gateway sets itself or that describe the hop, not the content (Proxy-Connection: RFC 9110
+# 7.6.1 names it among those to remove, though no Connection header lists it).
 DROPPED_RESPONSE_HEADERS = frozenset(
     h.lower() for h in (
         "Connection", "Keep-Alive", "Transfer-Encoding", "Content-Length", "Date", "Server",
-        "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Upgrade",
+        "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection", "TE", "Trailer", "Upgrade",
     )
 )
 RETRYABLE_STATUSES = frozenset({502, 503})

@@ -54,6 +54,7 @@ async def test_hop_by_hop_response_headers_stay_at_the_gateway_end_to_end_ones_p
     reply = _reply("200 OK", [
         ("Content-Type", "application/json"), ("Connection", "keep-alive, X-Worker-Hop"), ("X-Worker-Hop", "secret"),
         ("Keep-Alive", "timeout=5"), ("Proxy-Authenticate", "Basic"), ("Upgrade", "h2c"), ("Server", "worker/1.0"),
+        ("Proxy-Connection", "keep-alive"), ("TE", "trailers"), ("Trailer", "X-Checksum"),
         ("X-Request-Id", "req-42"), ("openai-processing-ms", "12"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
     ], BODY)
     async with (raw_worker(answering(reply)) as worker, running_gateway([worker]) as gw,
@@ -63,7 +64,7 @@ async def test_hop_by_hop_response_headers_stay_at_the_gateway_end_to_end_ones_p
         assert resp.headers["X-Request-Id"] == "req-42" and resp.headers["openai-processing-ms"] == "12"
         assert resp.headers.getall("Set-Cookie") == ["a=1", "b=2"]
         assert resp.headers["Content-Length"] == str(len(BODY))
-        for hop in ("x-worker-hop", "keep-alive", "proxy-authenticate", "upgrade"):
+        for hop in ("x-worker-hop", "keep-alive", "proxy-authenticate", "upgrade", "proxy-connection", "te", "trailer"):
             assert hop not in names, hop
         assert resp.headers.get("Server", "") != "worker/1.0"
 
