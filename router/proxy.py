@@ -141,6 +141,9 @@ class Proxy:
                         504, f"upstream did not answer within {self._config.total_timeout_s:g} s",
                         type="timeout", code="upstream_timeout",
                     ) from None
+                except asyncio.CancelledError:  # the client left (the deadline's own became a TimeoutError)
+                    self._metrics.requests.labels(route.model or "", worker.url, CLIENT_CLOSED).inc()
+                    raise
                 if isinstance(answer, _OpenStream):
                     return await self._relay(request, answer, started, deadline, outcome)
                 return answer
@@ -259,9 +262,6 @@ class Proxy:
             if outcome is not None:
                 outcome.answered(upstream.status, elapsed, elapsed, usage)
             return web.Response(status=upstream.status, body=data, headers=headers)
-        except asyncio.CancelledError:
-            self._metrics.requests.labels(model_label, worker.url, CLIENT_CLOSED).inc()
-            raise
         finally:
             if not handed_over:
                 upstream.close()

@@ -246,3 +246,47 @@ async def test_bytes_past_the_end_of_an_answer_are_not_relayed(
         worker = gw.gateway.pool.get(url)
         assert worker is not None and worker.healthy and worker.last_error is None
         assert "kvgate_retries_total{" not in await _metrics(http, gw.url)
+
+
+# --- a client that leaves, a deadline that passes -----------------------------------------------------------------
+
+
+async def test_a_client_that_leaves_before_the_answer_is_counted_once_as_499(http: aiohttp.ClientSession) -> None:
+    """A client that gives up on a whole answer while the worker generates it (before its headers) is a 499, the
+    worker released; it was counted nowhere (the 499 covered only a body being read)."""
+
+    async def slow(writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3)
+        writer.write(_reply("200 OK", [("Content-Type", "application/json")], BODY))
+
+    async with raw_worker(slow) as url, running_gateway([url]) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await http.post(gw.url + "/v1/completions", json=COMPLETION)
+        worker = gw.gateway.pool.get(url)
+        assert worker is not None
+        await eventually(lambda: worker.in_flight == 0)
+        counted = [line for line in (await _metrics(http, gw.url)).splitlines()
+                   if line.startswith("kvgate_requests_total{")]
+        assert counted == [f'kvgate_requests_total{{model="tiny",status="499",worker="{url}"}} 1.0']
+
+
+async def test_a_whole_answer_cut_by_the_total_timeout_is_a_504_not_also_a_499(http: aiohttp.ClientSession) -> None:
+    """A worker that trickles a whole answer past `total_timeout_s` is a 504 to the client and in the metrics; the
+    deadline's cancellation was also counted as the client leaving (a 499 besides the 504)."""
+
+    async def trickle(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+        for _ in range(50):
+            writer.write(b" ")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    async with raw_worker(trickle) as url, running_gateway([url], total_timeout_s=1.0, read_timeout_s=0.5) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
+            assert resp.status == 504
+        text = await _metrics(http, gw.url)
+        assert f'kvgate_requests_total{{model="tiny",status="504",worker="{url}"}} 1.0' in text
+        assert 'status="499"' not in text
