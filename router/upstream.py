@@ -110,7 +110,11 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError("bytes after the end of the worker's answer")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        try:  # aiohttp writes header values as UTF-8: so a UTF-8 value reaches the client as the worker sent it
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            text = value.decode("latin-1")  # (obs-text, read as RFC 9110 says it once was: ISO-8859-1)
+        self.headers.append((name.decode("latin-1"), text))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
