@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+DOT_SEGMENTS = frozenset({".", ".."})  # of a request's path, percent-decoded
 
 
 class Gateway:
@@ -367,6 +368,10 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     if request.path in (COMPLETIONS, CHAT_COMPLETIONS, "/v1/models"):
         allowed = "GET" if request.path == "/v1/models" else "POST"
         raise web.HTTPMethodNotAllowed(request.method, [allowed])
+    if not DOT_SEGMENTS.isdisjoint(request.path.split("/")):
+        # the route matched the path as written, and the worker is sent it so: one that resolves `..` (or its
+        # %2e%2e) would serve what no /v1/ route here lets through, `/v1/../sleep` or `/v1/./completions` unsalted
+        raise bad_request("a path with `.` or `..` segments is not passed on", "invalid_path")
     started = time.perf_counter()
     gateway = request.app[GATEWAY]
     with _admit(request) as admitted:

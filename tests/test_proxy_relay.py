@@ -101,6 +101,26 @@ async def test_only_end_to_end_request_headers_reach_the_worker(http: aiohttp.Cl
         assert private not in got, private
 
 
+@pytest.mark.parametrize("path", [b"/v1/../sleep?level=1", b"/v1/%2e%2e/reset_prefix_cache",
+                                  b"/v1/models/..%2F..%2Fcollective_rpc", b"/v1/./completions"])
+async def test_a_path_with_dot_segments_is_refused_not_passed_on(path: bytes) -> None:
+    """The passthrough matched `/v1/{tail}` on the path as written and sent it to the worker as written: a worker
+    (or anything before it) that resolves `..` would serve its own non-/v1 endpoints (`/sleep`, `/collective_rpc`),
+    and `/v1/./completions` skip the gateway's generation path (its tenant's cache_salt). nginx resolves dot
+    segments before it routes; here they are a 400, and the worker sees nothing."""
+    heads: list[bytes] = []
+    async with raw_worker(answering(_reply("200 OK", [], b"{}")), heads=heads) as worker, \
+            running_gateway([worker]) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
+        writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 400 ") and b'"invalid_path"' in answer
+        assert [h for h in heads if h.startswith(b"POST ")] == []
+
+
 # --- after the first byte -----------------------------------------------------------------------------------------
 
 
