@@ -320,3 +320,38 @@ async def test_a_utf8_header_value_reaches_the_client_as_the_worker_sent_it(http
                 http.post(gw.url + "/v1/completions", json=COMPLETION) as resp):
         assert resp.status == 200 and await resp.read() == BODY
         assert (b"X-Model-Name", b"caf\xc3\xa9 \xe2\x9c\x93") in resp.raw_headers
+
+
+async def test_clients_that_leave_mid_stream_leave_nothing_behind(http: aiohttp.ClientSession) -> None:
+    """Forty clients hang up mid-stream, twenty at a time, on a worker that would stream forever: each is a 499,
+    each worker connection is closed (the worker sees its request end), and the worker's in-flight count, the
+    upstream pool's connections and slots all come back to rest."""
+    ended = 0
+
+    async def endless(writer: asyncio.StreamWriter) -> None:
+        nonlocal ended
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            while True:
+                writer.write(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+                await writer.drain()
+                await asyncio.sleep(0.02)
+        except (ConnectionError, RuntimeError):  # (uvloop's, writing to a transport closed already)
+            ended += 1
+
+    async def leave() -> None:
+        async with http.post(gw.url + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+            assert await resp.content.readline() == CHUNK.split(b"\n")[0] + b"\n"
+            resp.close()
+
+    async with raw_worker(endless) as url, running_gateway([url], strategy="ttft") as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        for _ in range(2):
+            await asyncio.gather(*(leave() for _ in range(20)))
+        worker = gw.gateway.pool.get(url)
+        assert worker is not None
+        await eventually(lambda: worker.in_flight == 0 and ended == 40)
+        upstream = gw.gateway._upstream
+        assert upstream is not None and not upstream._in_use
+        assert all(slots._value == gw.gateway.config.max_connections_per_worker for slots in upstream._slots.values())
+        assert f'kvgate_requests_total{{model="tiny",status="499",worker="{url}"}} 40.0' in await _metrics(http, gw.url)
