@@ -315,7 +315,7 @@ async def test_a_whole_answer_cut_by_the_total_timeout_is_a_504_not_also_a_499(h
 async def test_a_utf8_header_value_reaches_the_client_as_the_worker_sent_it(http: aiohttp.ClientSession) -> None:
     """Header values are relayed byte for byte where the gateway can write them so: a UTF-8 value was read as
     ISO-8859-1 and written as UTF-8, each of its non-ASCII bytes doubled (café became cafÃ©)."""
-    reply = b"HTTP/1.1 200 OK\r\nX-Model-Name: caf\xc3\xa9 \xe2\x9c\x93\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+    reply = _reply("200 OK", [], BODY).replace(b"\r\n", b"\r\nX-Model-Name: caf\xc3\xa9 \xe2\x9c\x93\r\n", 1)
     async with (raw_worker(answering(reply)) as worker, running_gateway([worker]) as gw,
                 http.post(gw.url + "/v1/completions", json=COMPLETION) as resp):
         assert resp.status == 200 and await resp.read() == BODY

@@ -211,5 +211,6 @@ async def test_interim_answers_are_skipped(pool: UpstreamPool) -> None:
 
     async with raw_server(reply) as url:
         resp = await pool.request("GET", url + "/x")
-        assert (resp.status, resp.headers, await resp.read(FETCH_MAX_BYTES)) == (200, [("X-A", "1"), ("Content-Length", "2")], b"ok")
+        assert (resp.status, await resp.read(FETCH_MAX_BYTES)) == (200, b"ok")
+        assert resp.headers == [("X-A", "1"), ("Content-Length", "2")]
         resp.close()
