@@ -255,6 +255,10 @@ class WorkerPool:
         self._metrics = metrics
         self._on_added = on_added
         self._on_removed = on_removed
+        # the probes' headers: upstream_api_key, as every request to a worker carries it (vLLM's `--api-key` guards
+        # /v1/models: without it no such worker would ever be healthy)
+        key = config.upstream_api_key
+        self._probe_headers = [("Authorization", f"Bearer {key}")] if key else []
         self._workers: dict[str, Worker] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._drains: set[asyncio.Task[None]] = set()
@@ -423,7 +427,8 @@ class WorkerPool:
     async def _probe(self, worker: Worker) -> None:
         cfg = self._config
         try:
-            status, _ = await self._upstream.fetch(worker.url + "/health", cfg.health_timeout_s)
+            status, _ = await self._upstream.fetch(worker.url + "/health", cfg.health_timeout_s,
+                                                   headers=self._probe_headers)
             ok = status == 200
             error = None if ok else f"health probe answered {status}"
             if ok and (
@@ -446,7 +451,8 @@ class WorkerPool:
 
     async def _fetch_models(self, worker: Worker) -> None:
         """Raises ValueError when the listing is missing or malformed."""
-        status, body = await self._upstream.fetch(worker.url + "/v1/models", self._config.health_timeout_s)
+        status, body = await self._upstream.fetch(worker.url + "/v1/models", self._config.health_timeout_s,
+                                                  headers=self._probe_headers)
         if status != 200:
             raise ValueError(f"/v1/models answered {status}")
         digest = xxhash.xxh3_64_intdigest(body)
@@ -469,7 +475,7 @@ class WorkerPool:
         page = PageReader()
         try:
             async with asyncio.timeout(self._config.health_timeout_s):
-                response = await self._upstream.request("GET", worker.url + "/metrics")
+                response = await self._upstream.request("GET", worker.url + "/metrics", self._probe_headers)
                 try:
                     if response.status != 200:
                         return

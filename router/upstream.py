@@ -379,10 +379,11 @@ class UpstreamPool:
         if conn.transport is not None:
             conn.transport.abort()
 
-    async def fetch(self, url: str, timeout: float, limit: int = FETCH_MAX_BYTES) -> tuple[int, bytes]:
+    async def fetch(self, url: str, timeout: float, limit: int = FETCH_MAX_BYTES,
+                    headers: Iterable[tuple[str, str]] = ()) -> tuple[int, bytes]:
         """GET a small resource (health, models, metrics) within `timeout` seconds and `limit` bytes."""
         async with asyncio.timeout(timeout):
-            response = await self.request("GET", url)
+            response = await self.request("GET", url, headers)
             try:
                 return response.status, await response.read(limit)
             finally:

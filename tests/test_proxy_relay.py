@@ -11,9 +11,11 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
+from bench.procs import free_port
 from router.proxy import end_to_end
-from tests.abuse_servers import raw_worker
+from tests.abuse_servers import MODELS, raw_worker
 from tests.conftest import eventually, running_gateway
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
@@ -119,6 +121,49 @@ async def test_a_path_with_dot_segments_is_refused_not_passed_on(path: bytes) ->
         writer.close()
         assert answer.startswith(b"HTTP/1.1 400 ") and b'"invalid_path"' in answer
         assert [h for h in heads if h.startswith(b"POST ")] == []
+
+
+async def test_a_worker_that_wants_a_key_on_v1_is_probed_with_upstream_api_key(http: aiohttp.ClientSession) -> None:
+    """vLLM's `--api-key` guards every /v1/ path, /v1/models included (not /health, /metrics): the pool read the
+    worker's models without `upstream_api_key`, was answered 401, and the worker never became healthy (every
+    request a 503)."""
+    key = "fleet-key"
+    seen: list[tuple[str, str | None]] = []
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                    ) -> web.StreamResponse:
+        seen.append((request.path, request.headers.get("Authorization")))
+        if request.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.Response(body=MODELS, content_type="application/json")
+
+    async def completions(request: web.Request) -> web.Response:
+        return web.Response(body=BODY, content_type="application/json")
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application(middlewares=[guard])
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", ok)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with running_gateway([f"http://127.0.0.1:{port}"], upstream_api_key=key) as gw:
+            await eventually(lambda: bool(gw.gateway.pool.healthy()), timeout=5)
+            async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
+                assert (resp.status, await resp.read()) == (200, BODY)
+    finally:
+        await runner.cleanup()
+    assert {auth for _, auth in seen} == {f"Bearer {key}"}  # the probes of /health and /metrics carry it too
 
 
 # --- after the first byte -----------------------------------------------------------------------------------------
