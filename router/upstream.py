@@ -27,7 +27,8 @@ IDLE_TTL_S = 4.0
 # Above this many buffered body bytes the socket stops reading until the consumer catches up.
 HIGH_WATER = 1 << 20
 # A response head (status line and headers) still unfinished after this many bytes is no worker's: vLLM's are a
-# few hundred bytes, and one that never ends would otherwise grow in the gateway until a timeout.
+# few hundred bytes, and one that never ends would otherwise grow in the gateway until a timeout. The same bound
+# holds for any bytes that bring nothing (no body byte, no end) once the head is in: a chunked answer's trailers.
 MAX_HEAD_BYTES = 64 * 1024
 # The largest body `fetch` reads (a worker's /health, /v1/models, /metrics: vLLM's /metrics is tens of kB).
 FETCH_MAX_BYTES = 16 * 1024 * 1024
@@ -60,7 +61,7 @@ class _Connection(asyncio.Protocol):
         self.headers: list[tuple[str, str]] = []
         self.keep_alive = False
         self.got_bytes = False
-        self.head_bytes = 0  # fed to the parser before the head was complete
+        self.head_bytes = 0  # fed to the parser since it last gave anything (the head, body bytes, the end)
         self.headers_done = False
         self.close_delimited = False  # the body ends when the connection closes (no length, not chunked)
         self.complete = False
@@ -77,6 +78,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        buffered = self._buffered
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -90,10 +92,13 @@ class _Connection(asyncio.Protocol):
                 self.abort()
             else:
                 self._fail(UpstreamError(f"malformed HTTP response from worker: {exc}"))
-        if not self.headers_done:
+        if not self.headers_done or (self._buffered == buffered and not self.complete):
             self.head_bytes += len(data)
             if self.head_bytes > MAX_HEAD_BYTES:
-                self._fail(UpstreamError(f"the worker's response head exceeds {MAX_HEAD_BYTES} bytes"))
+                what = "response head exceeds" if not self.headers_done else "trailers exceed"
+                self._fail(UpstreamError(f"the worker's {what} {MAX_HEAD_BYTES} bytes"))
+        else:
+            self.head_bytes = 0
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -110,6 +115,8 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError("bytes after the end of the worker's answer")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.headers_done:  # a trailer: nothing relays it
+            return
         try:  # aiohttp writes header values as UTF-8: so a UTF-8 value reaches the client as the worker sent it
             text = value.decode("utf-8")
         except UnicodeDecodeError:

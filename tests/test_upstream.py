@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -214,3 +216,26 @@ async def test_interim_answers_are_skipped(pool: UpstreamPool) -> None:
         assert (resp.status, await resp.read(FETCH_MAX_BYTES)) == (200, b"ok")
         assert resp.headers == [("X-A", "1"), ("Content-Length", "2")]
         resp.close()
+
+
+async def test_trailers_that_do_not_end_are_cut_at_a_bound(pool: UpstreamPool) -> None:
+    """A chunked answer's trailer section is a head of its own, bounded as the head is: a worker that sent trailer
+    lines without end after its last chunk had each kept (840,000 in 3 s, a GiB) until the read timeout."""
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n")
+        line = b"X-Trailer: " + b"a" * 1000 + b"\r\n"
+        with contextlib.suppress(ConnectionError):
+            for _ in range(4096):  # bounded: 64 MiB
+                writer.write(line * 16)
+                await writer.drain()
+
+    async with raw_server(reply) as url:
+        resp = await pool.request("GET", url + "/x", read_timeout=10.0)
+        started = time.monotonic()
+        with pytest.raises(UpstreamError, match="65536 bytes"):
+            async for chunk in resp.chunks():
+                assert chunk == b"ok"
+        resp.close()
+        assert time.monotonic() - started < 5.0 and resp.headers == [("Transfer-Encoding", "chunked")]
