@@ -128,12 +128,21 @@ class _Connection(asyncio.Protocol):
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints), never asked for: the answer follows
             self.headers = []
             return
+        framed = False  # by a Content-Length, or chunked
+        for key, value in self.headers:
+            name = key.lower()
+            if name == "content-length":
+                framed = True
+            elif name == "transfer-encoding":
+                if value.lower() != "chunked" and {c.strip() for c in value.lower().split(",")} != {"chunked"}:
+                    # a coding the gateway does not undo (gzip...): its bytes would reach the client as the answer
+                    self._fail(UpstreamError(f"unsupported transfer coding from worker: {value[:100]!r}"))
+                    return
+                framed = True
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
         # a close before a Content-Length or chunked body is complete is a truncated answer, never its end
-        self.close_delimited = not self.keep_alive and not any(
-            (name := key.lower()) == "content-length" or (name == "transfer-encoding" and "chunked" in value.lower())
-            for key, value in self.headers)
+        self.close_delimited = not self.keep_alive and not framed
         self.headers_done = True
         self._wake()
 

@@ -239,3 +239,19 @@ async def test_trailers_that_do_not_end_are_cut_at_a_bound(pool: UpstreamPool) -
                 assert chunk == b"ok"
         resp.close()
         assert time.monotonic() - started < 5.0 and resp.headers == [("Transfer-Encoding", "chunked")]
+
+
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"gzip"])
+async def test_a_transfer_coding_other_than_chunked_is_refused(pool: UpstreamPool, coding: bytes) -> None:
+    """The client would get the coded bytes as if they were the answer (its Transfer-Encoding is the gateway's own,
+    chunked or none): refused as nginx does ("upstream sent unknown Transfer-Encoding")."""
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        body = b"3\r\nabc\r\n0\r\n\r\n" if coding.endswith(b"chunked") else b"abc"
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + coding + b"\r\nConnection: close\r\n\r\n" + body)
+        await writer.drain()
+
+    async with raw_server(reply) as url:
+        with pytest.raises(UpstreamError, match="transfer coding"):
+            await pool.fetch(url + "/x", 2.0)
