@@ -198,6 +198,39 @@ async def test_a_stream_that_goes_quiet_after_its_first_chunk_is_cut_within_the_
             assert health.status == 200
 
 
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(("reply", "then", "error"), [
+    # the worker holds the connection open after: the malformed chunk alone breaks the stream
+    (SSE_HEAD + b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK) + b"zz\r\nnot a chunk\r\n", _silence, "malformed"),
+    (SSE_HEAD + b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK) + b"%x\r\n%s\r\n" % (10, CHUNK[:10]), None, "closed"),
+    (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 500\r\n\r\n" + CHUNK, None, "closed"),
+], ids=["invalid-chunk-size", "closed-mid-event", "closed-short-of-content-length"])
+async def test_a_stream_that_breaks_after_its_first_chunk_reaches_the_client_broken(
+        http: aiohttp.ClientSession, reply: bytes, then: Callable[[asyncio.StreamWriter], Awaitable[None]] | None,
+        error: str) -> None:
+    """After the first byte nothing is retried: a worker whose stream turns malformed, or ends mid-event, or short
+    of its Content-Length, gives the client what came before and then, at once, a broken stream (as nginx: no last
+    chunk), a 502 in the metrics, the worker released."""
+    async with raw_worker(answering(reply, then)) as url, running_gateway([url]) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        started = time.monotonic()
+        async with http.post(gw.url + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+            assert resp.status == 200
+            got = b""
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for piece in resp.content.iter_any():
+                    got += piece
+            assert got.startswith(CHUNK)
+        assert time.monotonic() - started < 5.0
+        worker = gw.gateway.pool.get(url)
+        assert worker is not None
+        await eventually(lambda: worker.in_flight == 0)
+        assert worker.last_error is not None and error in worker.last_error
+        assert f'kvgate_requests_total{{model="tiny",status="502",worker="{url}"}} 1.0' in await _metrics(http, gw.url)
+
+
 async def test_a_whole_answer_that_goes_quiet_mid_body_is_a_504(http: aiohttp.ClientSession) -> None:
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n"
     async with (raw_worker(answering(head + b'{"choices": [', _silence)) as worker,
