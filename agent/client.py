@@ -28,6 +28,7 @@ from agent.breaker import AgentCircuit
 from agent.protocol import (
     FRAME,
     MAX_FRAME,
+    MAX_LOOKUP_HASHES,
     PROTOCOL_VERSION,
     AgentError,
     AgentRefused,
@@ -221,10 +222,18 @@ class AgentClient:
     # -- API -------------------------------------------------------------------------------------------------
 
     def lookup(self, layout: int, hashes: Sequence[BlockHash], probe_ms: int = 0) -> tuple[int, str]:
-        """How many leading blocks the agent holds and where (C DRAM, D NVMe, S shared)."""
-        reply: LookupReply = self._expect(self._call(Lookup(layout=layout, hashes=list(hashes),
-                                                            probe_ms=probe_ms), retry=True), LookupReply)
-        return reply.count, reply.where
+        """How many leading blocks the agent holds and where (C DRAM, D NVMe, S shared). A prefix longer than
+        one Lookup may name (MAX_LOOKUP_HASHES) is asked a piece at a time, the next piece only if the agent holds
+        all of this one."""
+        count, where = 0, ""
+        for start in range(0, max(len(hashes), 1), MAX_LOOKUP_HASHES):
+            piece = list(hashes if len(hashes) <= MAX_LOOKUP_HASHES else hashes[start: start + MAX_LOOKUP_HASHES])
+            reply: LookupReply = self._expect(self._call(Lookup(layout=layout, hashes=piece, probe_ms=probe_ms),
+                                                         retry=True), LookupReply)
+            count, where = count + reply.count, where + reply.where
+            if reply.count < len(piece):
+                break
+        return count, where
 
     def max_blocks(self, block_bytes: int) -> int:
         """How many blocks of this size fit in one shared-memory batch."""

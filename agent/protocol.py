@@ -36,6 +36,12 @@ WireHash = U64 | Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]
 # per block; a longer list is refused before its elements are decoded
 MAX_BLOCKS = 2**20
 Hashes = Annotated[list[WireHash], msgspec.Meta(max_length=MAX_BLOCKS)]
+# hashes one Lookup may name: a 128k-token prompt at vLLM's smallest block size (1 token; 8k blocks at its default
+# 16), 1.1 MiB of frame. A Lookup is decoded and answered on the agent's event loop, every other client's lookups
+# waiting meanwhile: one of 2^20 hashes held the loop for 60 ms (70 ms for 64-byte hashes, 320 ms with every block
+# held). A longer one is refused before its elements are decoded; AgentClient.lookup asks a longer prefix a
+# piece of this many at a time
+MAX_LOOKUP_HASHES = 2**17
 Ints = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS)]
 
 FRAME = struct.Struct("<I")
@@ -60,7 +66,7 @@ class Hello(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
 
 class Lookup(msgspec.Struct, tag="lookup", tag_field="op", kw_only=True):
     layout: U64
-    hashes: Hashes
+    hashes: Annotated[list[WireHash], msgspec.Meta(max_length=MAX_LOOKUP_HASHES)]
     probe_ms: int = 0  # > 0: wait up to this long for the shared backend to be asked about unknown blocks
 
 

@@ -39,6 +39,7 @@ from agent.protocol import (
     FRAME,
     MAX_FRAME,
     MAX_HELLO,
+    MAX_LOOKUP_HASHES,
     PROTOCOL_VERSION,
     ErrorReply,
     Hello,
@@ -93,6 +94,8 @@ ACCEPT_RETRY_S = 0.05  # after an accept failed (no file descriptor left), the n
 # and the decode copied every block out of it, both on the event loop: 130 ms for 128 MiB, every other client's
 # lookups waiting meanwhile (150-400 ms)
 BIG_FRAME_BYTES = 2**20  # (the stream reader's limit: it buffers about twice this before it stops reading)
+# how msgspec refuses a Lookup of more than MAX_LOOKUP_HASHES (before decoding them): told in words of its own
+_LOOKUP_TOO_LONG = f"of length <= {MAX_LOOKUP_HASHES} - at `$.hashes`"
 
 
 def request_bytes(request: Store) -> int:
@@ -621,6 +624,10 @@ class TierAgent:
                 return self._stats()
             raise ValueError(f"unknown request {request!r}")
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, OSError) as exc:
+            if isinstance(exc, msgspec.ValidationError) and _LOOKUP_TOO_LONG in str(exc):
+                op = "lookup"
+                exc = ValueError(f"a Lookup of more than {MAX_LOOKUP_HASHES} hashes (MAX_LOOKUP_HASHES) is "
+                                 f"refused: ask about a longer prefix a piece at a time (AgentClient.lookup does)")
             self.metrics.request_errors.labels(op).inc()
             if op == "hello":
                 log.warning("client refused at hello: %s", exc)
