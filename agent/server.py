@@ -94,6 +94,9 @@ ACCEPT_RETRY_S = 0.05  # after an accept failed (no file descriptor left), the n
 # and the decode copied every block out of it, both on the event loop: 130 ms for 128 MiB, every other client's
 # lookups waiting meanwhile (150-400 ms)
 BIG_FRAME_BYTES = 2**20  # (the stream reader's limit: it buffers about twice this before it stops reading)
+# a Lookup's walk over its hashes goes this many at a time, other connections' requests let in between: the walk
+# over 2^17 blocks all held (the most a Lookup may name) took 15.5 ms on the loop, this many about 1 ms
+LOOKUP_PIECE_HASHES = 8192
 # how msgspec refuses a Lookup of more than MAX_LOOKUP_HASHES (before decoding them): told in words of its own
 _LOOKUP_TOO_LONG = f"of length <= {MAX_LOOKUP_HASHES} - at `$.hashes`"
 
@@ -670,19 +673,37 @@ class TierAgent:
         self._prefault.submit(run)
 
     async def _lookup(self, request: Lookup) -> LookupReply:
-        started = time.perf_counter()
-        count, where = self.store.lookup(request.layout, request.hashes)
-        self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        count, where = await self._held(request.layout, request.hashes, observe=True)
         if count < len(request.hashes) and self.store.shared is not None:
             rest = request.hashes[count:]
             if request.probe_ms > 0:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
                         self._pool, self.store.probe_shared, request.layout, rest), request.probe_ms / 1000)
-                count, where = self.store.lookup(request.layout, request.hashes)
+                count, where = await self._held(request.layout, request.hashes)
             else:  # learn in the background: the next lookup of this prefix will know
                 self.store.probe_shared_in_background(request.layout, rest)
         return LookupReply(count=count, where=where)
+
+    async def _held(self, layout: int, hashes: list[Any], observe: bool = False) -> tuple[int, str]:
+        """store.lookup, LOOKUP_PIECE_HASHES at a time with whatever else is ready let in between (another
+        client's lookup waits for a piece, not for the whole walk); `observe`: its time on the loop, pieces
+        summed, into kvgate_agent_lookup_seconds."""
+        count, where, spent = 0, [], 0.0
+        for start in range(0, max(len(hashes), 1), LOOKUP_PIECE_HASHES):
+            if start:
+                await asyncio.sleep(0)
+            piece = hashes if len(hashes) <= LOOKUP_PIECE_HASHES else hashes[start: start + LOOKUP_PIECE_HASHES]
+            started = time.perf_counter()
+            held, codes = self.store.lookup(layout, piece)
+            spent += time.perf_counter() - started
+            count += held
+            where.append(codes)
+            if held < len(piece):
+                break
+        if observe:
+            self.metrics.lookup_seconds.observe(spent)
+        return count, "".join(where)
 
     def _payloads(self, conn: Connection, request: Store) -> list[Any]:
         conn.check(request.layout)
