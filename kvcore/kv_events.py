@@ -125,17 +125,25 @@ def decode_batch_tolerant(payload: bytes) -> tuple[KvEventBatch, int, int]:
     add some) instead of losing the whole batch; returns the batch, how many events of an unknown type were
     skipped, and how many of a known type were skipped as malformed (a field of the wrong type: an event no engine
     could send, whose loss leaves the receiver's picture incomplete). Raises msgspec.DecodeError (or
-    ValidationError) when the batch itself is garbage."""
+    ValidationError) when the batch itself is garbage, nested too deep included."""
     try:
         return _decoder.decode(payload), 0, 0
     except msgspec.ValidationError:
         pass
+    except RecursionError:
+        raise _too_deep() from None
     steps = decode_batch_in_steps(payload, step_bytes=len(payload) + 1)
     while True:
         try:
             next(steps)
         except StopIteration as done:
             return cast(tuple[KvEventBatch, int, int], done.value)
+
+
+def _too_deep() -> msgspec.DecodeError:
+    """What a payload nested deeper than msgspec decodes is: garbage. msgspec raises RecursionError on it, which
+    a caller catching DecodeError would let through (valid msgpack from a peer: `[[[...]]]` 100,000 deep)."""
+    return msgspec.DecodeError("a payload nested too deep")
 
 
 STEP_BYTES = 128 * 2**10  # events decoded between two yields of decode_batch_in_steps (1-3 ms)
@@ -147,7 +155,10 @@ def decode_batch_in_steps(payload: bytes,
     it stops, is what that returns): for a payload so big that decoding it at once would hold the caller's event
     loop (4 MiB: 30-90 ms; the batch with its events left undecoded, 4-7 ms). Raises as that does, at the first
     step, when the batch itself is garbage."""
-    loose = _loose_decoder.decode(payload)
+    try:
+        loose = _loose_decoder.decode(payload)
+    except RecursionError:  # (skipping an undecoded event recurses too)
+        raise _too_deep() from None
     yield  # (that alone is 4-7 ms for 4 MiB)
     events: list[KvEvent] = []
     malformed = 0
@@ -159,8 +170,8 @@ def decode_batch_in_steps(payload: bytes,
         done += len(raw)
         try:
             events.append(_event_decoder.decode(raw))
-        except msgspec.ValidationError:
-            with contextlib.suppress(msgspec.DecodeError):
+        except (msgspec.ValidationError, RecursionError):
+            with contextlib.suppress(msgspec.DecodeError, RecursionError):
                 event = msgspec.msgpack.decode(raw)
                 if isinstance(event, dict) and event.get("type") in _KNOWN_TYPES:
                     malformed += 1

@@ -34,7 +34,16 @@ from router.block_keys import block_keys
 from router.kv_apply import MAX_EVENT_BLOCKS
 from router.kv_recovery import MAX_BATCH_BYTES, REPLAY_BURST
 from tests.conftest import eventually, kvgate_command, running_standin
-from tests.test_kv_events_in import BS, ROOT, TOKENS, WORKER, connected, held, hub_and_publisher, metric
+from tests.test_kv_events_in import (
+    BS,
+    ROOT,
+    TOKENS,
+    WORKER,
+    connected,
+    held,
+    hub_and_publisher,
+    metric,
+)
 
 EXPLORE = os.environ.get("KVGATE_FUZZ_RANDOM") == "1"
 EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "25"))
@@ -262,6 +271,30 @@ async def test_a_million_hashes_neither_stall_the_loop_nor_get_in() -> None:
         assert metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="too_large") >= 1
         assert not hub.trusted(WORKER)  # the huge batch was lost
         assert lag.worst < LAG_LIMIT_S, f"the event loop stalled {lag.worst:.3f} s"
+
+
+def nested(depth: int) -> msgspec.Raw:
+    """A msgpack value `depth` arrays deep: [[[...[nil]...]]]."""
+    return msgspec.Raw(b"\x91" * depth + b"\xc0")
+
+
+async def test_a_batch_nested_too_deep_to_decode_is_dropped_and_its_replay_copy_too() -> None:
+    """A batch nested 100,000 levels deep (valid msgpack; msgspec raises RecursionError, not DecodeError, on it)
+    escaped the decoder and restarted the subscription, and the gap that followed replayed it and restarted it
+    again, for as long as the publisher buffered it: nothing after it was ever applied. Now it is counted as
+    garbage like any other, its replayed copy is lost (the picture partial), and the stream goes on."""
+    async with hub_and_publisher(resync_s=600) as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        event = msgspec.msgpack.encode({"type": "BlockStored", "block_hashes": [1], "token_ids": TOKENS[:BS],
+                                        "block_size": BS, "extra_keys": [nested(100_000)]})
+        bomb = msgspec.msgpack.encode([1.0, [msgspec.Raw(event)], 0])
+        await publisher.send_encoded(bomb)
+        await publisher.send([BlockStored(block_hashes=[2], token_ids=TOKENS[BS:2 * BS], block_size=BS)])
+        await eventually(lambda: (block_keys(TOKENS[BS:2 * BS], BS, ROOT)[0], GPU) in held(hub))
+        assert metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="payload") == 1
+        assert metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="replay_payload") == 1
+        assert not hub.trusted(WORKER)  # what the batch said is lost
 
 
 async def flood(endpoint: str, replay: str, batches: int, rate: float, bad_seq: int, limit_s: float) -> int:
