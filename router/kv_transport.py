@@ -26,6 +26,7 @@ Batches = list[tuple[int, bytes]]  # (sequence number, payload), in order
 
 HARD_MAX_MESSAGE_BYTES = 256 * 2**20  # libzmq drops a peer that sends a bigger message (a memory guard)
 REPLAY_MAX_BYTES = 512 * 2**20  # a replay answer bigger than this is abandoned
+REPLAY_BATCH_BYTES = 128  # what a replayed batch costs beyond its payload (its tuple, seq and bytes object)
 MAX_SOCKETS = 65_536  # sockets of all subscriptions and replay requests of one gateway
 YIELD_AFTER_S = 0.005  # draining the socket lets the event loop run at least this often
 
@@ -154,8 +155,14 @@ class ZmqEventTransport:
             sock.connect(endpoint)
             async with asyncio.timeout(timeout_s):
                 await sock.send_multipart((b"", start.to_bytes(8, "big")))
+                yielded_at = time.monotonic()
                 while True:
                     frames = await sock.recv_multipart()
+                    # a message already queued is returned without a round through the event loop: a server that
+                    # answers without end would hold the loop, and this timeout could never fire
+                    if time.monotonic() - yielded_at > YIELD_AFTER_S:
+                        await asyncio.sleep(0)
+                        yielded_at = time.monotonic()
                     if len(frames) != 4:
                         continue
                     _, _topic, seq_bytes, payload = frames
@@ -163,7 +170,7 @@ class ZmqEventTransport:
                         break
                     if len(seq_bytes) == 8:
                         batches.append((int.from_bytes(seq_bytes, "big"), payload))
-                        size += len(payload)
+                        size += len(payload) + REPLAY_BATCH_BYTES  # empty payloads are not free either
                         if size > REPLAY_MAX_BYTES:
                             raise ReplayError(f"replay from {endpoint} exceeded {REPLAY_MAX_BYTES} bytes")
         except TimeoutError:

@@ -32,13 +32,17 @@ from bench.procs import stop as stop_process
 from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
 from router.block_keys import block_keys
 from router.kv_apply import MAX_EVENT_BLOCKS
+from router.kv_index import InMemoryKvIndex
 from router.kv_recovery import MAX_BATCH_BYTES, REPLAY_BURST
+from router.kv_subscriber import EventSource, KvEventHub
+from router.metrics import GatewayMetrics
 from tests.conftest import eventually, kvgate_command, running_standin
 from tests.test_kv_events_in import (
     BS,
     ROOT,
     TOKENS,
     WORKER,
+    Publisher,
     connected,
     held,
     hub_and_publisher,
@@ -295,6 +299,76 @@ async def test_a_batch_nested_too_deep_to_decode_is_dropped_and_its_replay_copy_
         assert metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="payload") == 1
         assert metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="replay_payload") == 1
         assert not hub.trusted(WORKER)  # what the batch said is lost
+
+
+class FloodingReplay:
+    """A replay server that answers the first request it gets with batches that never end (empty payloads, or
+    messages of the wrong shape), from a thread of its own, until `stop` or `limit_s`."""
+
+    def __init__(self, frames: list[bytes], limit_s: float) -> None:
+        self.port = free_port()
+        self.frames = frames
+        self.limit_s = limit_s
+        self.sent = 0
+        self.stop = threading.Event()
+        self._bound = threading.Event()
+        self._thread = threading.Thread(target=self._serve)
+        self._thread.start()
+        assert self._bound.wait(5)
+
+    def _serve(self) -> None:
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.SNDHWM, 0)
+        router.bind(f"tcp://127.0.0.1:{self.port}")
+        self._bound.set()
+        try:
+            if not router.poll(10_000):
+                return
+            identity = router.recv_multipart()[0]
+            ends = time.monotonic() + self.limit_s
+            while not self.stop.is_set() and time.monotonic() < ends:
+                for _ in range(100):
+                    with contextlib.suppress(zmq.Again):
+                        router.send_multipart([identity, b"", *self.frames], flags=zmq.NOBLOCK)
+                        self.sent += 1
+        finally:
+            router.close(0)
+            ctx.term()
+
+    def close(self) -> None:
+        self.stop.set()
+        self._thread.join()
+
+
+@pytest.mark.parametrize("frames", [[b"kv", (5).to_bytes(8, "big"), b""], [b"what?"]],
+                         ids=["empty_batches", "wrong_shape"])
+async def test_a_replay_that_never_ends_is_abandoned_at_its_timeout(frames: list[bytes]) -> None:
+    """A replay server answering without end held the event loop for as long as it sent (8 s and 49 s of a 6 s
+    wait, with the replay's 1 s timeout): a message ZMQ has queued already is returned without a round through the
+    event loop, so the timeout never fired, and empty batches, costing no payload bytes, grew its list past any
+    bound. Now the replay lets the loop run, is abandoned at its timeout, and the stream goes on live."""
+    ctx = zmq.asyncio.Context()
+    publisher = Publisher(ctx)
+    replay = FloodingReplay(frames, limit_s=8)
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny", replay_timeout_s=0.5)
+    source = EventSource(WORKER, publisher.source.endpoint, f"tcp://127.0.0.1:{replay.port}")
+    try:
+        async with LoopLag().watching() as lag:
+            hub.watch([source])  # its first replay request, for the stream's start, is answered by the flood
+            await eventually(lambda: replay.sent > 0)
+            await eventually(lambda: metric(metrics, "kvgate_kv_event_replays_total", worker=WORKER,
+                                            outcome="timeout") >= 1, timeout=5)
+            assert lag.worst < LAG_LIMIT_S, f"the event loop stalled {lag.worst:.3f} s"
+        replay.close()
+        await connected(hub, publisher)  # the live stream is heard (its start was not replayed: partial)
+        assert hub.watched(WORKER)
+    finally:
+        replay.close()
+        await asyncio.wait_for(hub.close(), 3)
+        publisher.close()
+        ctx.destroy(0)
 
 
 async def flood(endpoint: str, replay: str, batches: int, rate: float, bad_seq: int, limit_s: float) -> int:
