@@ -18,7 +18,8 @@ announces what it still has; one whose buffer no longer starts at 0 is partial, 
 Bad input never stops the stream: a message that is not a batch is counted and dropped (a later valid copy of
 the same batch, or the replay's, takes its place); an event no engine could send, or one that does not fit the
 gateway, is counted and dropped and makes the picture partial; a bug while applying a batch is logged, and the
-source's state is forgotten rather than trusted. Applying yields to the event loop every few milliseconds.
+source's state is forgotten rather than trusted. Applying yields to the event loop every few milliseconds. Each
+loss is counted; a stream logs its losses at most every LOG_EVERY_S.
 
 `StreamRecovery` decodes each batch and hands its events to `apply`; `release` forgets what the source said. It
 knows nothing of block keys or the index.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 
@@ -59,6 +61,9 @@ REPLAY_EVERY_S = 1.0
 # busy machine may miss the first request's timeout, and with no traffic nothing else would tell
 RECONCILE_RETRIES_S = (0.5, 1.0)
 YIELD_AFTER_S = 0.005  # applying lets the event loop run at least this often
+# a stream's warnings (events lost) at most this often, each saying how many were held back: a source losing
+# events in every batch logged thousands a second
+LOG_EVERY_S = 10.0
 
 
 class _Gap(Exception):
@@ -93,6 +98,8 @@ class StreamRecovery:
         self._repairs = float(REPLAY_BURST)  # gap repairs allowed now (a token bucket)
         self._repairs_at = time.monotonic()
         self._yielded_at = time.monotonic()  # when applying last let the event loop run
+        self._warned_at = -math.inf  # when a warning was last logged
+        self._unwarned = 0  # warnings held back since
 
     def complete(self) -> bool:
         """Whether everything this source said is applied (else its worker is routed approximately)."""
@@ -146,8 +153,7 @@ class StreamRecovery:
                 try:
                     await self._fill_gap(expected, seq)
                 except _Gap as exc:
-                    log.warning("kv events from %s: %s; routing %s approximately for now", self.source.endpoint,
-                                exc, worker)
+                    self._warn(f"{exc}; routing {worker} approximately for now")
                     self._reset("gap", partial=True)
         elif expected is None and seq > 0:
             self._reset("late_start", partial=True)
@@ -314,9 +320,18 @@ class StreamRecovery:
     def _partial(self, why: str) -> None:
         """Events were lost: the picture is incomplete from now on (until `resync_s` has passed)."""
         if self._partial_since is None:
-            log.warning("kv events from %s: %s; routing %s approximately for %g s", self.source.endpoint, why,
-                        self.source.cache, self._resync_s)
+            self._warn(f"{why}; routing {self.source.cache} approximately for {self._resync_s:g} s")
         self._partial_since = time.monotonic()
+
+    def _warn(self, message: str) -> None:
+        """Log that events were lost, unless this stream did so within LOG_EVERY_S (then count it)."""
+        now = time.monotonic()
+        if now - self._warned_at < LOG_EVERY_S:
+            self._unwarned += 1
+            return
+        held_back = f" ({self._unwarned} more such warnings held back since the last)" if self._unwarned else ""
+        log.warning("kv events from %s: %s%s", self.source.endpoint, message, held_back)
+        self._warned_at, self._unwarned = now, 0
 
     def _reset(self, reason: str, *, partial: bool) -> None:
         """Forget what this source said; if events were missed, mark the picture incomplete."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import subprocess
 import threading
@@ -366,6 +367,45 @@ async def test_a_replay_that_never_ends_is_abandoned_at_its_timeout(frames: list
         assert hub.watched(WORKER)
     finally:
         replay.close()
+        await asyncio.wait_for(hub.close(), 3)
+        publisher.close()
+        ctx.destroy(0)
+
+
+LOST = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": ["a", "b", "c", "d"],
+                                      "block_size": BS}], 0])  # an event of a known type, malformed: lost
+
+
+@pytest.mark.parametrize("pattern", ["gap_each_batch", "lost_then_cleared"])
+async def test_a_stream_losing_events_at_full_rate_is_counted_each_time_and_logged_now_and_then(
+        pattern: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A publisher skipping a sequence number in every batch, or sending a malformed event and then clearing its
+    cache, over and over, logged a warning per batch (thousands a second). Each loss is still counted; a stream's
+    warnings come at most every LOG_EVERY_S, saying how many were held back."""
+    ctx = zmq.asyncio.Context()
+    publisher = Publisher(ctx)
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny", resync_s=600)
+    rounds = 300
+    try:
+        hub.watch([EventSource(WORKER, publisher.source.endpoint)])  # no replay endpoint: no gap is repaired
+        await connected(hub, publisher)
+        with caplog.at_level(logging.WARNING, logger="router.kv_recovery"):
+            for _ in range(rounds):
+                if pattern == "gap_each_batch":
+                    publisher.seq += 1  # one lost each time
+                    await publisher.send([BlockStored(block_hashes=[7], token_ids=TOKENS[:BS], block_size=BS)])
+                else:
+                    await publisher.send_encoded(LOST)
+                    await publisher.send([AllBlocksCleared()])
+            if pattern == "gap_each_batch":
+                await eventually(lambda: metric(metrics, "kvgate_kv_event_gaps_total", worker=WORKER) == rounds)
+            else:
+                await eventually(lambda: metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER,
+                                                reason="invalid_event") == rounds)
+        warnings = [r.getMessage() for r in caplog.records if r.name == "router.kv_recovery"]
+        assert 1 <= len(warnings) <= 2, (len(warnings), warnings[:3])
+    finally:
         await asyncio.wait_for(hub.close(), 3)
         publisher.close()
         ctx.destroy(0)
