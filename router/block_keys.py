@@ -17,10 +17,24 @@ import xxhash
 BlockKey = int
 
 
-@functools.lru_cache(maxsize=4096)  # asked once per request, with the same few models, adapters and tenants
+# roots of names longer than this are computed each time: the cache holds its arguments, and an engine event's
+# LoRA name or cache salt, or a client's cache_salt, may be megabytes (4,096 of them held gigabytes)
+ROOT_CACHE_CHARS = 1024
+
+
 def root_key(model: str, lora: str | None = None, namespace: str | None = None) -> BlockKey:
     """The parent of a prompt's first block: what must match before any block can be shared."""
+    if len(model) + len(lora or "") + len(namespace or "") > ROOT_CACHE_CHARS:
+        return _root_key(model, lora, namespace)
+    return _cached_root_key(model, lora, namespace)
+
+
+def _root_key(model: str, lora: str | None, namespace: str | None) -> BlockKey:
     return xxhash.xxh3_64_intdigest("\x00".join((model, lora or "", namespace or "")).encode())
+
+
+# asked once per request, with the same few models, adapters and tenants
+_cached_root_key = functools.lru_cache(maxsize=4096)(_root_key)
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:

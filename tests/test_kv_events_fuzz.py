@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import subprocess
 import threading
 import time
+import tracemalloc
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -370,6 +372,32 @@ async def test_a_replay_that_never_ends_is_abandoned_at_its_timeout(frames: list
         await asyncio.wait_for(hub.close(), 3)
         publisher.close()
         ctx.destroy(0)
+
+
+async def test_megabyte_adapter_names_and_salts_in_events_are_not_kept() -> None:
+    """The root of a block's key, from its model, LoRA adapter name and cache salt, was cached for the 4,096 most
+    recent names whatever their length: a publisher naming a new 1 MiB adapter or salt in each event left 1 MiB
+    held per event (600 MB after 600 events; 4,096 events of 4 MiB: 16 GiB). Long names are not cached now."""
+    async with hub_and_publisher(resync_s=600) as (hub, publisher, _):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        events = 64
+        tracemalloc.start()
+        try:
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(events):
+                name = f"{i:04}" + "x" * 2**20
+                await publisher.send([
+                    BlockStored(block_hashes=[2 * i + 1], token_ids=TOKENS[:BS], block_size=BS, lora_name=name),
+                    BlockStored(block_hashes=[2 * i + 2], token_ids=TOKENS[:BS], block_size=BS, extra_keys=[name])])
+                await eventually(lambda: len(hub.engine_hashes(WORKER, GPU)) == 2 * i + 2)  # noqa: B023
+                publisher.buffer.clear()  # (the test's replay buffer is not the gateway's memory)
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < events * 2**20 // 4, f"{grown / 2**20:.0f} MiB kept for {events} events of 1 MiB names"
 
 
 LOST = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": ["a", "b", "c", "d"],
