@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Generator
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import msgspec
 import zmq
@@ -22,7 +22,9 @@ import zmq.asyncio
 
 log = logging.getLogger(__name__)
 
-BlockHash = int | bytes
+# vLLM's bytes hashes are digests (32 bytes for sha256): a longer one is no engine's, and a receiver would keep it
+HASH_MAX_BYTES = 64
+BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=HASH_MAX_BYTES)]
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 # `medium`: where the blocks of an event live. vLLM's own: "GPU" (the engine's cache, also on CPU builds), "CPU"

@@ -32,7 +32,16 @@ from hypothesis import strategies as st
 
 from bench.procs import free_port
 from bench.procs import stop as stop_process
-from kvcore.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
+from kvcore.kv_events import (
+    GPU,
+    HASH_MAX_BYTES,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    encode_batch,
+)
 from router.block_keys import block_keys
 from router.kv_apply import MAX_EVENT_BLOCKS
 from router.kv_index import InMemoryKvIndex
@@ -398,6 +407,36 @@ async def test_megabyte_adapter_names_and_salts_in_events_are_not_kept() -> None
         finally:
             tracemalloc.stop()
         assert grown < events * 2**20 // 4, f"{grown / 2**20:.0f} MiB kept for {events} events of 1 MiB names"
+
+
+async def test_block_hashes_longer_than_any_engines_are_invalid_and_not_kept() -> None:
+    """vLLM's bytes block hashes are 32-byte digests, but any length was taken and kept (named in content identity,
+    held per tier): a publisher announcing 16 blocks with 64 KiB "hashes" per batch left 1 MiB held per batch, up to
+    the half million names content identity keeps (32 GiB). A hash longer than HASH_MAX_BYTES makes its event
+    malformed: counted, dropped, the picture partial."""
+    async with hub_and_publisher(resync_s=600) as (hub, publisher, metrics):
+        hub.watch([publisher.source])
+        await connected(hub, publisher)
+        batches = 64
+        tracemalloc.start()
+        try:
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(batches):
+                hashes: list[BlockHash] = [i.to_bytes(2, "big") + b.to_bytes(2, "big") * 2**15 for b in range(16)]
+                await publisher.send([BlockStored(block_hashes=hashes, token_ids=CHAIN_TOKENS[:16 * BS],
+                                                  block_size=BS)])
+            longest = b"\x01" * HASH_MAX_BYTES  # as long as one may be: taken
+            await publisher.send([BlockStored(block_hashes=[longest], token_ids=TOKENS[:BS], block_size=BS)])
+            await eventually(lambda: longest in hub.engine_hashes(WORKER, GPU))
+            publisher.buffer.clear()  # (the test's replay buffer is not the gateway's memory)
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < batches * 2**20 // 4, f"{grown / 2**20:.0f} MiB kept for {batches} batches of 1 MiB hashes"
+        assert metric(metrics, "kvgate_kv_event_decode_errors_total", worker=WORKER, reason="invalid_event") == batches
+        assert not hub.trusted(WORKER)
 
 
 LOST = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": ["a", "b", "c", "d"],
