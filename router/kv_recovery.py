@@ -1,13 +1,13 @@
 """KV events in, recovery: one source's stream kept whole by its sequence numbers.
 
 Each batch a source publishes has a sequence number. A gap is repaired from the source's replay socket; when the
-replay cannot cover it (buffer overrun, no replay endpoint, timeout, gaps too frequent to repair) what the source
-had said is forgotten and its picture is *partial*: the worker is routed by the approximate trie until `resync_s`
-has passed (by then the blocks it could not hear about have mostly been evicted or re-announced) or the engine
-clears its cache. A sequence number going backwards to a batch we never applied, or a replay buffer that does not
-continue what we heard, means the publisher restarted: its cache is new and empty. A batch applied already (the
-same sequence number and the same payload, e.g. a live copy of a batch the replay delivered first) is skipped.
-State is never kept silently when it is known to be stale.
+replay cannot cover it (buffer overrun, no replay endpoint, timeout, gaps too frequent to repair; for a while after
+a timeout, gaps are not repaired) what the source had said is forgotten and its picture is *partial*: the worker is
+routed by the approximate trie until `resync_s` has passed (by then the blocks it could not hear about have mostly
+been evicted or re-announced) or the engine clears its cache. A sequence number going backwards to a batch we never
+applied, or a replay buffer that does not continue what we heard, means the publisher restarted: its cache is new
+and empty. A batch applied already (the same sequence number and the same payload, e.g. a live copy of a batch the
+replay delivered first) is skipped. State is never kept silently when it is known to be stale.
 
 A source whose blocks are of no use while it is away (`empty_when_away`: a tier agent, which its engine can load
 nothing from while it is gone) is forgotten the moment its connection drops -- it exited, was killed, or went
@@ -56,6 +56,10 @@ DECODE_AT_ONCE_BYTES = 256 * 2**10
 # gap repairs allowed: a burst of REPLAY_BURST, then one per REPLAY_EVERY_S (a flood must not become a replay storm)
 REPLAY_BURST = 5
 REPLAY_EVERY_S = 1.0
+# after a replay request timed out, gaps are left unrepaired for REPLAY_EVERY_S, doubling up to this while requests
+# keep timing out: with a timeout longer than REPLAY_EVERY_S, an endpoint nobody answers made every gap wait out the
+# timeout, and a publisher losing batches left the gateway further behind every second
+REPLAY_BACKOFF_MAX_S = 30.0
 # a (re)connection's replay request that timed out is tried again after these pauses: it is what tells a restarted
 # publisher from a reconnected one, and brings what was said while no one listened; a publisher just started on a
 # busy machine may miss the first request's timeout, and with no traffic nothing else would tell
@@ -97,6 +101,8 @@ class StreamRecovery:
         self._partial_since: float | None = None  # when the picture became incomplete; None = complete
         self._repairs = float(REPLAY_BURST)  # gap repairs allowed now (a token bucket)
         self._repairs_at = time.monotonic()
+        self._timeouts = 0  # replay requests timed out in a row
+        self._replay_after = 0.0  # gaps are not repaired before this (time.monotonic()), after a timeout
         self._yielded_at = time.monotonic()  # when applying last let the event loop run
         self._warned_at = -math.inf  # when a warning was last logged
         self._unwarned = 0  # warnings held back since
@@ -201,6 +207,9 @@ class StreamRecovery:
         if self._replay is None:
             raise _Gap(f"missed batches {start}..{stop - 1} and no replay endpoint")
         now = time.monotonic()
+        if now < self._replay_after:
+            self._metrics.kv_replays.labels(self.source.cache, "backoff").inc()
+            raise _Gap(f"missed batches {start}..{stop - 1}; the replay endpoint timed out lately")
         self._repairs = min(REPLAY_BURST, self._repairs + (now - self._repairs_at) / REPLAY_EVERY_S)
         self._repairs_at = now
         if self._repairs < 1:
@@ -219,10 +228,16 @@ class StreamRecovery:
     async def _fetch(self, start: int) -> Batches:
         assert self._replay is not None
         try:
-            return await self._replay(start)
+            batches = await self._replay(start)
         except ReplayError as exc:
             self._metrics.kv_replays.labels(self.source.cache, "timeout").inc()
+            self._timeouts += 1
+            backoff = min(REPLAY_BACKOFF_MAX_S, REPLAY_EVERY_S * 2 ** min(self._timeouts - 1, 16))
+            self._replay_after = time.monotonic() + backoff
             raise _Gap(str(exc)) from None
+        self._timeouts = 0
+        self._replay_after = 0.0
+        return batches
 
     def _same_history(self, batches: Batches) -> bool:
         """Whether the replay buffer continues what this source told us, or belongs to a restarted publisher."""

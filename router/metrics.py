@@ -182,7 +182,8 @@ class GatewayMetrics:
         )
         self.kv_replays = Counter(
             "kvgate_kv_event_replays",
-            "Replay requests by outcome (repaired, timeout; too_frequent: a gap left unrepaired)",
+            "Replay requests by outcome (repaired, timeout; a gap left unrepaired: too_frequent, or backoff after a "
+            "timeout)",
             ["worker", "outcome"], registry=r,
         )
         self.kv_resets = Counter(

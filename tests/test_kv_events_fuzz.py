@@ -439,6 +439,36 @@ async def test_block_hashes_longer_than_any_engines_are_invalid_and_not_kept() -
         assert not hub.trusted(WORKER)
 
 
+async def test_gaps_while_the_replay_endpoint_does_not_answer_do_not_stall_the_stream() -> None:
+    """With a replay endpoint nobody answers and a timeout at least REPLAY_EVERY_S, every gap waited out the whole
+    timeout (the rate limit refilled meanwhile): a publisher losing one batch in ten at 200 a second left the gateway
+    2,147 batches behind after 10 s, further behind every second (2 s timeout). After a replay request times out,
+    gaps are left unrepaired (counted: backoff) for a while that doubles while requests keep timing out."""
+    ctx = zmq.asyncio.Context()
+    publisher = Publisher(ctx)
+    metrics = GatewayMetrics()
+    hub = KvEventHub(InMemoryKvIndex(), metrics, lambda url: "tiny", replay_timeout_s=1.0, resync_s=600)
+    source = EventSource(WORKER, publisher.source.endpoint, f"tcp://127.0.0.1:{free_port()}")  # nobody answers
+    stream = hub.stream(source)
+    try:
+        hub.watch([source])
+        await connected(hub, publisher)  # (after the start's replay requests timed out)
+        for _ in range(20):
+            for _ in range(9):
+                await publisher.send([BlockStored(block_hashes=[publisher.seq], token_ids=TOKENS[:BS],
+                                                  block_size=BS)])
+            publisher.seq += 1  # one lost in ten
+            await asyncio.sleep(0.05)
+        await publisher.send([AllBlocksCleared()])
+        await eventually(lambda: stream.expected == publisher.seq, timeout=8)
+        assert metric(metrics, "kvgate_kv_event_gaps_total", worker=WORKER) == 20
+        assert metric(metrics, "kvgate_kv_event_replays_total", worker=WORKER, outcome="backoff") >= 10
+    finally:
+        await asyncio.wait_for(hub.close(), 3)
+        publisher.close()
+        ctx.destroy(0)
+
+
 LOST = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": ["a", "b", "c", "d"],
                                       "block_size": BS}], 0])  # an event of a known type, malformed: lost
 
