@@ -284,6 +284,9 @@ def test_k8s_manifests_wire_together(tmp_path: Path) -> None:
     gateway = by[("Deployment", "kvgate-gateway")]["spec"]["template"]["spec"]["containers"][0]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
+    # a rolling update: the pod takes connections until Service routing has dropped it, then gets SIGTERM
+    # (test_processes.py: the streams in flight then run to their end)
+    assert gateway["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
 
     # the ConfigMap's kvgate.yaml is a valid gateway config that discovers the headless Service
     (tmp_path / "kvgate.yaml").write_text(by[("ConfigMap", "kvgate-config")]["data"]["kvgate.yaml"])

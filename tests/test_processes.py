@@ -1,5 +1,5 @@
 """`kvgate serve --processes N` (router/processes.py): N real gateway processes on one port, their metrics
-gathered into one answer, a fixed pool, and a clean stop."""
+gathered into one answer, a fixed pool, and a clean stop; and a gateway's stop on SIGTERM, one process or N."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.overhead import _descendants
 from bench.procs import free_port, stop, wait_http
+from bench.standin import StandinBehaviour
 from kvcore.config import ConfigError
 from router.config import GatewayConfig
 from router.processes import merge_expositions
@@ -79,6 +80,47 @@ async def test_two_processes_share_the_port_and_answer_metrics_together(tmp_path
         # every child ends with its parent: some (multiprocessing's resource tracker) notice its exit a moment later
         left = await asyncio.to_thread(_still_running, children, 10.0)
         assert not left, [_cmdline(pid) for pid in left]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+async def test_sigterm_lets_the_streams_in_flight_finish_and_takes_no_new_connection(tmp_path: Path, gateway_port: int,
+                                                                                     processes: int) -> None:
+    """A rolling restart: SIGTERM closes the listening socket at once (the load balancer's next connection goes to
+    another gateway), every stream already relayed is relayed to its end, and the gateway then exits 0."""
+    tokens = 60
+    async with running_standin(StandinBehaviour(token_delay_s=0.05)) as worker:
+        log = (tmp_path / "gateway.log").open("wb")
+        proc = subprocess.Popen(kvgate_command(
+            "serve", "--host", "127.0.0.1", "--port", str(gateway_port), "--processes", str(processes),
+            "--worker", worker.url), stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{gateway_port}"
+        body = orjson.dumps({"model": "tiny", "prompt": "a stream through a restart", "max_tokens": tokens,
+                             "stream": True})
+        try:
+            await asyncio.to_thread(wait_http, url + "/ready", 60.0, proc)
+            async with aiohttp.ClientSession() as http, http.post(
+                    url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200
+                first = await resp.content.readuntil(b"\n\n")
+                assert first.startswith(b"data: ")
+                proc.send_signal(signal.SIGTERM)
+                refused = False
+                for _ in range(100):  # the listener closes within moments, while the stream goes on
+                    try:
+                        async with aiohttp.ClientSession() as other, other.get(url + "/health") as probe:
+                            await probe.read()
+                    except aiohttp.ClientConnectionError:
+                        refused = True
+                        break
+                    await asyncio.sleep(0.02)
+                assert refused, "a new connection was still taken 2 s after SIGTERM"
+                rest = await resp.content.read()
+            events = (first + rest).split(b"\n\n")
+            assert events[-2] == b"data: [DONE]" and len(events) == tokens + 2, events[-3:]
+            assert await asyncio.to_thread(proc.wait, 30) == 0
+        finally:
+            log.close()
+            stop(proc)
 
 
 def _still_running(pids: list[int], timeout_s: float) -> list[int]:
