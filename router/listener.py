@@ -35,6 +35,8 @@ LINGER_S = 2.0
 REFUSAL_LINGER_S = 2.0  # a refused client gets this long to read the 503 before its socket is dropped
 MAX_LINGERING = 256  # refused sockets waiting for their client to read; beyond, refusals close at once
 LOG_EVERY_S = 10.0
+# on SIGTERM the listener closes at once, and the answers under way get this long to end before they are cut
+SHUTDOWN_S = 60.0
 
 
 def raise_open_file_limit() -> int:
@@ -220,7 +222,8 @@ async def serving(app: web.Application, config: GatewayConfig, metrics: GatewayM
     server_log = logging.getLogger(f"{__name__}.http.{config.port}")
     server_log.addFilter(_MalformedRequests(metrics))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=server_log,
-                           keepalive_timeout=config.client_idle_timeout_s, lingering_time=LINGER_S)
+                           keepalive_timeout=config.client_idle_timeout_s, lingering_time=LINGER_S,
+                           shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     try:
         assert runner.server is not None

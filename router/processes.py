@@ -32,9 +32,13 @@ from typing import Any
 
 import aiohttp
 
+from router.listener import SHUTDOWN_S
+
 log = logging.getLogger(__name__)
 
-STOP_TIMEOUT_S = 30.0  # children get this long to finish after SIGTERM, then are killed
+# children get this long to finish after SIGTERM, then are killed: longer than each one's own wait for the answers
+# under way (it was 30 s, which cut streams that one process would have let finish)
+STOP_TIMEOUT_S = SHUTDOWN_S + 10.0
 
 
 @dataclass(frozen=True)
