@@ -242,6 +242,13 @@ def should_bind(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+# the replay server lets the event loop run at least this often: a message already queued is received, and one the
+# peer has room for is sent, without a round through the loop (50 requests for a 10,000-batch buffer held the tier
+# agent's loop, and every lookup of its engines, for 9.5 s)
+REPLAY_YIELD_S = 0.005
+REPLAY_LOG_EVERY_S = 10.0  # malformed replay requests are logged at most this often, with how many came meanwhile
+
+
 class KvEventPublisher:
     """Publishes event batches on a PUB socket and keeps the last `buffer_steps` for replay.
 
@@ -302,16 +309,31 @@ class KvEventPublisher:
             self._task = asyncio.get_running_loop().create_task(self._serve_replay(router))
 
     async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
+        yielded_at = time.monotonic()
+        malformed, warned_at = 0, -REPLAY_LOG_EVERY_S
+
+        async def let_others_in() -> None:
+            nonlocal yielded_at
+            if time.monotonic() - yielded_at > REPLAY_YIELD_S:
+                await asyncio.sleep(0)
+                yielded_at = time.monotonic()
+
         try:
             while True:
                 frames = await router.recv_multipart()
+                await let_others_in()
                 if len(frames) != 3 or len(frames[2]) != 8:
-                    log.warning("ignored malformed replay request with %d frames", len(frames))
+                    malformed += 1
+                    if time.monotonic() - warned_at >= REPLAY_LOG_EVERY_S:
+                        log.warning("ignored %d malformed replay request(s), the last with %d frames", malformed,
+                                    len(frames))
+                        malformed, warned_at = 0, time.monotonic()
                     continue
                 identity, start = frames[0], int.from_bytes(frames[2], "big")
                 for seq, payload in list(self._buffer):
                     if seq >= start:
                         await router.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                        await let_others_in()
                 await router.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))
         finally:
             router.close(linger=0)
