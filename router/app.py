@@ -131,6 +131,8 @@ class Gateway:
 
     def _worker_removed(self, url: str) -> None:
         self.strategy.forget_worker(url)
+        if self._upstream is not None:
+            self._upstream.forget(url, [worker.url for worker in self.pool.all()])
         if self.kv_events is not None:
             self.kv_events.forget_worker(url)
 

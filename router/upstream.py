@@ -382,7 +382,8 @@ class UpstreamPool:
         slots = self._in_use.pop(conn, None)
         if slots is not None:
             slots.release()
-        if conn.keep_alive and conn.transport is not None and not conn.transport.is_closing():
+        kept = slots is not None and self._slots.get(conn.key) is slots  # not when its worker was forgotten since
+        if kept and conn.keep_alive and conn.transport is not None and not conn.transport.is_closing():
             conn.idle_since = time.monotonic()
             self._idle.setdefault(conn.key, collections.deque()).append(conn)
         elif conn.transport is not None:
@@ -404,6 +405,18 @@ class UpstreamPool:
                 return response.status, await response.read(limit)
             finally:
                 response.close()
+
+    def forget(self, url: str, others: Iterable[str] = ()) -> None:
+        """Close the idle connections to a removed worker's host and port and drop its slots, unless one of the
+        `others` (the workers still in the pool) is served there too; one still in use is closed when released.
+        (They stayed open for as long as the gateway ran: a descriptor or more for every address discovery saw.)"""
+        key = _split(url)[1:3]
+        if any(_split(other)[1:3] == key for other in others):
+            return
+        self._slots.pop(key, None)
+        for conn in self._idle.pop(key, ()):
+            if conn.transport is not None:
+                conn.transport.close()
 
     def close(self) -> None:
         for idle in self._idle.values():

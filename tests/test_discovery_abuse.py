@@ -1,0 +1,129 @@
+"""Worker discovery against a broken or hostile DNS server: a real responder on loopback (UDP and TCP, dnspython's
+message API) whose answers the test picks — flapping records, garbage, silence — and workers that are real stand-in
+HTTP servers on loopback addresses."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
+
+from bench.procs import free_port
+from tests.conftest import Standin, eventually, running_gateway
+from tests.test_discovery import NAME, standin_at, urls
+
+
+@dataclass
+class DnsResponder:
+    """What the responder answers for NAME: A/AAAA `records`, or in `mode` "garbage" (bytes that are no DNS
+    message) or "silent" (nothing at all)."""
+
+    port: int
+    records: list[str] = field(default_factory=list)
+    mode: str = "answer"
+    queries: int = 0
+
+    def answer(self, wire: bytes) -> bytes | None:
+        self.queries += 1
+        if self.mode == "silent":
+            return None
+        query = dns.message.from_wire(wire)
+        if self.mode == "garbage":
+            return wire[:2] + b"\x81\x80\xff\xff" + b"\xde\xad" * 20  # its id, then nonsense
+        response = dns.message.make_response(query)
+        question = query.question[0]
+        if question.name.to_text().rstrip(".") != NAME:
+            response.set_rcode(dns.rcode.NXDOMAIN)
+            return response.to_wire()
+        rdtype = "AAAA" if question.rdtype == dns.rdatatype.AAAA else "A"
+        addresses = [a for a in self.records if (":" in a) == (rdtype == "AAAA")]
+        if addresses:
+            response.answer.append(dns.rrset.from_text_list(question.name, 0, "IN", rdtype, addresses))
+        response.flags |= dns.flags.AA
+        return response.to_wire(max_size=65535)
+
+
+class _Udp(asyncio.DatagramProtocol):
+    def __init__(self, responder: DnsResponder) -> None:
+        self.responder = responder
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.DatagramTransport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        reply = self.responder.answer(data)
+        if reply is not None:
+            if len(reply) > 512:  # too long for UDP: truncated, the client asks again over TCP
+                message = dns.message.from_wire(reply)
+                message.answer.clear()
+                message.flags |= dns.flags.TC
+                reply = message.to_wire()
+            self.transport.sendto(reply, addr)
+
+
+@asynccontextmanager
+async def dns_responder() -> AsyncIterator[DnsResponder]:
+    responder = DnsResponder(free_port())
+
+    async def serve_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                size = int.from_bytes(await reader.readexactly(2), "big")
+                reply = responder.answer(await reader.readexactly(size))
+                if reply is None:
+                    await asyncio.sleep(3600)
+                    return
+                writer.write(len(reply).to_bytes(2, "big") + reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    loop = asyncio.get_running_loop()
+    udp, _ = await loop.create_datagram_endpoint(lambda: _Udp(responder), local_addr=("127.0.0.1", responder.port))
+    tcp = await asyncio.start_server(serve_tcp, "127.0.0.1", responder.port)
+    try:
+        yield responder
+    finally:
+        udp.close()
+        tcp.close()
+
+
+def connections_to(worker: Standin) -> int:
+    """Connections the stand-in worker has open (to the gateway: its only client)."""
+    server = worker.runner.server
+    return len(server.connections) if server is not None else 0
+
+
+async def test_a_worker_whose_record_flaps_leaves_no_connection_open() -> None:
+    """Records that come and go every round (pods rescheduled onto new addresses, or a hostile DNS server): each
+    removed worker's keep-alive connections (its probes', its scrapes') stayed open in the gateway's upstream pool,
+    with their per-host slots, for as long as the gateway ran: one file descriptor or more per address ever
+    seen. A worker forgotten by the pool now takes its connections along."""
+    port = free_port()
+    hosts = [f"127.0.0.{i}" for i in range(2, 8)]
+    async with dns_responder() as dns_server, AsyncExitStack() as stack:
+        workers = [await stack.enter_async_context(standin_at(host, port)) for host in hosts]
+        dns_server.records = [hosts[0]]
+        async with running_gateway([], discover=[f"dns:{NAME}:{port}"],
+                                   discover_nameserver=f"127.0.0.1:{dns_server.port}",
+                                   discover_interval_s=0.1) as gw:
+            pool, upstream = gw.gateway.pool, gw.gateway._upstream
+            assert upstream is not None
+            await eventually(lambda: connections_to(workers[0]) > 0)  # probed over a kept-alive connection
+            for previous, current in itertools.pairwise(workers):
+                dns_server.records = [current.url.split("//")[1].split(":")[0]]  # the last one's record gone
+                await eventually(lambda: urls(gw) == {current.url}, timeout=5)  # noqa: B023
+                await eventually(lambda: len(pool.all()) == 1, timeout=5)  # the last one drained and forgotten
+                await eventually(lambda: connections_to(previous) == 0, timeout=5)  # noqa: B023
+                await eventually(lambda: connections_to(current) > 0, timeout=5)  # noqa: B023
+            assert len(upstream._idle) <= 1 and len(upstream._slots) <= 1
