@@ -28,7 +28,7 @@ from router.kv_index import InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.listener import raise_open_file_limit, serving
 from router.metrics import GatewayMetrics
-from router.pool import Worker, WorkerPool
+from router.pool import PoolFull, Worker, WorkerPool
 from router.processes import GatewayProcess
 from router.prompt_tokens import CHARS_PER_TOKEN, PromptTokens
 from router.proxy import FORWARDED_REQUEST_HEADERS, Proxy
@@ -442,6 +442,8 @@ async def admin_add_worker(request: web.Request) -> web.Response:
         worker = gateway.pool.add(spec)
     except KeyError:
         raise GatewayError(409, f"worker {spec.url} is already in the pool", code="worker_exists") from None
+    except PoolFull as exc:
+        raise GatewayError(409, str(exc), code="pool_full") from None
     await gateway.pool.probe_all()
     return web.json_response(worker.describe(), status=201, dumps=_dumps)
 

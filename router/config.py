@@ -183,6 +183,10 @@ class GatewayConfig:
     metrics_interval_s: float = option(1.0, "interval between scrapes of each worker's /metrics")
     models_refresh_s: float = option(30.0, "interval between refreshes of each worker's /v1/models")
     drain_timeout_s: float = option(600.0, "longest wait for in-flight requests of a removed worker")
+    max_workers: int = option(
+        1000, "most workers in the pool (configured, admin-added, discovered, draining): a DNS answer or a workers "
+        "file naming more adds the first ones only, an admin add beyond it is a 409"
+    )
     # worker discovery (issue 8): router/discovery.py
     discover: list[str] = option(
         [], "worker discovery source, repeatable: dns:NAME:PORT (one worker per A/AAAA record of NAME, e.g. a "
@@ -274,6 +278,8 @@ class GatewayConfig:
             raise ConfigError("admin_key must differ from every api_key")
         if self.processes < 1:
             raise ConfigError(f"processes must be at least 1: {self.processes}")
+        if len(self.worker) > self.max_workers:
+            raise ConfigError(f"{len(self.worker)} workers configured, more than max_workers ({self.max_workers})")
         if not 0 <= self.tokenizer_processes_nice <= 19:
             raise ConfigError(f"tokenizer_processes_nice must be 0 to 19: {self.tokenizer_processes_nice}")
         if self.processes > 1 and self.record_trace:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import logging
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 import dns.asyncresolver
@@ -24,7 +26,7 @@ from kvcore.config import ConfigError
 from router.config import GatewayConfig, WorkerSpec
 from router.discovery_sources import DnsSource, Source, parse_nameserver, parse_source
 from router.metrics import GatewayMetrics
-from router.pool import WorkerPool
+from router.pool import PoolFull, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,12 @@ def with_event_template(spec: WorkerSpec, config: GatewayConfig) -> WorkerSpec:
     )
 
 
+def _some(urls: Iterable[str], most: int = 8) -> str:
+    """A few of the workers a source sees, for a log line (a DNS answer may hold thousands)."""
+    shown = heapq.nsmallest(most + 1, urls)
+    return ", ".join(shown[:most]) + (", ..." if len(shown) > most else "")
+
+
 def parse_workers_file(text: str) -> list[WorkerSpec]:
     """A YAML list (or `workers:` mapping) of worker specs, or plain lines `URL[;events=..;replay=..]`."""
     try:
@@ -92,6 +100,7 @@ class WorkerDiscovery:
         self._file_text: dict[str, str] = {}
         self._reading: dict[str, asyncio.Future[str]] = {}  # reads of workers files under way, by path
         self._added: dict[str, WorkerSpec] = {}   # workers this discovery put in the pool, by URL
+        self._left_out = 0  # workers seen but not added last round, the pool being full (warned when it changes)
         self._task: asyncio.Task[None] | None = None
         self._resolver: dns.asyncresolver.Resolver | None = None
         self._timeout = max(0.5, min(5.0, config.discover_interval_s))
@@ -142,7 +151,7 @@ class WorkerDiscovery:
             if isinstance(answer, BaseException):
                 raise answer
             if answer != self._seen.get(source):
-                log.info("discovery %s sees %d workers: %s", source, len(answer), ", ".join(sorted(answer)))
+                log.info("discovery %s sees %d workers: %s", source, len(answer), _some(answer))
             self._seen[source] = answer
             self._metrics.discovered_workers.labels(str(source)).set(len(answer))
         await self._reconcile()
@@ -160,16 +169,28 @@ class WorkerDiscovery:
                     self._pool.remove(url)
                     log.info("discovery: worker %s removed (draining)", url)
         added = False
+        left_out = 0
         for url, spec in wanted.items():
             if url in self._added:
+                continue
+            if left_out:
+                left_out += 1
                 continue
             try:
                 self._pool.add(spec)
             except KeyError:
                 continue  # configured statically, added by an admin, or still draining: try again next round
+            except PoolFull:
+                left_out = 1  # this one and the rest: tried again next round, as workers leave
+                continue
             self._added[url] = spec
             added = True
             log.info("discovery: worker %s added", url)
+        if left_out != self._left_out:
+            self._left_out = left_out
+            if left_out:
+                log.warning("discovery: %d workers seen are left out: the pool holds max_workers (%d)", left_out,
+                            self._config.max_workers)
         if added:
             await self._pool.probe_all()
 

@@ -54,6 +54,10 @@ PAGE_SLICE_BYTES = 1 << 20
 MAX_LINE_BYTES = 64 << 10
 
 
+class PoolFull(Exception):
+    """The pool holds `max_workers` workers already."""
+
+
 @dataclass(eq=False)
 class Worker:
     """One upstream replica as the gateway sees it."""
@@ -324,8 +328,13 @@ class WorkerPool:
             await asyncio.gather(*(self._probe(w) for w in workers), return_exceptions=True)
 
     def add(self, spec: WorkerSpec, *, configured: bool = False) -> Worker:
+        """Raises KeyError for a URL in the pool already (draining ones too), PoolFull beyond `max_workers`."""
         if spec.url in self._workers:
             raise KeyError(spec.url)
+        if len(self._workers) >= self._config.max_workers:
+            # each worker costs a watching task, probes, connections and KV-event sockets: a DNS answer of thousands
+            # of records (a broken or hostile server) made as many, and held the event loop for seconds each round
+            raise PoolFull(f"the pool holds max_workers ({self._config.max_workers}) workers already")
         worker = Worker(spec=spec, configured=configured)
         self._workers[spec.url] = worker
         if self._on_added is not None:

@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
+import aiohttp
 import dns.flags
 import dns.message
 import dns.rcode
 import dns.rdatatype
 import dns.rrset
+import pytest
 
 from bench.procs import free_port
+from kvcore.config import ConfigError
+from router.config import GatewayConfig, WorkerSpec
 from tests.conftest import Standin, eventually, running_gateway
 from tests.test_discovery import NAME, standin_at, urls
 
@@ -127,3 +132,43 @@ async def test_a_worker_whose_record_flaps_leaves_no_connection_open() -> None:
                 await eventually(lambda: connections_to(previous) == 0, timeout=5)  # noqa: B023
                 await eventually(lambda: connections_to(current) > 0, timeout=5)  # noqa: B023
             assert len(upstream._idle) <= 1 and len(upstream._slots) <= 1
+
+
+async def test_a_dns_answer_of_hundreds_of_records_fills_the_pool_up_to_max_workers(
+    http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DNS answer naming hundreds of addresses (over TCP, after a truncated UDP answer; thousands fit in one):
+    each became a worker with its watching task, probes, connections and KV-event sockets (4,000 records made
+    8,000 tasks and stalled the event loop 1.6-2 s), with no limit. The pool holds `max_workers` now: discovery adds
+    the first ones, warns once while the rest are left out, and adds them as others leave; an admin add beyond
+    it is a 409 `pool_full`. Each round's log line names a few of the workers seen, not all of them."""
+    port = free_port()
+    many = [f"127.2.{i // 250}.{i % 250 + 1}" for i in range(300)]
+    async with dns_responder() as dns_server:
+        dns_server.records = many
+        with caplog.at_level(logging.INFO, logger="router.discovery"):
+            async with running_gateway([], discover=[f"dns:{NAME}:{port}"], max_workers=20,
+                                       discover_nameserver=f"127.0.0.1:{dns_server.port}",
+                                       discover_interval_s=0.1, discover_events_port=5557) as gw:
+                pool = gw.gateway.pool
+                assert len(pool.all()) == 20
+                rounds = dns_server.queries
+                await eventually(lambda: dns_server.queries >= rounds + 6)  # three more rounds (A and AAAA each)
+                assert len(pool.all()) == 20
+                async with http.post(gw.url + "/admin/workers", json={"url": "http://127.3.0.1:8000"}) as resp:
+                    body = await resp.json()
+                    assert resp.status == 409 and body["error"]["code"] == "pool_full", body
+                dns_server.records = many[280:]  # the 20 in the pool gone, 20 others there
+                await eventually(lambda: urls(gw) == {f"http://{a}:{port}" for a in many[280:]}, timeout=5)
+                async with http.get(gw.url + "/health") as resp:
+                    assert resp.status == 200
+    warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert warnings == ["discovery: 280 workers seen are left out: the pool holds max_workers (20)"], warnings
+    seen = [r.getMessage() for r in caplog.records if "sees 300 workers" in r.getMessage()]
+    assert seen and all(len(line) < 1000 for line in seen), seen
+
+
+def test_more_configured_workers_than_max_workers_are_refused_at_start() -> None:
+    with pytest.raises(ConfigError, match="max_workers"):
+        GatewayConfig(worker=[WorkerSpec.parse(f"http://127.0.0.1:{8000 + i}") for i in range(3)], max_workers=2)
+    GatewayConfig(worker=[WorkerSpec.parse(f"http://127.0.0.1:{8000 + i}") for i in range(2)], max_workers=2)
