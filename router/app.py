@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import hashlib
 import hmac
 import logging
 import os
@@ -59,6 +60,10 @@ class Gateway:
     def __init__(self, config: GatewayConfig, strategy: Strategy, process: GatewayProcess | None = None) -> None:
         self.config = config
         self.process = process  # which of several gateway processes this is (`--processes`), if there are several
+        # this gateway's name in the `Via` header of what it sends to workers (every process of one gateway the
+        # same): a request that comes back with it went round a loop (the gateway listed as its own worker)
+        self.hop = "kvgate-" + (hashlib.sha256(process.sockets.encode()).hexdigest()[:12] if process is not None
+                                else os.urandom(6).hex())
         self.metrics = GatewayMetrics()
         self.admission = Admission(config.max_in_flight_requests, config.max_in_flight_bytes, self.metrics)
         self.strategy = strategy
@@ -101,11 +106,11 @@ class Gateway:
                                         identity_blocks=cfg.kv_identity_blocks)
             self.strategy.attach_kv(index, self.kv_events.trusted, self.kv_events.any_sources)
         self._pool = WorkerPool(cfg, self._upstream, self.metrics, on_added=self._worker_added,
-                                on_removed=self._worker_removed)
+                                on_removed=self._worker_removed, hop=self.hop)
         for spec in cfg.worker:
             self._pool.add(spec, configured=True)
         self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream,
-                            self.kv_events.learn if self.kv_events is not None else None)
+                            self.kv_events.learn if self.kv_events is not None else None, hop=self.hop)
         if self.prompts is not None:
             await self.prompts.start()
         await self._pool.start()
@@ -241,7 +246,7 @@ def _check_header_bytes(request: web.Request, tenant_header: str) -> None:
             raise bad_request(f"header {tenant_header} holds bytes that are not ASCII", "invalid_header")
 
 
-_CHECKED_HEADERS = (*FORWARDED_REQUEST_HEADERS, "Authorization")  # and the tenant header, if the gateway has one
+_CHECKED_HEADERS = (*FORWARDED_REQUEST_HEADERS, "Authorization", "Via")  # and the tenant header, if the gateway has one
 
 
 @web.middleware
@@ -251,6 +256,10 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     cfg = gateway.config
     try:
         _check_header_bytes(request, cfg.tenant_header)
+        via = request.headers.get("Via")
+        if via is not None and gateway.hop in via:
+            raise GatewayError(508, "the request came back to this gateway: is the gateway listed as one of its own "
+                               "workers?", code="loop_detected")
         path = request.path
         if path not in OPEN_PATHS:
             # without an admin key, /admin/* takes the api keys only where allow_api_key_admin said so (the

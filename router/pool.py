@@ -253,6 +253,7 @@ class WorkerPool:
         metrics: GatewayMetrics,
         on_added: Callable[[Worker], None] | None = None,
         on_removed: Callable[[str], None] | None = None,
+        hop: str = "kvgate",
     ) -> None:
         self._config = config
         self._upstream = upstream
@@ -263,6 +264,8 @@ class WorkerPool:
         # /v1/models: without it no such worker would ever be healthy)
         key = config.upstream_api_key
         self._probe_headers = [("Authorization", f"Bearer {key}")] if key else []
+        # and the gateway's `Via`: a gateway listed as its own worker answers its probes 508, and is never healthy
+        self._probe_headers.append(("Via", f"1.1 {hop}"))
         self._workers: dict[str, Worker] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._drains: set[asyncio.Task[None]] = set()

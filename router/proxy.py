@@ -99,8 +99,11 @@ class Proxy:
         metrics: GatewayMetrics,
         upstream: UpstreamPool,
         learn: Learn | None = None,
+        *,
+        hop: str = "kvgate",
     ) -> None:
         self._config = config
+        self._hop = f"1.1 {hop}"  # this gateway's entry in the `Via` of what it sends (RFC 9110 7.6.3)
         self._pool = pool
         self._strategy = strategy
         self._metrics = metrics
@@ -162,6 +165,8 @@ class Proxy:
     def _upstream_headers(self, request: web.Request, decision: Decision) -> list[tuple[str, str]]:
         worker = decision.worker
         headers = [(name, value) for name in FORWARDED_REQUEST_HEADERS if (value := request.headers.get(name))]
+        via = request.headers.get("Via")
+        headers.append(("Via", f"{via}, {self._hop}" if via else self._hop))  # a loop through gateways is seen
         if decision.dp_rank is not None:
             headers.append((DP_RANK_HEADER, str(decision.dp_rank)))
         if self._config.upstream_api_key:

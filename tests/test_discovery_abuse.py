@@ -22,7 +22,7 @@ import pytest
 from bench.procs import free_port
 from kvcore.config import ConfigError
 from router.config import GatewayConfig, WorkerSpec
-from tests.conftest import Standin, eventually, running_gateway
+from tests.conftest import Standin, eventually, running_gateway, running_standin
 from tests.test_discovery import NAME, standin_at, urls
 
 
@@ -172,3 +172,29 @@ def test_more_configured_workers_than_max_workers_are_refused_at_start() -> None
     with pytest.raises(ConfigError, match="max_workers"):
         GatewayConfig(worker=[WorkerSpec.parse(f"http://127.0.0.1:{8000 + i}") for i in range(3)], max_workers=2)
     GatewayConfig(worker=[WorkerSpec.parse(f"http://127.0.0.1:{8000 + i}") for i in range(2)], max_workers=2)
+
+
+async def test_the_gateway_listed_as_its_own_worker_is_never_routed_to(http: aiohttp.ClientSession) -> None:
+    """The gateway's own address added as a worker (an admin's slip, or a discovery name that also resolves to
+    the gateway): it answered its own probes (`/health` 200, `/v1/models` the fleet's models), so it was healthy
+    and requests were routed to it, each hop taking another connection and admission slot; once the real workers
+    were gone it listed their models from its own earlier listing, and a request went round the loop until the
+    gateway's limits answered 503. The gateway names itself in the `Via` header of what it sends to workers and
+    answers a request that comes back with its own name with a 508 `loop_detected`: it never becomes healthy."""
+    async with running_standin() as worker, running_gateway([worker.url]) as gw:
+        async with http.post(gw.url + "/admin/workers", json={"url": gw.url}) as resp:
+            assert resp.status == 201
+        itself = gw.gateway.pool.get(gw.url)
+        assert itself is not None
+        await eventually(lambda: itself.consecutive_failures >= 2, timeout=5)
+        assert not itself.healthy and "508" in (itself.last_error or ""), itself.last_error
+        for _ in range(10):
+            async with http.post(gw.url + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "hi", "max_tokens": 1}) as resp:
+                assert resp.status == 200
+        assert itself.routed == 0
+        async with http.get(gw.url + "/health", headers={"Via": f"1.0 other, 1.1 {gw.gateway.hop}"}) as resp:
+            body = await resp.json()
+            assert resp.status == 508 and body["error"]["code"] == "loop_detected", body
+        async with http.get(gw.url + "/health", headers={"Via": "1.1 kvgate-0123456789ab"}) as resp:
+            assert resp.status == 200  # another gateway in front: no loop
