@@ -75,20 +75,31 @@ class WorkerSpec:
 
 
 def _check_worker_url(url: object) -> None:
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ConfigError(f"worker URL must start with http:// or https://: {url!r}")
+    if isinstance(url, str) and url.startswith("https://"):
+        # accepted before, and then every probe failed: the gateway's client to workers speaks plain HTTP only
+        raise ConfigError(f"worker URL must be http:// (the gateway speaks plain HTTP to workers): {url!r}")
+    if not isinstance(url, str) or not url.startswith("http://"):
+        raise ConfigError(f"worker URL must start with http://: {url!r}")
     if any(c.isspace() or not c.isprintable() for c in url):
         # a URL is a label value and is logged: a newline in it forges log lines (Python's parser drops it)
         raise ConfigError(f"worker URL must not contain whitespace or control characters: {url!r}")
-    parts = urlsplit(url)
+    if "?" in url or "#" in url:
+        # paths are appended to the URL (`/health`, `/v1/completions`): after a query or fragment they went nowhere
+        raise ConfigError(f"worker URL must not have a query or fragment: {url!r}")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # an unclosed IPv6 bracket: it was a 500 at /admin/workers
+        raise ConfigError(f"worker URL is malformed ({exc}): {url!r}") from None
     if parts.username is not None or parts.password is not None:
         # a password in a URL ends up in labels, logs and listings; workers authenticate with upstream_api_key
         shown = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
         raise ConfigError(f"worker URL must not carry credentials (use upstream_api_key): {shown}")
     try:
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+        port = parts.port  # raises ValueError for a port that is not a number in range
     except ValueError:
-        raise ConfigError(f"worker URL has a bad port: {url!r}") from None
+        port = -1
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"worker URL has a bad port: {url!r}")
     if not parts.hostname:
         raise ConfigError(f"worker URL has no host: {url!r}")
 

@@ -148,6 +148,10 @@ class WorkerDiscovery:
                 self._metrics.discovery_errors.labels(str(source)).inc()
                 log.warning("discovery %s failed, keeping its last answer: %s", source, answer)
                 continue
+            if isinstance(answer, Exception):  # a defect here: that source's round fails, not every source's
+                self._metrics.discovery_errors.labels(str(source)).inc()
+                log.error("discovery %s failed, keeping its last answer", source, exc_info=answer)
+                continue
             if isinstance(answer, BaseException):
                 raise answer
             if answer != self._seen.get(source):

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import dns.flags
@@ -198,3 +199,31 @@ async def test_the_gateway_listed_as_its_own_worker_is_never_routed_to(http: aio
             assert resp.status == 508 and body["error"]["code"] == "loop_detected", body
         async with http.get(gw.url + "/health", headers={"Via": "1.1 kvgate-0123456789ab"}) as resp:
             assert resp.status == 200  # another gateway in front: no loop
+
+
+async def test_a_worker_url_no_probe_could_reach_is_refused_and_spoils_no_other_source(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Worker URLs accepted before and never reachable: `http://[::1:9` (an unclosed bracket) was a 500 at
+    /admin/workers, and as a line of a workers file it raised out of the discovery round, so no source's answer
+    was applied (a DNS source's new records were ignored for as long as the file held the line); a query or
+    fragment (`/health` was appended after it), port 0, and https:// (the gateway speaks plain HTTP to workers: every
+    probe failed) were added and never healthy. Each is a 400 `invalid_worker` now, and a failing source fails
+    its own round only."""
+    port = free_port()
+    workers_file = tmp_path / "workers.txt"
+    workers_file.write_text("http://[::1:9\n")
+    async with dns_responder() as dns_server, standin_at("127.0.0.2", port) as a, standin_at("127.0.0.3", port) as b:
+        dns_server.records = ["127.0.0.2"]
+        async with running_gateway([], discover=[f"dns:{NAME}:{port}", f"file:{workers_file}"],
+                                   discover_nameserver=f"127.0.0.1:{dns_server.port}", discover_interval_s=0.1) as gw:
+            for bad in ("http://[::1:9", "http://127.0.0.1:9/#x", "http://127.0.0.1:9?a=1", "http://127.0.0.1:9/?",
+                        "http://127.0.0.1:0", "https://127.0.0.1:9"):
+                async with http.post(gw.url + "/admin/workers", json={"url": bad}) as resp:
+                    body = await resp.json()
+                    assert resp.status == 400 and body["error"]["code"] == "invalid_worker", (bad, body)
+            assert urls(gw) == {a.url}
+            dns_server.records = ["127.0.0.3"]
+            await eventually(lambda: urls(gw) == {b.url}, timeout=5)
+            assert (gw.gateway.metrics.registry.get_sample_value(
+                "kvgate_discovery_errors_total", {"source": f"file:{workers_file}"}) or 0) >= 1
