@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import heapq
+import ipaddress
 import logging
 import socket
 from collections.abc import Iterable
@@ -37,6 +38,20 @@ class DiscoveryError(Exception):
 
 def _host_in_url(address: str) -> str:
     return f"[{address}]" if ":" in address else address
+
+
+def is_worker_address(address: str) -> bool:
+    """Whether a DNS answer's address may be a worker's: not unspecified (0.0.0.0 connects to this host), multicast,
+    broadcast or reserved, nor link-local, where the cloud metadata service (169.254.169.254) answers and any host
+    on the segment may claim an address: the pool's probes carry upstream_api_key. Loopback may (Compose, tests)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    # IPv6's "reserved" holds ::1 and NAT64's 64:ff9b::/96: IPv4's only (240/4, broadcast)
+    return not (ip.is_unspecified or ip.is_multicast or ip.is_link_local or (ip.version == 4 and ip.is_reserved))
 
 
 def worker_for_address(address: str, port: int, config: GatewayConfig) -> WorkerSpec:
@@ -100,6 +115,7 @@ class WorkerDiscovery:
         self._file_text: dict[str, str] = {}
         self._reading: dict[str, asyncio.Future[str]] = {}  # reads of workers files under way, by path
         self._added: dict[str, WorkerSpec] = {}   # workers this discovery put in the pool, by URL
+        self._refused: dict[Source, list[str]] = {}  # addresses a DNS source answered that are no worker's
         self._left_out = 0  # workers seen but not added last round, the pool being full (warned when it changes)
         self._task: asyncio.Task[None] | None = None
         self._resolver: dns.asyncresolver.Resolver | None = None
@@ -201,7 +217,13 @@ class WorkerDiscovery:
     async def _lookup(self, source: Source) -> dict[str, WorkerSpec]:
         if isinstance(source, DnsSource):
             addresses = await self._resolve(source.name)
-            specs = [worker_for_address(a, source.port, self._config) for a in addresses]
+            refused = sorted({a for a in addresses if not is_worker_address(a)})
+            if refused != self._refused.get(source, []):
+                self._refused[source] = refused
+                if refused:
+                    log.warning("discovery %s: %d addresses are no worker's and are left out: %s", source,
+                                len(refused), _some(refused))
+            specs = [worker_for_address(a, source.port, self._config) for a in addresses if is_worker_address(a)]
         else:
             specs = [with_event_template(s, self._config) for s in await self._read_file(source.path)]
         return {spec.url: spec for spec in specs}

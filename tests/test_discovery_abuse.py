@@ -227,3 +227,25 @@ async def test_a_worker_url_no_probe_could_reach_is_refused_and_spoils_no_other_
             await eventually(lambda: urls(gw) == {b.url}, timeout=5)
             assert (gw.gateway.metrics.registry.get_sample_value(
                 "kvgate_discovery_errors_total", {"source": f"file:{workers_file}"}) or 0) >= 1
+
+
+async def test_a_dns_answer_naming_no_workers_addresses_adds_none_of_them(caplog: pytest.LogCaptureFixture) -> None:
+    """A DNS answer (a broken or spoofed server) naming the unspecified address (0.0.0.0 connects to this host),
+    link-local ones (the cloud metadata service at 169.254.169.254; any host on the segment may claim one),
+    multicast or broadcast: each became a worker, probed with upstream_api_key in its Authorization. They are left
+    out now, with one warning while the answer says the same; loopback is still a worker (Compose, tests)."""
+    port = free_port()
+    junk = ["0.0.0.0", "169.254.169.254", "224.0.0.1", "255.255.255.255", "240.0.0.1", "::", "fe80::1", "ff02::1",
+            "::ffff:169.254.169.254"]
+    async with dns_responder() as dns_server, standin_at("127.0.0.2", port) as good:
+        dns_server.records = ["127.0.0.2", *junk]
+        with caplog.at_level(logging.WARNING, logger="router.discovery"):
+            async with running_gateway([], discover=[f"dns:{NAME}:{port}"], upstream_api_key="secret",
+                                       discover_nameserver=f"127.0.0.1:{dns_server.port}",
+                                       discover_interval_s=0.1) as gw:
+                assert urls(gw) == {good.url}
+                rounds = dns_server.queries
+                await eventually(lambda: dns_server.queries >= rounds + 6)
+                assert urls(gw) == {good.url}
+    warnings = [r.getMessage() for r in caplog.records if "no worker's" in r.getMessage()]
+    assert len(warnings) == 1 and "9 addresses" in warnings[0], warnings
