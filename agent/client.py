@@ -27,6 +27,7 @@ import msgspec
 from agent.breaker import AgentCircuit
 from agent.protocol import (
     FRAME,
+    MAX_BATCH_BLOCKS,
     MAX_FRAME,
     MAX_LOOKUP_HASHES,
     PROTOCOL_VERSION,
@@ -247,19 +248,33 @@ class AgentClient:
 
     def store_chains_in_place(self, layout: int, chains: Sequence[InPlaceChain]) -> list[int]:
         """Store several chains the caller already wrote into `self.shm`, one `Store` each, sent together (a vLLM
-        step's saves: one round trip, not one per request); how many blocks of each the agent stored."""
-        replies = self._call_many([Store(layout=layout, hashes=list(c.hashes), parent=c.parent,
-                                         offsets=list(c.offsets), lengths=list(c.lengths)) for c in chains])
-        return [self._expect(reply, StoreReply).stored for reply in replies]
+        step's saves: one round trip, not one per request); how many blocks of each the agent stored. A chain
+        longer than one Store may name (MAX_BATCH_BLOCKS) goes as several, in the same write."""
+        stores: list[Store] = []
+        owners: list[int] = []  # the chain each Store is a piece of
+        for i, c in enumerate(chains):
+            for start in range(0, max(len(c.hashes), 1), MAX_BATCH_BLOCKS):
+                end = start + MAX_BATCH_BLOCKS
+                stores.append(Store(layout=layout, hashes=list(c.hashes[start:end]),
+                                    parent=c.parent if start == 0 else c.hashes[start - 1],
+                                    offsets=list(c.offsets[start:end]), lengths=list(c.lengths[start:end])))
+                owners.append(i)
+        stored = [0] * len(chains)
+        for owner, reply in zip(owners, self._call_many(stores), strict=True):
+            stored[owner] += self._expect(reply, StoreReply).stored
+        return stored
 
     def store(self, layout: int, hashes: Sequence[BlockHash], payloads: Sequence[Buffer],
               parent: BlockHash | None = None) -> int:
         """Store a chain of blocks (copied into shared memory batch by batch, or sent inline without it)."""
         self.connect()
-        if self.shm is None:
-            reply: StoreReply = self._expect(self._call(Store(layout=layout, hashes=list(hashes), parent=parent,
-                                                              data=[bytes(p) for p in payloads])), StoreReply)
-            return reply.stored
+        if self.shm is None:  # MAX_BATCH_BLOCKS a Store, sent together
+            pieces = range(0, max(len(hashes), 1), MAX_BATCH_BLOCKS)
+            replies = self._call_many([Store(layout=layout, hashes=list(hashes[i: i + MAX_BATCH_BLOCKS]),
+                                             parent=parent if i == 0 else hashes[i - 1],
+                                             data=[bytes(p) for p in payloads[i: i + MAX_BATCH_BLOCKS]])
+                                       for i in pieces])
+            return sum(self._expect(reply, StoreReply).stored for reply in replies)
         stored = 0
         i = 0
         while i < len(hashes):
@@ -282,23 +297,44 @@ class AgentClient:
         return stored
 
     def load_in_place(self, layout: int, hashes: Sequence[BlockHash], block_bytes: int) -> list[int]:
-        """Load the leading run of blocks into `self.shm` (block i at i * block_bytes); their lengths."""
+        """Load the leading run of blocks into `self.shm` (block i at i * block_bytes); their lengths. More blocks
+        than one Load may name (MAX_BATCH_BLOCKS) are asked as several Loads in one write, the run cut at the
+        first piece that comes back short."""
         self.connect()
         count = len(hashes)
         if count > self.max_blocks(block_bytes):
             raise AgentError(f"{count} blocks of {block_bytes} bytes do not fit the shared memory")
-        reply: LoadReply = self._expect(self._call(Load(layout=layout, hashes=list(hashes), block_bytes=block_bytes,
-                                                        offsets=[i * block_bytes for i in range(count)])),
-                                        LoadReply)
-        return reply.lengths
+        pieces = range(0, max(count, 1), MAX_BATCH_BLOCKS)
+        replies = self._call_many([Load(layout=layout, hashes=list(hashes[i: i + MAX_BATCH_BLOCKS]),
+                                        block_bytes=block_bytes,
+                                        offsets=[k * block_bytes for k in range(i, min(count, i + MAX_BATCH_BLOCKS))])
+                                   for i in pieces])
+        return self._leading_run(replies, count)
+
+    def _leading_run(self, replies: Sequence[Reply], count: int) -> list[int]:
+        """The lengths of the Loads of consecutive pieces of MAX_BATCH_BLOCKS, up to the first short one."""
+        lengths: list[int] = []
+        for i, reply in enumerate(replies):
+            piece: LoadReply = self._expect(reply, LoadReply)
+            lengths += piece.lengths
+            if len(piece.lengths) < min(MAX_BATCH_BLOCKS, count - i * MAX_BATCH_BLOCKS):
+                break
+        return lengths
 
     def load(self, layout: int, hashes: Sequence[BlockHash], block_bytes: int) -> list[bytes]:
         """Load the leading run of blocks as bytes (a copy; for tests and the simulator)."""
         self.connect()
-        if self.shm is None:
-            reply: LoadReply = self._expect(self._call(Load(layout=layout, hashes=list(hashes),
-                                                            block_bytes=block_bytes)), LoadReply)
-            return reply.data
+        if self.shm is None:  # MAX_BATCH_BLOCKS a Load, sent together
+            replies = self._call_many([Load(layout=layout, hashes=list(hashes[i: i + MAX_BATCH_BLOCKS]),
+                                            block_bytes=block_bytes)
+                                       for i in range(0, max(len(hashes), 1), MAX_BATCH_BLOCKS)])
+            data: list[bytes] = []
+            for i, reply in enumerate(replies):
+                piece: LoadReply = self._expect(reply, LoadReply)
+                data += piece.data
+                if len(piece.data) < min(MAX_BATCH_BLOCKS, len(hashes) - i * MAX_BATCH_BLOCKS):
+                    break
+            return data
         out: list[bytes] = []
         step = self.max_blocks(block_bytes)
         for i in range(0, len(hashes), step):

@@ -31,18 +31,23 @@ BlockHash = int | bytes
 MAX_HASH_BYTES = 64
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # (msgpack carries no int above 2**64 - 1)
 WireHash = U64 | Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]
-# blocks one request may name (16 million tokens at vLLM's default 16 per block): a frame of 10 million hashes and
-# offsets (180 MB, under MAX_FRAME) made the agent hold 5 GB while it decoded the lists and made a key and a view
-# per block; a longer list is refused before its elements are decoded
-MAX_BLOCKS = 2**20
-Hashes = Annotated[list[WireHash], msgspec.Meta(max_length=MAX_BLOCKS)]
 # hashes one Lookup may name: a 128k-token prompt at vLLM's smallest block size (1 token; 8k blocks at its default
 # 16), 1.1 MiB of frame. A Lookup is decoded and answered on the agent's event loop, every other client's lookups
 # waiting meanwhile: one of 2^20 hashes held the loop for 60 ms (70 ms for 64-byte hashes, 320 ms with every block
 # held). A longer one is refused before its elements are decoded; AgentClient.lookup asks a longer prefix a
 # piece of this many at a time
 MAX_LOOKUP_HASHES = 2**17
-Ints = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS)]
+# blocks one Store or Load may name: 2^15, 0.5 MiB of frame, decoded in about 1.5 ms. A request is decoded on the
+# agent's event loop, every other client's lookups waiting meanwhile: a Store or Load of 2^20 blocks (the bound
+# before, 16 million tokens at vLLM's default 16 per block) held the loop for 100-230 ms (and a frame of 10
+# million hashes and offsets made the agent hold 5 GB while it decoded them, before any bound). The connector
+# sends a Store or Load per batch of its shared memory (256 MiB by default), which reaches this many blocks only
+# for blocks of at most 8 KiB (block size 1 with a tiny model); a step's saves are at most max_num_batched_tokens
+# / block size blocks. A longer one is refused before its elements are decoded; AgentClient splits a longer chain
+# or load into requests of this many, sent in one write
+MAX_BATCH_BLOCKS = 2**15
+Batch = Annotated[list[WireHash], msgspec.Meta(max_length=MAX_BATCH_BLOCKS)]
+Ints = Annotated[list[int], msgspec.Meta(max_length=MAX_BATCH_BLOCKS)]
 
 FRAME = struct.Struct("<I")
 MAX_FRAME = 256 * 2**20
@@ -74,18 +79,18 @@ class Store(msgspec.Struct, tag="store", tag_field="op", kw_only=True):
     """Consecutive blocks of one prefix: block i's parent is block i-1, block 0's is `parent`."""
 
     layout: U64
-    hashes: Hashes
+    hashes: Batch
     parent: WireHash | None = None
     offsets: Ints = []  # in the client's shared memory ...
     lengths: Ints = []
-    data: Annotated[list[bytes], msgspec.Meta(max_length=MAX_BLOCKS)] = []  # ... or inline
+    data: Annotated[list[bytes], msgspec.Meta(max_length=MAX_BATCH_BLOCKS)] = []  # ... or inline
 
 
 class Load(msgspec.Struct, tag="load", tag_field="op", kw_only=True):
     """Load the leading run of these blocks; block i goes to `offsets[i]`, at most `block_bytes` long."""
 
     layout: U64
-    hashes: Hashes
+    hashes: Batch
     block_bytes: int
     offsets: Ints = []  # empty: reply with the bytes inline
 
@@ -102,7 +107,7 @@ class ReceivedStore(Store, tag="store"):
     them (decoding a 128 MiB store into bytes of its own held the agent's event loop for 65 ms, and a thread
     would not have helped: a decode holds the GIL throughout)."""
 
-    data: Annotated[list[memoryview], msgspec.Meta(max_length=MAX_BLOCKS)] = []  # type: ignore[assignment]
+    data: Annotated[list[memoryview], msgspec.Meta(max_length=MAX_BATCH_BLOCKS)] = []  # type: ignore[assignment]
 
 
 class HelloReply(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
