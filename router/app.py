@@ -293,12 +293,17 @@ def _admit(request: web.Request) -> Admitted:
     return gateway.admission.admit(_check_declared_size(request, gateway.config.max_body_bytes) or 0)
 
 
+def _too_large(limit: int) -> GatewayError:
+    # the limit of the endpoint read (an admin request's is 64 KiB), not max_body_bytes: the 413 named that one
+    return GatewayError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+
+
 def _check_declared_size(request: web.Request, limit: int) -> int | None:
     """The declared Content-Length (None without one), a 413 over `limit`. (aiohttp parses the header again on
     every read of `content_length`.)"""
     declared = request.content_length
     if declared is not None and declared > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
+        raise _too_large(limit)
     return declared
 
 
@@ -313,7 +318,7 @@ async def _read_body(request: web.Request, limit: int, admitted: Admitted | None
     if content.is_eof():  # all of it arrived with the headers (as small bodies do): nothing to wait for or time
         data = content.read_nowait()
         if len(data) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(data))
+            raise _too_large(limit)
         if admitted is not None:
             admitted.hold(len(data))
         return data
@@ -326,7 +331,7 @@ async def _read_body(request: web.Request, limit: int, admitted: Admitted | None
             async for chunk, _ in content.iter_chunks():
                 size += len(chunk)
                 if size > limit:
-                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+                    raise _too_large(limit)
                 if admitted is not None:
                     admitted.hold(size)
                 chunks.append(chunk)
