@@ -249,3 +249,48 @@ async def test_a_dns_answer_naming_no_workers_addresses_adds_none_of_them(caplog
                 assert urls(gw) == {good.url}
     warnings = [r.getMessage() for r in caplog.records if "no worker's" in r.getMessage()]
     assert len(warnings) == 1 and "9 addresses" in warnings[0], warnings
+
+
+async def test_a_dns_server_answering_garbage_or_nothing_keeps_the_pool_as_it_was() -> None:
+    """A DNS server that answers bytes that are no DNS message, or nothing at all (UDP, and TCP held open): each
+    round fails within its timeout and is counted, the pool stays as the last good answer left it, rounds go on
+    (nothing waits forever) and a good answer is followed again."""
+    port = free_port()
+    async with dns_responder() as dns_server, standin_at("127.0.0.2", port) as a, standin_at("127.0.0.3", port) as b:
+        dns_server.records = ["127.0.0.2"]
+        source = f"dns:{NAME}:{port}"
+        async with running_gateway([], discover=[source], discover_nameserver=f"127.0.0.1:{dns_server.port}",
+                                   discover_interval_s=0.2) as gw:
+            assert urls(gw) == {a.url}
+
+            def errors() -> float:
+                return gw.gateway.metrics.registry.get_sample_value(
+                    "kvgate_discovery_errors_total", {"source": source}) or 0.0
+
+            for mode in ("garbage", "silent"):
+                dns_server.mode = mode
+                counted = errors()
+                await eventually(lambda: errors() >= counted + 2, timeout=10)  # noqa: B023 - each round ends
+                assert urls(gw) == {a.url}
+            dns_server.mode, dns_server.records = "answer", ["127.0.0.3"]
+            await eventually(lambda: urls(gw) == {b.url}, timeout=5)
+
+
+async def test_an_oversized_admin_request_is_told_the_admin_limit(http: aiohttp.ClientSession) -> None:
+    """/admin/workers reads at most 64 KiB; a larger body was refused (413) with a message naming max_body_bytes
+    (32 MiB), a limit the client had not exceeded. Declared or chunked, the 413 names the limit that applied."""
+    async with running_gateway([]) as gw:
+        body = b'{"url": "http://127.0.0.1:9", "pad": "' + b"x" * 70_000 + b'"}'
+
+        async def chunked() -> AsyncIterator[bytes]:
+            for start in range(0, len(body), 8192):
+                yield body[start:start + 8192]
+
+        for data in (body, chunked()):
+            async with http.post(gw.url + "/admin/workers", data=data,
+                                 headers={"Content-Type": "application/json"}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 413 and error["code"] == "body_too_large", error
+                assert str(64 * 1024) in error["message"], error
+        async with http.post(gw.url + "/admin/workers", json={"url": "http://127.0.0.1:9"}) as resp:
+            assert resp.status == 201  # and it goes on serving
