@@ -458,7 +458,9 @@ async def admin_add_worker(request: web.Request) -> web.Response:
         raise GatewayError(409, f"worker {spec.url} is already in the pool", code="worker_exists") from None
     except PoolFull as exc:
         raise GatewayError(409, str(exc), code="pool_full") from None
-    await gateway.pool.probe_all()
+    # the new worker only: every worker's probe made each add wait for the slowest one (a hung worker's /health:
+    # health_timeout_s) and thousands of adds cost the fleet a probe each
+    await gateway.pool.probe([worker])
     return web.json_response(worker.describe(), status=201, dumps=_dumps)
 
 

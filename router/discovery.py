@@ -27,7 +27,7 @@ from kvcore.config import ConfigError
 from router.config import GatewayConfig, WorkerSpec
 from router.discovery_sources import DnsSource, Source, parse_nameserver, parse_source
 from router.metrics import GatewayMetrics
-from router.pool import PoolFull, WorkerPool
+from router.pool import PoolFull, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class WorkerDiscovery:
                 with contextlib.suppress(KeyError):
                     self._pool.remove(url)
                     log.info("discovery: worker %s removed (draining)", url)
-        added = False
+        added: list[Worker] = []
         left_out = 0
         for url, spec in wanted.items():
             if url in self._added:
@@ -197,14 +197,13 @@ class WorkerDiscovery:
                 left_out += 1
                 continue
             try:
-                self._pool.add(spec)
+                added.append(self._pool.add(spec))
             except KeyError:
                 continue  # configured statically, added by an admin, or still draining: try again next round
             except PoolFull:
                 left_out = 1  # this one and the rest: tried again next round, as workers leave
                 continue
             self._added[url] = spec
-            added = True
             log.info("discovery: worker %s added", url)
         if left_out != self._left_out:
             self._left_out = left_out
@@ -212,7 +211,7 @@ class WorkerDiscovery:
                 log.warning("discovery: %d workers seen are left out: the pool holds max_workers (%d)", left_out,
                             self._config.max_workers)
         if added:
-            await self._pool.probe_all()
+            await self._pool.probe(added)  # the new ones: the others' own watchers probe them
 
     async def _lookup(self, source: Source) -> dict[str, WorkerSpec]:
         if isinstance(source, DnsSource):

@@ -14,7 +14,7 @@ import logging
 import math
 import operator
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -326,9 +326,13 @@ class WorkerPool:
         await self.probe_all()
 
     async def probe_all(self) -> None:
-        workers = [w for w in self._workers.values() if not w.draining]
-        if workers:
-            await asyncio.gather(*(self._probe(w) for w in workers), return_exceptions=True)
+        await self.probe(self._workers.values())
+
+    async def probe(self, workers: Iterable[Worker]) -> None:
+        """Probe these workers once now, all at once (one just added is routed to once a probe passes)."""
+        probing = [w for w in workers if not w.draining]
+        if probing:
+            await asyncio.gather(*(self._probe(w) for w in probing), return_exceptions=True)
 
     def add(self, spec: WorkerSpec, *, configured: bool = False) -> Worker:
         """Raises KeyError for a URL in the pool already (draining ones too), PoolFull beyond `max_workers`."""

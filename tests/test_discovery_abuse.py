@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import dns.rcode
 import dns.rdatatype
 import dns.rrset
 import pytest
+from aiohttp import web
 
 from bench.procs import free_port
 from kvcore.config import ConfigError
@@ -294,3 +296,42 @@ async def test_an_oversized_admin_request_is_told_the_admin_limit(http: aiohttp.
                 assert str(64 * 1024) in error["message"], error
         async with http.post(gw.url + "/admin/workers", json={"url": "http://127.0.0.1:9"}) as resp:
             assert resp.status == 201  # and it goes on serving
+
+
+@asynccontextmanager
+async def hung_health_worker(delay_s: float) -> AsyncIterator[tuple[str, list[float]]]:
+    """A worker whose /health answers after `delay_s` seconds; the times it was asked."""
+    asked: list[float] = []
+
+    async def health(request: web.Request) -> web.Response:
+        asked.append(time.monotonic())
+        await asyncio.sleep(delay_s)
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", asked
+    finally:
+        await runner.cleanup()
+
+
+async def test_adding_a_worker_probes_that_worker_only(http: aiohttp.ClientSession) -> None:
+    """Each admin add (and each discovery round that added a worker) probed every worker in the pool and waited for
+    them all: one worker whose /health hangs made every add answer after health_timeout_s, and a thousand adds cost
+    each worker a thousand probes. Only the new worker is probed now."""
+    async with hung_health_worker(2.0) as (hung, asked), AsyncExitStack() as stack:
+        standins = [await stack.enter_async_context(running_standin()) for _ in range(3)]
+        async with running_gateway([hung], health_interval_s=60, health_timeout_s=3) as gw:
+            before = len(asked)  # the probe at start
+            for standin in standins:
+                began = time.monotonic()
+                async with http.post(gw.url + "/admin/workers", json={"url": standin.url}) as resp:
+                    assert resp.status == 201
+                    assert (await resp.json())["healthy"]
+                assert time.monotonic() - began < 1.5  # not held by the hung worker's 2 s
+            assert len(asked) == before, "the hung worker was probed again by each add"
