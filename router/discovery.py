@@ -16,7 +16,6 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Iterable
-from pathlib import Path
 
 import dns.asyncresolver
 import dns.exception
@@ -103,6 +102,20 @@ def parse_workers_file(text: str) -> list[WorkerSpec]:
     return specs
 
 
+MAX_WORKERS_FILE_BYTES = 1 << 20  # a workers file of 1,000 workers with their endpoints is about 150 KB
+
+
+def read_workers_file(path: str) -> str:
+    """A workers file's text, at most MAX_WORKERS_FILE_BYTES (ValueError beyond): `file:/dev/zero`, or a file some
+    process writes without end, grew the gateway's memory for as long as the read went on (the timeout only stops
+    the wait for it), and its whole text was parsed on the event loop."""
+    with open(path, "rb") as file:
+        data = file.read(MAX_WORKERS_FILE_BYTES + 1)
+    if len(data) > MAX_WORKERS_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_WORKERS_FILE_BYTES} bytes")
+    return data.decode()
+
+
 class WorkerDiscovery:
     """Polls every configured source each `discover_interval_s` and reconciles the pool with what they see."""
 
@@ -112,7 +125,7 @@ class WorkerDiscovery:
         self._sources = [parse_source(text) for text in config.discover]
         self._metrics = metrics
         self._seen: dict[Source, dict[str, WorkerSpec]] = {}
-        self._file_text: dict[str, str] = {}
+        self._file_text: dict[str, tuple[str, list[WorkerSpec] | ConfigError]] = {}  # each file's text, parsed
         self._reading: dict[str, asyncio.Future[str]] = {}  # reads of workers files under way, by path
         self._added: dict[str, WorkerSpec] = {}   # workers this discovery put in the pool, by URL
         self._refused: dict[Source, list[str]] = {}  # addresses a DNS source answered that are no worker's
@@ -263,7 +276,7 @@ class WorkerDiscovery:
         # rounds wait for that same read instead of starting another thread each
         reading = self._reading.get(path)
         if reading is None:
-            reading = self._reading[path] = asyncio.ensure_future(asyncio.to_thread(Path(path).read_text))
+            reading = self._reading[path] = asyncio.ensure_future(asyncio.to_thread(read_workers_file, path))
         try:
             text = await asyncio.wait_for(asyncio.shield(reading), self._timeout)
         except TimeoutError:
@@ -272,13 +285,19 @@ class WorkerDiscovery:
             raise DiscoveryError(f"cannot read {path}: {exc}") from exc
         except UnicodeDecodeError as exc:
             raise DiscoveryError(f"{path} is not text: {exc}") from exc
+        except ValueError as exc:  # over the size limit
+            raise DiscoveryError(f"cannot read {path}: {exc}") from exc
         finally:
             if reading.done():
                 self._reading.pop(path, None)
-        if self._file_text.get(path) != text:
-            self._file_text[path] = text
+        parsed = self._file_text.get(path)
+        if parsed is None or parsed[0] != text:
             log.info("discovery: workers file %s changed", path)
-        try:
-            return parse_workers_file(text)
-        except ConfigError as exc:
-            raise DiscoveryError(f"{path}: {exc}") from exc
+            try:  # parsed once per change, off the event loop: a megabyte of YAML is a second of CPU
+                parsed = (text, await asyncio.to_thread(parse_workers_file, text))
+            except ConfigError as exc:
+                parsed = (text, exc)
+            self._file_text[path] = parsed
+        if isinstance(parsed[1], ConfigError):
+            raise DiscoveryError(f"{path}: {parsed[1]}")
+        return parsed[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import resource
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -335,3 +336,24 @@ async def test_adding_a_worker_probes_that_worker_only(http: aiohttp.ClientSessi
                     assert (await resp.json())["healthy"]
                 assert time.monotonic() - began < 1.5  # not held by the hung worker's 2 s
             assert len(asked) == before, "the hung worker was probed again by each add"
+
+
+async def test_a_workers_file_without_end_is_read_to_a_limit(tmp_path: Path) -> None:
+    """`file:/dev/zero` (or a file some process writes without end): the whole file was read into memory, in a
+    thread that the round's timeout stopped waiting for but not reading, so the gateway's memory grew until it was
+    killed. A workers file is read to 1 MiB at most now (a round over it fails, counted), and parsed off the event
+    loop, once per change."""
+    listed = tmp_path / "workers.txt"
+    async with running_standin() as worker:
+        listed.write_text(worker.url + "\n")
+        endless = "file:/dev/zero"
+        peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        async with running_gateway([], discover=[f"file:{listed}", endless], discover_interval_s=0.2) as gw:
+            def errors() -> float:
+                return gw.gateway.metrics.registry.get_sample_value(
+                    "kvgate_discovery_errors_total", {"source": endless}) or 0.0
+
+            await eventually(lambda: errors() >= 3, timeout=10)
+            assert urls(gw) == {worker.url}
+        grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before
+        assert grown_kib < 64 * 1024, f"the gateway grew by {grown_kib} KiB"
