@@ -14,7 +14,9 @@ import dataclasses
 import heapq
 import ipaddress
 import logging
+import math
 import socket
+import time
 from collections.abc import Iterable
 
 import dns.asyncresolver
@@ -29,6 +31,8 @@ from router.metrics import GatewayMetrics
 from router.pool import PoolFull, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 10.0  # a source's failed rounds are logged at most this often, each saying how many were not
 
 
 class DiscoveryError(Exception):
@@ -130,6 +134,7 @@ class WorkerDiscovery:
         self._added: dict[str, WorkerSpec] = {}   # workers this discovery put in the pool, by URL
         self._refused: dict[Source, list[str]] = {}  # addresses a DNS source answered that are no worker's
         self._left_out = 0  # workers seen but not added last round, the pool being full (warned when it changes)
+        self._warned: dict[Source, tuple[float, int]] = {}  # per source: its failure last logged when, rounds since
         self._task: asyncio.Task[None] | None = None
         self._resolver: dns.asyncresolver.Resolver | None = None
         self._timeout = max(0.5, min(5.0, config.discover_interval_s))
@@ -173,13 +178,9 @@ class WorkerDiscovery:
         """One round: ask every source, then add and remove workers."""
         answers = await asyncio.gather(*(self._lookup(s) for s in self._sources), return_exceptions=True)
         for source, answer in zip(self._sources, answers, strict=True):
-            if isinstance(answer, DiscoveryError | ConfigError | OSError):
+            if isinstance(answer, Exception):  # a defect too (not one of ours): that source's round fails, no other's
                 self._metrics.discovery_errors.labels(str(source)).inc()
-                log.warning("discovery %s failed, keeping its last answer: %s", source, answer)
-                continue
-            if isinstance(answer, Exception):  # a defect here: that source's round fails, not every source's
-                self._metrics.discovery_errors.labels(str(source)).inc()
-                log.error("discovery %s failed, keeping its last answer", source, exc_info=answer)
+                self._warn_failed(source, answer)
                 continue
             if isinstance(answer, BaseException):
                 raise answer
@@ -188,6 +189,21 @@ class WorkerDiscovery:
             self._seen[source] = answer
             self._metrics.discovered_workers.labels(str(source)).set(len(answer))
         await self._reconcile()
+
+    def _warn_failed(self, source: Source, error: Exception) -> None:
+        """Log a source's failed round, unless it logged one within LOG_EVERY_S (then count it): a DNS server
+        that is down failed every round, a line each (ten a second at discover_interval_s 0.1)."""
+        now = time.monotonic()
+        warned_at, held_back = self._warned.get(source, (-math.inf, 0))
+        if now - warned_at < LOG_EVERY_S:
+            self._warned[source] = (warned_at, held_back + 1)
+            return
+        self._warned[source] = (now, 0)
+        more = f" ({held_back} more failed rounds since the last warning)" if held_back else ""
+        if isinstance(error, DiscoveryError | ConfigError | OSError):
+            log.warning("discovery %s failed, keeping its last answer: %s%s", source, error, more)
+        else:
+            log.error("discovery %s failed, keeping its last answer%s", source, more, exc_info=error)
 
     async def _reconcile(self) -> None:
         wanted: dict[str, WorkerSpec] = {}

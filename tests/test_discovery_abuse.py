@@ -357,3 +357,22 @@ async def test_a_workers_file_without_end_is_read_to_a_limit(tmp_path: Path) -> 
             assert urls(gw) == {worker.url}
         grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before
         assert grown_kib < 64 * 1024, f"the gateway grew by {grown_kib} KiB"
+
+
+async def test_a_dns_server_that_stays_down_is_logged_at_most_every_ten_seconds(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each failed round logged a warning: a DNS server down for an hour wrote 720 lines at the default interval,
+    36,000 at 0.1 s. A source's failures are logged at most every 10 s now, each line saying how many rounds
+    failed since; every one is still counted."""
+    port = free_port()
+    async with dns_responder() as dns_server:
+        dns_server.mode = "garbage"
+        source = f"dns:{NAME}:{port}"
+        with caplog.at_level(logging.WARNING, logger="router.discovery"):
+            async with running_gateway([], discover=[source], discover_nameserver=f"127.0.0.1:{dns_server.port}",
+                                       discover_interval_s=0.05) as gw:
+                await eventually(lambda: (gw.gateway.metrics.registry.get_sample_value(
+                    "kvgate_discovery_errors_total", {"source": source}) or 0) >= 5, timeout=10)
+    failed = [r.getMessage() for r in caplog.records if "failed, keeping its last answer" in r.getMessage()]
+    assert len(failed) == 1, failed
