@@ -566,12 +566,18 @@ async def test_odd_message_shapes_route_by_text_instead_of_a_500(http: aiohttp.C
 
 
 async def test_malformed_requests_are_counted_not_logged_with_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
-    """aiohttp logs each request it cannot parse with a traceback at ERROR: a flood of them would flood the logs."""
+    """aiohttp logs each request it cannot parse with a traceback at ERROR: a flood of them would flood the logs.
+    Each is answered 400 with an OpenAI-style JSON error."""
     async with running_standin() as worker, running_gateway([worker.url]) as gw:
         for bad in (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
                     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
                     b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n"):
-            assert (await raw_request(port_of(gw.url), bad)).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+            answer = await raw_request(port_of(gw.url), bad)
+            assert answer.split(b"\r\n")[0].endswith(b" 400 Bad Request")
+            # in the JSON of every other error, which an OpenAI client reads (it was aiohttp's line of plain text)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b"application/json" in head.lower(), head
+            assert orjson.loads(body)["error"]["code"] == "malformed_http", body
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
         metrics = gw.gateway.metrics.rejected.labels("400", "malformed_http")._value.get()
         assert metrics == 3
