@@ -543,13 +543,15 @@ class TierAgent:
                         with contextlib.suppress(RuntimeError):  # (the pool is shut down: unmapped here instead)
                             self._pool.submit(_unmap, request)
                     del request  # (not kept until the next frame: an inline store's blocks are views into it)
+                # the next request is read once this answer is sent: a client that sends and never reads
+                # holds one answer here, and only for the write timeout. (Sent in the loop turn that made it: an
+                # inline answer counts against MAX_UNSENT_BYTES as reserved until then, as the transport's buffer
+                # after; a yield between the two let other loads past the bound, 159 MiB of answers against 128.)
+                await self._send(writer, reply)
                 # other connections' requests are let in between two frames of this one: frames a client sent
                 # together (a step's Stores, a load in several Loads) are otherwise all read from the stream's
                 # buffer, decoded and answered in one turn of the loop
                 await asyncio.sleep(0)
-                # the next request is read once this answer is sent: a client that sends and never reads
-                # holds one answer here, and only for the write timeout
-                await self._send(writer, reply)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         except _Stalled:
