@@ -20,6 +20,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvcore.log_throttle import LogThrottle
+
 log = logging.getLogger(__name__)
 
 # vLLM's bytes hashes are digests (32 bytes for sha256): a longer one is no engine's, and a receiver would keep it
@@ -310,7 +312,7 @@ class KvEventPublisher:
 
     async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
         yielded_at = time.monotonic()
-        malformed, warned_at = 0, -REPLAY_LOG_EVERY_S
+        malformed = LogThrottle(REPLAY_LOG_EVERY_S)
 
         async def let_others_in() -> None:
             nonlocal yielded_at
@@ -323,11 +325,10 @@ class KvEventPublisher:
                 frames = await router.recv_multipart()
                 await let_others_in()
                 if len(frames) != 3 or len(frames[2]) != 8:
-                    malformed += 1
-                    if time.monotonic() - warned_at >= REPLAY_LOG_EVERY_S:
-                        log.warning("ignored %d malformed replay request(s), the last with %d frames", malformed,
+                    held_back = malformed.due()
+                    if held_back is not None:
+                        log.warning("ignored %d malformed replay request(s), the last with %d frames", held_back + 1,
                                     len(frames))
-                        malformed, warned_at = 0, time.monotonic()
                     continue
                 identity, start = frames[0], int.from_bytes(frames[2], "big")
                 for seq, payload in list(self._buffer):

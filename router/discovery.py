@@ -14,9 +14,7 @@ import dataclasses
 import heapq
 import ipaddress
 import logging
-import math
 import socket
-import time
 from collections.abc import Iterable
 
 import dns.asyncresolver
@@ -25,6 +23,7 @@ import dns.resolver
 import yaml
 
 from kvcore.config import ConfigError
+from kvcore.log_throttle import LogThrottle
 from router.config import GatewayConfig, WorkerSpec
 from router.discovery_sources import DnsSource, Source, parse_nameserver, parse_source
 from router.metrics import GatewayMetrics
@@ -134,7 +133,7 @@ class WorkerDiscovery:
         self._added: dict[str, WorkerSpec] = {}   # workers this discovery put in the pool, by URL
         self._refused: dict[Source, list[str]] = {}  # addresses a DNS source answered that are no worker's
         self._left_out = 0  # workers seen but not added last round, the pool being full (warned when it changes)
-        self._warned: dict[Source, tuple[float, int]] = {}  # per source: its failure last logged when, rounds since
+        self._warnings: dict[Source, LogThrottle] = {}  # per source: its failed rounds' warnings
         self._task: asyncio.Task[None] | None = None
         self._resolver: dns.asyncresolver.Resolver | None = None
         self._timeout = max(0.5, min(5.0, config.discover_interval_s))
@@ -193,12 +192,9 @@ class WorkerDiscovery:
     def _warn_failed(self, source: Source, error: Exception) -> None:
         """Log a source's failed round, unless it logged one within LOG_EVERY_S (then count it): a DNS server
         that is down failed every round, a line each (ten a second at discover_interval_s 0.1)."""
-        now = time.monotonic()
-        warned_at, held_back = self._warned.get(source, (-math.inf, 0))
-        if now - warned_at < LOG_EVERY_S:
-            self._warned[source] = (warned_at, held_back + 1)
+        held_back = self._warnings.setdefault(source, LogThrottle(LOG_EVERY_S)).due()
+        if held_back is None:
             return
-        self._warned[source] = (now, 0)
         more = f" ({held_back} more failed rounds since the last warning)" if held_back else ""
         if isinstance(error, DiscoveryError | ConfigError | OSError):
             log.warning("discovery %s failed, keeping its last answer: %s%s", source, error, more)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 
@@ -37,6 +36,7 @@ import msgspec
 import xxhash
 
 from kvcore.kv_events import AllBlocksCleared, KvEvent, decode_batch_in_steps, decode_batch_tolerant
+from kvcore.log_throttle import LogThrottle
 from router.kv_apply import Applied
 from router.kv_transport import Batches, EventSource, ReplayError
 from router.metrics import GatewayMetrics
@@ -104,8 +104,7 @@ class StreamRecovery:
         self._timeouts = 0  # replay requests timed out in a row
         self._replay_after = 0.0  # gaps are not repaired before this (time.monotonic()), after a timeout
         self._yielded_at = time.monotonic()  # when applying last let the event loop run
-        self._warned_at = -math.inf  # when a warning was last logged
-        self._unwarned = 0  # warnings held back since
+        self._warnings = LogThrottle(LOG_EVERY_S)
 
     def complete(self) -> bool:
         """Whether everything this source said is applied (else its worker is routed approximately)."""
@@ -340,13 +339,11 @@ class StreamRecovery:
 
     def _warn(self, message: str) -> None:
         """Log that events were lost, unless this stream did so within LOG_EVERY_S (then count it)."""
-        now = time.monotonic()
-        if now - self._warned_at < LOG_EVERY_S:
-            self._unwarned += 1
+        held_back = self._warnings.due()
+        if held_back is None:
             return
-        held_back = f" ({self._unwarned} more such warnings held back since the last)" if self._unwarned else ""
-        log.warning("kv events from %s: %s%s", self.source.endpoint, message, held_back)
-        self._warned_at, self._unwarned = now, 0
+        more = f" ({held_back} more such warnings held back since the last)" if held_back else ""
+        log.warning("kv events from %s: %s%s", self.source.endpoint, message, more)
 
     def _reset(self, reason: str, *, partial: bool) -> None:
         """Forget what this source said; if events were missed, mark the picture incomplete."""
