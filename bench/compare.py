@@ -218,6 +218,11 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         # router's and HTTP's own time comes on top of it in every row
         "ttft_limit": {k: None if v is None else v / args.speedup
                        for k, v in vsim_report.ttft_limit(bound, load_profile(args.profile)).items()},
+        # the same with what one cache of the fleet's GPU blocks would have hit (LRU, and the most any eviction
+        # keeps: MIN); for the replicas without agents, whose GPU cache is all they have
+        "ttft_limit_fleet_cache": vsim_report.fleet_cache_limit(
+            prompts, bs, {str(args.replicas): args.replicas * gpu_blocks}, load_profile(args.profile).sped_up(
+                args.speedup)),
         # per target (`ttft_limit_causal`): the same, but each request sent when that target's client sent it and a
         # prefix there only once a prefill computing it has (`vsim_report.causal_ttfts`)
         "peer_tuning": {"balance_abs_threshold": balance_abs, "balance_rel_threshold": args.peer_balance_rel},

@@ -78,7 +78,14 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         + (f" TTFT limit (each request's prefill alone with that hit, the model's time / speedup; a router's "
            f"own time comes on top): p50 {_f(report['ttft_limit']['ttft_ms_p50'])} / p90 "
            f"{_f(report['ttft_limit']['ttft_ms_p90'])} / p99 {_f(report['ttft_limit']['ttft_ms_p99'])} ms."
-           if report.get("ttft_limit") else ""),
+           if report.get("ttft_limit") else "")
+        + "".join(f" With what one cache of the fleet's {row['blocks']:,} GPU blocks would have hit instead (the "
+                  f"plain replicas' whole cache): LRU hit rate {row['lru']['hit_rate']:.3f}, TTFT p50 "
+                  f"{_f(row['lru']['ttft_ms_p50'])} / p90 {_f(row['lru']['ttft_ms_p90'])} / p99 "
+                  f"{_f(row['lru']['ttft_ms_p99'])} ms; MIN (the most blocks any eviction keeps) "
+                  f"{row['min']['hit_rate']:.3f}, {_f(row['min']['ttft_ms_p50'])} / {_f(row['min']['ttft_ms_p90'])} "
+                  f"/ {_f(row['min']['ttft_ms_p99'])} ms."
+                  for row in (report.get("ttft_limit_fleet_cache") or {}).values()),
         "The limit for a target's sends is the same with each request sent when that target's client sent it, a "
         "prefix there only once a prefill computing it has (a request may wait for one still running): what no "
         "router reaches with those sends (`bench/vsim_report.py` `causal_ttfts`).",

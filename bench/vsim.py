@@ -180,6 +180,16 @@ class VirtualReplica:
         self.prompt_tokens = 0
 
 
+def default_max_model_len(longest: int, block_size: int) -> int:
+    """The engines' max_model_len for a workload whose longest request (prompt and answer) is `longest` tokens."""
+    return max(256, int(math.ceil((longest + 1) / block_size) * block_size))
+
+
+def replica_gpu_blocks(profile: Profile, block_size: int, gpu_blocks: int | None, max_model_len: int) -> int:
+    """KV blocks per replica: `gpu_blocks`, or what the profile's GPU holds; at least one longest request's."""
+    return max(gpu_blocks or profile.num_gpu_blocks(block_size), max_model_len // block_size + 2)
+
+
 class FleetSimulation:
     """Replays one workload through one strategy over a virtual fleet."""
 
@@ -199,11 +209,8 @@ class FleetSimulation:
         self.source = requests
         self.profile = (profile if isinstance(profile, Profile) else load_profile(profile)).sped_up(speedup)
         self.block_size = block_size
-        longest = requests.longest
-        self.max_model_len = max_model_len or max(256, int(math.ceil((longest + 1) / block_size) * block_size))
-        blocks = gpu_blocks or self.profile.num_gpu_blocks(block_size)
-        blocks = max(blocks, self.max_model_len // block_size + 2)
-        self.gpu_blocks = blocks
+        self.max_model_len = max_model_len or default_max_model_len(requests.longest, block_size)
+        self.gpu_blocks = blocks = replica_gpu_blocks(self.profile, block_size, gpu_blocks, self.max_model_len)
         settings: dict[str, Any] = {"strategy": strategy, "block_size": block_size}
         if strategy == "ttft":  # what `kvgate bench calibrate` would find for this fleet, and its tiers' links
             settings.update(ttft_options(self.profile))
@@ -862,6 +869,14 @@ def run(args: argparse.Namespace) -> int:
     bound = source.ideal(args.block_size)
     limit = vsim_report.ttft_limit(bound, profile)
     causal = vsim_report.causal_limit(source, args.block_size, profile)
+    replicas = [int(x) for x in args.replicas.split(",")]
+    per_replica = replica_gpu_blocks(profile, args.block_size, args.gpu_blocks,
+                                     default_max_model_len(source.longest, args.block_size))
+    hashed = vsim_report.hashed_prompts(source, args.block_size)
+    fleet_cache = ({"skipped": f"over {vsim_report.FLEET_CACHE_MAX_BLOCKS:,} blocks"} if hashed is None else
+                   vsim_report.fleet_cache_limit(hashed, args.block_size,
+                                                 {str(n): n * per_replica for n in replicas}, profile))
+    del hashed
     tier_modes = {"off": [False], "on": [True], "both": [False, True]}[args.tiers]
     settings = TierSettings(dram_blocks=args.dram_blocks, nvme_blocks=args.nvme_blocks,
                             shared_blocks=args.shared_blocks, dram_gbps=args.dram_gbps, nvme_gbps=args.nvme_gbps,
@@ -869,13 +884,14 @@ def run(args: argparse.Namespace) -> int:
     jobs = [VsimJob(vars(args), strategy, n, args.profile, args.block_size, args.gpu_blocks,
                     settings if tiered else None, args.concurrency, speedup=args.speedup,
                     tiers_sped_up=args.tiers_sped_up)
-            for n in [int(x) for x in args.replicas.split(",")] for tiered in tier_modes
+            for n in replicas for tiered in tier_modes
             for strategy in args.strategies.split(",")]
     print(f"{source.name}: {source.count} requests, {bound.query_tokens} prompt tokens; ideal single-cache hit rate "
           f"{bound.hit_rate:.3f}, TTFT limit p50 {limit['ttft_ms_p50'] or 0:.0f} p90 {limit['ttft_ms_p90'] or 0:.0f} "
           f"ms" + (f" (for the arrivals, a prefix there once computed: p50 {causal['ttft_ms_p50'] or 0:.0f} p90 "
                    f"{causal['ttft_ms_p90'] or 0:.0f} ms)" if causal else "")
           + f"; {len(jobs)} configurations, {args.jobs} at a time", flush=True)
+    print(vsim_report.describe_fleet_cache(fleet_cache), flush=True)
     before = machine.probe()
     print(before.describe(), flush=True)
     note = settings.dram_note(args.gpu_blocks or profile.num_gpu_blocks(args.block_size)) if any(tier_modes) else None
@@ -897,7 +913,8 @@ def run(args: argparse.Namespace) -> int:
         "workload": {"name": source.name, "params": source.params}, "profile": args.profile,
         "speedup": args.speedup, "tiers_sped_up": args.tiers_sped_up,
         "block_size": args.block_size, "tier_settings": settings.__dict__, "upper_bound": bound.hit_rate,
-        "ttft_limit": limit, "ttft_limit_causal": causal, "jobs": args.jobs, "wall_s": wall_s,
+        "ttft_limit": limit, "ttft_limit_causal": causal, "ttft_limit_fleet_cache": fleet_cache, "jobs": args.jobs,
+        "wall_s": wall_s,
         "machine_speed": machine.probes(before, after),
         "peak_total_rss_mb": outcome.peak_rss_mb,
         "peak_total_pss_mb": outcome.peak_pss_mb,

@@ -9,28 +9,139 @@ to it a strategy goes (`gap_closed`, per percentile) is the figure that can be c
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Sequence
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.sim.perf_model import Profile
 from bench.stats import percentile
-from bench.workloads import IdealCache, RequestSource
+from bench.workloads import Arrival, IdealCache, RequestSource
 from router.block_keys import BlockKey, block_keys, root_key
 
 PERCENTILES = (50, 90, 99)
+# the most full blocks a workload may have for `fleet_cache_limit`, which keeps every prompt's keys and next uses
+# in memory (about 40 bytes a block): the README's windows have up to 0.7 million, the whole Mooncake trace about 12
+FLEET_CACHE_MAX_BLOCKS = 4_000_000
+NEVER = 1 << 62
 
 
 def ttft_limit(ideal: IdealCache, profile: Profile) -> dict[str, float | None]:
     """TTFT p50 / p90 / p99 (ms) of every request's prefill alone with the ideal single-cache hit."""
     times = [profile.prefill_time(max(1, prompt - hit), hit) + profile.request_overhead_s
              for prompt, hit in ideal.requests]
-    out: dict[str, float | None] = {}
-    for p in PERCENTILES:
-        value = percentile(times, p / 100)
-        out[f"ttft_ms_p{p}"] = None if value is None else value * 1e3
+    return _percentiles_ms(times)
+
+
+def _percentiles_ms(times: Sequence[float]) -> dict[str, float | None]:
+    return {f"ttft_ms_p{p}": None if (v := percentile(times, p / 100)) is None else v * 1e3 for p in PERCENTILES}
+
+
+def _leading_run(keys: Sequence[BlockKey], cacheable: int, held: Callable[[BlockKey], bool]) -> int:
+    run = 0
+    for key in keys[:cacheable]:
+        if not held(key):
+            break
+        run += 1
+    return run
+
+
+def lru_cache_hits(prompts: Iterable[tuple[int, Sequence[BlockKey]]], block_size: int, capacity: int) -> IdealCache:
+    """What one cache of `capacity` blocks would have hit, evicting as vLLM does: the block used longest ago first,
+    and of one request's blocks its last first (vLLM frees a request's blocks tail first, so that its prefix stays
+    longest). The fleet's whole GPU cache as one engine's: what its own eviction keeps of the workload."""
+    held: OrderedDict[BlockKey, None] = OrderedDict()
+    hits = queries = 0
+    each: list[tuple[int, int]] = []
+    for tokens, keys in prompts:
+        run = _leading_run(keys, (tokens - 1) // block_size if tokens else 0, held.__contains__)
+        for key in reversed(keys):
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > capacity:
+            held.popitem(last=False)
+        queries += tokens
+        hits += run * block_size
+        each.append((tokens, run * block_size))
+    return IdealCache(hits, queries, each)
+
+
+def min_cache_hits(prompts: Sequence[tuple[int, Sequence[BlockKey]]], block_size: int, capacity: int) -> IdealCache:
+    """What one cache of `capacity` blocks would have hit, evicting by Belady's MIN: the block whose next use is
+    farthest ahead first (never used again: first of all; of equal ones, the deeper). MIN holds the most blocks at
+    their next use that any cache of that size can, whatever it evicts, so no router over replicas holding that
+    many blocks in all keeps more of them (a hit here is, as vLLM counts, a prompt's leading run of them)."""
+    next_use: list[array[int]] = [array("q") for _ in prompts]
+    last: dict[BlockKey, int] = {}
+    for i in range(len(prompts) - 1, -1, -1):
+        keys = prompts[i][1]
+        next_use[i] = array("q", [last.get(key, NEVER) for key in keys])
+        for key in keys:
+            last[key] = i
+    del last
+    held: dict[BlockKey, int] = {}  # block -> its next use
+    heap: list[tuple[int, int, BlockKey]] = []  # (-next use, -depth, block); entries out of date are skipped
+    hits = queries = 0
+    each: list[tuple[int, int]] = []
+    for i, (tokens, keys) in enumerate(prompts):
+        run = _leading_run(keys, (tokens - 1) // block_size if tokens else 0, held.__contains__)
+        for depth, (key, nxt) in enumerate(zip(keys, next_use[i], strict=True)):
+            held[key] = nxt
+            heapq.heappush(heap, (-nxt, -depth, key))
+        next_use[i] = array("q")
+        while len(held) > capacity:
+            nxt, _, key = heapq.heappop(heap)
+            if held.get(key) == -nxt:
+                del held[key]
+        queries += tokens
+        hits += run * block_size
+        each.append((tokens, run * block_size))
+    return IdealCache(hits, queries, each)
+
+
+def hashed_prompts(source: Iterable[Arrival], block_size: int,
+                   most_blocks: int = FLEET_CACHE_MAX_BLOCKS) -> list[tuple[int, list[BlockKey]]] | None:
+    """Each request's (prompt tokens, its full blocks' keys), in order; None past `most_blocks` blocks in all."""
+    root = root_key("bench")
+    prompts: list[tuple[int, list[BlockKey]]] = []
+    blocks = 0
+    for arrival in source:
+        keys = block_keys(arrival.token_ids, block_size, root)
+        blocks += len(keys)
+        if blocks > most_blocks:
+            return None
+        prompts.append((len(arrival.token_ids), keys))
+    return prompts
+
+
+def fleet_cache_limit(prompts: Sequence[tuple[int, Sequence[BlockKey]]], block_size: int,
+                      capacities: Mapping[str, int], profile: Profile) -> dict[str, Any]:
+    """`ttft_limit` with what one cache of the fleet's GPU blocks would have hit instead of an unbounded one, for
+    each fleet of `capacities` (its name -> its blocks, all replicas together): under LRU (`lru_cache_hits`) and
+    under MIN (`min_cache_hits`), each with its hit rate. Where the fleet's cache cannot hold the workload's
+    prefixes, the unbounded limit is out of every router's reach, and this one says how far. (MIN keeps the most
+    blocks, not the ones a percentile needs most: its p90 is a reference, not a bound.)"""
+    out: dict[str, Any] = {}
+    for fleet, capacity in capacities.items():
+        row: dict[str, Any] = {"blocks": capacity}
+        for name, cache in (("lru", lru_cache_hits(prompts, block_size, capacity)),
+                            ("min", min_cache_hits(prompts, block_size, capacity))):
+            row[name] = {"hit_rate": cache.hit_rate, **ttft_limit(cache, profile)}
+        out[fleet] = row
     return out
+
+
+def describe_fleet_cache(limits: dict[str, Any]) -> str:
+    """`fleet_cache_limit`'s result in a line."""
+    if "skipped" in limits:
+        return f"limit with the fleet's GPU cache: not computed ({limits['skipped']})"
+    parts = [f"{fleet} replicas ({row['blocks']:,} blocks): " + ", ".join(
+        f"{name.upper()} hit {row[name]['hit_rate']:.3f} p50 {row[name]['ttft_ms_p50'] or 0:.0f} "
+        f"p90 {row[name]['ttft_ms_p90'] or 0:.0f}" for name in ("lru", "min")) for fleet, row in limits.items()]
+    return "limit with the fleet's GPU cache as one (ms): " + "; ".join(parts)
 
 
 class OutOfOrder(ValueError):
@@ -116,7 +227,7 @@ def causal_limit(source: RequestSource, block_size: int, profile: Profile) -> di
         arrivals = [(a.at or 0.0, len(a.token_ids), block_keys(a.token_ids, block_size, root)) for a in source]
         times = causal_ttfts([(n, keys) for _, n, keys in arrivals], [at for at, _, _ in arrivals], block_size,
                              profile)
-    return {f"ttft_ms_p{p}": None if (v := percentile(times, p / 100)) is None else v * 1e3 for p in PERCENTILES}
+    return _percentiles_ms(times)
 
 
 def add_gaps(results: list[dict[str, Any]], limit: dict[str, float | None]) -> None:
@@ -168,6 +279,15 @@ def table(report: dict[str, Any]) -> list[str]:
     if causal:
         lines.append(f"| | | **limit for the arrivals** | | {_f(causal['ttft_ms_p50'], '{:.0f}')} / "
                      f"{_f(causal['ttft_ms_p90'], '{:.0f}')} | | | | | |")
+    fleet_cache = report.get("ttft_limit_fleet_cache") or {}
+    for fleet, row in fleet_cache.items():
+        if fleet == "skipped":
+            continue
+        for name in ("lru", "min"):
+            lim = row[name]
+            lines.append(f"| {fleet} | off | **limit, the fleet's GPU cache as one ({name.upper()})** | "
+                         f"{lim['hit_rate']:.3f} ({_f(lim['hit_rate'] / bound if bound else None, '{:.0%}')}) | "
+                         f"{_f(lim['ttft_ms_p50'], '{:.0f}')} / {_f(lim['ttft_ms_p90'], '{:.0f}')} | | | | | |")
     return lines
 
 
@@ -177,7 +297,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
              f"Workload parameters: `{w['params']}`; profile `{report['profile']}`. TTFT in model time. *limit*: "
              "each request's prefill alone with the ideal single-cache hit (bench/vsim_report.py); *limit for the "
              "arrivals*: the same with a prefix there only once a prefill computing it has (a request may wait for "
-             "one still running; `causal_ttfts`). *gap closed*: "
+             "one still running; `causal_ttfts`); *limit, the fleet's GPU cache as one*: the same with what one "
+             "cache of all the replicas' GPU blocks would have hit, evicting as vLLM does (LRU) or by Belady's MIN "
+             "(the most blocks any eviction keeps for their next use: `fleet_cache_limit`). *gap closed*: "
              "(round_robin - strategy) / (round_robin - limit). *first step after*: arrival to the request's first "
              "engine step (tier loads, requests ahead, and the step in progress when it was admitted: a busy engine "
              "takes a new request at its next step, which the limit's idle replica does not make it wait for).", "",

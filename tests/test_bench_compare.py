@@ -78,8 +78,15 @@ def test_short_comparison_writes_every_output(live_report: tuple[dict[str, Any],
         for p in (50, 90, 99):
             assert limit[f"ttft_ms_p{p}"] <= causal[f"ttft_ms_p{p}"] + 1e-9, (target["name"], p)
         assert causal["ttft_ms_p50"] <= target["latency"]["ttft_ms_p50"], target["name"]
+    # with what one cache of the fleet's GPU blocks would hit: no more than the unbounded cache, MIN >= LRU
+    (fleet,) = on_disk["ttft_limit_fleet_cache"].values()
+    assert fleet["blocks"] == on_disk["fleet"]["replicas"] * on_disk["fleet"]["gpu_blocks_per_replica"]
+    assert 0 < fleet["lru"]["hit_rate"] <= fleet["min"]["hit_rate"] <= bound + 1e-9
+    for p in (50, 90, 99):
+        assert limit[f"ttft_ms_p{p}"] <= fleet["min"][f"ttft_ms_p{p}"] + 1e-9, p
     markdown = (out / "report.md").read_text()
     assert "| kvgate:kv |" in markdown and "Upper bound" in markdown and "TTFT limit" in markdown
+    assert "GPU blocks would have hit instead" in markdown
     assert "limit for its sends" in markdown
     by_name = {t["name"]: t["fleet"]["hit_rate"] for t in report["targets"]}
     assert by_name["kvgate:kv"] > by_name["kvgate:round_robin"]

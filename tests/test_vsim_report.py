@@ -112,6 +112,60 @@ def test_rows_are_measured_against_round_robin_of_their_own_fleet_and_the_limit(
     assert "ttft_gap_closed" not in rows[2]  # no round_robin with 16 replicas
 
 
+def test_the_fleet_cache_as_one_evicts_as_vllm_does_under_lru() -> None:
+    """LRU as vLLM evicts: the block used longest ago first, and of one request's blocks the last first (vLLM frees
+    them tail first), so a prompt's prefix outlives its tail. Three blocks: A = [1, 2, 3], then B = [4] pushes one
+    of A's out; A again hits its first two (tail-first) where head-first eviction would leave it nothing."""
+    a, b = (4, [1, 2, 3]), (2, [4])  # (tokens, full blocks' keys) at a block size of 1: A's 3 blocks are cacheable
+    cache = vsim_report.lru_cache_hits([a, b, a], 1, 3)
+    assert cache.requests == [(4, 0), (2, 0), (4, 2)]
+    assert (cache.hit_tokens, cache.query_tokens) == (2, 10)
+    assert vsim_report.lru_cache_hits([a, b, a], 1, 4).requests[2] == (4, 3)  # room for all: all hit
+    big_a, big_b = (49, [1, 2, 3]), (17, [4])  # the same at a block size of 16: a hit counts 16 tokens a block
+    assert vsim_report.lru_cache_hits([big_a, big_b, big_a], 16, 3).requests[2] == (49, 32)
+
+
+def test_min_keeps_the_most_blocks_for_their_next_use_and_of_a_prompt_its_prefix() -> None:
+    """Belady's MIN: a, b, c, a, b, c in two blocks of room: LRU evicts each just before its use (no hit); MIN
+    evicts c, whose next use is farthest, and hits a and b. Of blocks next used together, the deeper goes first: one
+    block of room keeps A's first block, so A again hits it (evicting the first would hit nothing)."""
+    one = [(2, [key]) for key in (1, 2, 3, 1, 2, 3)]  # one cacheable block each at a block size of 1
+    assert vsim_report.lru_cache_hits(one, 1, 2).hit_tokens == 0
+    best = vsim_report.min_cache_hits(one, 1, 2)
+    assert [hit for _, hit in best.requests] == [0, 0, 0, 1, 1, 0]
+    a = (3, [7, 8])
+    assert vsim_report.min_cache_hits([a, a], 1, 1).requests == [(3, 0), (3, 1)]
+    assert vsim_report.min_cache_hits([a, a], 1, 2).requests == [(3, 0), (3, 2)]
+    # unbounded room: the ideal cache's hits exactly, for both
+    prompts = [[1] * 64, [1] * 64 + [2] * 40, [3] * 50, [1] * 64 + [2] * 40 + [4] * 9]
+    hashed = [(len(ids), block_keys(ids, 16, root_key("bench"))) for ids in prompts]
+    ideal = ideal_hit_rate(prompts, 16)
+    for cache in (vsim_report.lru_cache_hits(hashed, 16, 1000), vsim_report.min_cache_hits(hashed, 16, 1000)):
+        assert cache.requests == ideal.requests
+
+
+def test_the_limit_with_the_fleet_cache_lies_between_the_unbounded_limit_and_round_robin(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`kvgate bench vsim` reports, per fleet, the limit with what one cache of all its GPU blocks would have hit
+    (LRU and MIN): a fleet too small for the workload's prefixes hits less than the unbounded cache, MIN at least
+    as much as LRU, and round_robin no more than MIN."""
+    trace = tmp_path / "c.jsonl"
+    write_trace(trace, conversation_trace(ConversationShape(requests=80, duration_s=20.0, seed=5)))
+    subprocess.run([sys.executable, "-m", "kvgate.cli", "bench", "vsim", "--trace", str(trace), "--model-dir",
+                    str(tiny_model_dir), "--replicas", "2", "--gpu-blocks", "60", "--block-tokens", "64", "--tiers",
+                    "off", "--no-progress", "--out", str(tmp_path / "v.json"), "--strategies", "round_robin"],
+                   check=True, capture_output=True, timeout=240)
+    report = orjson.loads((tmp_path / "v.json").read_bytes())
+    fleet = report["ttft_limit_fleet_cache"]["2"]
+    assert fleet["blocks"] % 2 == 0 and fleet["blocks"] >= 2 * 60  # at least a longest request's each
+    lru, best = fleet["lru"], fleet["min"]
+    assert lru["hit_rate"] <= best["hit_rate"] < report["upper_bound"]
+    assert report["results"][0]["hit_rate"] <= best["hit_rate"]
+    assert report["ttft_limit"]["ttft_ms_p90"] <= best["ttft_ms_p90"]
+    markdown = (tmp_path / "v.md").read_text()
+    assert "the fleet's GPU cache as one (MIN)" in markdown and "the fleet's GPU cache as one (LRU)" in markdown
+
+
 def test_vsim_records_ttft_predictions_and_plots_them(tiny_model_dir: Path, tmp_path: Path) -> None:
     vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
     workload = build_workload(compare_args(Path("."), tiny_model_dir), vocab)
