@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import cast
@@ -25,6 +24,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from kvcore.log_throttle import LogThrottle
 from router.config import GatewayConfig
 from router.errors import error_response
 from router.metrics import GatewayMetrics
@@ -84,8 +84,7 @@ class ClientConnections:
         self._lingering = 0
         self._metrics = metrics
         self._refusal = _refusal(limit)
-        self._logged_at = 0.0
-        self._refused_since_log = 0
+        self._warnings = LogThrottle(LOG_EVERY_S)
 
     def __call__(self) -> asyncio.Protocol:
         """The protocol for a new connection (the event loop's protocol factory)."""
@@ -101,13 +100,11 @@ class ClientConnections:
     def _refuse(self, transport: asyncio.Transport) -> bool:
         """Count and log a refusal; whether the socket may linger for the client to read the 503."""
         self.refused += 1
-        self._refused_since_log += 1
         self._metrics.client_connections_refused.inc()
-        now = time.monotonic()
-        if now - self._logged_at >= LOG_EVERY_S:
+        held_back = self._warnings.due()
+        if held_back is not None:
             log.warning("client connection cap of %d reached: refused %d new connection(s) with 503 since the last "
-                        "report (%d in all)", self.limit, self._refused_since_log, self.refused)
-            self._logged_at, self._refused_since_log = now, 0
+                        "report (%d in all)", self.limit, held_back + 1, self.refused)
         return self._lingering < MAX_LINGERING
 
 
