@@ -148,7 +148,9 @@ class KvAware(Strategy):
         trusted = self._trusted
         caches = [self._caches_of(w) for w in workers]
         known = [cache for worker_caches in caches for _, cache in worker_caches if trusted(cache)]
-        runs = self.index.lookup(keys, known) if self.index is not None and known else {}
+        # the blocks that can hit: none past the cacheable prompt (vLLM computes its last token), whatever its tier
+        usable = keys if cacheable >= len(keys) * bs else keys[: cacheable // bs]
+        runs = self.index.lookup(usable, known) if self.index is not None and known else {}
         guessed = self.balance.trie.match(keys)
         pending = self.pending
         saving = self.saving
@@ -164,23 +166,18 @@ class KvAware(Strategy):
                     run = runs.get(cache)
                     if run is None:
                         continue
-                    fresh = pending.match(keys, cache)
+                    fresh = pending.match(usable, cache)
                     if fresh > run.blocks:  # routed there just now: count the blocks its events will announce
                         blocks, by_tier = fresh, {**run.by_tier, GPU: run.by_tier.get(GPU, 0) + fresh - run.blocks}
                     else:
                         blocks, by_tier = run.blocks, run.by_tier
-                    # what it saves: each cacheable block at its tier's share (a run longer than the cacheable
-                    # prompt is trimmed from its lowest tiers, so they are what does not count)
-                    trimmed = blocks * bs > cacheable
-                    tiers = _tokens_by_tier(by_tier, bs, cacheable) if trimmed else None
-                    saved = 0.0
-                    for tier, n in (tiers or by_tier).items():
+                    saved = 0.0  # what it saves: each block at its tier's share
+                    for tier, n in by_tier.items():
                         saved += saving[tier] * n
-                    if not trimmed:
-                        saved *= bs
+                    saved *= bs
                     if best is None or saved > best.saved:
-                        best = Holding(min(blocks * bs, cacheable), tiers or _tokens_by_tier(by_tier, bs, cacheable),
-                                       rank, saved, affinity, computed=min(run.blocks * bs, cacheable))
+                        best = Holding(blocks * bs, {tier: n * bs for tier, n in by_tier.items() if n}, rank, saved,
+                                       affinity, computed=run.blocks * bs)
                 if best is not None and not best.tokens and len(worker_caches) > 1:
                     # no rank holds any of it: the ranks take such prompts in turn (the first of equals took all)
                     best.rank = self._next_rank.setdefault(url, 0)
@@ -244,12 +241,11 @@ class KvAware(Strategy):
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 3x, and one is built per worker per request
 class Holding:
-    """The leading prompt tokens one worker holds for a request: in all, and by tier (GPU / CPU / DISK / SHARED,
-    the lowest tiers trimmed first where the run is longer than the cacheable prompt); the data-parallel rank
-    that holds them; the prefill tokens that saves at `kv`'s tier costs; the affinity pull of past routing;
-    whether the KV events said so (else: the trie); of the tokens, those the worker is known to have computed
-    (its events announced them, or, without events, the trie says they were sent there), not only routed there
-    by requests still in flight."""
+    """The leading prompt tokens one worker holds for a request, of its cacheable part: in all, and by tier (GPU /
+    CPU / DISK / SHARED); the data-parallel rank that holds them; the prefill tokens that saves at `kv`'s tier
+    costs; the affinity pull of past routing; whether the KV events said so (else: the trie); of the tokens, those
+    the worker is known to have computed (its events announced them, or, without events, the trie says they were
+    sent there), not only routed there by requests still in flight."""
 
     tokens: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
@@ -258,25 +254,6 @@ class Holding:
     affinity: float = 0.0
     trusted: bool = True
     computed: int = 0
-
-
-_TRIM_ORDER = (SHARED, DISK, CPU, GPU)  # a run is GPU first, then the tiers it is loaded from
-
-
-def _tokens_by_tier(by_tier: dict[str, int], block_size: int, cacheable: int) -> dict[str, int]:
-    """A run's blocks per tier as tokens, trimmed to the cacheable prompt (its last blocks, the lowest tiers)."""
-    tokens = {tier: n * block_size for tier, n in by_tier.items() if n}
-    excess = sum(tokens.values()) - cacheable
-    for tier in _TRIM_ORDER:
-        if excess <= 0:
-            break
-        cut = min(excess, tokens.get(tier, 0))
-        if cut:
-            tokens[tier] -= cut
-            excess -= cut
-            if not tokens[tier]:
-                del tokens[tier]
-    return tokens
 
 
 class PendingBlocks:
