@@ -8,10 +8,13 @@ against the queue it joins there — with the saving taken from the KV block ind
                                 + DISK blocks   * (1 - kv_cost_disk)     its NVMe
                                 + SHARED blocks * (1 - kv_cost_shared) ) the fleet-shared tier, reachable by all
 
-counting the leading run of the prompt's blocks a worker holds (each block at the cheapest tier it is on).
-Requests in flight (and for `kv_pending_grace_s` after they finish, while their events travel) count as GPU
-blocks on their worker, so a burst of requests with one new prefix does not scatter before the first one's
-events arrive; once their events are in, only the index speaks, so evicted blocks stop counting at once.
+counting the leading run of the prompt's blocks a worker holds, of those that can hit (vLLM computes the last
+prompt token), each block at the first of GPU, DRAM, NVMe and shared tier it is on (the cheapest at the default
+costs). Requests in flight (and for `kv_pending_grace_s` after they finish, while their events travel) count as
+GPU blocks on their worker past the run the index says it holds, so a burst of requests with one new prefix does
+not scatter before the first one's events arrive; once their grace is over, only the index speaks. A worker a
+prefix was sent to (the trie, within `prefix_trie_ttl_s`) keeps a pull of `kv_affinity` times what the prefix would
+save there, which stands for what its engine holds of it where that saves less (evicted, or never announced).
 Workers without an event source, or whose event stream had a gap the replay could not repair, are judged by
 the approximate trie of routing decisions, exactly as `prefix` judges them. A data-parallel engine has a cache per
 rank: it is judged by its best rank, and the decision names that rank (sent as vLLM's `X-data-parallel-rank`);
@@ -52,8 +55,9 @@ class KvOptions(PrefixOptions):
         "to arrive (while it is in flight they always count)"
     )
     kv_affinity: float = option(
-        0.5, "kv: pull of the worker a prefix was last sent to when the engines no longer hold it, as a share of "
-        "the prefill it would save if they did (keeps a group in one place instead of copying it around)"
+        0.5, "kv: pull of a worker a prefix was sent to (within prefix_trie_ttl_s) where its engine holds less of it, "
+        "as a share of the prefill it would save if it held it all (keeps a group in one place instead of copying it "
+        "around)"
     )
 
 
@@ -159,8 +163,9 @@ class KvAware(Strategy):
             url = worker.url
             best: Holding | None = None  # the holding of its best cache (most tokens saved)
             if runs:
-                # where the prefix was sent before keeps a weaker pull: it keeps a group on one worker when the
-                # engines have evicted it everywhere, instead of scattering copies of it over the fleet
+                # where the prefix was sent before keeps a weaker pull, in place of what its engine holds where that
+                # saves less: it keeps a group on one worker when the engines have evicted it, instead of scattering
+                # copies of it over the fleet (so it can outweigh a shorter hit elsewhere)
                 affinity = self.affinity * min(guessed.get(url, 0) * bs, cacheable)
                 for rank, cache in worker_caches:
                     run = runs.get(cache)

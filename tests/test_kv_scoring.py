@@ -505,7 +505,8 @@ async def test_the_run_ends_at_the_first_block_held_nowhere_and_the_shared_tier_
 async def test_requests_in_flight_count_as_gpu_blocks_on_their_own_worker_until_their_grace_ends() -> None:
     """A holds six blocks in DRAM only; a prompt of ten blocks goes there. While it is in flight (and its grace
     after) its four new blocks count on A as GPU blocks beside the six the index places in DRAM, as computed only by
-    the six; B's figures do not move. After the grace, only the index speaks."""
+    the six; B's figures do not move. Once the engine announces the ten, the index speaks for them; blocks it evicts
+    while the request is in flight still count (pending), and after the grace only the index speaks."""
     fleet = await Fleet(kv_pending_grace_s=0.05).start()
     await fleet.engine(A, stored(0, 6))
     await fleet.agent(A, copied(0, 6, CPU))
@@ -516,10 +517,14 @@ async def test_requests_in_flight_count_as_gpu_blocks_on_their_own_worker_until_
     a, b = fleet.holdings(10 * BS + 8)
     assert figures(a) == (160, {CPU: 96, GPU: 64}, 150.4, 96) and figures(b) == (0, {}, 0.0, 0)
     assert figures(fleet.holdings(7 * BS + 8)[0]) == (112, {CPU: 96, GPU: 16}, 102.4, 96)
+    await fleet.engine(A, stored(0, 10))
+    assert figures(fleet.holdings(10 * BS + 8)[0]) == (160, {GPU: 160}, 160.0, 160)
+    await fleet.engine(A, removed(8, 10))
+    assert figures(fleet.holdings(10 * BS + 8)[0]) == (160, {GPU: 160}, 160.0, 128)
     fleet.kv.on_finished(prompt(10 * BS + 8), decision)
-    assert figures(fleet.holdings(10 * BS + 8)[0])[0] == 160  # within its grace
+    assert figures(fleet.holdings(10 * BS + 8)[0]) == (160, {GPU: 160}, 160.0, 128)  # within its grace
     await asyncio.sleep(0.2)
-    assert figures(fleet.holdings(10 * BS + 8)[0]) == (96, {CPU: 96}, 86.4, 96)
+    assert figures(fleet.holdings(10 * BS + 8)[0]) == (128, {GPU: 128}, 128.0, 128)
     fleet.close()
 
 
@@ -664,12 +669,18 @@ async def test_the_score_is_prefill_queue_and_outstanding_requests_in_prefill_to
 
 async def test_a_trusted_worker_the_prefix_was_sent_to_keeps_its_affinity_when_evicted() -> None:
     """A was sent the prefix, and its engine evicted it: A pulls with half (kv_affinity) of the 160 tokens it would
-    save, 80, more than B's four GPU blocks (64): A gets it, as a miss (nothing is cached there)."""
+    save, 80, more than B's four GPU blocks save (64): A gets it, a spill (B holds more). Every worker the prefix was
+    sent to pulls, each by what it was sent, and the pull stands for what its engine holds only where that saves
+    less."""
     fleet = await Fleet().start()
     await fleet.engine(B, stored(0, 4))
     fleet.kv.balance.remember(prompt(10 * BS + 8).block_keys, A)
     a, b = fleet.holdings(10 * BS + 8)
     assert (a.tokens, a.saved, a.affinity, b.tokens, b.saved, b.affinity) == (0, 0.0, 80.0, 64, 64.0, 0.0)
+    assert fleet.kv.predict(prompt(10 * BS + 8).block_keys, fleet.workers, 160) == ([0, 64], [80.0, 64.0])
+    fleet.kv.balance.remember(prompt(7 * BS).block_keys, B)  # B was sent seven blocks: a pull of 56, under its 64
+    a, b = fleet.holdings(10 * BS + 8)
+    assert (a.saved, a.affinity, b.saved, b.affinity) == (0.0, 80.0, 64.0, 56.0)
     assert fleet.kv.predict(prompt(10 * BS + 8).block_keys, fleet.workers, 160) == ([0, 64], [80.0, 64.0])
     decision = fleet.choose(10 * BS + 8)
     assert (decision.worker.url, decision.reason, decision.predicted_cached_tokens) == (A, "spill", 0)
