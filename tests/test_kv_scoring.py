@@ -383,11 +383,13 @@ class Fleet:
     async def start(self) -> Fleet:
         """Every worker's engine heard from (an empty first batch): its events are trusted."""
         for w in self.pool.all():
-            await self.engine(w.url)
+            for rank, _ in w.spec.caches():
+                await self.engine(w.url, rank=rank)
         return self
 
-    async def engine(self, url: str, *events: KvEvent, lost: int = 0) -> None:
-        await self._publish(EventSource(url, "tcp://127.0.0.1:1"), events, lost)
+    async def engine(self, url: str, *events: KvEvent, lost: int = 0, rank: int | None = None) -> None:
+        """A batch from the engine (of data-parallel rank `rank`)."""
+        await self._publish(EventSource(url, "tcp://127.0.0.1:1", dp_rank=rank), events, lost)
 
     async def agent(self, url: str, *events: KvEvent) -> None:
         await self._publish(EventSource(url, "tcp://127.0.0.1:2", None, "agent"), events, 0)
@@ -684,6 +686,31 @@ async def test_a_trusted_worker_the_prefix_was_sent_to_keeps_its_affinity_when_e
     assert fleet.kv.predict(prompt(10 * BS + 8).block_keys, fleet.workers, 160) == ([0, 64], [80.0, 64.0])
     decision = fleet.choose(10 * BS + 8)
     assert (decision.worker.url, decision.reason, decision.predicted_cached_tokens) == (A, "spill", 0)
+    fleet.close()
+
+
+async def test_a_data_parallel_rank_holding_the_prefix_is_named_and_its_requests_pend_on_it_alone() -> None:
+    """A's rank 1 announced four blocks, B six: B wins (96 against 64). A's rank 0, then, six (of ten it had): A
+    wins as rank 0, and the request's blocks pend on A#dp0 only, until their grace ends."""
+    fleet = await Fleet([A + ";dp_ranks=2", B], kv_pending_grace_s=0.05).start()
+    assert fleet.hub.trusted(cache_name(A, 0)) and fleet.hub.trusted(cache_name(A, 1))
+    await fleet.engine(A, stored(0, 4), rank=1)
+    await fleet.engine(B, stored(0, 6))
+    decision = fleet.choose(10 * BS + 8)
+    assert (decision.worker.url, decision.dp_rank, decision.predicted_cached_tokens) == (B, None, 96)
+    await fleet.engine(A, stored(0, 10), rank=0)
+    await fleet.engine(A, removed(6, 10), rank=0)
+    a, _ = fleet.holdings(10 * BS + 8)
+    assert (a.rank, a.tokens) == (0, 96)
+    fleet.worker(B).in_flight = 1  # B: 2 * 8 (the first request pends there) + 72 queued + 128; A: 2 * 72
+    decision = fleet.choose(10 * BS + 8)
+    assert (decision.worker.url, decision.dp_rank, decision.predicted_cached_tokens) == (A, 0, 96)
+    held = {cache: fleet.kv.pending.match(prompt(10 * BS + 8).block_keys, cache)
+            for cache in (cache_name(A, 0), cache_name(A, 1), A)}
+    assert held == {cache_name(A, 0): 10, cache_name(A, 1): 0, A: 0}
+    fleet.kv.on_finished(prompt(10 * BS + 8), decision)
+    await asyncio.sleep(0.2)
+    assert fleet.kv.pending.match(prompt(10 * BS + 8).block_keys, cache_name(A, 0)) == 0
     fleet.close()
 
 
