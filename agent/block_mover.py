@@ -133,40 +133,42 @@ class BlockMover:
 
     def load(self, hashes: Sequence[int], block_ids: Sequence[int]) -> LoadResult:
         """Copy the leading run of these blocks that the agent supplies whole into the cache at `block_ids`."""
-        loaded = 0
+        # blocks in the cache whole, batch by batch: a failure in a later batch (the retry's included) keeps them
+        # loaded. (Counted on return only, a batch that failed after others had arrived reported none loaded, and
+        # the retry began again at the first block.)
+        loaded = [0]
 
         def attempt() -> Failure | None:
-            nonlocal loaded
-            loaded, failure = self._load_from(hashes, block_ids, loaded)
-            return failure
+            return self._load_from(hashes, block_ids, loaded)
 
         failure = self._guarded("load", attempt)
         if failure is not None:
             self.load_failures[failure] += 1
-        return LoadResult(loaded, failure)
+        return LoadResult(loaded[0], failure)
 
-    def _load_from(self, hashes: Sequence[int], block_ids: Sequence[int], start: int) -> tuple[int, Failure | None]:
+    def _load_from(self, hashes: Sequence[int], block_ids: Sequence[int], loaded: list[int]) -> Failure | None:
+        """Load from block `loaded[0]` on, advancing it past each batch copied in whole."""
         staging = self._current()
         step = max(1, staging.tensor.numel() // self.block_bytes)
-        loaded = start
-        while loaded < len(hashes):
-            chunk = list(hashes[loaded: loaded + step])
+        while loaded[0] < len(hashes):
+            start = loaded[0]
+            chunk = list(hashes[start: start + step])
             lengths = self.client.load_in_place(self.layout, chunk, self.block_bytes)
             whole = 0
             while whole < len(lengths) and lengths[whole] == self.block_bytes:
                 whole += 1
             if len(lengths) > len(chunk):
                 self._note(Failure.BAD_REPLY, f"the agent answered {len(lengths)} blocks for {len(chunk)}")
-                return loaded, Failure.BAD_REPLY  # nothing of this reply can be trusted
+                return Failure.BAD_REPLY  # nothing of this reply can be trusted
             if whole:
-                self.copier.scatter(list(block_ids[loaded: loaded + whole]), self._rows(staging, whole))
-            loaded += whole
+                self.copier.scatter(list(block_ids[start: start + whole]), self._rows(staging, whole))
+            loaded[0] = start + whole
             if whole < len(lengths):
                 self._note(Failure.BAD_REPLY, f"a block of {lengths[whole]} bytes where {self.block_bytes} belong")
-                return loaded, Failure.BAD_REPLY
+                return Failure.BAD_REPLY
             if whole < len(chunk):
-                return loaded, Failure.MISSING
-        return loaded, None
+                return Failure.MISSING
+        return None
 
     # -- saves -----------------------------------------------------------------------------------------------
 

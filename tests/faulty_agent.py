@@ -15,6 +15,9 @@ in turn without a restart:
   protocol     Hello answers as an agent of the next protocol version (an agent upgraded alone)
   refuse       Hello is refused as an agent of the next protocol refuses a client of this one (the connector
                left behind: the same refusal, seen from the connector)
+  hang_after_one, close_after_one, error_after_one
+               the first load after the mode was set is answered correctly, every later one as in `hang`, `close`,
+               `error` (a load of more blocks than one batch: its first batch arrives, the next ones do not)
 In the three Hello modes a load on a connection made before is closed too, so the client meets that Hello (an
 asynchronous connector's saves may have kept a connection open).
 """
@@ -36,7 +39,7 @@ from kvcore.config import load_config
 from tests.agent_process import AgentProcess
 
 MODES = ("ok", "short", "foreign", "extra", "garbage", "error", "hang", "close", "hello_size", "protocol",
-         "refuse")
+         "refuse", "hang_after_one", "close_after_one", "error_after_one")
 HANG_S = 30.0
 
 
@@ -44,12 +47,17 @@ class FaultyTierAgent(TierAgent):
     def __init__(self, config: AgentConfig, mode_file: Path) -> None:
         super().__init__(config)
         self.mode_file = mode_file
+        self._mode = "ok"
+        self._loads_in_mode = 0  # loads answered since the mode was last set
 
     def mode(self) -> str:
         try:
-            return self.mode_file.read_text().strip() or "ok"
+            mode = self.mode_file.read_text().strip() or "ok"
         except FileNotFoundError:
-            return "ok"
+            mode = "ok"
+        if mode != self._mode:
+            self._mode, self._loads_in_mode = mode, 0
+        return mode
 
     async def _answer(self, conn: Connection, body: bytes | mmap.mmap, fds: list[int] | None = None) -> Reply:
         mode = self.mode()
@@ -61,6 +69,9 @@ class FaultyTierAgent(TierAgent):
             return ErrorReply(message=f"ValueError: the client {request.client!r} speaks protocol {request.version}, "
                                       f"this tier agent {request.version + 1}: upgrade both")
         if isinstance(request, Load):
+            self._loads_in_mode += 1
+            if mode.endswith("_after_one"):
+                mode = mode.removesuffix("_after_one") if self._loads_in_mode > 1 else "ok"
             if mode == "hang":
                 await asyncio.sleep(HANG_S)
             elif mode in ("close", "hello_size", "protocol", "refuse"):  # Hello faults: old connections say it again

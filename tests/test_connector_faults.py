@@ -259,6 +259,33 @@ def test_every_wrong_answer_becomes_a_counted_partial_load(tmp_path: Path, agent
     probe.close()  # exits 0: nothing raised out of the mover
 
 
+def test_a_load_whose_later_batch_fails_keeps_the_batches_that_arrived(
+        tmp_path: Path, agents: list[AgentProcess], probes: list[MoverProbe],
+        subprocess_env: dict[str, str]) -> None:
+    """A load of more blocks than the shared memory holds goes in batches; when a later batch fails (the agent hangs,
+    closes the connection or refuses), the blocks of the batches before it are already in the cache, whole and
+    verified: they count as loaded and only the rest is recomputed (vLLM is told the blocks from the first one
+    not loaded on). Before, the retry on a fresh connection began again at the first block, and its failure
+    reported none loaded: 12 blocks through 8 blocks of shared memory came back as 0 loaded, not 8."""
+    from tests.faulty_agent import FaultyAgentProcess
+
+    agent = FaultyAgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    probe = MoverProbe(agent.socket)  # 8 blocks of shared memory
+    probes.append(probe)
+    hashes = list(range(31, 43))
+    assert probe("save", hashes=hashes, blocks=list(range(12))) == {"failure": None}
+    for mode in ("hang_after_one", "close_after_one", "error_after_one"):
+        agent.set_mode(mode)
+        assert probe("load", hashes=hashes, blocks=list(range(16, 28))) == {
+            "loaded": 8, "failure": "agent_unavailable", "correct": True}, mode
+        agent.set_mode("ok")
+        assert probe("load", hashes=hashes, blocks=list(range(16, 28))) == {
+            "loaded": 12, "failure": None, "correct": True}, f"after {mode}"
+    assert probe("counters") == {"load": {"agent_unavailable": 3}, "save": {}}
+    probe.close()
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_vllm_meets_every_wrong_answer_recomputes_and_counts_it(weighted_model: Path, tmp_path: Path,
