@@ -43,6 +43,9 @@ class AgentConfig:
     client_write_timeout_s: float = option(10.0, "a client connection that takes none of an answer's bytes for "
                                            "this long is dropped (a client that sends and never reads would "
                                            "otherwise keep its unsent answer, up to 128 MiB, for good)")
+    client_read_timeout_s: float = option(10.0, "a client connection that sends none of a frame it began for this "
+                                          "long is dropped (a client that stalls mid-frame would otherwise keep "
+                                          "what it sent of it, up to 256 MiB, for good)")
     events_endpoint: str = option("", "ZMQ PUB endpoint for KV events, e.g. tcp://*:5560 (empty = no events)")
     replay_endpoint: str = option("", "ZMQ ROUTER endpoint answering event replay requests (empty = none)")
     events_topic: str = option("kv-events", "topic frame of published KV events")
@@ -127,8 +130,8 @@ class AgentConfig:
         # an interval of 0 ran its task in a loop that never waited (a core at 100%), NaN never compared true (a
         # NaN retry kept the shared tier down for good), a timeout of 0 made redis-py's sockets non-blocking (the
         # shared tier never connected)
-        for name in ("client_write_timeout_s", "events_interval_s", "shared_timeout_s", "shared_sweep_interval_s",
-                     "shared_index_refresh_s"):
+        for name in ("client_write_timeout_s", "client_read_timeout_s", "events_interval_s", "shared_timeout_s",
+                     "shared_sweep_interval_s", "shared_index_refresh_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds: {value}")

@@ -184,10 +184,11 @@ async def _first_frame(sock: socket.socket, fds: list[int], timeout_s: float = F
     return body
 
 
-async def _frame_body(reader: asyncio.StreamReader, size: int) -> bytes | mmap.mmap:
+async def _frame_body(reader: asyncio.StreamReader, size: int, conn: Connection) -> bytes | mmap.mmap:
     """A frame's `size` bytes. One bigger than BIG_FRAME_BYTES goes into private anonymous memory mapped for it (its
     pages zeroed as they are first written, not all up front as a bytearray's are), a piece of what the reader
-    buffered at a time: no turn of the loop copies more than the reader holds. Give it back with `_unmap`."""
+    buffered at a time (each one progress of `conn`'s): no turn of the loop copies more than the reader holds.
+    Give it back with `_unmap`."""
     if size <= BIG_FRAME_BYTES:
         return await reader.readexactly(size)
     body = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # (shared anonymous memory took 3 times as long to unmap)
@@ -199,6 +200,7 @@ async def _frame_body(reader: asyncio.StreamReader, size: int) -> bytes | mmap.m
             raise asyncio.IncompleteReadError(b"", size)
         body[done: done + len(piece)] = piece
         done += len(piece)
+        conn.progress += 1
     return body
 
 
@@ -231,6 +233,12 @@ class Connection:
         self.view: memoryview | None = None
         self.layout = 0
         self.block_bytes = 0
+        # a frame being read (TierAgent._drop_stalled_readers): how far it got (a count bumped at its length and at
+        # each piece of a big one), what the last sweep saw of it, and how many sweeps in a row saw it no further
+        self.reading = False
+        self.progress = 0
+        self.seen_progress = -1
+        self.stalled_sweeps = 0
 
     def declare(self, layout: int, block_bytes: int) -> None:
         size = len(self.view) if self.view is not None else 0
@@ -296,6 +304,8 @@ class TierAgent:
         self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        self._readers: dict[Connection, asyncio.StreamWriter] = {}  # the same connections, for _drop_stalled_readers
+        self._read_stall_logged_at = -math.inf
         self._unsent_reserved = 0  # bytes of inline answers being made (not yet in a connection's write buffer)
         self._stalled_logged_at = -math.inf
         self.metrics.unsent_bytes.set_function(self._unsent)
@@ -335,6 +345,7 @@ class TierAgent:
         self._tasks = [
             loop.create_task(self._every(self.config.events_interval_s, self._flush_events)),
             loop.create_task(self._every(0.2, self._in_thread(self.store.maintain))),
+            loop.create_task(self._every(self.config.client_read_timeout_s / 2, self._drop_stalled_readers)),
         ]
         if isinstance(self.store.shared, RedisSharedTier):
             self.store.shared.listen()  # other replicas' writes as they happen (and one scan per subscription)
@@ -522,6 +533,7 @@ class TierAgent:
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
+        self._readers[conn] = writer
         try:
             await self._send(writer, first)
             if not conn.greeted:
@@ -535,7 +547,10 @@ class TierAgent:
                 if size > MAX_FRAME:
                     writer.write(frame(ErrorReply(message=f"frame of {size} bytes is too large")))
                     return
-                request = await _frame_body(reader, size)
+                conn.reading = True  # (the wait for a frame's length has no bound: a connector idles between steps)
+                conn.progress += 1
+                request = await _frame_body(reader, size, conn)
+                conn.reading = False
                 try:
                     reply = await self._answer(conn, request)
                 finally:
@@ -564,6 +579,7 @@ class TierAgent:
             writer.transport.abort()  # (close() would wait for the client to read what is buffered)
         finally:
             self._connections.pop(task, None)
+            self._readers.pop(conn, None)
             self._detach(conn)
             writer.close()
             with contextlib.suppress(Exception):
@@ -589,6 +605,29 @@ class TierAgent:
                 if now_left >= left:
                     raise _Stalled from None
                 left = now_left
+
+    def _drop_stalled_readers(self) -> None:
+        """Every half `client_read_timeout_s`: a connection that two sweeps in a row found inside the same frame, no
+        further along, is dropped (its transport aborted: the read ends, and what it holds of the frame is let go).
+        A client that began a frame and sent no more of it kept its connection and that memory (up to MAX_FRAME)
+        for good. Two sweeps, not one: after this process was not run for a while, what a client sent meanwhile
+        waits in the stream's buffer until the loop gets to it. (A sweep, not a timeout on each read: asyncio.timeout
+        cost each frame 7-8 us, on lookups answered in 45-120 us a round trip here.)"""
+        for conn, writer in list(self._readers.items()):
+            if not conn.reading or conn.progress != conn.seen_progress:
+                conn.seen_progress, conn.stalled_sweeps = conn.progress, 0
+                continue
+            conn.stalled_sweeps += 1
+            if conn.stalled_sweeps < 2:
+                continue
+            self._readers.pop(conn, None)
+            self.metrics.request_errors.labels("read_timeout").inc()
+            now = time.monotonic()
+            if now - self._read_stall_logged_at >= 10:
+                self._read_stall_logged_at = now
+                log.warning("client dropped: it sent none of the frame it began for %g s (kvgate_agent_request_"
+                            "errors_total{op=read_timeout} counts every one)", self.config.client_read_timeout_s)
+            writer.transport.abort()
 
     def _unsent(self) -> int:
         """Bytes of answers written to clients and not yet taken by them, and of inline answers being made."""
