@@ -61,6 +61,7 @@ from agent.protocol import (
     request_decoder,
 )
 from agent.store import TierStore
+from agent.tiers.buffers import PAGE
 from agent.tiers.dram import DramTier
 from agent.tiers.shared import RedisSharedTier
 from kvcore.aio import started_executor
@@ -734,8 +735,15 @@ class TierAgent:
         return self.config.dram_prefault and isinstance(self.store.dram, DramTier)
 
     def _start_prefault(self, block_bytes: int) -> None:
-        """The first client that declares a block size has the DRAM tier pre-faulted in it (in the background)."""
-        if self._prefault is None or self._prefault_started or block_bytes <= 0:
+        """The first client that declares a block size of a page or more has the DRAM tier pre-faulted in it (in
+        the background). A smaller one pre-faults nothing: each buffer costs the agent a Python object besides its
+        bytes, so a Hello of 1-byte blocks filled an 8 MiB tier with 8 million buffers, 773 MB of memory (a 64 GiB
+        tier, more than any host has); for a block of a page or more that is about 2% at most. (A block under a
+        page shares its pages with others, so pre-faulting saves it little; a vLLM worker's blocks are 16 KiB for
+        the tiny test model, hundreds of KiB for real ones.)"""
+        if self._prefault is None or self._prefault_started or block_bytes < PAGE:
+            if self._prefault is not None and 0 < block_bytes < PAGE:
+                log.info("DRAM tier: not pre-faulted for a client's blocks of %d bytes (under a page)", block_bytes)
             return
         self._prefault_started = True
         dram = self.store.dram

@@ -223,3 +223,25 @@ def test_recycled_buffers_serve_only_the_bytes_stored_under_each_hash(tmp_path: 
         assert client.stats().tiers["dram"].used_bytes <= 32 * BLOCK
     assert agent.metric("kvgate_agent_dram_buffers_total", source="reused") > 32  # recycled ones too, not only
                                                                                    # the 32 pre-faulted
+
+
+def test_a_block_size_under_a_page_is_not_pre_faulted(tmp_path: Path, agents: list[AgentProcess],
+                                                     subprocess_env: dict[str, str]) -> None:
+    """The first Hello that declares a block size has the DRAM tier pre-faulted in buffers of it, whatever a client
+    declares: 1-byte blocks filled an 8 MiB tier with 8 million buffers, 773 MB of the agent's memory (a Python
+    object each), 12.9 s of a thread. A block size under a page pre-faults nothing, and the next client's real one
+    still does."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "8MiB", "--dram-prefault")
+    agents.append(agent)
+    for tiny in (1, 16, PAGE - 1):
+        with AgentClient(agent.socket, shm_bytes=0, layout=LAYOUT, block_bytes=tiny) as client:
+            client.stats()  # connected, Hello sent: the block size is declared
+    assert agent.metric("kvgate_agent_dram_prefaulting") == 0  # (set at the Hello that starts it, not later)
+    assert agent.metric("kvgate_agent_dram_free_buffer_bytes") == 0
+    with AgentClient(agent.socket, shm_bytes=2 * BLOCK, layout=LAYOUT, block_bytes=BLOCK) as client:
+        client.stats()
+        deadline = time.monotonic() + 120
+        while agent.metric("kvgate_agent_dram_prefaulting") > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert agent.metric("kvgate_agent_dram_free_buffer_bytes") == 8 * 2**20
