@@ -9,7 +9,7 @@ remote simulator) sends and receives the bytes inline (`data`) instead.
 
 `Hello` says how big the shared memory is and, for a client with one block layout (a vLLM worker), declares that
 layout and its block size; the agent answers with the size it mapped and refuses a block size that does not fit,
-and later a `Store` or `Load` of another layout or a `Load` of another block size on that connection. So both
+and later a `Store` or `Load` of another layout or block size on that connection. So both
 sides agree on the region before any block bytes move, and bytes one side would misread are never written.
 """
 
@@ -66,7 +66,7 @@ class Hello(msgspec.Struct, tag="hello", tag_field="op", kw_only=True):
     # the client's PROTOCOL_VERSION; absent in a Hello of the protocol-2 clients that did not send it yet
     version: int = 2
     layout: U64 = 0  # nonzero: the only layout this connection stores and loads
-    block_bytes: int = 0  # nonzero: the only block size this connection loads (must fit the shared memory)
+    block_bytes: int = 0  # nonzero: the only block size this connection stores and loads (must fit the shared memory)
 
 
 class Lookup(msgspec.Struct, tag="lookup", tag_field="op", kw_only=True):

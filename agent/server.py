@@ -248,7 +248,9 @@ class Connection:
         self.layout, self.block_bytes = layout, block_bytes
 
     def check(self, layout: int, block_bytes: int | None = None) -> None:
-        """A store or load outside what the client declared in Hello is refused: its bytes would be misread."""
+        """A store or load outside what the client declared in Hello is refused: its bytes would be misread (a
+        block stored in part is kept as it is, and every load of it after fails: the same block stored whole
+        later finds it held)."""
         if self.layout and layout != self.layout:
             raise ValueError(f"layout {layout:#x} on a connection declared for {self.layout:#x}")
         if self.block_bytes and block_bytes is not None and block_bytes != self.block_bytes:
@@ -810,6 +812,10 @@ class TierAgent:
             blocks = len(request.offsets)
         if blocks != len(request.hashes):
             raise ValueError(f"{len(request.hashes)} hashes but {blocks} blocks")
+        if conn.block_bytes and blocks:  # a block of another size than declared: a part of one, or another's
+            sizes = request.lengths or [len(d) for d in request.data]
+            if min(sizes) != conn.block_bytes or max(sizes) != conn.block_bytes:
+                conn.check(request.layout, next(n for n in sizes if n != conn.block_bytes))  # (raises, naming it)
 
     def _payloads(self, conn: Connection, request: Store, start: int = 0, stop: int | None = None) -> list[Any]:
         """Blocks `start` to `stop` of a store `_check_store` let through, as buffers: views into the shared

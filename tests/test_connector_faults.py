@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from agent.client import AgentClient
-from agent.protocol import AgentError, AgentRefused, Load
+from agent.protocol import AgentError, AgentRefused, Load, Store
 from bench.vllm_engine import ensure_vllm_venv
 from tests.agent_process import AgentProcess
 from tests.conftest import ROOT
@@ -143,6 +143,33 @@ def test_hello_declares_the_layout_and_block_size(
     # a block size the shared memory cannot hold is refused at Hello
     with pytest.raises(AgentError, match="a block of 8192 bytes does not fit 4096 bytes of shared memory"):
         AgentClient(agent.socket, shm_bytes=4096, block_bytes=8192).connect()
+
+
+def test_a_block_of_another_size_than_declared_is_not_stored(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """A Store of a block of another size than the connection declared in Hello (a part of a block, or a block of
+    another model) was stored: the agent held the part under the block's hash, every load of it after failed (a
+    bad reply, recomputed), and the whole block stored later under that hash found it held and changed nothing.
+    Now the store is refused as a whole, nothing of it kept, and the whole block is stored and loads whole."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    whole = bytes(range(256)) * (BLOCK_BYTES // 256)
+    with AgentClient(agent.socket, shm_bytes=4 * BLOCK_BYTES, layout=5, block_bytes=BLOCK_BYTES) as client:
+        assert client.shm is not None
+        client.shm[: 2 * BLOCK_BYTES] = whole * 2
+        for lengths in ([BLOCK_BYTES // 2], [BLOCK_BYTES, BLOCK_BYTES + 16], [BLOCK_BYTES, 0]):
+            hashes = [7, 8][: len(lengths)]
+            with pytest.raises(AgentError, match=f"blocks of {lengths[-1]} bytes on a connection declared for "
+                                                 f"{BLOCK_BYTES}"):
+                client.store_in_place(5, hashes, [k * BLOCK_BYTES for k in range(len(lengths))], lengths)
+        with pytest.raises(AgentError, match="blocks of 100 bytes on a connection declared for"):
+            client._call(Store(layout=5, hashes=[7], data=[b"x" * 100]))
+        assert client.lookup(5, [7, 8]) == (0, "")  # nothing of them kept
+        assert client.store_in_place(5, [7, 8], [0, BLOCK_BYTES], [BLOCK_BYTES] * 2) == 2
+        assert client.load_in_place(5, [7, 8], BLOCK_BYTES) == [BLOCK_BYTES] * 2
+        assert bytes(client.shm[: 2 * BLOCK_BYTES]) == whole * 2
+    with AgentClient(agent.socket, shm_bytes=0) as client:  # a client that declared no size stores any
+        assert client.store(5, [9], [b"x" * 100]) == 1
 
 
 def test_a_client_and_an_agent_of_different_protocols_refuse_each_other(
