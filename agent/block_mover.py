@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from agent.client import AgentClient, InPlaceChain
+from agent.client import AgentBadReply, AgentClient, InPlaceChain
 from agent.host_pinning import CudaHostPinning, HostPinning, PinnedRegion
 from agent.kv_layout import STAGING_BYTES, BlockCopier, CacheLayer
 from agent.protocol import AgentError
@@ -153,13 +153,14 @@ class BlockMover:
         while loaded[0] < len(hashes):
             start = loaded[0]
             chunk = list(hashes[start: start + step])
-            lengths = self.client.load_in_place(self.layout, chunk, self.block_bytes)
+            try:
+                lengths = self.client.load_in_place(self.layout, chunk, self.block_bytes)
+            except AgentBadReply as exc:  # more blocks than asked for
+                self._note(Failure.BAD_REPLY, str(exc))
+                return Failure.BAD_REPLY  # nothing of this reply can be trusted
             whole = 0
             while whole < len(lengths) and lengths[whole] == self.block_bytes:
                 whole += 1
-            if len(lengths) > len(chunk):
-                self._note(Failure.BAD_REPLY, f"the agent answered {len(lengths)} blocks for {len(chunk)}")
-                return Failure.BAD_REPLY  # nothing of this reply can be trusted
             if whole:
                 self.copier.scatter(list(block_ids[start: start + whole]), self._rows(staging, whole))
             loaded[0] = start + whole

@@ -63,6 +63,10 @@ class InPlaceChain(NamedTuple):
     parent: BlockHash | None = None
 
 
+class AgentBadReply(AgentError):
+    """The agent answered a Load with more blocks than it asked for: nothing of that answer can be trusted."""
+
+
 class AgentClient:
     """`layout` and `block_bytes`, if given, are declared in Hello: the agent then refuses any other on this
     connection (a vLLM worker has exactly one of each). `circuit`, if given, is opened by a call the agent does
@@ -312,12 +316,18 @@ class AgentClient:
         return self._leading_run(replies, count)
 
     def _leading_run(self, replies: Sequence[Reply], count: int) -> list[int]:
-        """The lengths of the Loads of consecutive pieces of MAX_BATCH_BLOCKS, up to the first short one."""
+        """The lengths of the Loads of consecutive pieces of MAX_BATCH_BLOCKS, up to the first short one;
+        AgentBadReply if one has more blocks than its Load asked for (joined to the next piece's, they would
+        stand for blocks of that piece the agent never wrote)."""
         lengths: list[int] = []
         for i, reply in enumerate(replies):
             piece: LoadReply = self._expect(reply, LoadReply)
+            asked = min(MAX_BATCH_BLOCKS, count - i * MAX_BATCH_BLOCKS)
+            if len(piece.lengths) > asked or len(piece.data) > asked:
+                raise AgentBadReply(f"the agent answered {max(len(piece.lengths), len(piece.data))} blocks for "
+                                    f"{asked}")
             lengths += piece.lengths
-            if len(piece.lengths) < min(MAX_BATCH_BLOCKS, count - i * MAX_BATCH_BLOCKS):
+            if len(piece.lengths) < asked:
                 break
         return lengths
 
@@ -331,8 +341,12 @@ class AgentClient:
             data: list[bytes] = []
             for i, reply in enumerate(replies):
                 piece: LoadReply = self._expect(reply, LoadReply)
+                asked = min(MAX_BATCH_BLOCKS, len(hashes) - i * MAX_BATCH_BLOCKS)
+                if len(piece.lengths) > asked or len(piece.data) > asked:  # (as in _leading_run)
+                    raise AgentBadReply(f"the agent answered {max(len(piece.lengths), len(piece.data))} blocks "
+                                        f"for {asked}")
                 data += piece.data
-                if len(piece.data) < min(MAX_BATCH_BLOCKS, len(hashes) - i * MAX_BATCH_BLOCKS):
+                if len(piece.data) < asked:
                     break
             return data
         out: list[bytes] = []

@@ -18,6 +18,8 @@ in turn without a restart:
   hang_after_one, close_after_one, error_after_one
                the first load after the mode was set is answered correctly, every later one as in `hang`, `close`,
                `error` (a load of more blocks than one batch: its first batch arrives, the next ones do not)
+  extra_once   the first load after the mode was set is answered as in `extra`, every later one correctly (a load
+               sent as several Loads: the first one's answer has a block too many, the next ones are right)
 In the three Hello modes a load on a connection made before is closed too, so the client meets that Hello (an
 asynchronous connector's saves may have kept a connection open).
 """
@@ -39,7 +41,7 @@ from kvcore.config import load_config
 from tests.agent_process import AgentProcess
 
 MODES = ("ok", "short", "foreign", "extra", "garbage", "error", "hang", "close", "hello_size", "protocol",
-         "refuse", "hang_after_one", "close_after_one", "error_after_one")
+         "refuse", "hang_after_one", "close_after_one", "error_after_one", "extra_once")
 HANG_S = 30.0
 
 
@@ -72,6 +74,8 @@ class FaultyTierAgent(TierAgent):
             self._loads_in_mode += 1
             if mode.endswith("_after_one"):
                 mode = mode.removesuffix("_after_one") if self._loads_in_mode > 1 else "ok"
+            elif mode.endswith("_once"):
+                mode = mode.removesuffix("_once") if self._loads_in_mode == 1 else "ok"
             if mode == "hang":
                 await asyncio.sleep(HANG_S)
             elif mode in ("close", "hello_size", "protocol", "refuse"):  # Hello faults: old connections say it again

@@ -172,6 +172,39 @@ def test_a_block_of_another_size_than_declared_is_not_stored(
         assert client.store(5, [9], [b"x" * 100]) == 1
 
 
+def test_a_load_in_several_requests_never_takes_one_answers_extra_block_for_the_next_ones(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """A load of more than MAX_BATCH_BLOCKS blocks goes as several Loads in one write. An answer with more blocks
+    than its Load asked for is a bad reply (BlockMover: nothing of it can be trusted), but the client joined the
+    answers' lengths: one extra block in the first answer and one block missing from the second made as many
+    lengths as blocks asked for, all whole, and the last block's shared memory (never written by the agent) passed
+    for a loaded block. Now such an answer is refused as a bad reply."""
+    from agent.client import AgentBadReply
+    from agent.protocol import MAX_BATCH_BLOCKS
+    from tests.faulty_agent import FaultyAgentProcess
+
+    agent = FaultyAgentProcess(tmp_path, subprocess_env, "--dram-capacity", "4MiB")
+    agents.append(agent)
+    size, count = 16, MAX_BATCH_BLOCKS + 2
+    hashes = list(range(1, count + 1))
+    with AgentClient(agent.socket, shm_bytes=count * size, layout=5, block_bytes=size) as client:
+        assert client.shm is not None
+        assert client.store(5, hashes[:-1], [h.to_bytes(size, "big") for h in hashes[:-1]]) == count - 1
+        client.shm[:] = b"\xee" * len(client.shm)  # what a load leaves where the agent writes nothing
+        assert client.load_in_place(5, hashes, size) == [size] * (count - 1)  # the last one is missing
+        agent.set_mode("extra_once")
+        with pytest.raises(AgentBadReply, match=f"{MAX_BATCH_BLOCKS + 1} blocks for {MAX_BATCH_BLOCKS}"):
+            client.load_in_place(5, hashes, size)
+        agent.set_mode("ok")
+        assert client.load_in_place(5, hashes, size) == [size] * (count - 1)
+        agent.set_mode("extra_once")
+        with AgentClient(agent.socket, shm_bytes=0) as inline, pytest.raises(
+                AgentBadReply, match=f"{MAX_BATCH_BLOCKS + 1} blocks for {MAX_BATCH_BLOCKS}"):
+            inline.load(5, hashes, size)  # (inline, the same)
+        agent.set_mode("ok")
+        assert client.load_in_place(5, hashes, size) == [size] * (count - 1)
+
+
 def test_a_client_and_an_agent_of_different_protocols_refuse_each_other(
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str],
         monkeypatch: pytest.MonkeyPatch) -> None:
