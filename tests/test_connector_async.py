@@ -131,6 +131,66 @@ worker.shutdown()
 print(json.dumps(out))
 """
 
+# A load of more blocks than the shared memory holds (8 of 8 KiB here), whose second batch fails: vLLM is told
+# the blocks from the first one not loaded on, and the batch that arrived is in the cache.
+BATCHES_SCRIPT = WORKER_SETUP.replace('"shm_bytes": 1 << 20', '"shm_bytes": 8 * 8192') + """
+from pathlib import Path
+mode_file = Path(sys.argv[4])
+out = {"block_bytes": worker._mover.block_bytes}
+saved = list(range(12))
+worker.bind_connector_metadata(KvgateConnectorMetadata(saves=[BlockTransfer("s", saved, list(range(601, 613)))]))
+worker.wait_for_save()
+worker.clear_connector_metadata()
+assert worker._transfers.wait_for_saves(["s"], 20)
+for mode in ("error_after_one", "hang_after_one"):
+    mode_file.write_text(mode)
+    target = list(range(16, 28))
+    worker.bind_connector_metadata(KvgateConnectorMetadata(loads=[BlockTransfer(mode, target,
+                                                                                list(range(601, 613)))]))
+    worker.start_load_kv(None)
+    worker.clear_connector_metadata()
+    deadline, recved, errors = time.monotonic() + 20, set(), set()
+    while mode not in recved and time.monotonic() < deadline:
+        time.sleep(0.01)
+        recved |= worker.get_finished(set())[1] or set()
+        errors |= worker.get_block_ids_with_load_errors()
+    loaded = [b for b in target if b not in errors]
+    out[mode] = {"recved": sorted(recved), "errors": sorted(errors),
+                 "loaded_whole": all(torch.equal(t[b], t[s]) for b, s in zip(loaded, saved) for t in caches.values())}
+    mode_file.write_text("ok")
+    while worker._circuit.is_open and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+    for b in target:  # the next load starts from nothing
+        for t in caches.values():
+            t[b].zero_()
+stats = worker.get_kv_connector_stats()
+out["stats"] = stats.data if stats is not None else {}
+worker.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_a_load_whose_second_batch_fails_tells_vllm_the_blocks_from_there_on(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """Through the real connector (asynchronous transfers): 12 blocks through 8 blocks of shared memory, the
+    agent answering the first batch and failing the second (an error reply; a hang past the timeout, which opens
+    the circuit). vLLM gets the request in finished_recving with blocks 8-11 as load errors in the same pass, to be
+    recomputed; blocks 0-7 are in the cache, the bytes saved under their hashes. Before, every block was an error:
+    the batch that had arrived was counted as not loaded."""
+    from tests.faulty_agent import FaultyAgentProcess
+
+    agent = FaultyAgentProcess(tmp_path, subprocess_env, "--dram-capacity", "4MiB")
+    agents.append(agent)
+    assert agent.proc is not None
+    model = tmp_path / "model"
+    write_model(model)
+    out = run_in_vllm(BATCHES_SCRIPT, str(model), agent.socket, str(agent.proc.pid), str(agent.mode_file))
+    assert out["block_bytes"] == 8192
+    for mode in ("error_after_one", "hang_after_one"):
+        assert out[mode] == {"recved": [mode], "errors": list(range(24, 28)), "loaded_whole": True}, out
+    assert out["stats"]["load"] == {"agent_unavailable": 2}, out
+
+
 # What a step pays when a full collection lands in it, on the heap the steps above run on.
 HEAP_SCRIPT = WORKER_SETUP + """
 start = time.monotonic()
