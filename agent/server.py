@@ -25,7 +25,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -205,6 +205,24 @@ async def _frame_body(reader: asyncio.StreamReader, size: int, conn: Connection)
     return body
 
 
+@web.middleware
+async def _json_errors(request: web.Request,
+                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """An error of the metrics port (a path it does not serve, a method it does not take) answered with its status
+    in the JSON shape of every error kvgate answers (the gateway's), not aiohttp's line of plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = exc.reason.lower().replace(" ", "_")
+        body = {"error": {"message": f"{request.method} {request.path[:200]}: {exc.reason.lower()} (this port "
+                                     f"serves GET /metrics and GET /health)", "type": "invalid_request_error",
+                          "code": code, "param": None}}
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.json_response(body, status=exc.status, headers=allow)
+
+
 def _unmap(body: mmap.mmap) -> None:
     """Unmap a big frame's memory now (in a thread: 128 MiB took 8 ms, the GIL let go meanwhile), unless views
     into it are still out (a request kept past its answer): then it goes with the last of them."""
@@ -339,7 +357,7 @@ class TierAgent:
         self._listener = listener
         self._accepting = loop.create_task(self._accept(listener))
         if self.config.metrics_port:
-            app = web.Application()
+            app = web.Application(middlewares=[_json_errors])
             app.router.add_get("/metrics", self._metrics)
             app.router.add_get("/health", self._health)
             self._http = web.AppRunner(app, access_log=None)

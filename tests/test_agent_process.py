@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -1099,6 +1100,31 @@ def test_silent_connections_do_not_hold_up_a_client(tmp_path: Path, agents: list
     finally:
         for sock in silent:
             sock.close()
+
+
+def test_the_metrics_port_answers_what_it_does_not_serve_with_a_json_error(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """A path the metrics port does not serve is a 404, a method it does not take a 405 (with Allow), each with the
+    JSON error body every other kvgate error has (aiohttp answered a line of plain text, "404: Not Found"); what it
+    serves is unchanged."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    base = f"http://127.0.0.1:{agent.metrics_port}"
+    for method, path, status, code in (("GET", "/nope", 404, "not_found"), ("GET", "/metrics/x", 404, "not_found"),
+                                       ("POST", "/metrics", 405, "method_not_allowed"),
+                                       ("DELETE", "/health", 405, "method_not_allowed")):
+        request = urllib.request.Request(base + path, method=method, data=b"" if method == "POST" else None)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=10)
+        answer = caught.value
+        assert answer.code == status and answer.headers["Content-Type"].startswith("application/json"), path
+        error = json.loads(answer.read())["error"]
+        assert error["code"] == code and path in error["message"], error
+        if status == 405:
+            assert "GET" in answer.headers["Allow"]
+    with urllib.request.urlopen(base + "/health", timeout=10) as health:
+        assert json.loads(health.read())["status"] == "ok"
+    assert "kvgate_agent_requests_total" in agent.metrics()
 
 
 def test_a_restarted_agent_whose_metrics_port_was_taken_meanwhile_comes_up_on_another(
