@@ -15,7 +15,6 @@ never points at unmapped memory; a view is used only while it belongs to the cli
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from agent.client import AgentBadReply, AgentClient, InPlaceChain
 from agent.host_pinning import CudaHostPinning, HostPinning, PinnedRegion
 from agent.kv_layout import STAGING_BYTES, BlockCopier, CacheLayer
 from agent.protocol import AgentError
+from kvcore.log_throttle import LogThrottle, held_back_note
 
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
 
@@ -75,7 +75,7 @@ class BlockMover:
         self.load_failures: Counter[Failure] = Counter()
         self.save_failures: Counter[Failure] = Counter()
         self._staging: Staging | None = None
-        self._logged: dict[str, float] = {}
+        self._warnings: dict[str, LogThrottle] = {}  # by reason
 
     @property
     def batch_blocks(self) -> int:
@@ -230,11 +230,10 @@ class BlockMover:
     # -- the rest --------------------------------------------------------------------------------------------
 
     def _note(self, reason: Failure, message: str, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._logged.get(reason, -LOG_EVERY_S) >= LOG_EVERY_S:
-            self._logged[reason] = now
-            log.warning("kvgate connector: %s (%s); vLLM recomputes what did not load", message, reason,
-                        exc_info=exc_info)
+        held_back = self._warnings.setdefault(reason, LogThrottle(LOG_EVERY_S)).due()
+        if held_back is not None:
+            log.warning("kvgate connector: %s (%s); vLLM recomputes what did not load%s", message, reason,
+                        held_back_note(held_back), exc_info=exc_info)
 
     def close(self) -> None:
         self._reset()

@@ -17,7 +17,6 @@ import contextlib
 import fcntl
 import functools
 import logging
-import math
 import mmap
 import operator
 import os
@@ -66,6 +65,7 @@ from agent.tiers.dram import DramTier
 from agent.tiers.shared import RedisSharedTier
 from kvcore.aio import started_executor
 from kvcore.kv_events import KvEventPublisher
+from kvcore.log_throttle import LogThrottle, held_back_note
 
 log = logging.getLogger(__name__)
 
@@ -326,11 +326,11 @@ class TierAgent:
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         self._readers: dict[Connection, asyncio.StreamWriter] = {}  # the same connections, for _drop_stalled_readers
-        self._read_stall_logged_at = -math.inf
+        self._read_stalls = LogThrottle()  # clients dropped in the middle of a frame
         self._unsent_reserved = 0  # bytes of inline answers being made (not yet in a connection's write buffer)
-        self._stalled_logged_at = -math.inf
+        self._stalls = LogThrottle()  # clients dropped for not taking their answers
         self.metrics.unsent_bytes.set_function(self._unsent)
-        self._dropped_logged_at = -math.inf  # when a client dropped before its Hello was last logged
+        self._drops = LogThrottle()  # clients dropped before their Hello
         self._presence: PresenceMap | None = None
         # the DRAM tier's pre-faulting (config.dram_prefault), started by the first Hello that declares a block size
         self._prefault = started_executor(1, "kvgate-agent-prefault") if self._prefaultable() else None
@@ -500,16 +500,15 @@ class TierAgent:
         the process may have files open) ended this task, silently, and the agent never accepted again; now the
         failure is counted and logged, and accepting goes on after a pause."""
         loop = asyncio.get_running_loop()
-        logged_at = -math.inf
+        failures = LogThrottle()
         while True:
             try:
                 sock, _addr = await loop.sock_accept(listener)
             except OSError as exc:
                 self.metrics.request_errors.labels("accept").inc()
-                if time.monotonic() - logged_at >= 10:
-                    logged_at = time.monotonic()
+                if (held_back := failures.due()) is not None:
                     log.warning("cannot accept a client (kvgate_agent_request_errors_total{op=accept} counts every "
-                                "one): %s", exc)
+                                "one): %s%s", exc, held_back_note(held_back))
                 await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
             task = loop.create_task(self._serve_client(sock))
@@ -527,11 +526,9 @@ class TierAgent:
         except (TimeoutError, OSError, ValueError, asyncio.CancelledError) as exc:
             if isinstance(exc, TimeoutError | ValueError):  # (a client that connected and closed is no news)
                 self.metrics.request_errors.labels("hello").inc()
-                now = time.monotonic()
-                if now - self._dropped_logged_at >= 10:
-                    self._dropped_logged_at = now
+                if (held_back := self._drops.due()) is not None:
                     log.warning("client dropped before its Hello: %s (kvgate_agent_request_errors_total{op=hello} "
-                                "counts every one)", exc)
+                                "counts every one)%s", exc, held_back_note(held_back))
             else:
                 log.debug("client dropped before its first frame: %r", exc)
             for fd in fds:
@@ -592,11 +589,10 @@ class TierAgent:
             pass
         except _Stalled:
             self.metrics.request_errors.labels("write_timeout").inc()
-            now = time.monotonic()
-            if now - self._stalled_logged_at >= 10:
-                self._stalled_logged_at = now
+            if (held_back := self._stalls.due()) is not None:
                 log.warning("client dropped: it took none of its answer for %g s (kvgate_agent_request_errors_total"
-                            "{op=write_timeout} counts every one)", self.config.client_write_timeout_s)
+                            "{op=write_timeout} counts every one)%s", self.config.client_write_timeout_s,
+                            held_back_note(held_back))
             writer.transport.abort()  # (close() would wait for the client to read what is buffered)
         finally:
             self._connections.pop(task, None)
@@ -643,11 +639,10 @@ class TierAgent:
                 continue
             self._readers.pop(conn, None)
             self.metrics.request_errors.labels("read_timeout").inc()
-            now = time.monotonic()
-            if now - self._read_stall_logged_at >= 10:
-                self._read_stall_logged_at = now
+            if (held_back := self._read_stalls.due()) is not None:
                 log.warning("client dropped: it sent none of the frame it began for %g s (kvgate_agent_request_"
-                            "errors_total{op=read_timeout} counts every one)", self.config.client_read_timeout_s)
+                            "errors_total{op=read_timeout} counts every one)%s", self.config.client_read_timeout_s,
+                            held_back_note(held_back))
             writer.transport.abort()
 
     def _unsent(self) -> int:

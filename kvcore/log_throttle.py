@@ -26,3 +26,8 @@ class LogThrottle:
             return None
         held_back, self._logged_at, self._held_back = self._held_back, now, 0
         return held_back
+
+
+def held_back_note(held_back: int) -> str:
+    """What to add to the line `due()` let through: how many like it were held back before it, if any."""
+    return f" ({held_back} more since the last)" if held_back else ""
