@@ -12,7 +12,8 @@ The seam: a tokenizer's ids for a shared prefix are the prefix's ids only up to 
 what the next characters could change (a pre-tokenizer looks ahead, merges cross words). So the ids are reused up to
 `OVERLAP_TOKENS` tokens before a point `SEAM_MARGIN` bytes inside the shared text, the rest of the prompt is
 encoded from there, and the encoding of that window must reproduce the cached ids of the overlap; when it does not
-(or there is too little shared text to leave a window) the whole prompt is encoded. The result is identical to
+(or there is too little shared text to leave a window, or the tokenizer's ids past the overlap may still differ there:
+`ModelTokenizer.splices_at`) the whole prompt is encoded. The result is identical to
 encoding the whole prompt (tests/test_token_cache.py checks it as a property, against `ModelTokenizer.encode`).
 
 Token ends come from `ModelTokenizer.encode_with_some_ends` (for byte-level BPE tokenizers, a table of each token's
@@ -294,6 +295,8 @@ class TokenCache:
         at = ends[start - 1]
         if at == 0 or (start < len(ends) and ends[start] <= at) or (data[at] & 0xC0) == 0x80:  # in the specials
             return None  # added in front, or inside a character that spans tokens
+        if not tokenizer.splices_at(data, at):
+            return None
         window, window_ends = self._encode(tokenizer, data[at:].decode("utf-8", "surrogatepass"), False, at)
         if window[:OVERLAP_TOKENS].tobytes() != cached_ids[4 * start:4 * seam]:
             return None

@@ -675,6 +675,8 @@ class ModelTokenizer:
                                  default_kwargs=default_chat_template_kwargs, source=str(self.model_dir))
         self._words: WordEncoder | None = None
         self._seeds = self._cache_seeds()
+        self._number_group = _number_group(self._tok)
+        self._prepends = _prepends(self._tok)
         self._nfc = False
         self._byte_lengths: array[int] | None = None
         self._byte_lengths = self._byte_length_table()
@@ -853,6 +855,28 @@ class ModelTokenizer:
                 True: xxhash.xxh3_64_intdigest(f"{name}\x00special".encode())
                 if spliceable else None}
 
+    def splices_at(self, data: bytes, at: int) -> bool:
+        """Whether the token cache may splice at byte `at` (a character's first) of the UTF-8 text `data`: whether,
+        where the first few ids of the text from there agree with the whole text's (all its seam check compares),
+        the others agree too. Not with a normalizer that puts text in front of every text (Llama 2's `Prepend("▁")`: the
+        text from `at` gets a "▁" the whole text has not there), nor inside one of the groups the pre-tokenizer
+        cuts a run of numbers into (Llama 3's `\\p{N}{1,3}`, counted from the run's first character: the text from
+        `at` groups the rest of the run otherwise), nor with a pattern that counts anything else."""
+        group = self._number_group
+        if group is None or self._prepends:
+            return False
+        if not group or at >= len(data) or not _is_number(data, at):
+            return True
+        run = 0  # numbers before `at` in its run
+        while at > 0:
+            at -= 1
+            while data[at] & 0xC0 == 0x80:
+                at -= 1
+            if not _is_number(data, at):
+                break
+            run += 1
+        return run % group == 0
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Token ids → text, as vLLM's `/detokenize` (transformers `decode`) gives it."""
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -890,6 +914,55 @@ class ModelTokenizer:
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise TokenizationError("`prompt` must be a string or a list of token ids")
+
+
+def _components(state: Any) -> Iterator[dict[str, Any]]:
+    """Every object in a tokenizer component's JSON (a Sequence's steps, theirs, ...)."""
+    if isinstance(state, dict):
+        yield state
+        for value in state.values():
+            yield from _components(value)
+    elif isinstance(state, list):
+        for value in state:
+            yield from _components(value)
+
+
+# a counted repetition in a split pattern: of numbers, from one up to a count (group 1), or of anything else
+_COUNTED = re.compile(r"\\p\{N\}\{1,([0-9]+)\}|\{[0-9]+(?:,[0-9]*)?\}")
+
+
+def _number_group(tok: Tokenizer) -> int | None:
+    """How many numbers the pre-tokenizer's split patterns group a run of them by (`\\p{N}{1,3}`: 3), 0 if they
+    count nothing, None if they count something else or the normalizer may change what is counted (where its splits
+    fall then depends on text any distance back)."""
+    pre = tok.pre_tokenizer
+    patterns = [] if pre is None else [
+        pattern["Regex"] for c in _components(json.loads(pre.__getstate__()))
+        if c.get("type") == "Split" and isinstance(pattern := c.get("pattern"), dict)
+        and isinstance(pattern.get("Regex"), str)]
+    groups = {match.group(1) for pattern in patterns for match in _COUNTED.finditer(pattern)}
+    if not groups:
+        return 0
+    if len(groups) > 1 or None in groups or not (tok.normalizer is None or isinstance(tok.normalizer, normalizers.NFC)):
+        return None
+    return int(groups.pop())
+
+
+def _prepends(tok: Tokenizer) -> bool:
+    """Whether the normalizer puts text in front of every text (Llama 2's `Prepend("▁")`, always, unlike a Metaspace
+    pre-tokenizer, which adds its "▁" only where a text does not start with one)."""
+    normalizer = tok.normalizer
+    return normalizer is not None and any(
+        c.get("type") == "Prepend" for c in _components(json.loads(normalizer.__getstate__())))
+
+
+def _is_number(data: bytes, at: int) -> bool:
+    """Whether the character at byte `at` of the UTF-8 text `data` is a number (`\\p{N}`)."""
+    lead = data[at]
+    if lead < 0x80:
+        return 0x30 <= lead <= 0x39
+    size = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    return unicodedata.category(data[at:at + size].decode("utf-8", "surrogatepass"))[0] == "N"
 
 
 def chat_adds_special_tokens(body: Mapping[str, Any]) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 
 from router.block_keys import block_keys, root_key
 from router.token_cache import CHUNK, TokenCache, _links, _shared_bytes
@@ -138,6 +139,57 @@ def test_different_tokenizer_settings_never_share_ids(tok: ModelTokenizer) -> No
     plain = check(cache, tok, text)
     with_bos = check(cache, tok, text, special=True)
     assert list(with_bos.ids[1:]) == list(plain.ids)
+
+
+def model_with(source: Path, target: Path, tokenizer: Tokenizer) -> Path:
+    target.mkdir()
+    (target / "tokenizer_config.json").write_text((source / "tokenizer_config.json").read_text())
+    (target / "tokenizer.json").write_text(tokenizer.to_str())
+    return target
+
+
+def test_a_seam_inside_a_group_of_digits_is_not_spliced(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Llama 3's pre-tokenizer cuts a run of digits into groups of three from its first digit (`\\p{N}{1,3}`), so a
+    window starting inside a group groups the rest of the run differently: the first six tokens can still come out
+    as cached (the tiny vocabulary has one- and two-digit tokens) and the run's last ones not. Before: 68 of these
+    800 prompts had ids other than the whole text's, with either pre-tokenizer (a token short or over at the run's
+    end: "...4699" as 4, 6, 9, 9 where the whole text has 9, 4, 6, 99)."""
+    from tests.test_word_encoder import LLAMA3_PATTERN
+
+    tiny = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    for pre_tokenizer in (
+            [pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)],
+            # DeepSeek V3's shape: the digits split off by a Split of their own, then GPT-2's pattern
+            [pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]):
+        tiny.pre_tokenizer = pre_tokenizers.Sequence(pre_tokenizer)
+        tok = ModelTokenizer(model_with(tiny_model_dir, tmp_path / str(len(list(tmp_path.iterdir()))), tiny))
+        rng = random.Random(0)
+        for _ in range(400):
+            cache = TokenCache(1 << 20, block_size=16)
+            digits = "".join(rng.choice("0123456789\u0661\u0662\u0663\u00b2") for _ in range(rng.randint(10, 40)))
+            for tail in (" alpha", " beta gamma"):
+                check(cache, tok, "x " * 150 + digits + tail)
+
+
+def test_a_tokenizer_that_prepends_to_every_text_is_not_spliced(tmp_path: Path) -> None:
+    """Llama 2's tokenizer.json (and its derivatives') normalizes with `Prepend("▁")`: a window gets a "▁" that the
+    text does not have there, so a window inside a run of spaces verified (its first six tokens "▁" as cached) and
+    the prompt came out one token over the whole text's (before: 337 ids against 336). Its ids are spliced nowhere."""
+    vocab = {"<unk>": 0, "<s>": 1, "▁": 2, ">": 3, **{c: 4 + i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")}}
+    llama2 = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    llama2.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    llama2.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    (tmp_path / "tokenizer.json").write_text(llama2.to_str())
+    tok = ModelTokenizer(tmp_path)
+    cache = TokenCache(1 << 20, block_size=16)
+    head = "x" * 300 + ">" + " " * 30
+    for special in (False, True):
+        check(cache, tok, head + "alpha", special)
+        check(cache, tok, head + "beta", special)
+        assert check(cache, tok, head + "beta", special).reused_tokens  # the same prompt again is still reused
+    assert cache.seam_mismatches == 2
 
 
 def test_memory_is_bounded_in_bytes(tok: ModelTokenizer) -> None:
