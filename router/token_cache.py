@@ -44,8 +44,11 @@ from router.tokenizer import ModelTokenizer
 # bytes per link of a text's hash chain: shared prefixes shorter than this are not reused (encoding them costs
 # little); each link is a Python-level hash call: 3 us per KiB of prompt at 256 bytes, 5 at 128 (at load 19)
 CHUNK = 256
-SEAM_MARGIN = 16  # bytes of shared text left after the seam: what a pre-tokenizer's lookahead may still change
+# bytes of shared text left after the seam: what a pre-tokenizer's lookahead may still change (but over whitespace,
+# which is never spliced up to where the prompts part)
+SEAM_MARGIN = 16
 OVERLAP_TOKENS = 6  # cached tokens before the seam that the window's encoding must reproduce
+SEAM_STEPS = 8  # tokens the window's start may move back from there, off a point the tokenizer cannot splice at
 _ENTRY_OVERHEAD = 400  # bytes of an entry besides its arrays and text (objects, dict and LRU slots)
 _LINK_BYTES = 100  # bytes of one link in the index (a dict slot and an int)
 _KEY_BYTES = 40  # bytes of one block key in a tuple (a pointer and an int)
@@ -290,15 +293,23 @@ class TokenCache:
                 return None  # the table's sums do not come out at the text's length: never splice at them
             seam = bisect_right(ends, limit)
         start = seam - OVERLAP_TOKENS  # the window starts here: its first tokens must come out as cached
-        if start < 1:
+        for _ in range(SEAM_STEPS):  # ... or a token earlier where the tokenizer cannot splice there
+            if start < 1:
+                return None
+            at = ends[start - 1]
+            if at == 0 or (start < len(ends) and ends[start] <= at) or (data[at] & 0xC0) == 0x80:  # in the specials
+                return None  # added in front, or inside a character that spans tokens
+            if tokenizer.splices_at(data, at):
+                break
+            start -= 1
+        else:
             return None
-        at = ends[start - 1]
-        if at == 0 or (start < len(ends) and ends[start] <= at) or (data[at] & 0xC0) == 0x80:  # in the specials
-            return None  # added in front, or inside a character that spans tokens
-        if not tokenizer.splices_at(data, at):
+        if data[at:shared].decode("utf-8", "ignore").isspace():
+            # whitespace up to where the prompts part: what follows may cut the whole run otherwise, before the seam
+            # too (Llama 3's `\s*[\r\n]+` takes a run up to its last newline, however far)
             return None
         window, window_ends = self._encode(tokenizer, data[at:].decode("utf-8", "surrogatepass"), False, at)
-        if window[:OVERLAP_TOKENS].tobytes() != cached_ids[4 * start:4 * seam]:
+        if window[:seam - start].tobytes() != cached_ids[4 * start:4 * seam]:
             return None
         # each joined straight from the buffers: one copy of the kept part, not a slice, an array and a sum of them
         kept_ends = memoryview(ends)[:start] if isinstance(ends, array) else memoryview(cached_ends)[:4 * start]

@@ -677,6 +677,7 @@ class ModelTokenizer:
         self._seeds = self._cache_seeds()
         self._number_group = _number_group(self._tok)
         self._prepends = _prepends(self._tok)
+        self._newline_tail = any(map(_NEWLINE_TAIL.search, _split_patterns(self._tok)))
         self._nfc = False
         self._byte_lengths: array[int] | None = None
         self._byte_lengths = self._byte_length_table()
@@ -861,9 +862,13 @@ class ModelTokenizer:
         the others agree too. Not with a normalizer that puts text in front of every text (Llama 2's `Prepend("▁")`: the
         text from `at` gets a "▁" the whole text has not there), nor inside one of the groups the pre-tokenizer
         cuts a run of numbers into (Llama 3's `\\p{N}{1,3}`, counted from the run's first character: the text from
-        `at` groups the rest of the run otherwise), nor with a pattern that counts anything else."""
+        `at` groups the rest of the run otherwise), nor with a pattern that counts anything else, nor at a newline
+        after punctuation or a newline where the pattern gives punctuation the newlines after it (Llama 3's
+        ` ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*`: the text from `at` takes them with the whitespace and newlines after them)."""
         group = self._number_group
         if group is None or self._prepends:
+            return False
+        if self._newline_tail and 0 < at < len(data) and data[at] in b"\r\n" and _after_punctuation(data, at):
             return False
         if not group or at >= len(data) or not _is_number(data, at):
             return True
@@ -931,16 +936,24 @@ def _components(state: Any) -> Iterator[dict[str, Any]]:
 _COUNTED = re.compile(r"\\p\{N\}\{1,([0-9]+)\}|\{[0-9]+(?:,[0-9]*)?\}")
 
 
+# newlines a pattern gives to the text before them (Llama 3's ` ?[^\s\p{L}\p{N}]+[\r\n]*`, o200k's `[\r\n/]*`)
+_NEWLINE_TAIL = re.compile(r"\[\\r\\n[^\]]*\]\*")
+
+
+def _split_patterns(tok: Tokenizer) -> list[str]:
+    """The regular expressions of the pre-tokenizer's splits."""
+    pre = tok.pre_tokenizer
+    return [] if pre is None else [
+        pattern["Regex"] for c in _components(json.loads(pre.__getstate__()))
+        if c.get("type") == "Split" and isinstance(pattern := c.get("pattern"), dict)
+        and isinstance(pattern.get("Regex"), str)]
+
+
 def _number_group(tok: Tokenizer) -> int | None:
     """How many numbers the pre-tokenizer's split patterns group a run of them by (`\\p{N}{1,3}`: 3), 0 if they
     count nothing, None if they count something else or the normalizer may change what is counted (where its splits
     fall then depends on text any distance back)."""
-    pre = tok.pre_tokenizer
-    patterns = [] if pre is None else [
-        pattern["Regex"] for c in _components(json.loads(pre.__getstate__()))
-        if c.get("type") == "Split" and isinstance(pattern := c.get("pattern"), dict)
-        and isinstance(pattern.get("Regex"), str)]
-    groups = {match.group(1) for pattern in patterns for match in _COUNTED.finditer(pattern)}
+    groups = {match.group(1) for pattern in _split_patterns(tok) for match in _COUNTED.finditer(pattern)}
     if not groups:
         return 0
     if len(groups) > 1 or None in groups or not (tok.normalizer is None or isinstance(tok.normalizer, normalizers.NFC)):
@@ -963,6 +976,16 @@ def _is_number(data: bytes, at: int) -> bool:
         return 0x30 <= lead <= 0x39
     size = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
     return unicodedata.category(data[at:at + size].decode("utf-8", "surrogatepass"))[0] == "N"
+
+
+def _after_punctuation(data: bytes, at: int) -> bool:
+    """Whether the character before byte `at` of the UTF-8 text `data` is a newline or neither whitespace, a letter
+    nor a number (`[^\\s\\p{L}\\p{N}]`; marks count as such, as they do there)."""
+    start = at - 1
+    while data[start] & 0xC0 == 0x80:
+        start -= 1
+    char = data[start:at].decode("utf-8", "surrogatepass")
+    return char in "\r\n" or not (char.isalnum() or char.isspace())
 
 
 def chat_adds_special_tokens(body: Mapping[str, Any]) -> bool:

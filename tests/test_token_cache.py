@@ -28,6 +28,14 @@ FRAGMENTS = ["<|im_start|>", "<|im_end|>", "<s>", "</s>", "<|endoftext|>", " ", 
              "1234567", "...", "ab", "cd", "the", " the", "The", "x" * 40, " " * 40, "\n" * 9]
 
 
+# o200k's split pattern (GPT-4o)
+O200K_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir: Path) -> ModelTokenizer:
     return ModelTokenizer(tiny_model_dir)
@@ -171,6 +179,52 @@ def test_a_seam_inside_a_group_of_digits_is_not_spliced(tiny_model_dir: Path, tm
             digits = "".join(rng.choice("0123456789\u0661\u0662\u0663\u00b2") for _ in range(rng.randint(10, 40)))
             for tail in (" alpha", " beta gamma"):
                 check(cache, tok, "x " * 150 + digits + tail)
+
+
+@pytest.mark.parametrize("pattern", ["llama3", "qwen2", "o200k"])
+def test_a_seam_in_the_newlines_after_punctuation_is_not_spliced(tiny_model_dir: Path, tmp_path: Path,
+                                                                   pattern: str) -> None:
+    """Llama 3's, Qwen 2's and o200k's patterns give a run of punctuation the newlines after it (` ?[^\\s\\p{L}\\p{N}]+
+    [\\r\\n]*`), where a text starting at those newlines takes them with the whitespace and newlines after them
+    (`\\s*[\\r\\n]+`): a window starting there came out as cached for six "\\n\\n" tokens and differed at the run's end
+    (before: "\\n\\n", "\\n", "\\n    ", "\\n" where the whole text has "\\n\\n", "    ", "\\n", same count)."""
+    from tests.test_word_encoder import LLAMA3_PATTERN
+
+    patterns = {"llama3": LLAMA3_PATTERN, "qwen2": LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"),
+                "o200k": O200K_PATTERN}
+    tiny = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    tiny.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(patterns[pattern]), behavior="isolated"),
+                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok = ModelTokenizer(model_with(tiny_model_dir, tmp_path / "model", tiny))
+    for punctuation in (":", ")", "<|im_end|>", "\n"):
+        for newlines in range(1, 64):
+            cache = TokenCache(1 << 20, block_size=16)
+            head = "x " * 150 + punctuation + "\n" * newlines + "    \n"
+            check(cache, tok, head + "alpha")
+            check(cache, tok, head + "beta")
+
+
+@pytest.mark.parametrize("pattern", ["llama3", "o200k"])
+def test_a_seam_in_whitespace_that_runs_to_where_the_prompts_part_is_not_spliced(tiny_model_dir: Path,
+                                                                                  tmp_path: Path, pattern: str) -> None:
+    """Llama 3's and o200k's `\\s*[\\r\\n]+` takes a run of whitespace up to its last newline however far that is, so
+    where the shared text ends in whitespace what follows may cut the whole run otherwise, tokens before the seam
+    included: a newline after 150 spaces made "\\r\\n" and the spaces after it one piece ("\\n" + 36 spaces one
+    token where the cached prompt had "\\n" alone), and the seam 16 bytes back in the spaces verified (before: a
+    prompt extending the cached one, and one cut short of it, each came out with other ids)."""
+    from tests.test_word_encoder import LLAMA3_PATTERN
+
+    tiny = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    tiny.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex({"llama3": LLAMA3_PATTERN, "o200k": O200K_PATTERN}[pattern]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok = ModelTokenizer(model_with(tiny_model_dir, tmp_path / "model", tiny))
+    head = "x " * 150 + "-42\r\n" + " " * 120
+    for space in (" ", "\t", "\x0b", "\u3000"):
+        for first, second in ((head, head + space * 40 + "\r"), (head + space * 40 + "\r", head)):
+            cache = TokenCache(1 << 20, block_size=16)
+            check(cache, tok, first)
+            check(cache, tok, second)
 
 
 def test_a_tokenizer_that_prepends_to_every_text_is_not_spliced(tmp_path: Path) -> None:
