@@ -677,6 +677,7 @@ class ModelTokenizer:
         self._seeds = self._cache_seeds()
         self._number_group = _number_group(self._tok)
         self._prepends = _prepends(self._tok)
+        self._metaspace = _metaspace_prepends(self._tok)
         self._newline_tail = any(map(_NEWLINE_TAIL.search, _split_patterns(self._tok)))
         self._nfc = False
         self._byte_lengths: array[int] | None = None
@@ -864,9 +865,12 @@ class ModelTokenizer:
         cuts a run of numbers into (Llama 3's `\\p{N}{1,3}`, counted from the run's first character: the text from
         `at` groups the rest of the run otherwise), nor with a pattern that counts anything else, nor at a newline
         after punctuation or a newline where the pattern gives punctuation the newlines after it (Llama 3's
-        ` ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*`: the text from `at` takes them with the whitespace and newlines after them)."""
+        ` ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*`: the text from `at` takes them with the whitespace and newlines after them).
+        With a Metaspace pre-tokenizer's "▁" put in front, only at a space (elsewhere the check would fail)."""
         group = self._number_group
         if group is None or self._prepends:
+            return False
+        if self._metaspace and at < len(data) and data[at] != 0x20:
             return False
         if self._newline_tail and 0 < at < len(data) and data[at] in b"\r\n" and _after_punctuation(data, at):
             return False
@@ -967,6 +971,17 @@ def _prepends(tok: Tokenizer) -> bool:
     normalizer = tok.normalizer
     return normalizer is not None and any(
         c.get("type") == "Prepend" for c in _components(json.loads(normalizer.__getstate__())))
+
+
+def _metaspace_prepends(tok: Tokenizer) -> bool:
+    """Whether a Metaspace pre-tokenizer puts its "▁" in front of a text that does not start with a space (Mistral's
+    and T5's): a window starting elsewhere than at a space gets one the whole text has not there, and its seam
+    check fails after encoding it."""
+    pre = tok.pre_tokenizer
+    return pre is not None and any(
+        c.get("type") == "Metaspace" and c.get("prepend_scheme", "always") != "never"
+        and c.get("add_prefix_space", True)
+        for c in _components(json.loads(pre.__getstate__())))
 
 
 def _is_number(data: bytes, at: int) -> bool:

@@ -246,6 +246,24 @@ def test_a_tokenizer_that_prepends_to_every_text_is_not_spliced(tmp_path: Path) 
     assert cache.seam_mismatches == 2
 
 
+@pytest.mark.parametrize("scheme", ["first", "always"])
+def test_a_metaspace_tokenizer_splices_where_a_window_starts_at_a_space(tmp_path: Path, scheme: str) -> None:
+    """A Metaspace pre-tokenizer (Mistral's, T5's) puts "▁" in front of a text that does not start with a space, so
+    a window starting inside a word never verified: the whole prompt was encoded after the window (before: none of
+    these 20 prompts spliced, 20 seam mismatches). The window's start now moves back to a space."""
+    vocab = {"<unk>": 0, "▁": 1, **{c: 2 + i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz0123456789")}}
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme, split=scheme == "always")
+    (tmp_path / "tokenizer.json").write_text(tokenizer.to_str())
+    tok = ModelTokenizer(tmp_path)
+    cache = TokenCache(1 << 20, block_size=16)
+    head = words(7, 60)
+    check(cache, tok, head + " question")
+    for i in range(20):
+        check(cache, tok, head + f" question {words(i, 3)}")
+    assert cache.hits == 20 and cache.seam_mismatches == 0
+
+
 def test_memory_is_bounded_in_bytes(tok: ModelTokenizer) -> None:
     """Issue 13.3: the cache was bounded in entries, so a few huge prompts held gigabytes. Now its budget is bytes:
     the prompts it keeps fit in it, one bigger than the whole budget is not kept, and what it holds in memory is
