@@ -4,7 +4,11 @@ the limit, a Markdown table and the plot of predicted against simulated TTFT.
 The limit is each request's prefill alone on an idle replica (the profile's `prefill_time`, plus its
 `request_overhead_s`) with what one unbounded cache would have hit of its prompt (`IdealCache.requests`): no
 queue, no eviction, every reusable block on the GPU. No router reaches it; how much of the way from round_robin
-to it a strategy goes (`gap_closed`, per percentile) is the figure that can be compared across workloads.
+to it a strategy goes (`gap_closed`, per percentile) is the figure that can be compared across workloads. Two
+more say what the fleet allows: the limit for the arrivals (`causal_limit`: a prefix there only once a prefill
+computing it has ended) and the limit with the fleet's own GPU cache (`fleet_cache_limit`: what one cache of all the
+replicas' blocks would have hit, under vLLM's LRU and under Belady's MIN), which the unbounded one is out of reach
+of when that cache cannot hold the workload's prefixes.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from router.block_keys import BlockKey, block_keys, root_key
 
 PERCENTILES = (50, 90, 99)
 # the most full blocks a workload may have for `fleet_cache_limit`, which keeps every prompt's keys and next uses
-# in memory (about 40 bytes a block): the README's windows have up to 0.7 million, the whole Mooncake trace about 12
+# and its caches' maps in memory (234 bytes a block at the peak: 157 MB for the README's Mooncake window of 0.7
+# million blocks, so about 0.9 GB at this bound; the whole Mooncake trace has about 12 million)
 FLEET_CACHE_MAX_BLOCKS = 4_000_000
 NEVER = 1 << 62
 
