@@ -31,8 +31,6 @@ from kvcore.log_throttle import LogThrottle, held_back_note
 
 log = logging.getLogger("vllm.kvgate_connector")  # under "vllm" so vLLM's log handler prints it
 
-LOG_EVERY_S = 10.0
-
 
 class Failure(StrEnum):
     """Why blocks were not loaded (or saved); the label of the connector's failure counters."""
@@ -230,7 +228,7 @@ class BlockMover:
     # -- the rest --------------------------------------------------------------------------------------------
 
     def _note(self, reason: Failure, message: str, exc_info: bool = False) -> None:
-        held_back = self._warnings.setdefault(reason, LogThrottle(LOG_EVERY_S)).due()
+        held_back = self._warnings.setdefault(reason, LogThrottle()).due()
         if held_back is not None:
             log.warning("kvgate connector: %s (%s); vLLM recomputes what did not load%s", message, reason,
                         held_back_note(held_back), exc_info=exc_info)

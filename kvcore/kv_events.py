@@ -248,7 +248,6 @@ def should_bind(endpoint: str) -> bool:
 # peer has room for is sent, without a round through the loop (50 requests for a 10,000-batch buffer held the tier
 # agent's loop, and every lookup of its engines, for 9.5 s)
 REPLAY_YIELD_S = 0.005
-REPLAY_LOG_EVERY_S = 10.0  # malformed replay requests are logged at most this often, with how many came meanwhile
 
 
 class KvEventPublisher:
@@ -312,7 +311,7 @@ class KvEventPublisher:
 
     async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
         yielded_at = time.monotonic()
-        malformed = LogThrottle(REPLAY_LOG_EVERY_S)
+        malformed = LogThrottle()  # malformed requests: a line every 10 s at most
 
         async def let_others_in() -> None:
             nonlocal yielded_at

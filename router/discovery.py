@@ -23,15 +23,13 @@ import dns.resolver
 import yaml
 
 from kvcore.config import ConfigError
-from kvcore.log_throttle import LogThrottle
+from kvcore.log_throttle import LogThrottle, held_back_note
 from router.config import GatewayConfig, WorkerSpec
 from router.discovery_sources import DnsSource, Source, parse_nameserver, parse_source
 from router.metrics import GatewayMetrics
 from router.pool import PoolFull, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
-
-LOG_EVERY_S = 10.0  # a source's failed rounds are logged at most this often, each saying how many were not
 
 
 class DiscoveryError(Exception):
@@ -190,12 +188,12 @@ class WorkerDiscovery:
         await self._reconcile()
 
     def _warn_failed(self, source: Source, error: Exception) -> None:
-        """Log a source's failed round, unless it logged one within LOG_EVERY_S (then count it): a DNS server
+        """Log a source's failed round, unless it logged one within the last 10 s (then count it): a DNS server
         that is down failed every round, a line each (ten a second at discover_interval_s 0.1)."""
-        held_back = self._warnings.setdefault(source, LogThrottle(LOG_EVERY_S)).due()
+        held_back = self._warnings.setdefault(source, LogThrottle()).due()
         if held_back is None:
             return
-        more = f" ({held_back} more failed rounds since the last warning)" if held_back else ""
+        more = held_back_note(held_back)
         if isinstance(error, DiscoveryError | ConfigError | OSError):
             log.warning("discovery %s failed, keeping its last answer: %s%s", source, error, more)
         else:

@@ -19,7 +19,7 @@ Bad input never stops the stream: a message that is not a batch is counted and d
 the same batch, or the replay's, takes its place); an event no engine could send, or one that does not fit the
 gateway, is counted and dropped and makes the picture partial; a bug while applying a batch is logged, and the
 source's state is forgotten rather than trusted. Applying yields to the event loop every few milliseconds. Each
-loss is counted; a stream logs its losses at most every LOG_EVERY_S.
+loss is counted; a stream logs its losses at most every 10 s (kvcore.log_throttle).
 
 `StreamRecovery` decodes each batch and hands its events to `apply`; `release` forgets what the source said. It
 knows nothing of block keys or the index.
@@ -36,7 +36,7 @@ import msgspec
 import xxhash
 
 from kvcore.kv_events import AllBlocksCleared, KvEvent, decode_batch_in_steps, decode_batch_tolerant
-from kvcore.log_throttle import LogThrottle
+from kvcore.log_throttle import LogThrottle, held_back_note
 from router.kv_apply import Applied
 from router.kv_transport import Batches, EventSource, ReplayError
 from router.metrics import GatewayMetrics
@@ -65,9 +65,6 @@ REPLAY_BACKOFF_MAX_S = 30.0
 # busy machine may miss the first request's timeout, and with no traffic nothing else would tell
 RECONCILE_RETRIES_S = (0.5, 1.0)
 YIELD_AFTER_S = 0.005  # applying lets the event loop run at least this often
-# a stream's warnings (events lost) at most this often, each saying how many were held back: a source losing
-# events in every batch logged thousands a second
-LOG_EVERY_S = 10.0
 
 
 class _Gap(Exception):
@@ -104,7 +101,7 @@ class StreamRecovery:
         self._timeouts = 0  # replay requests timed out in a row
         self._replay_after = 0.0  # gaps are not repaired before this (time.monotonic()), after a timeout
         self._yielded_at = time.monotonic()  # when applying last let the event loop run
-        self._warnings = LogThrottle(LOG_EVERY_S)
+        self._warnings = LogThrottle()  # a source losing events in every batch logged thousands a second
 
     def complete(self) -> bool:
         """Whether everything this source said is applied (else its worker is routed approximately)."""
@@ -338,12 +335,11 @@ class StreamRecovery:
         self._partial_since = time.monotonic()
 
     def _warn(self, message: str) -> None:
-        """Log that events were lost, unless this stream did so within LOG_EVERY_S (then count it)."""
+        """Log that events were lost, unless this stream did so within the last 10 s (then count it)."""
         held_back = self._warnings.due()
         if held_back is None:
             return
-        more = f" ({held_back} more such warnings held back since the last)" if held_back else ""
-        log.warning("kv events from %s: %s%s", self.source.endpoint, message, more)
+        log.warning("kv events from %s: %s%s", self.source.endpoint, message, held_back_note(held_back))
 
     def _reset(self, reason: str, *, partial: bool) -> None:
         """Forget what this source said; if events were missed, mark the picture incomplete."""

@@ -37,7 +37,6 @@ LISTEN_BACKLOG = 4096
 LINGER_S = 2.0
 REFUSAL_LINGER_S = 2.0  # a refused client gets this long to read the 503 before its socket is dropped
 MAX_LINGERING = 256  # refused sockets waiting for their client to read; beyond, refusals close at once
-LOG_EVERY_S = 10.0
 MAX_ECHO_CHARS = 300  # of aiohttp's account of a request it could not parse, told back to its client
 # on SIGTERM the listener closes at once, and the answers under way get this long to end before they are cut
 SHUTDOWN_S = 60.0
@@ -84,7 +83,7 @@ class ClientConnections:
         self._lingering = 0
         self._metrics = metrics
         self._refusal = _refusal(limit)
-        self._warnings = LogThrottle(LOG_EVERY_S)
+        self._warnings = LogThrottle()
 
     def __call__(self) -> asyncio.Protocol:
         """The protocol for a new connection (the event loop's protocol factory)."""

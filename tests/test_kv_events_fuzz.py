@@ -481,7 +481,7 @@ async def test_a_stream_losing_events_at_full_rate_is_counted_each_time_and_logg
         pattern: str, caplog: pytest.LogCaptureFixture) -> None:
     """A publisher skipping a sequence number in every batch, or sending a malformed event and then clearing its
     cache, over and over, logged a warning per batch (thousands a second). Each loss is still counted; a stream's
-    warnings come at most every LOG_EVERY_S, saying how many were held back."""
+    warnings come at most every 10 s, saying how many were held back."""
     ctx = zmq.asyncio.Context()
     publisher = Publisher(ctx)
     metrics = GatewayMetrics()
