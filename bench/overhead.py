@@ -16,6 +16,12 @@ highest concurrency, added p50 at the lowest.
 The client and stand-ins (`--client`): `python` (an aiohttp client, bench/standin.py's workers, a request count per
 round) or `wrk` (wrk and nginx, both in C, a duration per round: bench/wrk_load.py), which leave the router the
 machine's cores: on two cores the Python pair takes about as much CPU per request as the router.
+
+Streamed answers (`--mode stream`, python client): a real gateway's CPU goes mostly to relaying them, one SSE event
+per engine step, each its own read and write. `--stream-tokens N` has every request ask `max_tokens` N and every
+stand-in answer with N token events, `--token-interval-ms T` apart; the client counts the `data:` events it receives
+(the final `data: [DONE]` included: N + 1 per answer), and each result has the events per request and the router's
+CPU per event relayed.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class Sample:
     wall_s: float = 0.0
     errors: int = 0
     router_cpu_s: float = 0.0
+    events: int = 0  # `data:` events received, streams only
 
 
 @dataclass
@@ -76,6 +83,10 @@ class ScenarioResult:
     gateway_rps: float
     gateway_cpu_us_per_request: float
     errors: int
+    # streams through the python client: `data:` events per answer (`data: [DONE]` included) and the router's CPU
+    # per event relayed, the median of the rounds'; None for JSON answers and for wrk, which does not count them
+    events_per_request: float | None = None
+    gateway_cpu_us_per_event: float | None = None
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -96,8 +107,9 @@ def _text(rng: random.Random, chars: int) -> str:
 class Workload:
     """Request bodies: system prompt `i % system_prompts` plus question number `i` (never repeated)."""
 
-    def __init__(self, api: str, prompt_chars: int, system_prompts: int, stream: bool, seed: int = 0) -> None:
-        self.api, self.stream = api, stream
+    def __init__(self, api: str, prompt_chars: int, system_prompts: int, stream: bool, seed: int = 0,
+                 max_tokens: int = 8) -> None:
+        self.api, self.stream, self.max_tokens = api, stream, max_tokens
         rng = random.Random(seed)
         heads = [f"System prompt {n}. " for n in range(system_prompts)]
         self.systems = [head + _text(rng, max(0, prompt_chars - len(head))) for head in heads]
@@ -110,7 +122,7 @@ class Workload:
             i = next(self._next)
             system = self.systems[i % len(self.systems)]
             question = f"Question {i}: " + _text(random.Random(i), QUESTION_CHARS - 16)
-            payload: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "stream": self.stream}
+            payload: dict[str, Any] = {"model": "tiny", "max_tokens": self.max_tokens, "stream": self.stream}
             if self.api == "chat":
                 payload["messages"] = [{"role": "system", "content": system}, {"role": "user", "content": question}]
             else:
@@ -132,9 +144,12 @@ async def _drive(session: aiohttp.ClientSession, urls: list[str], bodies: list[b
             started = time.perf_counter()
             try:
                 async with session.post(url, data=body, headers=headers) as resp:
-                    if stream:
-                        async for _ in resp.content.iter_any():
-                            pass
+                    if stream:  # SSE events start a line: count "\ndata:", chunk boundaries included
+                        tail = b"\n"
+                        async for chunk in resp.content.iter_any():
+                            seen = tail + chunk
+                            sample.events += seen.count(b"\ndata:")
+                            tail = seen[-5:]
                     else:
                         await resp.read()
                     if resp.status != 200:
@@ -272,16 +287,16 @@ def _wait_serving(router: Router, timeout: float = 90.0) -> None:
 
 async def measure(routers: list[Router], worker_urls: list[str], apis: list[str], sizes: list[int],
                   modes: list[str], concurrencies: list[int], requests: int, rounds: int, system_prompts: int,
-                  progress: Any = None) -> list[ScenarioResult]:
+                  progress: Any = None, max_tokens: int = 8) -> list[ScenarioResult]:
     """Every scenario through each router, side by side: per round a direct run, then each router's, in an order
-    that alternates, so a before/after pair (`--against`) sees the same machine noise. CPU per request is each
-    round's, its median reported."""
+    that alternates, so a before/after pair (`--against`) sees the same machine noise. CPU per request (and per
+    streamed event) is each round's, its median reported."""
     results = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for api, chars, mode in itertools.product(apis, sizes, modes):
             stream = mode == "stream"
-            workload = Workload(api, chars, system_prompts, stream)
+            workload = Workload(api, chars, system_prompts, stream, max_tokens=max_tokens)
             direct_targets = [u + workload.path for u in worker_urls]
             for concurrency in concurrencies:
                 n = requests if concurrency > 1 else max(100, requests // 4)
@@ -292,6 +307,7 @@ async def measure(routers: list[Router], worker_urls: list[str], apis: list[str]
                 direct = Sample()
                 routed = {router.target: Sample() for router in routers}
                 cpu_per_round: dict[str, list[float]] = {router.target: [] for router in routers}
+                cpu_per_event: dict[str, list[float]] = {router.target: [] for router in routers}
                 for i in range(rounds):
                     parts = [(direct, await _drive(session, direct_targets, workload.bodies(n), stream, concurrency))]
                     for router in (routers if i % 2 == 0 else routers[::-1]):
@@ -300,12 +316,15 @@ async def measure(routers: list[Router], worker_urls: list[str], apis: list[str]
                         g = await _drive(session, [router.url + workload.path], bodies, stream, concurrency)
                         g.router_cpu_s = tree_cpu_seconds(router.proc.pid) - cpu0
                         cpu_per_round[router.target].append(g.router_cpu_s / n * 1e6)
+                        if stream:
+                            cpu_per_event[router.target].append(g.router_cpu_s / max(1, g.events) * 1e6)
                         parts.append((routed[router.target], g))
                     for total, part in parts:
                         total.latencies_s += part.latencies_s
                         total.wall_s += part.wall_s
                         total.errors += part.errors
                         total.router_cpu_s += part.router_cpu_s
+                        total.events += part.events
                     if progress is not None:
                         progress.update()
                 total_n = n * rounds
@@ -321,6 +340,8 @@ async def measure(routers: list[Router], worker_urls: list[str], apis: list[str]
                         direct_rps=total_n / direct.wall_s, gateway_rps=total_n / sample.wall_s,
                         gateway_cpu_us_per_request=statistics.median(cpu_per_round[router.target]),
                         errors=direct.errors + sample.errors,
+                        events_per_request=sample.events / total_n if stream else None,
+                        gateway_cpu_us_per_event=statistics.median(cpu_per_event[router.target]) if stream else None,
                     ))
     return results
 
@@ -452,6 +473,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(bench/wrk_load.py; `--seconds` per round; needs wrk and nginx, which scripts/system-deps.sh "
                         "installs)")
     parser.add_argument("--seconds", type=float, default=5.0, help="--client wrk: seconds per round and target")
+    parser.add_argument("--stream-tokens", type=int, metavar="N",
+                        help="--client python: every request asks max_tokens N and every stand-in answers with N "
+                        "tokens, with --mode stream N SSE events (and `data: [DONE]`), each its own write, as vLLM "
+                        "sends one per engine step (default: max_tokens 8, no pause between tokens)")
+    parser.add_argument("--token-interval-ms", type=float, metavar="T",
+                        help="--client python: the stand-ins' pause between two tokens (default 2 with "
+                        "--stream-tokens, else 0): shorter than an engine's decode step (10-30 ms on an H100), as a "
+                        "gateway in front of many replicas sees their events interleaved, long enough that each event "
+                        "reaches the router as a read of its own, and short enough to keep a run short")
     parser.add_argument("--out", default="out/overhead.json", help="JSON results file")
 
 
@@ -463,30 +493,42 @@ def _targets(args: argparse.Namespace) -> list[str]:
 
 
 def summary(results: list[ScenarioResult]) -> Iterator[str]:
-    """Issue 18's table per API and prompt size: CPU µs/request and requests/s at the highest concurrency, added
-    p50 at the lowest."""
+    """Issue 18's table per API, prompt size and mode: CPU µs/request and requests/s at the highest concurrency,
+    added p50 at the lowest; for streams also the events per answer and CPU µs per event at the highest."""
     high = max(r.concurrency for r in results)
     low = min(r.concurrency for r in results)
-    for api, chars in sorted({(r.api, r.prompt_chars) for r in results}):
-        yield f"\n{api}, {chars}-character system prompts + {QUESTION_CHARS}-character question"
+    nan = float("nan")
+    for api, chars, mode in sorted({(r.api, r.prompt_chars, r.mode) for r in results}):
+        streamed = any(r.events_per_request is not None for r in results if (r.api, r.prompt_chars, r.mode) ==
+                       (api, chars, mode))
+        yield (f"\n{api}, {chars}-character system prompts + {QUESTION_CHARS}-character question"
+               + (", streamed answers" if mode == "stream" else ""))
         yield (f"{'router':<26}{f'CPU µs/req (c{high})':>20}{f'req/s (c{high})':>16}{f'added p50 (c{low})':>20}"
-               f"{'errors':>8}")
+               f"{'errors':>8}" + (f"{'events/req':>12}{f'CPU µs/event (c{high})':>24}" if streamed else ""))
         for target in dict.fromkeys(r.target for r in results):
-            rows = {r.concurrency: r for r in results if (r.target, r.api, r.prompt_chars) == (target, api, chars)}
+            rows = {r.concurrency: r for r in results
+                    if (r.target, r.api, r.prompt_chars, r.mode) == (target, api, chars, mode)}
             if not rows:
                 continue
             hi, lo = rows.get(high), rows.get(low)
-            yield (f"{target:<26}{hi.gateway_cpu_us_per_request if hi else float('nan'):>20,.0f}"
-                   f"{hi.gateway_rps if hi else float('nan'):>16,.0f}"
-                   f"{lo.added_p50_ms if lo else float('nan'):>18.2f}ms"
-                   f"{sum(r.errors for r in rows.values()):>8}")
+            line = (f"{target:<26}{hi.gateway_cpu_us_per_request if hi else nan:>20,.0f}"
+                    f"{hi.gateway_rps if hi else nan:>16,.0f}"
+                    f"{lo.added_p50_ms if lo else nan:>18.2f}ms"
+                    f"{sum(r.errors for r in rows.values()):>8}")
+            if streamed:
+                events = hi.events_per_request if hi and hi.events_per_request is not None else nan
+                per_event = hi.gateway_cpu_us_per_event if hi and hi.gateway_cpu_us_per_event is not None else nan
+                line += f"{events:>12.1f}{per_event:>24.1f}"
+            yield line
 
 
 @contextmanager
-def python_standins(count: int) -> Iterator[list[str]]:
-    """`count` stand-in workers (bench/standin.py) in one process; yields their URLs."""
+def python_standins(count: int, token_delay_s: float = 0.0) -> Iterator[list[str]]:
+    """`count` stand-in workers (bench/standin.py) in one process, pausing `token_delay_s` between two tokens;
+    yields their URLs."""
     ports = [free_port() for _ in range(count)]
-    proc = spawn_kvgate(["standin", *itertools.chain.from_iterable(("--port", str(p)) for p in ports)])
+    proc = spawn_kvgate(["standin", *itertools.chain.from_iterable(("--port", str(p)) for p in ports),
+                         "--token-delay-s", repr(token_delay_s)])
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for url in urls:
@@ -515,6 +557,16 @@ def run(args: argparse.Namespace) -> int:
     targets = _targets(args)
     apis, sizes = args.api or ["chat", "completions"], args.prompt_chars or [200, 4000]
     modes, concurrencies = args.mode or ["json"], args.concurrency or [1, 64]
+    if (args.stream_tokens is not None and args.stream_tokens < 1) or (args.token_interval_ms or 0) < 0:
+        print("--stream-tokens is at least 1 and --token-interval-ms at least 0", file=sys.stderr)
+        return 2
+    max_tokens = 8 if args.stream_tokens is None else args.stream_tokens
+    interval_ms = args.token_interval_ms if args.token_interval_ms is not None else (
+        0.0 if args.stream_tokens is None else 2.0)
+    if args.client == "wrk" and ((args.stream_tokens or 1) > 1 or interval_ms):
+        print("--client wrk: no --stream-tokens over 1 or --token-interval-ms (nginx answers with one canned body: "
+              "a stream of one event, unpaced); use --client python", file=sys.stderr)
+        return 2
     if args.client == "wrk":
         missing = missing_tools()
         if missing:
@@ -536,7 +588,7 @@ def run(args: argparse.Namespace) -> int:
         write_model(model_dir)
         worker_urls = stack.enter_context(
             nginx_standins(args.workers, Path(tmp) / "nginx", stream=modes == ["stream"]) if args.client == "wrk"
-            else python_standins(args.workers))
+            else python_standins(args.workers, interval_ms / 1e3))
         bar = tqdm(total=len(apis) * len(sizes) * len(modes) * len(concurrencies) * args.rounds, desc="overhead")
         routers: list[Router] = []
         try:
@@ -558,20 +610,25 @@ def run(args: argparse.Namespace) -> int:
                                        args.seconds, args.rounds, args.system_prompts, Path(tmp), bar)
             elif routers:
                 results += asyncio.run(measure(routers, worker_urls, apis, sizes, modes, concurrencies,
-                                               args.requests, args.rounds, args.system_prompts, bar))
+                                               args.requests, args.rounds, args.system_prompts, bar, max_tokens))
             if args.stall_chars:
                 stalls += [measure_stall(router, api, args.stall_chars, args.stall_requests, 4)
                            for router in routers if router.target.startswith("kvgate:") for api in apis]
         finally:
             bar.close()
             stop_all(router.stop for router in routers)
+    streamed = any(r.events_per_request is not None for r in results)
     header = (f"{'target':<24}{'api':<12}{'chars':>6}{'mode':>7}{'conc':>5}{'direct p50':>12}{'routed p50':>12}"
-              f"{'added p50':>11}{'added p99':>11}{'direct rps':>12}{'rps':>8}{'CPU/req':>10}{'errors':>8}")
+              f"{'added p50':>11}{'added p99':>11}{'direct rps':>12}{'rps':>8}{'CPU/req':>10}{'errors':>8}"
+              + (f"{'events/req':>12}{'CPU/event':>11}" if streamed else ""))
     print(header)
     for r in results:
         print(f"{r.target:<24}{r.api:<12}{r.prompt_chars:>6}{r.mode:>7}{r.concurrency:>5}{r.direct_p50_ms:>10.3f}ms"
               f"{r.gateway_p50_ms:>10.3f}ms{r.added_p50_ms:>9.3f}ms{r.added_p99_ms:>9.3f}ms{r.direct_rps:>12.0f}"
-              f"{r.gateway_rps:>8.0f}{r.gateway_cpu_us_per_request:>8.0f}µs{r.errors:>8}")
+              f"{r.gateway_rps:>8.0f}{r.gateway_cpu_us_per_request:>8.0f}µs{r.errors:>8}"
+              + (f"{r.events_per_request:>12.1f}{r.gateway_cpu_us_per_event:>9.1f}µs"
+                 if r.events_per_request is not None and r.gateway_cpu_us_per_event is not None
+                 else f"{'':>23}" if streamed else ""))
     if results:
         for line in summary(results):
             print(line)
@@ -588,6 +645,8 @@ def run(args: argparse.Namespace) -> int:
         "machine_speed": machine.probes(before, after),
         "client": args.client, "requests_per_round": args.requests if args.client == "python" else None,
         "seconds_per_round": args.seconds if args.client == "wrk" else None, "rounds": args.rounds,
+        "max_tokens": max_tokens,
+        "token_interval_ms": interval_ms if args.client == "python" else None,
         "workers": args.workers,
         "system_prompts": args.system_prompts, "question_chars": QUESTION_CHARS, "processes": args.processes,
         "targets": targets, "skipped": skipped, "results": [asdict(r) for r in results],

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.overhead import Workload, add_arguments, run
+from bench.overhead import ScenarioResult, Workload, add_arguments, run, summary
 from tests.conftest import recorded_speed
 
 
@@ -41,6 +41,108 @@ def test_overhead_benchmark_runs_and_reports(tmp_path: Path) -> None:
     assert [s["api"] for s in report["health_stalls"]] == ["chat", "completions"]
     assert all(s["health_probes"] > 0 and s["errors"] == 0 for s in report["health_stalls"])
     assert recorded_speed(report["machine_speed"])
+
+
+def test_stream_mode_relays_every_token_as_an_event_and_reports_cpu_per_event(tmp_path: Path) -> None:
+    """`--stream-tokens 16`: the requests ask max_tokens 16, the stand-ins answer with 16 token events and
+    `data: [DONE]`, the client counts all 17 through the router, and the router's CPU is divided by them."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "overhead.json"
+    args = parser.parse_args(["--target", "kvgate:round_robin", "--mode", "stream", "--stream-tokens", "16",
+                              "--token-interval-ms", "1", "--prompt-chars", "300", "--system-prompts", "4",
+                              "--requests", "64", "--rounds", "1", "--concurrency", "8", "--workers", "2",
+                              "--out", str(out)])
+    assert run(args) == 0
+    report = orjson.loads(out.read_bytes())
+    assert report["max_tokens"] == 16 and report["token_interval_ms"] == 1
+    assert {r["api"] for r in report["results"]} == {"chat", "completions"}
+    for row in report["results"]:
+        assert row["mode"] == "stream" and row["errors"] == 0 and row["requests"] == 64
+        assert row["events_per_request"] == 17  # 16 tokens and [DONE], every answer
+        assert row["gateway_cpu_us_per_event"] > 0
+        # the same CPU, divided by the requests or by their events
+        assert row["gateway_cpu_us_per_event"] == pytest.approx(row["gateway_cpu_us_per_request"] / 17)
+
+
+def test_json_results_have_no_event_figures_and_the_summary_keeps_modes_apart() -> None:
+    """A run of both modes: the summary has a table per mode (one table of both kept whichever came last), the
+    stream's with its events and CPU per event."""
+    def row(mode: str, cpu: float, events: float | None) -> ScenarioResult:
+        return ScenarioResult("kvgate:round_robin", "chat", 300, mode, 8, 64, 1, 2, 1.5, 2.5, 0.5, 0.5, 900, 800,
+                              cpu, 0, events, cpu / events if events else None)
+
+    lines = list(summary([row("json", 111, None), row("stream", 340, 17)]))
+    json_at = lines.index("\nchat, 300-character system prompts + 200-character question")
+    stream_at = lines.index("\nchat, 300-character system prompts + 200-character question, streamed answers")
+    assert "events/req" not in lines[json_at + 1] and lines[json_at + 2].split()[:2] == ["kvgate:round_robin", "111"]
+    assert "CPU µs/event (c8)" in lines[stream_at + 1]
+    assert lines[stream_at + 2].split()[1] == "340" and lines[stream_at + 2].split()[-2:] == ["17.0", "20.0"]
+
+
+def test_wrk_client_refuses_paced_streams(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """nginx answers with one canned body: it cannot send a token per event or pace them."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for extra in (["--stream-tokens", "8"], ["--token-interval-ms", "2"]):
+        args = parser.parse_args(["--client", "wrk", "--mode", "stream", *extra, "--out", str(tmp_path / "o.json")])
+        assert run(args) == 2
+        assert "--client wrk: no --stream-tokens over 1 or --token-interval-ms" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_the_client_counts_events_split_across_reads() -> None:
+    """An SSE body written in pieces that split `data:` and its line: every event counted once."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from bench.overhead import _drive
+
+    pieces = [b"data: {\"a\": 1}\n", b"\nda", b"ta: {\"data: no\": 2}\n\n", b"data: [DO", b"NE]\n\n"]
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in pieces:
+            await response.write(piece)
+            await asyncio.sleep(0.02)  # each piece its own read at the client
+        await response.write_eof()
+        return response
+
+    async def main() -> int:
+        app = web.Application()
+        app.router.add_post("/v1/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                sample = await _drive(session, [f"http://127.0.0.1:{port}/v1/completions"], [b"{}", b"{}"], True, 1)
+        finally:
+            await runner.cleanup()
+        assert sample.errors == 0
+        return sample.events
+
+    assert asyncio.run(main()) == 6  # three events per answer, two answers
+
+
+def test_the_readme_overhead_commands_parse() -> None:
+    """Every `kvgate bench overhead ...` command the README shows is accepted by its parser."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(r"`kvgate bench overhead ([^`]*)`", readme)
+    commands += re.findall(r"^kvgate bench overhead (.*)$", readme, re.M)
+    assert any("--stream-tokens" in c for c in commands)
+    for rest in commands:
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        add_arguments(parser)
+        parser.parse_args(shlex.split(rest))
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (Path(__file__).resolve().parent.parent / ".git").exists(),
