@@ -52,6 +52,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, key: tuple[str, int]) -> None:
         self.key = key
         self.transport: asyncio.Transport | None = None
+        # (kept: Python 3.11's get_running_loop() makes a getpid() system call, and a stream waits once an event)
+        self.loop = asyncio.get_running_loop()
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._reset()
@@ -178,18 +180,8 @@ class _Connection(asyncio.Protocol):
     def next_event(self) -> asyncio.Future[None]:
         """A future done at the next parser event (headers, a chunk, the end or an error): awaited where it is
         asked for, not through a coroutine of its own (the request path's every resumption passes each one)."""
-        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter = self.loop.create_future()
         return waiter
-
-    async def wait(self, timeout: float | None) -> None:
-        """Wait for the next parser event, at most `timeout` seconds (TimeoutError)."""
-        waiter = self.next_event()
-        handle = asyncio.get_running_loop().call_later(timeout, _expire, waiter) if timeout else None
-        try:
-            await waiter
-        finally:
-            if handle is not None:
-                handle.cancel()
 
     def take(self) -> bytes:
         data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
@@ -230,11 +222,6 @@ def _split(url: str) -> tuple[str, str, int, str, str]:
             parts.netloc)
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
-
-
 class UpstreamResponse:
     """A worker's response whose headers have arrived; read the body whole or chunk by chunk, then let go."""
 
@@ -245,10 +232,19 @@ class UpstreamResponse:
         self._done = False
         self.status = conn.status
         self.headers = conn.headers
+        # the read timeout: one timer for the whole body, not one per chunk (a timer armed and cancelled for every
+        # event of a stream was an eighth of the gateway's CPU relaying it). A wait records when it began; the
+        # timer, when it fires, ends the wait in progress if that one is `read_timeout` old, else fires again when
+        # it will be, and is armed anew by the next wait if none is in progress.
+        self._waiter: asyncio.Future[None] | None = None
+        self._waited_at = 0.0
+        self._silence: asyncio.TimerHandle | None = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; raises UpstreamError if the connection breaks, TimeoutError on silence."""
         conn = self._conn
+        timeout = self._read_timeout
+        loop = conn.loop
         while True:
             if conn.has_data():
                 yield conn.take()
@@ -258,7 +254,30 @@ class UpstreamResponse:
             if conn.complete:
                 self._finish()
                 return
-            await conn.wait(self._read_timeout)
+            self._waiter = waiter = conn.next_event()
+            if timeout:
+                self._waited_at = now = loop.time()
+                if self._silence is None:
+                    self._silence = loop.call_at(now + timeout, self._check_silence)
+            await waiter
+
+    def _check_silence(self) -> None:
+        self._silence = None
+        waiter = self._waiter
+        if waiter is None or waiter.done() or self._read_timeout is None:
+            return  # no wait in progress: the next one arms the timer again
+        loop = self._conn.loop
+        due = self._waited_at + self._read_timeout
+        if loop.time() >= due:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._silence = loop.call_at(due, self._check_silence)
+
+    def _stop_timer(self) -> None:
+        if self._silence is not None:
+            self._silence.cancel()
+            self._silence = None
+        self._waiter = None
 
     async def read(self, limit: int) -> bytes:
         """The whole body; UpstreamTooLarge once it exceeds `limit` bytes (what was read is let go)."""
@@ -277,6 +296,7 @@ class UpstreamResponse:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _finish(self) -> None:
+        self._stop_timer()
         if not self._done:
             self._done = True
             self._pool._release(self._conn)
@@ -284,6 +304,7 @@ class UpstreamResponse:
     def close(self) -> None:
         """Let go of the response: a finished one returns its connection to the pool, an unfinished one
         drops it so the worker sees the request end."""
+        self._stop_timer()
         if self._done:
             return
         self._done = True

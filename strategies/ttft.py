@@ -452,22 +452,30 @@ class StepClock:
         self.boundary = -math.inf  # the first chunk of the latest batch
         self._duration: float | None = None  # the latest batch's duration, once a stream has shown it
         self._prefilled = False  # the latest batch brought a stream's first chunk
-        self._streams: dict[int, float] = {}  # per stream (request identity), its last chunk
-        self._mean = 0.0
+        self._streams: dict[int, float] = {}  # per stream (request identity), its last chunk (oldest first)
+        self._mean: float | None = 0.0  # None: to be summed again (when read: a batch may close on every chunk)
         self._shortest = 0.0
         self._longest = 0.0
+        self._merge = max(jitter_s, 0.0)  # max(jitter_s, a quarter of the shortest step): kept as that changes
 
     def chunk(self, key: int, at: float, first: bool) -> None:
         """A chunk of the stream `key` (the request's identity, which a later request may have once this one has
         ended) arrived at `at`; `first`: the stream's first."""
-        merge = max(self.jitter_s, 0.25 * self._shortest)
+        merge = self._merge
         if at - self.boundary > merge:
             self._close_batch()
             self.boundary, self._duration, self._prefilled = at, None, False
-            if len(self._streams) > STREAMS_KEPT:  # those silent for long have ended
+            streams = self._streams
+            if len(streams) > STREAMS_KEPT:  # those silent for long have ended
                 horizon = at - max(STREAM_SILENCE_S, 2 * self._longest)
-                self._streams = {k: t for k, t in self._streams.items() if t >= horizon}
-        last = self._streams.get(key)
+                stale = []
+                for stream, last_at in streams.items():  # (oldest first, so only the stale are read: with more
+                    if last_at >= horizon:                # streams running than kept, every boundary read them all)
+                        break
+                    stale.append(stream)
+                for stream in stale:
+                    del streams[stream]
+        last = self._streams.pop(key, None)  # (put back at the end: the streams are in the order of their last chunk)
         self._streams[key] = at
         if first:
             self._prefilled = True
@@ -480,14 +488,23 @@ class StepClock:
         if self._prefilled:
             self.prefill_steps.append(self._duration)
             return
-        self.durations.append(self._duration)
-        self._mean = sum(self.durations) / len(self.durations)
-        self._shortest = min(self.durations)
-        self._longest = max(self.durations)
+        durations, duration = self.durations, self._duration
+        evicted = durations[0] if len(durations) == durations.maxlen else None
+        durations.append(duration)
+        self._mean = None
+        if len(durations) == 1 or evicted == self._shortest or evicted == self._longest:
+            self._shortest, self._longest = min(durations), max(durations)
+        elif duration < self._shortest:
+            self._shortest = duration
+        elif duration > self._longest:
+            self._longest = duration
+        self._merge = max(self.jitter_s, 0.25 * self._shortest)
 
     @property
     def mean_s(self) -> float:
         """The mean recent step (0 before one is known)."""
+        if self._mean is None:
+            self._mean = sum(self.durations) / len(self.durations)
         return self._mean
 
     def rest(self, now: float) -> float:
@@ -495,7 +512,7 @@ class StepClock:
         before any duration is known."""
         elapsed = max(0.0, now - self.boundary)
         if elapsed <= self._shortest and self.durations:
-            return self._mean - elapsed
+            return self.mean_s - elapsed
         for durations in (self.durations, self.prefill_steps):
             longer = [d for d in durations if d > elapsed]
             if longer:
@@ -632,7 +649,8 @@ class BlockLedger:
         if holder is not None:
             before = holder.prompt + holder.generated
             holder.generated += tokens
-            self.held += self._blocks(before + tokens) - self._blocks(before)  # the blocks its new tokens began
+            size = self.block_size  # the blocks its new tokens began (`_blocks`, written out: once an event)
+            self.held += -(-(before + tokens) // size) + (-before // size)
 
     def end(self, key: int, now: float) -> _Holder | None:
         holder = self._entries.pop(key, None)
@@ -1210,17 +1228,22 @@ class TtftAware(KvAware):
 
     def on_chunk(self, request: RouteRequest, decision: Decision, first: bool, tokens: int = 1) -> None:
         # a data-parallel engine's ranks step each on their own: a clock per rank (the decision names it)
-        cache = cache_name(decision.worker.url, decision.dp_rank)
-        ledger = self.ledgers.get(cache)
-        if ledger is not None and tokens:
-            ledger.chunk(id(request), tokens)  # tokens more in its blocks
+        # (called for every event relayed: kept to a few lookups, the clock read once)
+        rank = decision.dp_rank
+        cache = decision.worker.url if rank is None else cache_name(decision.worker.url, rank)
+        if tokens:
+            ledger = self.ledgers.get(cache)
+            if ledger is not None:
+                ledger.chunk(id(request), tokens)  # tokens more in its blocks
         if self.step_phase:
-            steps = self.steps.get(cache)
-            if steps is None:
-                steps = self.steps[cache] = StepClock(self.ttft_options.ttft_step_jitter_s)
-                if self._ttft_metrics is not None:  # read when scraped
-                    self._ttft_metrics.step.labels(cache).set_function(lambda: steps.mean_s)
-            steps.chunk(id(request), self.now, first)
+            steps = self.steps.get(cache) or self._step_clock(cache)
+            steps.chunk(id(request), self.balance.clock(), first)
+
+    def _step_clock(self, cache: str) -> StepClock:
+        steps = self.steps[cache] = StepClock(self.ttft_options.ttft_step_jitter_s)
+        if self._ttft_metrics is not None:  # read when scraped
+            self._ttft_metrics.step.labels(cache).set_function(lambda: steps.mean_s)
+        return steps
 
     def request_ended(self, request: RouteRequest, decision: Decision) -> None:
         now = self.now

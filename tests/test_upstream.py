@@ -255,3 +255,42 @@ async def test_a_transfer_coding_other_than_chunked_is_refused(pool: UpstreamPoo
     async with raw_server(reply) as url:
         with pytest.raises(UpstreamError, match="transfer coding"):
             await pool.fetch(url + "/x", 2.0)
+
+
+async def test_the_read_timeout_is_each_wait_s_own_through_a_long_stream(pool: UpstreamPool) -> None:
+    """The read timeout is one timer per answer, not one per chunk: it bounds each wait for the next chunk, not
+    the stream. Chunks 0.15 s apart for 1.2 s under a 0.4 s timeout all arrive (a timer armed at the first wait and
+    fired at its 0.4 s must let the wait in progress run its own 0.4 s); then a silence is cut within [0.4 s, 1.4 s).
+    The connection is reused after a whole answer, and the earlier answer's timer never ends the next one's waits."""
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            await read_request(reader)  # a whole stream, then the next answer's chunks after a pause each
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for i in range(8):
+                writer.write(b"2\r\n%02d\r\n" % i)
+                await writer.drain()
+                await asyncio.sleep(0.15)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for i in range(3):
+                await asyncio.sleep(0.3)
+                writer.write(b"2\r\n%02d\r\n" % i)
+                await writer.drain()
+            await asyncio.sleep(30)  # silent, with the answer unfinished
+
+    async with raw_server(reply) as url:
+        resp = await pool.request("GET", url + "/s", read_timeout=0.4)
+        assert [c async for c in resp.chunks()] == [b"%02d" % i for i in range(8)]
+        resp.close()
+        resp = await pool.request("GET", url + "/s", read_timeout=0.4)  # the same connection, taken from idle
+        got: list[bytes] = []
+        with pytest.raises(TimeoutError):
+            async for chunk in resp.chunks():
+                got.append(chunk)
+                started = time.monotonic()
+        silent = time.monotonic() - started
+        resp.close()
+        assert got == [b"00", b"01", b"02"] and 0.35 <= silent < 1.4
