@@ -290,14 +290,29 @@ class Proxy:
         try:
             with self.deadlines.at(deadline):
                 await response.prepare(request)
+                # Chunks go to the client's transport framed here, one write each, while the client keeps up
+                # (nothing of it buffered) on a chunked answer whose head aiohttp has sent (with the first chunk
+                # it writes): an event through aiohttp's writer took 1.8 us more (two coroutines, three pieces
+                # joined). Else through aiohttp's writer, which waits for a slow client.
+                transport = request.transport
+                chunked = response.headers.get("Transfer-Encoding") == "chunked" and not response.compression
+                direct = False
                 if stream.first:
                     await response.write(stream.first)
                     delivered = seen.ended_with_done
+                    direct = chunked
                 async for chunk in stream.chunks:
                     # as it arrived (the worker's step timing), with the tokens it carries: a loaded gateway reads
                     # several events in one chunk
                     strategy.on_chunk(route, decision, False, seen.feed(chunk))
-                    await response.write(chunk)
+                    if not chunk:
+                        pass
+                    elif (direct and transport is not None and not transport.get_write_buffer_size()
+                            and not transport.is_closing()):
+                        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                    else:
+                        await response.write(chunk)
+                        direct = chunked
                     delivered = seen.ended_with_done
                 if stream.must_end_with_done and not seen.ended_with_done:
                     # the worker ended its answer cleanly at the HTTP level but mid-stream (it crashed, or

@@ -435,3 +435,93 @@ async def test_clients_that_leave_mid_stream_leave_nothing_behind(http: aiohttp.
         await eventually(lambda: not upstream._in_use and all(
             slots._value == gw.gateway.config.max_connections_per_worker for slots in upstream._slots.values()))
         assert f'kvgate_requests_total{{model="tiny",status="499",worker="{url}"}} 40.0' in await _metrics(http, gw.url)
+
+
+# --- a stream relayed to a client that reads slowly, or speaks HTTP/1.0 ----------------------------------------------
+
+EVENT = b"data: " + b"x" * 1000 + b"\n\n"
+
+
+def _event_stream(events: int, sent: list[int]) -> Callable[[asyncio.StreamWriter], Awaitable[None]]:
+    """A worker that streams `events` chunked events as fast as it is let (counting them in `sent[0]`)."""
+
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(events):
+            writer.write(b"%x\r\n%s\r\n" % (len(EVENT), EVENT))
+            await writer.drain()
+            sent[0] += 1
+        done = b"data: [DONE]\n\n"
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+    return stream
+
+
+async def _raw_post(url: str, version: bytes, rcvbuf: int | None = None,
+                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    sock = None
+    if rcvbuf is not None:  # a small receive window: the kernel holds little of what the client does not read
+        import socket
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    # (a StreamReader reads ahead into its buffer up to twice its limit: kept small, it stops reading when told)
+    reader, writer = (await asyncio.open_connection(sock=sock, limit=2**15) if sock is not None
+                      else await asyncio.open_connection(host, int(port), limit=2**15))
+    body = orjson.dumps({**COMPLETION, "stream": True})
+    writer.write(b"POST /v1/completions " + version + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    return reader, writer
+
+
+def _dechunk(data: bytes) -> bytes:
+    out, at = bytearray(), 0
+    while True:
+        end = data.index(b"\r\n", at)
+        size = int(data[at:end], 16)
+        if size == 0:
+            return bytes(out)
+        out += data[end + 2:end + 2 + size]
+        assert data[end + 2 + size:end + 4 + size] == b"\r\n"
+        at = end + 4 + size
+
+
+async def test_a_client_that_stops_reading_a_stream_stops_the_worker_and_then_gets_every_byte() -> None:
+    """A client that stops reading a long stream: the gateway stops reading the worker (what it holds is bounded),
+    and once the client reads again it gets the whole stream, framed and in order, whichever way each chunk went
+    (written straight to the client's transport while it kept up, through aiohttp's writer while it lagged)."""
+    events, sent = 60_000, [0]  # 60 MB; the buffers on the way (the kernel's on three sockets, the gateway's) held
+    # about 11,500 of them in a run on this machine
+    async with raw_worker(_event_stream(events, sent)) as url, running_gateway([url]) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        reader, writer = await _raw_post(gw.url, b"HTTP/1.1", rcvbuf=64 * 1024)
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head
+        await asyncio.sleep(1.5)  # not reading: what the worker got out is what the buffers on the way hold
+        held = sent[0]
+        assert held < events // 2, f"{held} events of 1 kB sent to a client that reads nothing"
+        parts: list[bytes] = []
+        async with asyncio.timeout(60):
+            while not (parts and b"".join(parts[-2:]).endswith(b"\r\n0\r\n\r\n")):
+                parts.append(await reader.read(2**16))
+                assert parts[-1], "the gateway closed the stream before its end"
+        writer.close()
+        data = b"".join(parts)
+        body = _dechunk(data)
+        assert body == EVENT * events + b"data: [DONE]\n\n"
+
+
+async def test_an_http_1_0_client_gets_the_stream_unchunked_until_the_close() -> None:
+    """HTTP/1.0 has no chunked coding: the stream's bytes as they are, its end the connection's close."""
+    sent = [0]
+    async with raw_worker(_event_stream(50, sent)) as url, running_gateway([url]) as gw:
+        await eventually(lambda: bool(gw.gateway.pool.healthy()))
+        reader, writer = await _raw_post(gw.url, b"HTTP/1.0")
+        data = await asyncio.wait_for(reader.read(), 30)  # to the close
+        writer.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+        assert body == EVENT * 50 + b"data: [DONE]\n\n"
