@@ -46,6 +46,10 @@ class AgentConfig:
     client_read_timeout_s: float = option(10.0, "a client connection that sends none of a frame it began for this "
                                           "long is dropped (a client that stalls mid-frame would otherwise keep "
                                           "what it sent of it, up to 256 MiB, for good)")
+    frame_budget: int = option(512 * 2**20, "bytes of big frames (over 1 MiB: inline stores) being read or "
+                               "answered, over all connections, at most; a frame that would pass it is refused "
+                               "with an error and its connection closed (each could otherwise hold a frame of up "
+                               "to 256 MiB at once; the connector's frames are under 1 MiB)", parse=parse_bytes)
     events_endpoint: str = option("", "ZMQ PUB endpoint for KV events, e.g. tcp://*:5560 (empty = no events)")
     replay_endpoint: str = option("", "ZMQ ROUTER endpoint answering event replay requests (empty = none)")
     events_topic: str = option("kv-events", "topic frame of published KV events")
@@ -135,6 +139,8 @@ class AgentConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds: {value}")
+        if self.frame_budget < 2**20:  # (below one big frame: every inline store over 1 MiB refused)
+            raise ConfigError(f"frame_budget must be at least 1MiB: {self.frame_budget}")
         for name in ("shared_ttl_s", "shared_retry_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

@@ -98,6 +98,8 @@ class AgentMetrics:
                                  "mapped (the vLLM workers: 0 means no KV bytes can move)", registry=self.registry)
         self.unsent_bytes = Gauge("kvgate_agent_unsent_bytes", "bytes of answers written to clients and not yet "
                                   "taken by them, and of inline answers being made", registry=self.registry)
+        self.frame_bytes = Gauge("kvgate_agent_frame_bytes", "bytes of big frames (over 1 MiB) being read or "
+                                 "answered, over all connections (at most --frame-budget)", registry=self.registry)
         self.bytes_stored = Counter("kvgate_agent_bytes_stored", "payload bytes clients handed over to store",
                                     registry=self.registry)
         self.bytes_loaded = Counter("kvgate_agent_bytes_loaded", "payload bytes loaded into clients' memory",

@@ -97,6 +97,13 @@ ACCEPT_RETRY_S = 0.05  # after an accept failed (no file descriptor left), the n
 # and the decode copied every block out of it, both on the event loop: 130 ms for 128 MiB, every other client's
 # lookups waiting meanwhile (150-400 ms)
 BIG_FRAME_BYTES = 2**20  # (the stream reader's limit: it buffers about twice this before it stops reading)
+# a big frame (over BIG_FRAME_BYTES) must arrive at least this fast: a sweep of _drop_stalled_readers that finds one
+# fewer bytes along than this rate over its interval counts as stalled, as one that finds it no further along. A
+# frame holds its whole size of `--frame-budget` from its length on, so a client that sent a byte a second kept 256
+# MiB of it (and whatever it had sent) for good, never "stalled"; at this rate the largest frame is whole in 16 s.
+# A kvgate client writes a frame with one sendall over a Unix socket (GB/s; the connector's frames are under 1 MiB,
+# never big: its blocks travel in shared memory)
+MIN_FRAME_BYTES_PER_S = 16 * 2**20
 # a Lookup's walk over its hashes goes this many at a time, other connections' requests let in between: the walk
 # over 2^17 blocks all held (the most a Lookup may name) took 15.5 ms on the loop, this many about 1 ms
 LOOKUP_PIECE_HASHES = 8192
@@ -188,8 +195,8 @@ async def _first_frame(sock: socket.socket, fds: list[int], timeout_s: float = F
 async def _frame_body(reader: asyncio.StreamReader, size: int, conn: Connection) -> bytes | mmap.mmap:
     """A frame's `size` bytes. One bigger than BIG_FRAME_BYTES goes into private anonymous memory mapped for it (its
     pages zeroed as they are first written, not all up front as a bytearray's are), a piece of what the reader
-    buffered at a time (each one progress of `conn`'s): no turn of the loop copies more than the reader holds.
-    Give it back with `_unmap`."""
+    buffered at a time (each one progress of `conn`'s, its bytes in `conn.received`): no turn of the loop copies
+    more than the reader holds. Give it back with `_unmap`."""
     if size <= BIG_FRAME_BYTES:
         return await reader.readexactly(size)
     body = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # (shared anonymous memory took 3 times as long to unmap)
@@ -202,6 +209,7 @@ async def _frame_body(reader: asyncio.StreamReader, size: int, conn: Connection)
         body[done: done + len(piece)] = piece
         done += len(piece)
         conn.progress += 1
+        conn.received = done
     return body
 
 
@@ -253,10 +261,13 @@ class Connection:
         self.layout = 0
         self.block_bytes = 0
         # a frame being read (TierAgent._drop_stalled_readers): how far it got (a count bumped at its length and at
-        # each piece of a big one), what the last sweep saw of it, and how many sweeps in a row saw it no further
+        # each piece of a big one; the bytes of a big one read so far), what the last sweep saw of it, and how many
+        # sweeps in a row saw it no further along (or a big one too little further: MIN_FRAME_BYTES_PER_S)
         self.reading = False
         self.progress = 0
+        self.received = 0
         self.seen_progress = -1
+        self.seen_received = 0
         self.stalled_sweeps = 0
 
     def declare(self, layout: int, block_bytes: int) -> None:
@@ -327,9 +338,14 @@ class TierAgent:
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         self._readers: dict[Connection, asyncio.StreamWriter] = {}  # the same connections, for _drop_stalled_readers
         self._read_stalls = LogThrottle()  # clients dropped in the middle of a frame
+        # bytes of big frames (over BIG_FRAME_BYTES) being read or answered, over all connections: at most
+        # config.frame_budget, a frame past it refused at its length (each is counted whole from its length on)
+        self._frame_bytes = 0
+        self._over_budget = LogThrottle()  # frames refused for it
         self._unsent_reserved = 0  # bytes of inline answers being made (not yet in a connection's write buffer)
         self._stalls = LogThrottle()  # clients dropped for not taking their answers
         self.metrics.unsent_bytes.set_function(self._unsent)
+        self.metrics.frame_bytes.set_function(lambda: self._frame_bytes)
         self._drops = LogThrottle()  # clients dropped before their Hello
         self._presence: PresenceMap | None = None
         # the DRAM tier's pre-faulting (config.dram_prefault), started by the first Hello that declares a block size
@@ -565,17 +581,26 @@ class TierAgent:
                 if size > MAX_FRAME:
                     writer.write(frame(ErrorReply(message=f"frame of {size} bytes is too large")))
                     return
-                conn.reading = True  # (the wait for a frame's length has no bound: a connector idles between steps)
-                conn.progress += 1
-                request = await _frame_body(reader, size, conn)
-                conn.reading = False
+                held = size if size > BIG_FRAME_BYTES else 0  # (a small one is in the stream's buffer, bounded)
+                if held and self._frame_bytes + held > self.config.frame_budget:
+                    self._refuse_over_budget(writer, size)
+                    return
+                self._frame_bytes += held
                 try:
-                    reply = await self._answer(conn, request)
+                    conn.reading = True  # (the wait for a frame's length has no bound: a connector idles between steps)
+                    conn.progress += 1
+                    conn.received = conn.seen_received = 0
+                    request = await _frame_body(reader, size, conn)
+                    conn.reading = False
+                    try:
+                        reply = await self._answer(conn, request)
+                    finally:
+                        if isinstance(request, mmap.mmap):
+                            with contextlib.suppress(RuntimeError):  # (the pool is shut down: unmapped here instead)
+                                self._pool.submit(_unmap, request)
+                        del request  # (not kept until the next frame: an inline store's blocks are views into it)
                 finally:
-                    if isinstance(request, mmap.mmap):
-                        with contextlib.suppress(RuntimeError):  # (the pool is shut down: unmapped here instead)
-                            self._pool.submit(_unmap, request)
-                    del request  # (not kept until the next frame: an inline store's blocks are views into it)
+                    self._frame_bytes -= held
                 # the next request is read once this answer is sent: a client that sends and never reads
                 # holds one answer here, and only for the write timeout. (Sent in the loop turn that made it: an
                 # inline answer counts against MAX_UNSENT_BYTES as reserved until then, as the transport's buffer
@@ -623,26 +648,48 @@ class TierAgent:
                     raise _Stalled from None
                 left = now_left
 
+    def _refuse_over_budget(self, writer: asyncio.StreamWriter, size: int) -> None:
+        """A big frame that would take the bytes of frames being read past `frame_budget`: an error reply, and the
+        connection closed (its body, never read, would be taken for the next frame). Refused at once rather than
+        made to wait: no kvgate client sends such frames where it could be near the budget (the connector's are
+        under 1 MiB, never counted: 2^15 blocks' hashes, offsets and lengths, about 0.6 MiB; an inline Store of
+        2^15 of the simulator's 64-byte blocks, 2.4 MiB), so a
+        frame refused here comes with frames that together hold 512 MiB by default, and a wait would only hold
+        its client until its own timeout."""
+        self.metrics.request_errors.labels("frame_budget").inc()
+        if (held_back := self._over_budget.due()) is not None:
+            log.warning("client's frame of %d bytes refused: frames being read hold %d of the %d bytes of "
+                        "--frame-budget (kvgate_agent_request_errors_total{op=frame_budget} counts every one)%s",
+                        size, self._frame_bytes, self.config.frame_budget, held_back_note(held_back))
+        writer.write(frame(ErrorReply(message=f"busy: a frame of {size} bytes would take frames being read past "
+                                              f"{self.config.frame_budget} bytes (--frame-budget); retry, or pass "
+                                              f"shared memory")))
+
     def _drop_stalled_readers(self) -> None:
         """Every half `client_read_timeout_s`: a connection that two sweeps in a row found inside the same frame, no
         further along, is dropped (its transport aborted: the read ends, and what it holds of the frame is let go).
         A client that began a frame and sent no more of it kept its connection and that memory (up to MAX_FRAME)
         for good. Two sweeps, not one: after this process was not run for a while, what a client sent meanwhile
         waits in the stream's buffer until the loop gets to it. (A sweep, not a timeout on each read: asyncio.timeout
-        cost each frame 7-8 us, on lookups answered in 45-120 us a round trip here.)"""
+        cost each frame 7-8 us, on lookups answered in 45-120 us a round trip here.) A big frame must also move at
+        least MIN_FRAME_BYTES_PER_S between two sweeps: one that trickled in held its share of `frame_budget` for
+        good."""
+        least = int(MIN_FRAME_BYTES_PER_S * self.config.client_read_timeout_s / 2)
         for conn, writer in list(self._readers.items()):
-            if not conn.reading or conn.progress != conn.seen_progress:
+            moved, conn.seen_received = conn.received - conn.seen_received, conn.received
+            if not conn.reading or (conn.progress != conn.seen_progress and (not conn.received or moved >= least)):
                 conn.seen_progress, conn.stalled_sweeps = conn.progress, 0
                 continue
+            conn.seen_progress = conn.progress
             conn.stalled_sweeps += 1
             if conn.stalled_sweeps < 2:
                 continue
             self._readers.pop(conn, None)
             self.metrics.request_errors.labels("read_timeout").inc()
             if (held_back := self._read_stalls.due()) is not None:
-                log.warning("client dropped: it sent none of the frame it began for %g s (kvgate_agent_request_"
-                            "errors_total{op=read_timeout} counts every one)%s", self.config.client_read_timeout_s,
-                            held_back_note(held_back))
+                log.warning("client dropped: it sent none of the frame it began for %g s, or too little (kvgate_"
+                            "agent_request_errors_total{op=read_timeout} counts every one)%s",
+                            self.config.client_read_timeout_s, held_back_note(held_back))
             writer.transport.abort()
 
     def _unsent(self) -> int:

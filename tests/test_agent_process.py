@@ -1353,6 +1353,96 @@ def test_clients_that_stall_inside_a_frame_are_dropped_and_what_they_sent_let_go
     assert agent.proc.poll() is None
 
 
+def test_big_frames_being_read_are_bounded_over_all_connections(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """Each connection may send a frame of up to MAX_FRAME (256 MiB), and the agent buffers its body while it
+    arrives: 4 connections that each sent 200 MiB of a 256 MiB frame held the agent at +801 MB (/tmp script), more
+    connections more. Now big frames (over 1 MiB) being read or answered hold at most `--frame-budget` over all
+    connections, each counted whole from its length on: one that would pass it is answered with an error, counted
+    (op="frame_budget"), and its connection closed; small frames (a lookup, the connector's stores) are never
+    refused, other clients are served, and a frame's share is let go once it is answered or its connection ends.
+    (Set through the environment, so the agent before it starts too: there, the third frame was taken, no answer.)"""
+    mib = 2**20
+    env = dict(subprocess_env, KVGATE_AGENT_FRAME_BUDGET="64MiB")
+    agent = AgentProcess(tmp_path, env, "--dram-capacity", "8MiB", "--client-read-timeout-s", "60")
+    agents.append(agent)
+    holding: list[socket.socket] = []
+    try:
+        for _ in range(2):  # 2 x 32 MiB: the whole budget, half of each sent
+            sock = connect(agent.socket)
+            sock.settimeout(30)
+            assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+            sock.sendall(FRAME.pack(32 * mib) + b"\x80" * (16 * mib))
+            holding.append(sock)
+        with connect(agent.socket) as sock:  # a third big frame: refused at its length, and closed
+            sock.settimeout(10)
+            assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+            sock.sendall(FRAME.pack(2 * mib))
+            head = sock.recv(FRAME.size, socket.MSG_WAITALL)
+            assert len(head) == FRAME.size, "no answer"
+            reply = msgspec.msgpack.decode(sock.recv(FRAME.unpack(head)[0], socket.MSG_WAITALL))
+            assert reply["op"] == "error" and "--frame-budget" in reply["message"], reply
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""
+        assert agent.metric("kvgate_agent_request_errors_total", op="frame_budget") == 1
+        assert agent.metric("kvgate_agent_frame_bytes") == 64 * mib
+        with connect(agent.socket) as sock:  # small frames go on meanwhile
+            assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+            assert raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": [1], "data": [content(1)]})[
+                "stored"] == 1
+            assert raw_call(sock, {"op": "lookup", "layout": LAYOUT, "hashes": [1]})["count"] == 1
+        holding.pop().close()  # its frame's share let go: a big inline store fits again
+        deadline = time.monotonic() + 30
+        while agent.metric("kvgate_agent_frame_bytes") > 32 * mib:
+            assert time.monotonic() < deadline, "the closed connection's frame still counted"
+            time.sleep(0.1)
+        with AgentClient(agent.socket, shm_bytes=0, timeout_s=30) as client:
+            hashes = list(range(10, 18))
+            assert client.store(LAYOUT, hashes, [content(h, 256 * 1024) for h in hashes]) == 8  # a 2 MiB frame
+        assert agent.metric("kvgate_agent_frame_bytes") == 32 * mib
+    finally:
+        for sock in holding:
+            sock.close()
+    assert agent.metric("kvgate_agent_request_errors_total", op="frame_budget") == 1
+    assert agent.proc is not None and agent.proc.poll() is None
+
+
+def test_a_client_that_trickles_a_big_frame_is_dropped(tmp_path: Path, agents: list[AgentProcess],
+                                                       subprocess_env: dict[str, str]) -> None:
+    """A connection that kept sending a few bytes of a big frame was never "stalled" (each piece was progress): it
+    kept what it sent and its share of `--frame-budget` for good (a byte a second for 25 s past the 10 s read
+    timeout, /tmp script; here 64 KiB every 0.2 s, still connected after 20 s). A big frame must move at least
+    MIN_FRAME_BYTES_PER_S between two sweeps now, or it is dropped as a stalled one is (op="read_timeout"); a big
+    inline store sent at once is taken as before."""
+    from agent.server import MIN_FRAME_BYTES_PER_S
+
+    mib = 2**20
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "64MiB", "--client-read-timeout-s", "2")
+    agents.append(agent)
+    assert MIN_FRAME_BYTES_PER_S > 64 * 1024 / 0.2  # (what the client below sends a second)
+    with connect(agent.socket) as sock:
+        sock.settimeout(30)
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+        sock.sendall(FRAME.pack(64 * mib) + b"\x80" * mib)
+        started = time.monotonic()
+        dropped = False
+        while time.monotonic() - started < 20:
+            try:
+                sock.sendall(b"\x80" * (64 * 1024))
+            except (BrokenPipeError, ConnectionResetError):
+                dropped = True
+                break
+            time.sleep(0.2)
+        assert dropped, "a client trickling a big frame was still connected after 20 s"
+    assert agent.metric("kvgate_agent_request_errors_total", op="read_timeout") == 1
+    with AgentClient(agent.socket, shm_bytes=0, timeout_s=30) as client:
+        hashes = list(range(1, 33))
+        assert client.store(LAYOUT, hashes, [content(h, mib) for h in hashes]) == 32  # a 32 MiB frame
+        assert client.load(LAYOUT, hashes[:2], mib) == [content(1, mib), content(2, mib)]
+    assert agent.metric("kvgate_agent_request_errors_total", op="read_timeout") == 1
+    assert agent.metric("kvgate_agent_frame_bytes") == 0
+
+
 def test_many_clients_that_never_read_small_inline_answers_are_bounded_too(
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
     """Inline answers waiting to be taken are bounded over all connections (MAX_UNSENT_BYTES, the README says an
