@@ -56,7 +56,8 @@ class AgentConfig:
     events_interval_s: float = option(0.02, "how often pending tier events are published as one batch")
     block_size: int = option(0, "tokens per block, reported in BlockStored events (0 = unknown)")
 
-    dram_capacity: int = option(2**30, "DRAM tier byte bound (0 = no DRAM tier)", parse=parse_bytes)
+    dram_capacity: int = option(2**30, "DRAM tier byte bound (0 = no DRAM tier); a block under a page counts "
+                                "its bytes plus 512 for its bookkeeping (a page at most)", parse=parse_bytes)
     dram_high_watermark: float = option(0.95, "DRAM fill fraction above which background demotion starts")
     dram_low_watermark: float = option(0.85, "DRAM fill fraction background demotion brings usage down to")
     dram_prefault: bool = option(False, "when the first client declares its block size (Hello), fill the DRAM "

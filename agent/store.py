@@ -28,7 +28,7 @@ from agent.presence import PresenceMap
 from agent.tiers.base import Buffer, HeldBlock, Removed, StoreItem, Tier, TierName
 from agent.tiers.buffers import unfilled
 from agent.tiers.copies import ParallelCopier
-from agent.tiers.dram import DramTier
+from agent.tiers.dram import BLOCK_BOOKKEEPING, DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.segments import SegmentNvmeTier
 from agent.tiers.shared import FsSharedTier, RedisSharedTier, SharedTier
@@ -131,7 +131,8 @@ class TierStore:
     @classmethod
     def from_config(cls, config: AgentConfig) -> TierStore:
         dram = (DramTier(config.dram_capacity, config.dram_high_watermark, config.dram_low_watermark,
-                         copier=ParallelCopier(config.copy_threads)) if config.dram_capacity > 0 else None)
+                         copier=ParallelCopier(config.copy_threads), bookkeeping=BLOCK_BOOKKEEPING)
+                if config.dram_capacity > 0 else None)
         return cls(config, dram=dram, nvme=build_nvme_tier(config), shared=build_shared_tier(config))
 
     def close(self, wait: bool = True) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from agent.tiers.dram import block_charge
 from bench import loadgen, machine, vsim_report, workloads
 from bench.make_model import bench_model_dir
 from bench.report import write_markdown, write_plots
@@ -75,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--agent-write-policy", choices=["eager", "lazy"], default="eager",
                    help="the agents' write policy (eager: written through to the shared Valkey tier)")
     a.add_argument("--agent-dram-blocks", type=int, default=0,
-                   help="blocks each agent's DRAM tier holds (0: the agent's default, 1 GiB of 64-byte stand-ins)")
+                   help="blocks each agent's DRAM tier holds (0: the agent's default, 1 GiB: 1.86 million of the "
+                        "64-byte stand-ins, each charged 576 bytes with its bookkeeping)")
     a.add_argument("--agent-nvme", action="store_true", help="give each agent an NVMe tier (a temporary directory)")
     a.add_argument("--no-agent-shared", action="store_true", help="no shared Valkey tier")
     a.add_argument("--agent-link", action="append", default=None, metavar="CODE=GBPS:LATENCY_US",
@@ -285,13 +287,18 @@ def causal_limit(prompts: list[tuple[int, list[int]]], sent: list[dict[str, Any]
             for p in vsim_report.PERCENTILES}
 
 
+STAND_IN_BYTES = 64  # a simulated replica's block payload (`kvgate sim --agent-payload-bytes`' default)
+
+
 def agent_settings(args: argparse.Namespace) -> AgentSettings:
-    """The tier agents of a `--with-agents` run: capacities in the 64-byte stand-ins the replicas store."""
+    """The tier agents of a `--with-agents` run: capacities in the 64-byte stand-ins the replicas store, each
+    charged its bookkeeping too (agent.tiers.dram.block_charge: `--agent-dram-blocks` blocks fit, as before)."""
     sim_args: list[str] = []
     for link in args.agent_link or ():
         sim_args += ["--agent-link", link]
     return AgentSettings(write_policy=args.agent_write_policy,
-                         dram_capacity=str(args.agent_dram_blocks * 64) if args.agent_dram_blocks else None,
+                         dram_capacity=str(args.agent_dram_blocks * block_charge(STAND_IN_BYTES))
+                         if args.agent_dram_blocks else None,
                          nvme=args.agent_nvme, shared=not args.no_agent_shared, sim_args=tuple(sim_args))
 
 

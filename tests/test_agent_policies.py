@@ -19,12 +19,13 @@ from agent.metrics import AgentMetrics
 from agent.policy import TierPolicy, UseCounter
 from agent.store import TierStore, build_nvme_tier
 from agent.tiers.base import TierName
-from agent.tiers.dram import DramTier
+from agent.tiers.dram import DramTier, block_charge
 from kvcore.kv_events import BlockRemoved, BlockStored
 from tests.conftest import ValkeyServer
 
 LAYOUT = 7
 SIZE = 1000
+CHARGE = block_charge(SIZE)  # what a block counts against the agent's DRAM capacity (its bytes and bookkeeping)
 
 
 def payload(i: int) -> bytes:
@@ -32,7 +33,7 @@ def payload(i: int) -> bytes:
 
 
 def make_store(tmp_path: Path, **overrides: Any) -> TierStore:
-    settings: dict[str, Any] = dict(dram_capacity=10 * SIZE, nvme_dir=str(tmp_path / "nvme"),
+    settings: dict[str, Any] = dict(dram_capacity=10 * CHARGE, nvme_dir=str(tmp_path / "nvme"),
                                     nvme_capacity=100 * (SIZE + HEADER_SIZE), nvme_fsync=False, nvme_min_free=0,
                                     shared_backend="fs", shared_dir=str(tmp_path / "shared"), io_threads=2)
     settings.update(overrides)
@@ -160,7 +161,7 @@ def test_shared_blocks_of_another_replica(valkey: ValkeyServer, tmp_path: Path) 
 
 
 def test_lookup_of_1000_hashes_is_well_under_a_millisecond(tmp_path: Path) -> None:
-    store = make_store(tmp_path, dram_capacity=2000 * 16, nvme_dir="")
+    store = make_store(tmp_path, dram_capacity=2000 * block_charge(16), nvme_dir="")
     hashes = [(i * 2654435761) % 2**64 for i in range(1000)]
     store.store_chain(LAYOUT, hashes, [b"x" * 16] * 1000)
     assert store.lookup(LAYOUT, hashes) == (1000, "C" * 1000)
@@ -352,7 +353,7 @@ def test_background_bytes_are_the_writes_not_done_yet(tmp_path: Path) -> None:
 def test_the_in_memory_part_of_a_store_writes_no_medium(tmp_path: Path) -> None:
     """What the agent's event loop does itself (`store_in_memory`): a chain longer than the DRAM tier keeps its head
     in DRAM and hands back its tail, which reaches NVMe only through `store_refused` (the request pool's part)."""
-    store = make_store(tmp_path, dram_capacity=3 * SIZE, shared_backend="none", write_policy="eager")
+    store = make_store(tmp_path, dram_capacity=3 * CHARGE, shared_backend="none", write_policy="eager")
     held, refused = store.store_in_memory(LAYOUT, list(range(6)), [payload(i) for i in range(6)])
     assert held == 3 and [item.key[1] for item, _uses in refused] == [3, 4, 5]
     assert store.lookup(LAYOUT, list(range(6))) == (3, "CCC")

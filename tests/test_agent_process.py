@@ -514,7 +514,7 @@ def test_a_lookup_longer_than_any_prompt_is_refused_and_a_long_prefix_asked_in_p
     than MAX_LOOKUP_HASHES (a 128k-token prompt at vLLM's smallest block size) is refused before its hashes are
     decoded, with an error that names the limit, and its connection goes on; the client asks a longer prefix a
     piece at a time, the next piece only while every block so far is held."""
-    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "64MiB")
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "128MiB")  # (2^17 empty blocks)
     agents.append(agent)
     n = MAX_LOOKUP_HASHES + 10
     with connect(agent.socket) as big, connect(agent.socket) as small:
@@ -553,7 +553,7 @@ def test_the_longest_lookup_lets_other_clients_lookups_in(tmp_path: Path, agents
     machine moves less than milliseconds: the worst wait of a small lookup asked during a big one against the big
     one's round trip, the median over 20 of them: 0.92-0.95 before (fails), 0.17-0.25 now, with two busy loops on
     the 2 cores too."""
-    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "64MiB")
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "128MiB")  # (2^17 empty blocks)
     agents.append(agent)
     held = list(range(1, MAX_LOOKUP_HASHES + 1))
     windows: list[tuple[float, float]] = []
@@ -1441,6 +1441,40 @@ def test_a_client_that_trickles_a_big_frame_is_dropped(tmp_path: Path, agents: l
         assert client.load(LAYOUT, hashes[:2], mib) == [content(1, mib), content(2, mib)]
     assert agent.metric("kvgate_agent_request_errors_total", op="read_timeout") == 1
     assert agent.metric("kvgate_agent_frame_bytes") == 0
+
+
+def test_tiny_blocks_are_charged_their_bookkeeping_and_pages_as_before(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """The DRAM tier counted blocks' bytes only, while each block costs the agent about 300-500 bytes of its own
+    (agent.tiers.dram.BLOCK_BOOKKEEPING): an 8 MiB tier took 2 million empty blocks (+653 MB of agent, /tmp script),
+    here 262,144 of them and as many 1-byte blocks of a client that declared that size in Hello, all held. A block
+    under a page is charged its bookkeeping now (at most a page), so the tier holds capacity / 512 of them at most;
+    blocks of a page and more are charged their bytes, as before, and as many fit."""
+    from agent.tiers.dram import BLOCK_BOOKKEEPING
+
+    mib = 2**20
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "8MiB")
+    agents.append(agent)
+    # a page or more: charged its bytes alone (1,900 blocks of 4 KiB, under the high watermark: all held)
+    with AgentClient(agent.socket, shm_bytes=0, timeout_s=60) as client:
+        hashes = list(range(2 * 10**7, 2 * 10**7 + 1900))
+        assert client.store(LAYOUT, hashes, [content(h) for h in hashes]) == 1900
+        assert client.lookup(LAYOUT, hashes)[0] == 1900
+        dram = client.stats().tiers["dram"]
+        assert (dram.used_bytes, dram.blocks) == (1900 * BLOCK, 1900)
+    most = 8 * mib // BLOCK_BOOKKEEPING
+    for declared, size, base in ((0, 0, 0), (1, 1, 10**7)):
+        with connect(agent.socket) as sock:
+            sock.settimeout(60)
+            assert raw_call(sock, {"op": "hello", "block_bytes": declared})["op"] == "hello"
+            for start in range(base + 1, base + 8 * MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS):
+                hashes = list(range(start, start + MAX_BATCH_BLOCKS))
+                reply = raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": hashes, "parent": start - 1,
+                                        "data": [b"\x01" * size] * MAX_BATCH_BLOCKS})
+                assert reply["op"] == "store", reply
+            dram = raw_call(sock, {"op": "stats"})["tiers"]["dram"]
+            assert 0 < dram["blocks"] <= most, (size, dram)
+            assert dram["used_bytes"] <= 8 * mib, (size, dram)
 
 
 def test_many_clients_that_never_read_small_inline_answers_are_bounded_too(

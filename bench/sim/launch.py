@@ -39,7 +39,7 @@ class AgentSettings:
     """How the fleet's tier agents run (`kvgate agent` flags; see docs/agent.md)."""
 
     write_policy: str = "eager"         # eager: every computed block is written through to the shared tier
-    dram_capacity: str | None = None    # in stand-in bytes (payload_bytes per block); None = the agent's default
+    dram_capacity: str | None = None    # bytes: block_charge(payload_bytes) a block; None = the agent's default
     nvme: bool = False                  # an NVMe tier in a temporary directory per agent
     shared: bool = True                 # the fleet-shared tier on one Valkey
     valkey_url: str | None = None       # an existing Valkey/Redis; None = start one for the fleet
