@@ -351,24 +351,30 @@ class SseWatch:
 
     MAX_LINE = 1 << 20  # a longer unfinished line is not kept: it cannot be the usage event
 
-    __slots__ = ("_last", "_line", "events", "usage")
+    __slots__ = ("_last", "_line", "ended_with_done", "events", "usage")
 
     def __init__(self) -> None:
         self._line = b""  # the unfinished last line
         self._last = b""  # the last finished non-blank line, stripped
         self.usage: Usage | None = None
         self.events = 0  # `data:` events relayed, `[DONE]` included
+        self.ended_with_done = False  # the last event so far is `data: [DONE]`
 
     def feed(self, chunk: bytes) -> int:
         """Take the next chunk; the `data:` events it completed, a final `[DONE]` not counted (each a step's
-        tokens of this answer: one, more with speculative decoding)."""
+        tokens of this answer: one, more with speculative decoding). Called for every chunk relayed."""
         data = self._line + chunk if self._line else chunk
         cut = data.rfind(b"\n")
         if cut < 0:
             self._line = data if len(data) <= self.MAX_LINE else b""
+            self.ended_with_done = (self._line.strip() or self._last) in SSE_DONE
             return 0
-        lines, line = data[:cut], data[cut + 1:]
-        self._line = line if len(line) <= self.MAX_LINE else b""
+        if cut == len(data) - 1:  # whole lines (the usual chunk: whole events): read as they are, no copy
+            lines = data
+            self._line = b""
+        else:
+            lines, line = data[:cut], data[cut + 1:]
+            self._line = line if len(line) <= self.MAX_LINE else b""
         events = lines.count(b"\ndata:") + lines.startswith(b"data:")  # not a "data:" inside a generated text
         self.events += events
         if CACHED_TOKENS in lines:
@@ -378,11 +384,9 @@ class SseWatch:
             self._last = finished[finished.rfind(b"\n") + 1:].strip()
         if events and self._last in SSE_DONE:  # the stream's last event, so among these lines
             events -= 1
+        rest = self._line
+        self.ended_with_done = ((rest.strip() or self._last) if rest else self._last) in SSE_DONE
         return events
-
-    @property
-    def ended_with_done(self) -> bool:
-        return (self._line.strip() or self._last) in SSE_DONE
 
 
 def end_to_end(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:

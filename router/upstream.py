@@ -154,7 +154,11 @@ class _Connection(asyncio.Protocol):
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        self._wake()
+        waiter = self._waiter  # (`_wake`, written out: once for every chunk)
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         if self.headers_done:  # else the end of an interim answer
@@ -246,7 +250,7 @@ class UpstreamResponse:
         timeout = self._read_timeout
         loop = conn.loop
         while True:
-            if conn.has_data():
+            if conn._chunks:  # (`has_data` and `take`, written out: this runs twice for every chunk relayed)
                 yield conn.take()
                 continue
             if conn.error is not None:
