@@ -69,7 +69,8 @@ class AgentConfig:
     nvme_layout: str = option("segments", "segments: append-only segment log (sequential writes, FIFO "
                               "eviction); files: one file per block (temp + rename, LRU eviction)")
     nvme_segment_bytes: int = option(64 * 2**20, "size of one NVMe segment file", parse=parse_bytes)
-    nvme_capacity: int = option(16 * 2**30, "NVMe tier byte bound", parse=parse_bytes)
+    nvme_capacity: int = option(16 * 2**30, "NVMe tier byte bound; it holds one block per KiB of it at most "
+                                "(each costs the agent ~300 bytes of RAM)", parse=parse_bytes)
     nvme_high_watermark: float = option(0.95, "NVMe fill fraction above which background eviction starts")
     nvme_low_watermark: float = option(0.85, "NVMe fill fraction background eviction brings usage down to")
     nvme_fsync: bool = option(True, "fsync each block file before it is renamed into place (power-loss safety)")

@@ -1477,6 +1477,38 @@ def test_tiny_blocks_are_charged_their_bookkeeping_and_pages_as_before(
             assert dram["used_bytes"] <= 8 * mib, (size, dram)
 
 
+@pytest.mark.parametrize("layout", ["segments", "files"])
+def test_tiny_blocks_on_nvme_are_bounded_by_count_and_pages_as_before(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str], layout: str) -> None:
+    """The NVMe tier bounded its disk bytes only, while each block costs the agent its index entry in RAM (211-343
+    bytes, agent.tiers.base.INDEX_ENTRY_FLOOR): empty blocks are 48-byte records (32-byte files), so a 1 MiB tier
+    held 20,000-30,000 of them here, a 16 GiB one would hold hundreds of millions (~100 GB of agent). It holds one
+    block per KiB of its capacity at most now; blocks of 4 KiB are held by their bytes, as before."""
+    from agent.tiers.base import INDEX_ENTRY_FLOOR
+
+    capacity = 2**20
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "0", "--nvme-dir", str(tmp_path / "nvme"),
+                         "--nvme-layout", layout, "--nvme-capacity", str(capacity), "--no-nvme-fsync",
+                         "--nvme-min-free", "0")
+    agents.append(agent)
+    with AgentClient(agent.socket, shm_bytes=0, timeout_s=60) as client:  # (200 * 4 KiB: under the watermark)
+        hashes = list(range(2 * 10**7, 2 * 10**7 + 200))
+        assert client.store(LAYOUT, hashes, [content(h) for h in hashes]) == 200
+        assert client.lookup(LAYOUT, hashes)[0] == 200
+        assert client.stats().tiers["nvme"].blocks == 200
+    with connect(agent.socket) as sock:
+        sock.settimeout(120)
+        assert raw_call(sock, {"op": "hello", "block_bytes": 0})["op"] == "hello"
+        for start in range(1, 4 * MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS):
+            hashes = list(range(start, start + MAX_BATCH_BLOCKS))
+            reply = raw_call(sock, {"op": "store", "layout": LAYOUT, "hashes": hashes, "parent": start - 1,
+                                    "data": [b""] * MAX_BATCH_BLOCKS})
+            assert reply["op"] == "store", reply
+            nvme = raw_call(sock, {"op": "stats"})["tiers"]["nvme"]
+            assert 0 < nvme["blocks"] <= capacity // INDEX_ENTRY_FLOOR, nvme
+            assert nvme["used_bytes"] <= capacity, nvme
+
+
 def test_many_clients_that_never_read_small_inline_answers_are_bounded_too(
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
     """Inline answers waiting to be taken are bounded over all connections (MAX_UNSENT_BYTES, the README says an

@@ -17,7 +17,7 @@ import redis.cluster
 from agent.block import HEADER_SIZE, BlockError, BlockKey, ChecksumError, key_name, pack, parse_key_name, verify
 from agent.config import AgentConfig
 from agent.store import TierStore
-from agent.tiers.base import DiskSpace, Removed, StoreItem, TierUsage
+from agent.tiers.base import INDEX_ENTRY_FLOOR, DiskSpace, Removed, StoreItem, TierUsage
 from agent.tiers.dram import DramTier
 from agent.tiers.nvme import NvmeTier
 from agent.tiers.segments import SegmentNvmeTier
@@ -216,6 +216,30 @@ def test_nvme_store_read_and_restart(tmp_path: Path) -> None:
     assert list(os.scandir(tmp_path / "tmp")) == []
     assert read(again, key(3)) == payload(3)
     assert read(again, key(7)) is None
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+def test_nvme_tiers_hold_a_block_per_entry_floor_of_capacity_at_most(tmp_path: Path, layout: str) -> None:
+    """Each block costs the agent an index entry in RAM that its disk bytes do not count: empty blocks (48-byte
+    records, 32-byte files) were all held in a 64 KiB tier, 1,000 of them (up to 1,365 / 2,048 would have been). It
+    holds capacity // INDEX_ENTRY_FLOOR at most, the newest (the oldest segments or files go), a segment an eighth
+    of them; after a restart with a smaller capacity, as many as that one allows."""
+    def tier(capacity: int) -> NvmeTier | SegmentNvmeTier:
+        if layout == "segments":
+            return SegmentNvmeTier(tmp_path, capacity=capacity, fsync=False)
+        return NvmeTier(tmp_path, capacity=capacity, fsync=False)
+
+    first = tier(64 * 1024)
+    most = 64 * 1024 // INDEX_ENTRY_FLOOR
+    for i in range(1000):
+        assert first.store(key(i), b"")
+        assert 0 < first.usage().blocks <= most
+    held = [i for i in range(1000) if first.contains(key(i))]
+    assert len(held) == first.usage().blocks and 999 in held and min(held) >= 1000 - most
+    first.close()
+    again = tier(32 * 1024)
+    assert 0 < again.usage().blocks <= most // 2
+    assert layout == "files" or again.contains(key(999))  # (files: their mtimes, the order on restart, may tie)
 
 
 def test_nvme_external_deletion_and_corruption_are_misses(tmp_path: Path) -> None:

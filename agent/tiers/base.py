@@ -176,6 +176,17 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
+# An NVMe tier holds at most capacity // INDEX_ENTRY_FLOOR blocks, whatever their size (the oldest go first, as when
+# its bytes are full): each block costs the agent RAM for its index entry, which the disk bytes the capacity bounds
+# do not count. tracemalloc over 100,000-200,000 empty blocks stored into the tier: segments 286 bytes an entry (int
+# hashes, the connector's) to 343 (64-byte hashes, the longest a request may name), files 211-267; a real agent's RSS
+# grew 407 (segments) and 343 (files) bytes per empty block. Unbounded, a 16 GiB tier of empty blocks (48-byte
+# records, 32-byte files: 358-537 million) would take 100-150 GB of agent; bounded, its index takes about a third of
+# the capacity at most (16 GiB: 16.8 million entries, 4.8-5.8 GB), and for vLLM's blocks (16 KiB and up), or any of
+# 1 KiB and up (the tests' 1,000-byte payloads with their header), nothing changes.
+INDEX_ENTRY_FLOOR = 1024
+
+
 class DiskSpace:
     """Whether a directory's file system can take `size` more bytes and still keep `min_free` free: statvfs at
     most every 0.5 s, debited by our own writes in between; a refusal looks again next time."""

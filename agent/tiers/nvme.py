@@ -32,6 +32,7 @@ from agent.block import (
     parse_key_name,
 )
 from agent.tiers.base import (
+    INDEX_ENTRY_FLOOR,
     Buffer,
     DiskSpace,
     HeldBlock,
@@ -128,14 +129,19 @@ def read_block_file(path: Path, key: BlockKey, out: memoryview) -> int:
 
 
 class NvmeTier:
+    """`entry_floor`: the tier holds at most capacity // entry_floor blocks (INDEX_ENTRY_FLOOR: each costs the
+    agent its index entry in RAM); 0, no bound but the bytes."""
+
     name = TierName.NVME
 
     def __init__(self, directory: str | Path, capacity: int, high_watermark: float = 0.95,
-                 low_watermark: float = 0.85, fsync: bool = True, min_free: int = 0) -> None:
+                 low_watermark: float = 0.85, fsync: bool = True, min_free: int = 0,
+                 entry_floor: int = INDEX_ENTRY_FLOOR) -> None:
         self.root = Path(directory)
         self.blocks_dir = self.root / "blocks"
         self.tmp_dir = self.root / "tmp"
         self.capacity = capacity
+        self.max_blocks = max(1, capacity // entry_floor) if entry_floor > 0 else capacity
         self.high_bytes = int(capacity * high_watermark)
         self.low_bytes = int(capacity * low_watermark)
         self.fsync = fsync
@@ -183,6 +189,7 @@ class NvmeTier:
         for _mtime, key, size in found:
             self._index[key] = size
             self._used += size
+        self._evict_locked(self._used, self.max_blocks)  # (a smaller capacity than the last run's)
         log.info("nvme tier %s: %d blocks, %d bytes after restart", self.root, len(self._index), self._used)
 
     # -- interface -------------------------------------------------------------------------------------------
@@ -198,7 +205,7 @@ class NvmeTier:
                 return True
             if key in self._pending:
                 return True
-            evicted = self._evict_locked(self.capacity - size)
+            evicted = self._evict_locked(self.capacity - size, self.max_blocks - 1)
             self._pending[key] = size
             self._used += size
         self._report(evicted)
@@ -336,10 +343,12 @@ class NvmeTier:
                 total += size
             return out
 
-    def _evict_locked(self, target: int) -> list[Removed]:
-        """Drop least recently used blocks until usage <= target; the caller reports them (outside the lock)."""
+    def _evict_locked(self, target: int, blocks: int | None = None) -> list[Removed]:
+        """Drop least recently used blocks until usage <= target (and the blocks held and being written number
+        `blocks` at most); the caller reports them (outside the lock)."""
         evicted: list[Removed] = []
-        while self._used > target and self._index:
+        most = len(self._index) + len(self._pending) if blocks is None else blocks
+        while (self._used > target or len(self._index) + len(self._pending) > most) and self._index:
             key, size = self._index.popitem(last=False)
             self._used -= size
             try:

@@ -36,6 +36,7 @@ import xxhash
 
 from agent.block import HEADER, HEADER_SIZE, MAGIC, VERSION, BlockError, BlockKey, ChecksumError, checksum
 from agent.tiers.base import (
+    INDEX_ENTRY_FLOOR,
     Buffer,
     DiskSpace,
     HeldBlock,
@@ -93,6 +94,7 @@ class _Segment:
     seg_id: int
     path: str
     size: int = 0
+    records: int = 0  # appended or reserved, dead ones included: what bounds its index entries
     keys: set[BlockKey] = field(default_factory=set)
     write_fd: int | None = None
     sealed: bool = False
@@ -175,12 +177,15 @@ def _check(key: BlockKey, loc: _Location, meta: bytearray, payload: memoryview, 
 
 
 class SegmentNvmeTier:
+    """`entry_floor`: the tier holds at most capacity // entry_floor blocks (INDEX_ENTRY_FLOOR: each costs the
+    agent its index entry in RAM), a segment an eighth of them at most; 0, no bound but the bytes."""
+
     name = TierName.NVME
 
     def __init__(self, directory: str | Path, capacity: int, high_watermark: float = 0.95,
                  low_watermark: float = 0.85, fsync: bool = True, min_free: int = 0,
                  segment_bytes: int = 64 * 2**20, copier: ParallelCopier | None = None,
-                 read_part_bytes: int = _READ_PART_BYTES) -> None:
+                 read_part_bytes: int = _READ_PART_BYTES, entry_floor: int = INDEX_ENTRY_FLOOR) -> None:
         self.root = Path(directory)
         self.seg_dir = self.root / "segments"
         self.capacity = capacity
@@ -191,6 +196,9 @@ class SegmentNvmeTier:
         self._space = DiskSpace(str(self.root), min_free)
         # at least 8 segments in the bound, so dropping one frees a small part of the tier
         self.segment_bytes = max(1024, min(segment_bytes, capacity // 8))
+        self.max_blocks = max(1, capacity // entry_floor) if entry_floor > 0 else capacity
+        # a segment of tiny records is sealed by its count, so dropping one still frees a small part of the bound
+        self.segment_records = max(1, self.max_blocks // 8)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
         self._index: dict[BlockKey, _Location] = {}
@@ -206,6 +214,7 @@ class SegmentNvmeTier:
         self._next_id = 1
         self._rebuild()
         self._next_id = max(self._next_id, max(self._segments, default=0) + 1)
+        self._evict_blocks_locked(self.max_blocks)  # (a smaller capacity than the last run's)
 
     # -- restart ---------------------------------------------------------------------------------------------
 
@@ -271,6 +280,7 @@ class SegmentNvmeTier:
                         owner.keys.discard(key)
                 self._index[key] = _Location(segment.seg_id, offset, meta_end, length)
                 segment.keys.add(key)
+                segment.records += 1
                 offset += meta_end + length
             return bad
         finally:
@@ -346,14 +356,16 @@ class SegmentNvmeTier:
                 error = _ReserveReached(errno.ENOSPC, "the free-space reserve would be used")
             else:
                 self._evict_locked(self.capacity - size)
+                self._evict_blocks_locked(self.max_blocks - (0 if again else len(fresh)))
                 try:
-                    segment = self._segment_for_locked(size)
+                    segment = self._segment_for_locked(size, len(fresh))
                 except OSError as exc:
                     error = exc
                     self.stats.add("backend_errors")
             if segment is not None:
                 offset = segment.size
                 segment.size += size
+                segment.records += len(fresh)
                 segment.inflight += 1
                 self._used += size
                 self._pending.update(r.key for r in fresh)
@@ -606,9 +618,10 @@ class SegmentNvmeTier:
 
     # -- internals -------------------------------------------------------------------------------------------
 
-    def _segment_for_locked(self, size: int) -> _Segment:
+    def _segment_for_locked(self, size: int, records: int) -> _Segment:
         active = self._active
-        if active is None or active.sealed or (active.size and active.size + size > self.segment_bytes):
+        if active is None or active.sealed or (active.size and (active.size + size > self.segment_bytes or
+                                                                active.records + records > self.segment_records)):
             if active is not None:
                 self._seal_locked(active)
             seg_id = self._next_id
@@ -660,6 +673,11 @@ class SegmentNvmeTier:
 
     def _evict_locked(self, target: int) -> None:
         while self._used > target and self._evict_oldest_locked():
+            pass
+
+    def _evict_blocks_locked(self, most: int) -> None:
+        """Drop the oldest segments until the blocks held and being written number `most` at most."""
+        while len(self._index) + len(self._pending) > most and self._evict_oldest_locked():
             pass
 
     def _evict_oldest_locked(self) -> bool:
