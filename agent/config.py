@@ -82,6 +82,9 @@ class AgentConfig:
     shared_dir: str = option("", "shared POSIX directory (Lustre, Curvine FUSE, NFS) for shared_backend=fs")
     shared_prefix: str = option("kvgate", "namespace of shared block names (keys / directory level)")
     shared_ttl_s: float = option(3600.0, "lifetime of a shared block after its last write (0 = forever)")
+    shared_index_blocks: int = option(2**22, "most blocks the shared tier's index remembers (each ~300 bytes of "
+                                      "agent RAM); past it the soonest to expire are forgotten (misses until learned "
+                                      "again)")
     shared_timeout_s: float = option(0.5, "socket timeout of one shared-tier operation")
     shared_retry_s: float = option(1.0, "after a shared-tier backend error, skip it for this long")
     shared_sweep_interval_s: float = option(60.0, "interval of the TTL sweep of the shared directory")
@@ -141,6 +144,8 @@ class AgentConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds: {value}")
+        if self.shared_index_blocks < 1:
+            raise ConfigError(f"shared_index_blocks must be at least 1: {self.shared_index_blocks}")
         if self.frame_budget < 2**20:  # (below one big frame: every inline store over 1 MiB refused)
             raise ConfigError(f"frame_budget must be at least 1MiB: {self.frame_budget}")
         for name in ("shared_ttl_s", "shared_retry_s"):

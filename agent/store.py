@@ -74,10 +74,10 @@ def build_shared_tier(config: AgentConfig) -> SharedTier | None:
     if config.shared_backend == "redis":
         return RedisSharedTier(config.shared_url, prefix=config.shared_prefix, ttl_s=config.shared_ttl_s,
                                cluster=config.shared_cluster, timeout_s=config.shared_timeout_s,
-                               retry_s=config.shared_retry_s, secret=secret)
+                               retry_s=config.shared_retry_s, secret=secret, index_blocks=config.shared_index_blocks)
     if config.shared_backend == "fs":
         return FsSharedTier(config.shared_dir, prefix=config.shared_prefix, ttl_s=config.shared_ttl_s,
-                            retry_s=config.shared_retry_s, secret=secret)
+                            retry_s=config.shared_retry_s, secret=secret, index_blocks=config.shared_index_blocks)
     return None
 
 

@@ -378,6 +378,33 @@ def test_redis_shared_round_trip_across_replicas(valkey: ValkeyServer) -> None:
     b.close()
 
 
+def test_the_shared_index_remembers_index_blocks_at_most(valkey: ValkeyServer) -> None:
+    """Another replica's writes enter every agent's index (announced) and left it only when their TTL ran out: a
+    fleet storing empty blocks grew every agent's index without bound (~260-310 bytes of RAM an entry,
+    agent.tiers.shared.INDEX_BLOCKS). Past `index_blocks` the entries that expire soonest are forgotten, counted as
+    evictions and reported removed; the newest stay, and a forgotten block the backend holds is learned again by a
+    probe."""
+    writer = RedisSharedTier(valkey.url, ttl_s=60)
+    tier = RedisSharedTier(valkey.url, ttl_s=60, index_blocks=100)
+    removed: list[Removed] = []
+    tier.on_removed = removed.extend
+    tier.listen()
+    try:
+        assert tier.wait_subscribed(5)
+        for start in range(0, 1000, 100):
+            assert writer.store_many([StoreItem(key(i), b"") for i in range(start, start + 100)]) == 100
+        deadline = time.monotonic() + 10
+        while not tier.contains(key(999)):  # the last write is learned from its announcement
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert tier.usage().blocks <= 100 and tier.contains(key(999)) and not tier.contains(key(0))
+        assert tier.stats.evictions == len(removed) >= 900 and Removed(key(0)) in removed
+        assert tier.probe([key(0)]) == [True] and tier.contains(key(0)) and tier.usage().blocks <= 100
+    finally:
+        tier.close()
+        writer.close()
+
+
 def test_announcements_of_blocks_the_backend_does_not_hold_are_dropped_and_counted(valkey: ValkeyServer) -> None:
     """Anyone who could PUBLISH on the block channel could put any name in every agent's index (and so in every
     gateway's picture of the shared tier: lookups answered "S" for blocks no one wrote, loads of them missed), and

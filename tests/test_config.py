@@ -115,7 +115,7 @@ def test_strategy_options_come_from_the_same_file_env_and_flags(tmp_path: Path) 
     ("socket_mode", "999"), ("socket_mode", "rw"), ("metrics_port", 70000),
     ("events_interval_s", 0.0), ("events_interval_s", float("nan")), ("shared_timeout_s", 0.0),
     ("shared_index_refresh_s", 0.0), ("shared_sweep_interval_s", -1.0), ("shared_retry_s", float("nan")),
-    ("shared_ttl_s", float("inf")),
+    ("shared_ttl_s", float("inf")), ("shared_index_blocks", 0),
 ])
 def test_agent_settings_that_cannot_work_are_config_errors(field: str, value: Any) -> None:
     """A socket mode that is not octal raised a ValueError traceback at start; an events interval of 0 ran the

@@ -47,6 +47,13 @@ SHARED_DIR_MODE = 0o750
 log = logging.getLogger(__name__)
 
 
+# the most blocks a shared tier's index remembers (--shared-index-blocks): the fleet's writes enter every agent's
+# index and leave it only when their TTL runs out, so a fleet storing empty blocks grew it without bound. tracemalloc
+# over 200,000 announced blocks (`learn`): 257 bytes an entry (int hashes) to 314 (64-byte hashes); 2^22 entries are
+# 1.1-1.3 GB at most, the blocks of 64 GiB of 16 KiB blocks (vLLM's smallest), of 8 TiB of 2 MiB ones
+INDEX_BLOCKS = 2**22
+
+
 class BackendDown(Exception):
     """The shared backend is unreachable (or in its back-off window after an error)."""
 
@@ -58,14 +65,16 @@ class SharedTier:
     name = TierName.SHARED
 
     def __init__(self, ttl_s: float, retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, index_blocks: int = INDEX_BLOCKS) -> None:
         self.ttl_s = ttl_s
+        self.index_blocks = max(1, index_blocks)
         self.retry_s = retry_s
         self.clock = clock
         self.seal = BlockSeal(secret)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
-        # key -> (expiry on `clock`, bytes or 0), in expiry order: an entry whose expiry moves goes to the end
+        # key -> (expiry on `clock`, bytes or 0), in expiry order: an entry whose expiry moves goes to the end; at most
+        # `index_blocks` of them (`_trim_locked`)
         self._index: OrderedDict[BlockKey, tuple[float, int]] = OrderedDict()
         self._down_until = 0.0
         self._writes_down_until = 0.0
@@ -158,6 +167,8 @@ class SharedTier:
                     entry = (expiry, size)
                 index[key] = entry
                 index.move_to_end(key)
+            trimmed = self._trim_locked()
+        self._report(trimmed)
         self.stats.add("stores", len(todo) - len(skipped))
         if skipped:
             self.stats.add("refused", len(skipped))
@@ -189,6 +200,8 @@ class SharedTier:
                     previous = self._index.get(key)
                     if previous is None or previous[1] != size:  # (an equal entry stays: no new one per hit)
                         self._index[key] = (previous[0] if previous else expiry, size)
+                    trimmed = self._trim_locked()
+                self._report(trimmed)
                 lengths.append(result)
                 continue
             self.stats.add("misses")
@@ -252,6 +265,7 @@ class SharedTier:
                         self._index[key] = entry
                 elif self._index.pop(key, None) is not None:
                     gone.append(Removed(key))
+            gone += self._trim_locked()
         self._report(gone)
         return found
 
@@ -266,6 +280,7 @@ class SharedTier:
             for key in gone:
                 if self._index.pop(key, None) is not None:
                     removed.append(Removed(key))
+            removed += self._trim_locked()
         self._report(removed)
 
     def refresh_index(self) -> int:
@@ -291,8 +306,19 @@ class SharedTier:
             gone = [Removed(k) for k, (exp, _n) in self._index.items() if k not in present or exp <= now]
             for removed in gone:
                 del self._index[removed.key]
+            gone += self._trim_locked()
         self._report(gone)
         return len(found)
+
+    def _trim_locked(self) -> list[Removed]:
+        """Past `index_blocks`, forget the entries that expire soonest (the front; counted as evictions, reported
+        as removed): a block the backend still holds is a miss here until a probe or a read learns it again."""
+        index = self._index
+        over = len(index) - self.index_blocks
+        if over <= 0:
+            return []
+        self.stats.add("evictions", over)
+        return [Removed(index.popitem(last=False)[0]) for _ in range(over)]
 
     def delete(self, key: BlockKey) -> bool:
         return self._drop(key, remote=True)
@@ -337,8 +363,9 @@ class RedisSharedTier(SharedTier):
     down the tier counts as unavailable (lookups do not count shared blocks)."""
 
     def __init__(self, url: str, *, prefix: str = "kvgate", ttl_s: float = 3600.0, cluster: bool = False,
-                 timeout_s: float = 0.5, retry_s: float = 1.0, secret: bytes | None = None) -> None:
-        super().__init__(ttl_s, retry_s, secret=secret)
+                 timeout_s: float = 0.5, retry_s: float = 1.0, secret: bytes | None = None,
+                 index_blocks: int = INDEX_BLOCKS) -> None:
+        super().__init__(ttl_s, retry_s, secret=secret, index_blocks=index_blocks)
         self.prefix = prefix
         self.channel = f"{prefix}:blocks"
         import redis.cluster
@@ -881,8 +908,9 @@ class FsSharedTier(SharedTier):
     """A shared POSIX directory (Lustre, Curvine FUSE, NFS): one file per block, temp + rename, mtime TTL."""
 
     def __init__(self, directory: str | Path, *, prefix: str = "kvgate", ttl_s: float = 3600.0,
-                 fsync: bool = False, retry_s: float = 1.0, secret: bytes | None = None) -> None:
-        super().__init__(ttl_s, retry_s, secret=secret)
+                 fsync: bool = False, retry_s: float = 1.0, secret: bytes | None = None,
+                 index_blocks: int = INDEX_BLOCKS) -> None:
+        super().__init__(ttl_s, retry_s, secret=secret, index_blocks=index_blocks)
         self.root = Path(directory) / prefix
         self.tmp_dir = self.root / "tmp"
         self.fsync = fsync
