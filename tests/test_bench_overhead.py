@@ -4,7 +4,9 @@ probe, the JSON report."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,23 @@ import pytest
 
 from bench.overhead import ScenarioResult, Workload, add_arguments, run, summary
 from tests.conftest import recorded_speed
+
+
+@contextlib.asynccontextmanager
+async def _serving(routes: list[Any]) -> AsyncIterator[int]:
+    """An aiohttp app with these routes on a free loopback port, for the test's duration; yields the port."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_routes(routes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
 
 
 def test_workload_shares_system_prompts_and_never_repeats_a_question() -> None:
@@ -112,18 +131,8 @@ def test_the_client_counts_events_split_across_reads() -> None:
         return response
 
     async def main() -> int:
-        app = web.Application()
-        app.router.add_post("/v1/completions", answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            async with aiohttp.ClientSession() as session:
-                sample = await _drive(session, [f"http://127.0.0.1:{port}/v1/completions"], [b"{}", b"{}"], True, 1)
-        finally:
-            await runner.cleanup()
+        async with _serving([web.post("/v1/completions", answer)]) as port, aiohttp.ClientSession() as session:
+            sample = await _drive(session, [f"http://127.0.0.1:{port}/v1/completions"], [b"{}", b"{}"], True, 1)
         assert sample.errors == 0
         return sample.events
 
@@ -262,23 +271,14 @@ def test_health_prober_times_each_probe_and_counts_failed_answers() -> None:
         return web.Response(status=next(answers, 200), text="ok")
 
     async def main() -> dict[str, Any]:
-        app = web.Application()
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        prober = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.health_probe", f"http://127.0.0.1:{port}", "0.005",
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root)
-        try:
+        async with _serving([web.get("/health", health)]) as port:
+            prober = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "bench.health_probe", f"http://127.0.0.1:{port}", "0.005",
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root)
             assert prober.stdout is not None
             assert (await asyncio.wait_for(prober.stdout.readline(), 30)).strip() == b"ready"
             await asyncio.sleep(0.3)
             out, _ = await asyncio.wait_for(prober.communicate(b""), 30)  # b"": stdin closed (None leaves it open)
-        finally:
-            await runner.cleanup()
         assert prober.returncode == 0
         return orjson.loads(out)  # type: ignore[no-any-return]
 
