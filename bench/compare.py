@@ -226,7 +226,8 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
             prompts, bs, {str(args.replicas): args.replicas * gpu_blocks}, load_profile(args.profile).sped_up(
                 args.speedup)),
         # per target (`ttft_limit_causal`): the same, but each request sent when that target's client sent it and a
-        # prefix there only once a prefill computing it has (`vsim_report.causal_ttfts`)
+        # prefix there only once a prefill computing it has (`vsim_report.causal_ttfts`); and (`ttft_limit_fleet`)
+        # that with the opening burst's prefills on the fleet's replicas (`vsim_report.fleet_ttfts`)
         "peer_tuning": {"balance_abs_threshold": balance_abs, "balance_rel_threshold": args.peer_balance_rel},
         "command": _command_line(),
         "targets": [],
@@ -253,6 +254,8 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
                 row["agents"] = agents is not None
                 if "per_request" in row:
                     row["ttft_limit_causal"] = causal_limit(prompts, row["per_request"], bs, profile)
+                    row["ttft_limit_fleet"] = fleet_limit(prompts, row["per_request"], bs, profile, args.replicas,
+                                                          split=agents is not None)
                 bound_rate = bound.hit_rate
                 if "fleet" in row:
                     row["fraction_of_bound"] = row["fleet"]["hit_rate"] / bound_rate if bound_rate else None
@@ -283,6 +286,15 @@ def causal_limit(prompts: list[tuple[int, list[int]]], sent: list[dict[str, Any]
                  profile: Profile) -> dict[str, float | None]:
     """TTFT p50 / p90 / p99 (ms) of `vsim_report.causal_ttfts` at the times a target's client sent each request."""
     times = vsim_report.causal_ttfts(prompts, [r["start_s"] for r in sent], block_size, profile)
+    return {f"ttft_ms_p{p}": None if (v := percentile(times, p / 100)) is None else v * 1e3
+            for p in vsim_report.PERCENTILES}
+
+
+def fleet_limit(prompts: list[tuple[int, list[int]]], sent: list[dict[str, Any]], block_size: int, profile: Profile,
+                replicas: int, split: bool) -> dict[str, float | None]:
+    """`causal_limit` with the opening burst's prefills on `replicas` replicas (`vsim_report.fleet_ttfts`; `split`:
+    the replicas have tier agents, which can move a prefix computed in part from one to another)."""
+    times = vsim_report.fleet_ttfts(prompts, [r["start_s"] for r in sent], block_size, profile, replicas, split)
     return {f"ttft_ms_p{p}": None if (v := percentile(times, p / 100)) is None else v * 1e3
             for p in vsim_report.PERCENTILES}
 

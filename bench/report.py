@@ -18,8 +18,8 @@ def _limit(limit: dict[str, float | None] | None) -> str:
 def headline_table(report: dict[str, Any]) -> list[str]:
     tiers = any(t.get("agents") for t in report["targets"])
     lines = ["| target | hit rate | " + ("hit incl. tiers | " if tiers else "") + "of bound | TTFT p50 | TTFT p90 | "
-             "TTFT p99 | limit for its sends p50 / p90 / p99 | ITL p50 | e2e p50 | req imbalance | token imbalance | "
-             "errors | req/s |",
+             "TTFT p99 | limit for its sends on its replicas p50 / p90 / p99 | ITL p50 | e2e p50 | req imbalance | "
+             "token imbalance | errors | req/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tiers else "")]
     for t in report["targets"]:
         if "fleet" not in t:
@@ -32,7 +32,7 @@ def headline_table(report: dict[str, Any]) -> list[str]:
             + (f"{fleet.get('hit_rate_with_tiers', fleet['hit_rate']):.3f} | " if tiers else "")
             + f"{_f(t.get('fraction_of_bound'), '{:.0%}')} | "
             f"{_f(lat['ttft_ms_p50'])} ms | {_f(lat['ttft_ms_p90'])} ms | {_f(lat['ttft_ms_p99'])} ms | "
-            f"{_limit(t.get('ttft_limit_causal'))} | "
+            f"{_limit(t.get('ttft_limit_fleet', t.get('ttft_limit_causal')))} | "
             f"{_f(lat['itl_ms_p50'], '{:.1f}')} ms | {_f(lat['e2e_ms_p50'])} ms | "
             f"{_f(fleet['request_imbalance'], '{:.2f}')} | {_f(fleet['prompt_token_imbalance'], '{:.2f}')} | "
             f"{lat['errors']} | {_f(fleet['requests_per_s'], '{:.1f}')} |")

@@ -215,6 +215,78 @@ def causal_ttfts(prompts: Sequence[tuple[int, Sequence[BlockKey]]], starts: Sequ
     return out
 
 
+BURST_MOST = 1024  # requests of the opening that `opening_burst_floor` looks at (it costs their square)
+
+
+def opening_burst_floor(prompts: Sequence[tuple[int, Sequence[BlockKey]]], starts: Sequence[float],
+                        block_size: int, profile: Profile, replicas: int, split: bool = False) -> list[float]:
+    """Lower bounds (s) on the largest times to first token of a fleet of `replicas` replicas that starts empty
+    and idle: item m-1 bounds the m-th largest. What `causal_ttfts` leaves out, as it gives every request a
+    replica of its own: a burst of prompts that share nothing, sent at once, queues on a few replicas.
+
+    The requests sent first are grouped by their first block (chained keys: prompts that part there share no
+    block). Each group's first tokens wait for the blocks all its members share to be computed, on some replica,
+    which takes `prefill_compute_time` of them however batched; the step overhead comes once. A replica completes
+    such prefixes one after another, so its i-th is done no sooner than the i smallest of all prefixes' compute
+    after the start; the fleet's j-th no sooner than the ceil(j / replicas) smallest. With `split` (tiers that move
+    KV between replicas, so a prefix could be computed partly on one and finished on another) only the fleet's
+    total is bounded: the j-th no sooner than the j smallest over `replicas`, nor than the j-th smallest alone.
+    Groups of fewest requests take the latest places, and each request's send after the first counts off its
+    wait. Taken over the first k requests sent, every k up to BURST_MOST; each bound holds on its own, so the
+    largest is kept. In the profile's time model (the simulated replicas' own), `request_overhead_s` added."""
+    order = sorted((i for i in range(len(prompts)) if prompts[i][1]), key=starts.__getitem__)[:BURST_MOST]
+    if not order or replicas < 1:
+        return []
+    t0 = starts[order[0]]
+    overhead = profile.step_overhead_s
+    groups: dict[BlockKey, list[Any]] = {}  # first block -> [blocks all members share, members, first's keys]
+    best: list[float] = []
+    for k, i in enumerate(order, start=1):
+        keys = prompts[i][1]
+        group = groups.get(keys[0])
+        if group is None:
+            groups[keys[0]] = [len(keys), 1, keys]
+        else:
+            shared, first = group[0], group[2]
+            shared = min(shared, len(keys))
+            while keys[shared - 1] != first[shared - 1]:  # (chained: equal there, equal before)
+                shared -= 1
+            group[0], group[1] = shared, group[1] + 1
+        works = sorted(profile.prefill_compute_time(g[0] * block_size) for g in groups.values())
+        sizes = sorted(g[1] for g in groups.values())
+        done: list[float] = []  # the fleet's j-th prefix done no sooner than done[j-1] after the start
+        total = 0.0
+        for j, work in enumerate(works, start=1):
+            if split:
+                total += work
+                done.append(overhead + max(work, total / replicas))
+            else:
+                done.append(overhead + sum(works[:-(-j // replicas)]))
+        off = starts[i] - t0 - profile.request_overhead_s  # the latest send so far counted off every member's wait
+        members = 0
+        for t, size in enumerate(sizes):  # the t+1 smallest groups in the latest t+1 places
+            floor = done[len(done) - 1 - t] - off
+            for m in range(members, min(members + size, k)):
+                if m == len(best):
+                    best.append(floor)
+                elif floor > best[m]:
+                    best[m] = floor
+            members += size
+    return [max(0.0, b) for b in best]
+
+
+def fleet_ttfts(prompts: Sequence[tuple[int, Sequence[BlockKey]]], starts: Sequence[float], block_size: int,
+                profile: Profile, replicas: int, split: bool = False) -> list[float]:
+    """`causal_ttfts`, sorted, each rank raised to what `opening_burst_floor` allows `replicas` replicas: a lower
+    bound on each order statistic of the TTFTs on such a fleet, so on each percentile (rank by rank)."""
+    times = sorted(causal_ttfts(prompts, starts, block_size, profile))
+    for m, floor in enumerate(opening_burst_floor(prompts, starts, block_size, profile, replicas, split), start=1):
+        times[-m] = max(times[-m], floor)
+    for j in range(1, len(times)):  # the m-th largest bounded, so is every larger one
+        times[j] = max(times[j], times[j - 1])
+    return times
+
+
 def causal_limit(source: RequestSource, block_size: int, profile: Profile) -> dict[str, float | None] | None:
     """TTFT p50 / p90 / p99 (ms) of `causal_ttfts` over a replay's requests at their arrival times; None when the
     replay paces them (a closed loop: when each comes depends on the fleet). Read as a stream, each prompt hashed

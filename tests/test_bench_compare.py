@@ -78,6 +78,10 @@ def test_short_comparison_writes_every_output(live_report: tuple[dict[str, Any],
         for p in (50, 90, 99):
             assert limit[f"ttft_ms_p{p}"] <= causal[f"ttft_ms_p{p}"] + 1e-9, (target["name"], p)
         assert causal["ttft_ms_p50"] <= target["latency"]["ttft_ms_p50"], target["name"]
+        on_replicas = target["ttft_limit_fleet"]  # the opening burst on the fleet's replicas: no less
+        for p in (50, 90, 99):
+            assert causal[f"ttft_ms_p{p}"] <= on_replicas[f"ttft_ms_p{p}"] + 1e-9, (target["name"], p)
+        assert on_replicas["ttft_ms_p50"] <= target["latency"]["ttft_ms_p50"], target["name"]
     # with what one cache of the fleet's GPU blocks would hit: no more than the unbounded cache, MIN >= LRU
     (fleet,) = on_disk["ttft_limit_fleet_cache"].values()
     assert fleet["blocks"] == on_disk["fleet"]["replicas"] * on_disk["fleet"]["gpu_blocks_per_replica"]

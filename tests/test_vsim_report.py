@@ -328,3 +328,48 @@ def test_ttft_routes_a_fleet_ten_times_faster_as_it_routes_the_fleet(tiny_model_
         runs.append((sim.decisions, row["hit_rate"], row["ttft_ms_p50"]))
     assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1] > 0.8
     assert abs(runs[0][2] / runs[1][2] - 10.0) < 0.01
+
+
+def test_the_opening_burst_queues_on_the_fleets_replicas() -> None:
+    """`opening_burst_floor`: prompts sent at once that share nothing wait for each other on too few replicas; a
+    prefix shared by several is computed once; each send after the first counts off; `split` bounds the total only."""
+    profile = dataclasses.replace(PROFILES["llama-3.1-8b-h100"], request_overhead_s=0.002)
+    bs, o = 256, profile.step_overhead_s + 0.002
+    w = profile.prefill_compute_time(bs * 8)
+    assert w == pytest.approx(profile.step_time([(bs * 8, 0)]) - profile.step_overhead_s, rel=1e-12)  # compute-bound
+
+    def prompt(first: int) -> tuple[int, list[int]]:  # 8 full blocks from `first` and a token of its own
+        return bs * 8 + 1, list(range(first, first + 8))
+
+    alone = [prompt(100 * g) for g in range(6)]  # six prompts sharing nothing, on 4 replicas
+    floor = vsim_report.opening_burst_floor(alone, [0.0] * 6, bs, profile, 4)
+    assert floor == pytest.approx([o + 2 * w] * 2 + [o + w] * 4, rel=1e-12)
+    # two pairs: four prefixes on 4 replicas, none waits for another
+    pairs = [prompt(0), prompt(0), prompt(100), prompt(100), prompt(200), prompt(300)]
+    assert vsim_report.opening_burst_floor(pairs, [0.0] * 6, bs, profile, 4) == pytest.approx([o + w] * 6, rel=1e-12)
+    # on 2 replicas: the two singles (the fewest requests) last, each after another prefix on its replica
+    floor = vsim_report.opening_burst_floor(pairs, [0.0] * 6, bs, profile, 2)
+    assert floor == pytest.approx([o + 2 * w] * 2 + [o + w] * 4, rel=1e-12)
+    # split across replicas (tiers): the fleet's total only, the 3rd of 4 prefixes no sooner than 3 w over 2
+    floor = vsim_report.opening_burst_floor(pairs, [0.0] * 6, bs, profile, 2, split=True)
+    assert floor == pytest.approx([o + 2 * w, o + 1.5 * w] + [o + w] * 4, rel=1e-12)
+    # one replica, the last of six sent 5 ms after the others: 5 ms off every bound it takes part in
+    late = vsim_report.opening_burst_floor(alone[:3] + alone[:2] + [prompt(900)], [0.0] * 5 + [0.005], bs,
+                                           profile, 1)
+    assert late == pytest.approx([o + 4 * w - 0.005, o + 3 * w - 0.005, o + 2 * w, o + 2 * w - 0.005, o + w,
+                                  o + w - 0.005],
+                                 rel=1e-12)
+    assert vsim_report.opening_burst_floor([], [], bs, profile, 2) == []
+
+
+def test_the_fleet_limit_raises_the_per_request_limit_rank_by_rank() -> None:
+    """`fleet_ttfts`: `causal_ttfts` sorted, each of the largest raised to the burst's floor; never below it."""
+    profile = PROFILES["llama-3.1-8b-h100"]
+    prompts = [(256 * 8 + 1, list(range(100 * g, 100 * g + 8))) for g in range(3)]  # three 2,048-token prefixes
+    causal = sorted(vsim_report.causal_ttfts(prompts, [0.0] * 3, 256, profile))
+    assert causal[0] == pytest.approx(causal[2], rel=1e-12)  # a replica each: all alike
+    one = vsim_report.fleet_ttfts(prompts, [0.0] * 3, 256, profile, 1)
+    w = profile.prefill_compute_time(256 * 8)
+    assert one == pytest.approx([causal[0], profile.step_overhead_s + 2 * w, profile.step_overhead_s + 3 * w],
+                                rel=1e-12)
+    assert vsim_report.fleet_ttfts(prompts, [0.0] * 3, 256, profile, 3) == pytest.approx(causal, rel=1e-12)

@@ -124,6 +124,13 @@ class Profile:
         memory = (weights + kv_read * kv_per_token) / bandwidth
         return self.step_overhead_s + max(compute, memory)
 
+    def prefill_compute_time(self, tokens: int) -> float:
+        """Seconds of compute in prefilling `tokens` on an empty cache, without the steps' overhead: what they add
+        to any step they are batched in, however chunked (a chunk's attention term summed over the chunks is the
+        whole prefill's), so what a replica's steps take at least to compute them, whatever else they batch."""
+        matmul, attend, attention_efficiency, rate, _, _, _ = self._roofline
+        return (matmul * tokens + attend * (tokens * tokens / 2) / attention_efficiency) / rate
+
     def prefill_time(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
         """One request's prefill alone, in chunks of max_num_batched_tokens; the first token comes with it."""
         total = 0.0
