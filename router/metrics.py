@@ -130,6 +130,11 @@ class GatewayMetrics:
             "kvgate_worker_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc last scraped from the worker (0-1)",
             ["worker"], registry=r,
         )
+        self.prefill_holds = Histogram(
+            "kvgate_prefill_hold_seconds", "Time a long prefill was held before it was sent, for the worker's long "
+            "prefill before it to have its first token (strategies that ask: `ttft`)", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.retries = Counter(
             "kvgate_retries", "Requests re-sent to another worker before any byte reached the client, by reason",
             ["reason"], registry=r,

@@ -24,6 +24,7 @@ from router.errors import GatewayError
 from router.kv_transport import cache_name
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool, describe_error
+from router.prefill_turns import PrefillTurns, Turn
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS
 from router.routing import Decision, RouteRequest, Strategy
 from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
@@ -48,6 +49,7 @@ CLIENT_CLOSED = "499"
 DP_RANK_HEADER = "X-data-parallel-rank"
 # with predicted_ttft_header: the strategy's predicted time to first token of the answer, in ms
 PREDICTED_TTFT_HEADER = "X-Kvgate-Predicted-Ttft-Ms"
+PREFILL_HOLD_MAX_S = 10.0  # the most a long prefill's turn holds the next on its worker, whatever it predicted
 # (a worker's cache, a request's block keys, cached tokens its answer reported): what the KV index learns from answers
 Learn = Callable[[str, Sequence[int], int], None]
 
@@ -110,9 +112,19 @@ class Proxy:
         self._upstream = upstream
         self._learn = learn
         self.deadlines = Deadlines()  # the requests' timeouts, without an event-loop timer each
+        self.prefill_turns = PrefillTurns()  # long prefills a worker is sent one at a time (Decision.serialize_prefill)
 
     def close(self) -> None:
         self.deadlines.close()
+
+    async def _take_turn(self, decision: Decision) -> Turn:
+        """The chosen worker's turn for a long prefill, once its long prefill before has its first token; held no
+        longer than twice its own predicted TTFT (and 50 ms) from when it is sent."""
+        predicted = decision.predicted_ttft_s or 0.0
+        waited = time.perf_counter()
+        turn = await self.prefill_turns.take(decision.worker.spec.url, min(PREFILL_HOLD_MAX_S, 2 * predicted + 0.05))
+        self._metrics.prefill_holds.observe(time.perf_counter() - waited)
+        return turn
 
     async def forward(
         self, request: web.Request, route: RouteRequest, body: bytes | None, *, stream: bool, started: float,
@@ -137,7 +149,12 @@ class Proxy:
             try:
                 try:
                     with self.deadlines.at(deadline):
-                        answer = await self._attempt(request, route, decision, body, stream, started, outcome)
+                        turn = await self._take_turn(decision) if decision.serialize_prefill else None
+                        try:
+                            answer = await self._attempt(request, route, decision, body, stream, started, outcome)
+                        finally:  # its first chunk came (or all of it, or nothing will): the next may go
+                            if turn is not None:
+                                self.prefill_turns.release(turn)
                 except TimeoutError:
                     self._metrics.requests.labels(route.model or "", worker.url, "504").inc()
                     raise GatewayError(

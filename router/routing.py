@@ -37,13 +37,15 @@ class RouteRequest:
 class Decision:
     """The chosen worker, a short reason (a metric label) and the prefix tokens expected to be cached there; for a
     data-parallel engine, the rank to serve it (sent as vLLM's `X-data-parallel-rank`), if the strategy chose one;
-    the time to first token the strategy predicted there, if it predicts one."""
+    the time to first token the strategy predicted there, if it predicts one; whether it is a long prefill to send
+    only once the worker's long prefill before it has its first token (router/prefill_turns.py)."""
 
     worker: Worker
     reason: str
     predicted_cached_tokens: int = 0
     dp_rank: int | None = None
     predicted_ttft_s: float | None = None
+    serialize_prefill: bool = False
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,10 @@ class TtftOptions(KvOptions):
     ttft_step_tokens: float = option(
         8192.0, "ttft: the engines' max_num_batched_tokens, the most prefill tokens one step computes (vLLM's "
         "default on a >=70 GiB GPU: 8192)")
+    ttft_serialize_prefill_tokens: int = option(
+        512, "ttft: a request with at least this many prompt tokens predicted uncached where it goes is sent there "
+        "only once the long prefill the gateway sent there before it has its first token (two computed together "
+        "finish together, the first about as late as the second; 0: off)")
     ttft_busy_half_life_s: float = option(
         30.0, "ttft: seconds after which an old hit counts half in a worker's rate of hits (BusyCost)")
 
@@ -966,6 +970,7 @@ class TtftAware(KvAware):
         self._balance_work = Work.of(options.ttft_balance_tokens, 0)
         self.tie_s = options.ttft_tie_s
         self.tie_share = options.ttft_tie_share
+        self.serialize_tokens = options.ttft_serialize_prefill_tokens
 
     @property
     def now(self) -> float:
@@ -1188,7 +1193,8 @@ class TtftAware(KvAware):
             self.balance.remember(keys, worker.url)
             self.pending.add(cache_name(worker.url, rank), keys)
         self.balance.record(prompt, cached)
-        return Decision(worker, reason, cached, rank, estimate.ttft_s)
+        serialize = 0 < self.serialize_tokens <= prompt - cached
+        return Decision(worker, reason, cached, rank, estimate.ttft_s, serialize)
 
     def learn_from_engine(self, worker: Worker) -> None:
         """A sample from the worker's engine metrics, when a window of them is complete (`EngineTimings`)."""

@@ -1,0 +1,109 @@
+"""Long prefills sent to a worker one at a time (router/prefill_turns.py, `ttft_serialize_prefill_tokens`): the
+turns themselves, then a `ttft` gateway in front of a simulated L4 replica sent two long cold prompts at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from bench.loadgen import RequestResult, request_body, send_streaming
+from bench.sim.perf_model import PROFILES
+from bench.workloads import PromptVocabulary, WorkloadRequest
+from router.prefill_turns import PrefillTurns
+from tests.conftest import running_gateway
+
+
+async def test_a_turn_waits_for_the_one_before_on_its_worker_only() -> None:
+    turns = PrefillTurns()
+    first = await turns.take("w1", 10.0)
+    second = asyncio.ensure_future(turns.take("w1", 10.0))
+    third = asyncio.ensure_future(turns.take("w1", 10.0))
+    elsewhere = await asyncio.wait_for(turns.take("w2", 10.0), 1.0)  # another worker's line: at once
+    await asyncio.sleep(0.05)
+    assert not second.done() and not third.done()
+    turns.release(first)
+    taken = await asyncio.wait_for(second, 1.0)
+    await asyncio.sleep(0.05)
+    assert not third.done()  # the second is now the one before it
+    turns.release(taken)
+    turns.release(await asyncio.wait_for(third, 1.0))
+    turns.release(elsewhere)
+    turns.release(elsewhere)  # a second release does nothing
+    assert turns.waiting() == 0
+
+
+async def test_a_turn_never_released_holds_the_next_for_its_hold_only() -> None:
+    turns = PrefillTurns()
+    await turns.take("w", 0.2)  # sent, and its first chunk never comes
+    started = time.monotonic()
+    await asyncio.wait_for(turns.take("w", 0.2), 5.0)
+    assert time.monotonic() - started >= 0.19
+
+
+async def test_a_waiter_that_leaves_lets_the_next_go_when_the_one_before_it_ends() -> None:
+    turns = PrefillTurns()
+    first = await turns.take("w", 10.0)
+    leaving = asyncio.ensure_future(turns.take("w", 10.0))
+    after = asyncio.ensure_future(turns.take("w", 10.0))
+    await asyncio.sleep(0.05)
+    leaving.cancel()  # its client went away while it waited
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    await asyncio.sleep(0.05)
+    assert not after.done()  # still behind the first, not stuck behind the one that left
+    turns.release(first)
+    turns.release(await asyncio.wait_for(after, 1.0))
+    assert turns.waiting() == 0
+
+
+PROMPT = 2112  # tokens: over one step's budget on the L4 profile (2,048), so two at once share steps
+SHORT = 96
+
+
+async def _three_at_once(fleet: Any, tiny_model_dir: Any, tag: str, **overrides: Any) -> tuple[list[RequestResult],
+                                                                                                 float]:
+    """Two long cold prompts and a short one sent together through a `ttft` gateway; the results and how many
+    requests the gateway held for a turn."""
+    vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
+    bodies = [request_body(WorkloadRequest(vocab.tokens(f"{tag}:{name}", n), 4), vocab, "tiny", "ids")
+              for name, n in (("a", PROMPT), ("b", PROMPT), ("c", SHORT))]
+    results = [RequestResult(i) for i in range(3)]
+    async with running_gateway(fleet.worker_specs, strategy="ttft", **overrides) as gw, \
+            aiohttp.ClientSession() as http:
+        t0 = time.perf_counter()
+        first = asyncio.ensure_future(send_streaming(http, gw.url, bodies[0], results[0], t0))
+        await asyncio.sleep(0.005)  # the first is the first in line
+        others = (send_streaming(http, gw.url, body, result, t0) for body, result in zip(bodies[1:], results[1:],
+                                                                                          strict=True))
+        await asyncio.gather(first, *others)
+        held = gw.gateway.proxy.prefill_turns
+        assert held.waiting() == 0
+        (holds,) = gw.gateway.metrics.prefill_holds.collect()
+        taken = next(s.value for s in holds.samples if s.name.endswith("_count"))
+    for r in results:
+        assert r.ok, r.error
+    return results, taken
+
+
+async def test_a_long_prefill_goes_to_the_engine_once_the_one_before_has_its_first_token(
+        sim_fleet: Any, tiny_model_dir: Any) -> None:
+    """Before: both went at once, and the engine computed them in the same steps (the first's first token about
+    as late as the second's, 116 / 123 ms at the client). Now the second is sent on the first's first token: its
+    own first token comes at least its own prefill after that; the short one is not held."""
+    profile = PROFILES["llama-3.1-8b-l4"].sped_up(10)
+    fleet = sim_fleet(1, profile="llama-3.1-8b-l4", speedup=10,
+                      extra_args=["--block-size", "16", "--num-gpu-blocks-override", "640", "--max-model-len", "2176"])
+    alone = profile.prefill_compute_time(PROMPT)  # what the engine's steps take for one of them at least
+    (a, b, c), taken = await _three_at_once(fleet, tiny_model_dir, "serial")
+    assert taken == 2  # the two long ones took turns; the short one none
+    assert a.ttft_s is not None and b.ttft_s is not None and c.ttft_s is not None
+    assert b.start_s + b.ttft_s >= a.start_s + a.ttft_s + alone
+    assert c.ttft_s < b.ttft_s  # beside the first, not behind it
+    # off: sent together, computed together: the first's first token after both prompts' compute
+    (a, b, c), taken = await _three_at_once(fleet, tiny_model_dir, "together", ttft_serialize_prefill_tokens=0)
+    assert taken == 0
+    assert a.ttft_s is not None and a.ttft_s >= 1.8 * alone
