@@ -64,6 +64,8 @@ from agent.tiers.buffers import PAGE
 from agent.tiers.dram import DramTier
 from agent.tiers.shared import RedisSharedTier
 from kvcore.aio import started_executor
+from kvcore.http_errors import error_response
+from kvcore.http_server import JsonErrorSite
 from kvcore.kv_events import KvEventPublisher
 from kvcore.log_throttle import LogThrottle, held_back_note
 
@@ -217,18 +219,17 @@ async def _frame_body(reader: asyncio.StreamReader, size: int, conn: Connection)
 async def _json_errors(request: web.Request,
                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """An error of the metrics port (a path it does not serve, a method it does not take) answered with its status
-    in the JSON shape of every error kvgate answers (the gateway's), not aiohttp's line of plain text."""
+    in the JSON shape of every error kvgate answers (the gateway's), not aiohttp's line of plain text. (A request
+    aiohttp cannot parse never gets here: kvcore.http_server answers it.)"""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = exc.reason.lower().replace(" ", "_")
-        body = {"error": {"message": f"{request.method} {request.path[:200]}: {exc.reason.lower()} (this port "
-                                     f"serves GET /metrics and GET /health)", "type": "invalid_request_error",
-                          "code": code, "param": None}}
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return web.json_response(body, status=exc.status, headers=allow)
+        return error_response(exc.status, f"{request.method} {request.path[:200]}: {exc.reason.lower()} (this port "
+                              f"serves GET /metrics and GET /health)", code=exc.reason.lower().replace(" ", "_"),
+                              headers=allow)
 
 
 def _unmap(body: mmap.mmap) -> None:
@@ -378,7 +379,7 @@ class TierAgent:
             app.router.add_get("/health", self._health)
             self._http = web.AppRunner(app, access_log=None)
             await self._http.setup()
-            await web.TCPSite(self._http, self.config.metrics_host, self.config.metrics_port).start()
+            await JsonErrorSite(self._http, self.config.metrics_host, self.config.metrics_port).start()
         self._tasks = [
             loop.create_task(self._every(self.config.events_interval_s, self._flush_events)),
             loop.create_task(self._every(0.2, self._in_thread(self.store.maintain))),

@@ -20,11 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcore.aio import WorkerThreads
 from kvcore.config import ConfigError
+from kvcore.http_errors import error_response
 from kvcore.kv_events import dp_endpoint
 from router.admission import Admission, Admitted
 from router.config import GatewayConfig, WorkerSpec
 from router.discovery import WorkerDiscovery
-from router.errors import GatewayError, bad_request, error_response, no_worker
+from router.errors import GatewayError, bad_request, no_worker
 from router.kv_index import InMemoryKvIndex
 from router.kv_subscriber import EventSource, KvEventHub
 from router.listener import raise_open_file_limit, serving

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import orjson
+from kvcore.http_errors import error_response
 
-if TYPE_CHECKING:  # aiohttp is imported when a response is made: the simulator shares the pool, not the server
+if TYPE_CHECKING:
     from aiohttp import web
 
 
@@ -31,20 +31,6 @@ class GatewayError(Exception):
 
     def response(self) -> web.Response:
         return error_response(self.status, self.message, type=self.type, code=self.code, headers=self.headers)
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    from aiohttp import web
-
-    body = orjson.dumps({"error": {"message": message, "type": type, "code": code, "param": None}})
-    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
 def bad_request(message: str, code: str = "invalid_request") -> GatewayError:

@@ -21,12 +21,10 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
-from aiohttp.web_response import StreamResponse
 
+from kvcore.http_server import json_error_handler
 from kvcore.log_throttle import LogThrottle
 from router.config import GatewayConfig
-from router.errors import error_response
 from router.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -37,7 +35,6 @@ LISTEN_BACKLOG = 4096
 LINGER_S = 2.0
 REFUSAL_LINGER_S = 2.0  # a refused client gets this long to read the 503 before its socket is dropped
 MAX_LINGERING = 256  # refused sockets waiting for their client to read; beyond, refusals close at once
-MAX_ECHO_CHARS = 300  # of aiohttp's account of a request it could not parse, told back to its client
 # on SIGTERM the listener closes at once, and the answers under way get this long to end before they are cut
 SHUTDOWN_S = 60.0
 
@@ -90,7 +87,7 @@ class ClientConnections:
         if self.open >= self.limit:
             return _Refused(self)
         server = self._server
-        return _Counted(self, _JsonErrors(server, loop=server._loop, **server._kwargs))  # (as Server() makes its own)
+        return _Counted(self, json_error_handler(server))
 
     def _opened(self, delta: int) -> None:
         self.open += delta
@@ -105,24 +102,6 @@ class ClientConnections:
             log.warning("client connection cap of %d reached: refused %d new connection(s) with 503 since the last "
                         "report (%d in all)", self.limit, held_back + 1, self.refused)
         return self._lingering < MAX_LINGERING
-
-
-class _JsonErrors(RequestHandler):
-    """aiohttp's connection handler, whose answer to a request it cannot parse (a line over 8 KiB, a method that is
-    none, a Content-Length that is no number) is the OpenAI-style JSON error of every other answer of the gateway,
-    not a line of plain text an OpenAI client cannot read."""
-
-    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs it (`_MalformedRequests`); raises once answering
-        if status >= 500:
-            answer = error_response(status, "the gateway failed to handle the request", type="server_error",
-                                    code="internal_error")
-        else:
-            answer = error_response(status, f"malformed HTTP request: {(message or '')[:MAX_ECHO_CHARS]}",
-                                    code="malformed_http")
-        answer.force_close()
-        return answer
 
 
 class _Counted(asyncio.Protocol):

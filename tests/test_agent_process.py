@@ -1127,6 +1127,30 @@ def test_the_metrics_port_answers_what_it_does_not_serve_with_a_json_error(
     assert "kvgate_agent_requests_total" in agent.metrics()
 
 
+def test_the_metrics_port_answers_a_request_it_cannot_parse_with_a_json_error_and_keeps_serving(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """A request aiohttp cannot parse (a request line over 8 KiB, a method that is none, a Content-Length that is no
+    number) is a 400 in the JSON of every other kvgate error, as the gateway answers it (it was aiohttp's line of
+    plain text, "400, message: ..."); the port serves /metrics after each."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    for bad in (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"G(T /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", agent.metrics_port), timeout=10) as sock:
+            sock.sendall(bad)
+            answer = b""
+            while piece := sock.recv(65536):  # (the answer closes the connection)
+                answer += piece
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.split(b"\r\n")[0].endswith(b" 400 Bad Request"), answer[:200]
+        assert b"\r\ncontent-type: application/json" in head.lower(), head
+        error = json.loads(body)["error"]
+        assert error["code"] == "malformed_http" and error["type"] == "invalid_request_error", error
+        assert error["message"].startswith("malformed HTTP request: ") and error["param"] is None, error
+        assert "kvgate_agent_requests_total" in agent.metrics()
+
+
 def test_a_restarted_agent_whose_metrics_port_was_taken_meanwhile_comes_up_on_another(
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
     """Between a kill -9 and the restart, anything on the machine can take the agent's old metrics port (it came
