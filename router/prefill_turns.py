@@ -7,7 +7,7 @@ so the first's first token waits for most of the second's prefill too. On a simu
 tokens; the second sent on the first's first token, 66 and 137 ms from the pair's start. The same compute, in the
 order that finishes one of them sooner. A strategy asks for it (`Decision.serialize_prefill`); the gateway holds
 such a request until the worker's turn before it ends: its first chunk has come back (whole answers: the whole
-answer), it failed, its client left, or it has had its hold (`hold_s`, from when it was sent), so a request the
+answer), it failed, its client left, or it has had its hold (`hold_seconds`, from when it was sent), so a request the
 engine is slow to start holds the next no longer than that. Requests that ask for no turn (a short prefill, a hit:
 one step takes them beside a long one for little) are sent at once.
 
@@ -17,6 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+
+HOLD_MAX_S = 10.0  # the most a turn holds the next, whatever its request's prediction
+
+
+def hold_seconds(predicted_ttft_s: float | None, stream: bool) -> float:
+    """How long a turn may hold the next from when its request was sent. A streamed answer ends its turn with its
+    first chunk, so its hold only bounds a first token later than predicted: twice the prediction, and 50 ms. A
+    whole answer says nothing until it is all done, long after its prefill: its hold is the prediction itself (and
+    a fifth, and 20 ms), so the next goes about when its prefill ends."""
+    predicted = predicted_ttft_s or 0.0
+    return min(HOLD_MAX_S, 2 * predicted + 0.05 if stream else 1.2 * predicted + 0.02)
 
 
 class Turn:

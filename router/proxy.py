@@ -24,7 +24,7 @@ from router.errors import GatewayError
 from router.kv_transport import cache_name
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool, describe_error
-from router.prefill_turns import PrefillTurns, Turn
+from router.prefill_turns import PrefillTurns, Turn, hold_seconds
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS
 from router.routing import Decision, RouteRequest, Strategy
 from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
@@ -49,7 +49,6 @@ CLIENT_CLOSED = "499"
 DP_RANK_HEADER = "X-data-parallel-rank"
 # with predicted_ttft_header: the strategy's predicted time to first token of the answer, in ms
 PREDICTED_TTFT_HEADER = "X-Kvgate-Predicted-Ttft-Ms"
-PREFILL_HOLD_MAX_S = 10.0  # the most a long prefill's turn holds the next on its worker, whatever it predicted
 # (a worker's cache, a request's block keys, cached tokens its answer reported): what the KV index learns from answers
 Learn = Callable[[str, Sequence[int], int], None]
 
@@ -117,12 +116,11 @@ class Proxy:
     def close(self) -> None:
         self.deadlines.close()
 
-    async def _take_turn(self, decision: Decision) -> Turn:
-        """The chosen worker's turn for a long prefill, once its long prefill before has its first token; held no
-        longer than twice its own predicted TTFT (and 50 ms) from when it is sent."""
-        predicted = decision.predicted_ttft_s or 0.0
+    async def _take_turn(self, decision: Decision, stream: bool) -> Turn:
+        """The chosen worker's turn for a long prefill, once its long prefill before has its first token (or has
+        had its hold: `hold_seconds`)."""
         waited = time.perf_counter()
-        turn = await self.prefill_turns.take(decision.worker.spec.url, min(PREFILL_HOLD_MAX_S, 2 * predicted + 0.05))
+        turn = await self.prefill_turns.take(decision.worker.spec.url, hold_seconds(decision.predicted_ttft_s, stream))
         self._metrics.prefill_holds.observe(time.perf_counter() - waited)
         return turn
 
@@ -149,7 +147,7 @@ class Proxy:
             try:
                 try:
                     with self.deadlines.at(deadline):
-                        turn = await self._take_turn(decision) if decision.serialize_prefill else None
+                        turn = await self._take_turn(decision, stream) if decision.serialize_prefill else None
                         try:
                             answer = await self._attempt(request, route, decision, body, stream, started, outcome)
                         finally:  # its first chunk came (or all of it, or nothing will): the next may go

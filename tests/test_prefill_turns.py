@@ -13,7 +13,7 @@ import pytest
 from bench.loadgen import RequestResult, request_body, send_streaming
 from bench.sim.perf_model import PROFILES
 from bench.workloads import PromptVocabulary, WorkloadRequest
-from router.prefill_turns import PrefillTurns
+from router.prefill_turns import HOLD_MAX_S, PrefillTurns, hold_seconds
 from tests.conftest import running_gateway
 
 
@@ -42,6 +42,13 @@ async def test_a_turn_never_released_holds_the_next_for_its_hold_only() -> None:
     started = time.monotonic()
     await asyncio.wait_for(turns.take("w", 0.2), 5.0)
     assert time.monotonic() - started >= 0.19
+
+
+def test_a_streamed_answer_holds_the_next_until_its_first_chunk_a_whole_one_about_its_prediction() -> None:
+    assert hold_seconds(0.1, stream=True) == pytest.approx(0.25)  # its first chunk ends it: a bound only
+    assert hold_seconds(0.1, stream=False) == pytest.approx(0.14)  # nothing comes before the whole answer
+    assert hold_seconds(None, stream=True) == pytest.approx(0.05)
+    assert hold_seconds(60.0, stream=False) == HOLD_MAX_S
 
 
 async def test_a_waiter_that_leaves_lets_the_next_go_when_the_one_before_it_ends() -> None:
