@@ -30,6 +30,11 @@ relays from it (`on_chunk`). Tier transfer rates are options (the agent's links)
 recent requests costs more, by the learned prefill of `ttft_balance_tokens` tokens (`RequestShare`, bounded-load
 balance).
 
+A request predicted to need at least `ttft_serialize_prefill_tokens` uncached tokens where it goes is marked
+(`Decision.serialize_prefill`) to be sent there only once the gateway's long prefill before it there has its first
+token (router/prefill_turns.py): an engine computes two long prompts sent together in the same steps, and the
+first one's first token then comes about as late as the second's.
+
 The spread cost is what the choice does to the future: a copy of a prefix that lives elsewhere costs cache
 space here that something else will miss for, so it counts `ttft_spread_weight` times its prefill. A hot prefix
 therefore stays on its worker until the queue there outweighs the prefill it saves plus that cost, then spills.
