@@ -27,7 +27,7 @@ from kvcore.aio import run_until_signalled
 class StandinBehaviour:
     models: list[str] = field(default_factory=lambda: ["tiny"])
     tokens: int = 8                  # tokens per answer when the request gives no max_tokens
-    token_delay_s: float = 0.0       # pause before each streamed token (and per token before a JSON answer)
+    token_delay_s: float = 0.0       # pause between streamed tokens (and per token before a JSON answer)
     first_token_delay_s: float = 0.0  # pause before the first token
     fail_status: int = 0             # answer generation requests with this status (0 = never)
     healthy: bool = True             # /health answers 200 when true, 503 when false
