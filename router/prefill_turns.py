@@ -48,7 +48,7 @@ class PrefillTurns:
     (`release`) when its first chunk has come, or it is over."""
 
     def __init__(self) -> None:
-        self._last: dict[str, Turn] = {}  # worker URL -> the latest turn taken there
+        self._last: dict[str, Turn] = {}  # engine (a worker, or a data-parallel rank of one) -> its latest turn
 
     def waiting(self) -> int:
         """Workers with a turn taken and not released (for tests and metrics)."""

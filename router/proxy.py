@@ -117,10 +117,11 @@ class Proxy:
         self.deadlines.close()
 
     async def _take_turn(self, decision: Decision, stream: bool) -> Turn:
-        """The chosen worker's turn for a long prefill, once its long prefill before has its first token (or has
-        had its hold: `hold_seconds`)."""
+        """The chosen engine's turn for a long prefill (a data-parallel rank's own), once its long prefill before
+        has its first token (or has had its hold: `hold_seconds`)."""
         waited = time.perf_counter()
-        turn = await self.prefill_turns.take(decision.worker.spec.url, hold_seconds(decision.predicted_ttft_s, stream))
+        engine = cache_name(decision.worker.url, decision.dp_rank)
+        turn = await self.prefill_turns.take(engine, hold_seconds(decision.predicted_ttft_s, stream))
         self._metrics.prefill_holds.observe(time.perf_counter() - waited)
         return turn
 
