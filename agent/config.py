@@ -50,6 +50,10 @@ class AgentConfig:
                                "answered, over all connections, at most; a frame that would pass it is refused "
                                "with an error and its connection closed (each could otherwise hold a frame of up "
                                "to 256 MiB at once; the connector's frames are under 1 MiB)", parse=parse_bytes)
+    max_clients: int = option(256, "client connections served at once, at most; one past it is answered with an "
+                              "error at its Hello and closed. Each may hold about 2.3 MiB of requests the agent "
+                              "has not read yet (its stream buffer), outside --frame-budget: 256 hold 600 MiB at "
+                              "most (a vLLM instance connects once per worker and once from its scheduler)")
     events_endpoint: str = option("", "ZMQ PUB endpoint for KV events, e.g. tcp://*:5560 (empty = no events)")
     replay_endpoint: str = option("", "ZMQ ROUTER endpoint answering event replay requests (empty = none)")
     events_topic: str = option("kv-events", "topic frame of published KV events")
@@ -146,6 +150,8 @@ class AgentConfig:
                 raise ConfigError(f"{name} must be a positive number of seconds: {value}")
         if self.shared_index_blocks < 1:
             raise ConfigError(f"shared_index_blocks must be at least 1: {self.shared_index_blocks}")
+        if self.max_clients < 1:
+            raise ConfigError(f"max_clients must be at least 1: {self.max_clients}")
         if self.frame_budget < 2**20:  # (below one big frame: every inline store over 1 MiB refused)
             raise ConfigError(f"frame_budget must be at least 1MiB: {self.frame_budget}")
         for name in ("shared_ttl_s", "shared_retry_s"):

@@ -348,6 +348,11 @@ class TierAgent:
         self.metrics.unsent_bytes.set_function(self._unsent)
         self.metrics.frame_bytes.set_function(lambda: self._frame_bytes)
         self._drops = LogThrottle()  # clients dropped before their Hello
+        # connections past their Hello being served: at most config.max_clients, for each holds its stream's
+        # buffer (about 2.3 MiB of requests not read yet, while it waits for a client to take an answer), which
+        # frame_budget does not count
+        self._served = 0
+        self._over_clients = LogThrottle()  # clients refused for it
         self._presence: PresenceMap | None = None
         # the DRAM tier's pre-faulting (config.dram_prefault), started by the first Hello that declares a block size
         self._prefault = started_executor(1, "kvgate-agent-prefault") if self._prefaultable() else None
@@ -554,6 +559,16 @@ class TierAgent:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
+        if self._served >= self.config.max_clients:
+            self._refuse_client(sock, fds)
+            return
+        self._served += 1  # (counted at once: the Hellos of other connections are read while this one's is answered)
+        try:
+            await self._serve_greeted(sock, conn, body, fds)
+        finally:
+            self._served -= 1
+
+    async def _serve_greeted(self, sock: socket.socket, conn: Connection, body: bytes, fds: list[int]) -> None:
         try:
             first = await self._answer(conn, body, fds)
         finally:
@@ -627,6 +642,20 @@ class TierAgent:
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1)
+
+    def _refuse_client(self, sock: socket.socket, fds: list[int]) -> None:
+        """A connection past `max_clients`: its Hello answered with an error, and closed (the Hello read whole, so
+        the client reads the answer before the end)."""
+        self.metrics.request_errors.labels("max_clients").inc()
+        if (held_back := self._over_clients.due()) is not None:
+            log.warning("client refused: %d clients are connected, --max-clients (kvgate_agent_request_errors_total"
+                        "{op=max_clients} counts every one)%s", self._served, held_back_note(held_back))
+        with contextlib.suppress(OSError):  # (a small frame into an empty socket buffer: it fits)
+            sock.send(frame(ErrorReply(message=f"busy: the agent serves {self.config.max_clients} clients at once "
+                                               f"(--max-clients); retry later")))
+        for fd in fds:
+            os.close(fd)
+        sock.close()
 
     async def _send(self, writer: asyncio.StreamWriter, reply: Reply) -> None:
         """Write an answer and wait until the client has taken all but the transport's high-water mark of it;

@@ -1127,6 +1127,42 @@ def test_the_metrics_port_answers_what_it_does_not_serve_with_a_json_error(
     assert "kvgate_agent_requests_total" in agent.metrics()
 
 
+def test_clients_past_max_clients_are_refused_at_their_hello(tmp_path: Path, agents: list[AgentProcess],
+                                                               subprocess_env: dict[str, str]) -> None:
+    """Each connection may hold its stream's buffer, about 2.3 MiB of requests not read yet, outside --frame-budget:
+    connections were bounded only by the open-file limit (20,000 here: 45 GB). Past --max-clients (256) a client's
+    Hello is answered with an error and its connection closed; the others are served, and once one goes a new
+    client is served again."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    cap = AgentConfig().max_clients
+    served: list[socket.socket] = []
+    try:
+        for _ in range(cap):
+            served.append(connect(agent.socket))
+            assert raw_call(served[-1], {"op": "hello"})["op"] == "hello"
+        with connect(agent.socket) as sock:
+            reply = raw_call(sock, {"op": "hello"})
+            assert reply["op"] == "error" and "--max-clients" in reply["message"], reply
+            assert sock.recv(1) == b""  # closed
+        assert agent.metric("kvgate_agent_request_errors_total", op="max_clients") == 1
+        assert raw_call(served[-1], {"op": "store", "layout": LAYOUT, "hashes": [1], "data": [content(1)]})[
+            "stored"] == 1
+        served.pop().close()
+        deadline = time.monotonic() + 30
+        while True:  # (the agent sees the close when its loop gets to it)
+            with connect(agent.socket) as sock:
+                reply = raw_call(sock, {"op": "hello"})
+                if reply["op"] == "hello":
+                    assert raw_call(sock, {"op": "lookup", "layout": LAYOUT, "hashes": [1]})["count"] == 1
+                    break
+            assert time.monotonic() < deadline, reply
+            time.sleep(0.05)
+    finally:
+        for sock in served:
+            sock.close()
+
+
 def test_the_metrics_port_answers_a_request_it_cannot_parse_with_a_json_error_and_keeps_serving(
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
     """A request aiohttp cannot parse (a request line over 8 KiB, a method that is none, a Content-Length that is no
