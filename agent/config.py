@@ -75,8 +75,10 @@ class AgentConfig:
     nvme_segment_bytes: int = option(64 * 2**20, "size of one NVMe segment file", parse=parse_bytes)
     nvme_capacity: int = option(16 * 2**30, "NVMe tier byte bound; it holds one block per KiB of it at most "
                                 "(each costs the agent ~300 bytes of RAM)", parse=parse_bytes)
-    nvme_high_watermark: float = option(0.95, "NVMe fill fraction above which background eviction starts")
-    nvme_low_watermark: float = option(0.85, "NVMe fill fraction background eviction brings usage down to")
+    nvme_high_watermark: float = option(0.95, "NVMe fill fraction (of its bytes, or of the blocks it may hold) "
+                                        "above which background eviction starts")
+    nvme_low_watermark: float = option(0.85, "NVMe fill fraction background eviction brings usage down to (its "
+                                       "bytes and its blocks)")
     nvme_fsync: bool = option(True, "fsync each block file before it is renamed into place (power-loss safety)")
     nvme_min_free: int = option(256 * 2**20, "free bytes to keep on the NVMe filesystem", parse=parse_bytes)
 

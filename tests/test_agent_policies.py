@@ -130,6 +130,25 @@ def test_nvme_pressure_demotes_to_shared(tmp_path: Path) -> None:
     assert bytes(buffers[0]) == payload(0) and store.flow.promotions[TierName.SHARED] == 0  # no DRAM tier
 
 
+@pytest.mark.parametrize("layout", ["segments", "files"])
+def test_nvme_full_by_its_count_demotes_to_shared_in_the_background(tmp_path: Path, layout: str) -> None:
+    """An NVMe tier holds a block per KiB of its capacity at most (INDEX_ENTRY_FLOOR): a tier of small blocks is
+    full by that count long before its bytes. Its watermarks looked at bytes only, so background eviction never
+    started; the blocks went one by one when a store met the count, dropped, never demoted to the shared tier (a
+    16 KiB tier of 16 blocks, 12 held, its high watermark 8: maintain() left all 12). The count has the bytes'
+    watermarks now."""
+    store = make_store(tmp_path, dram_capacity=0, nvme_capacity=16 * 2**10, nvme_high_watermark=0.5,
+                       nvme_low_watermark=0.2, nvme_layout=layout)
+    assert store.nvme is not None and store.shared is not None
+    for i in range(0, 12, 2):  # (six stores: the segments layout seals a segment at an eighth of the count)
+        store.store_chain(LAYOUT, [i, i + 1], [bytes([i]) * 16, bytes([i + 1]) * 16])
+    assert store.nvme.usage().blocks == 12 and store.nvme.usage().used_bytes < 2**10  # far under its bytes' mark
+    store.maintain()
+    assert store.nvme.usage().blocks <= 16 * 0.2
+    assert store.shared.usage().blocks >= 12 - 3 and store.flow.demotions[TierName.SHARED] >= 9
+    assert store.lookup(LAYOUT, list(range(12)))[0] == 12  # none lost: the oldest went to the shared tier
+
+
 def test_load_stops_at_the_first_missing_or_bad_block(tmp_path: Path) -> None:
     store = make_store(tmp_path, dram_capacity=0, nvme_layout="files")
     store.store_chain(LAYOUT, [1, 2, 3], [payload(i) for i in (1, 2, 3)])

@@ -144,6 +144,10 @@ class NvmeTier:
         self.max_blocks = max(1, capacity // entry_floor) if entry_floor > 0 else capacity
         self.high_bytes = int(capacity * high_watermark)
         self.low_bytes = int(capacity * low_watermark)
+        # the count has the bytes' watermarks too: a tier of small blocks is full by its count long before its bytes,
+        # and its blocks must go through background eviction (demoted first) rather than one by one at store time
+        self.high_blocks = int(self.max_blocks * high_watermark)
+        self.low_blocks = int(self.max_blocks * low_watermark)
         self.fsync = fsync
         self.min_free = min_free
         self._space = DiskSpace(str(self.root), min_free)
@@ -323,21 +327,22 @@ class NvmeTier:
     # -- pressure --------------------------------------------------------------------------------------------
 
     def above_high_watermark(self) -> bool:
-        return self._used > self.high_bytes
+        return self._used > self.high_bytes or len(self._index) > self.high_blocks
 
     def evict_to_low_watermark(self) -> None:
         with self._lock:
-            evicted = self._evict_locked(self.low_bytes)
+            evicted = self._evict_locked(self.low_bytes, self.low_blocks)
         self._report(evicted)
 
     def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
-        """The least recently used blocks, down to the low watermark."""
+        """The least recently used blocks, down to the low watermarks."""
         with self._lock:
             out: list[tuple[BlockKey, int]] = []
             total = 0
             excess = self._used - self.low_bytes
+            excess_blocks = len(self._index) - self.low_blocks
             for key, size in self._index.items():
-                if total >= excess:
+                if total >= excess and len(out) >= excess_blocks:
                     break
                 out.append((key, size - HEADER_SIZE))
                 total += size

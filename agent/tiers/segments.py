@@ -199,6 +199,10 @@ class SegmentNvmeTier:
         self.max_blocks = max(1, capacity // entry_floor) if entry_floor > 0 else capacity
         # a segment of tiny records is sealed by its count, so dropping one still frees a small part of the bound
         self.segment_records = max(1, self.max_blocks // 8)
+        # the count has the bytes' watermarks too: a tier of small blocks is full by its count long before its bytes,
+        # and its blocks must go through background eviction (demoted first) rather than one by one at store time
+        self.high_blocks = int(self.max_blocks * high_watermark)
+        self.low_blocks = int(self.max_blocks * low_watermark)
         self.stats = TierStats()
         self.on_removed: RemovalListener | None = None
         self._index: dict[BlockKey, _Location] = {}
@@ -549,20 +553,22 @@ class SegmentNvmeTier:
     # -- pressure --------------------------------------------------------------------------------------------
 
     def above_high_watermark(self) -> bool:
-        return self._used > self.high_bytes
+        return self._used > self.high_bytes or len(self._index) > self.high_blocks
 
     def evict_to_low_watermark(self) -> None:
-        """Drop the oldest segments down to the low watermark; blocks read since they were written there are
-        appended again first (once: they must be read again to survive the next time), up to half the bytes
-        freed, so a hot block does not go with its old segment."""
+        """Drop the oldest segments down to the low watermarks, of bytes and of blocks; blocks read since they were
+        written there are appended again first (once: they must be read again to survive the next time), up to
+        half the bytes freed, so a hot block does not go with its old segment."""
         with self._lock:
-            freed = 0
+            freed = freed_blocks = 0
             excess = self._used - self.low_bytes
+            excess_blocks = len(self._index) - self.low_blocks
             hot: list[tuple[BlockKey, int]] = []
             for segment in self._segments.values():
-                if freed >= excess or segment is self._active or segment.inflight:
+                if (freed >= excess and freed_blocks >= excess_blocks) or segment is self._active or segment.inflight:
                     break
                 freed += segment.size
+                freed_blocks += len(segment.keys)
                 hot.extend((key, loc.length) for key in segment.hot
                            if (loc := self._index.get(key)) is not None and loc.seg_id == segment.seg_id)
         budget = max(0, excess) // 2
@@ -581,15 +587,17 @@ class SegmentNvmeTier:
                 self._append(records[start: start + _MAX_GROUP], again=True)
         with self._lock:
             self._evict_locked(self.low_bytes)
+            self._evict_blocks_locked(self.low_blocks)
 
     def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
-        """The blocks of the oldest segments, which go first, down to the low watermark."""
+        """The blocks of the oldest segments, which go first, down to the low watermarks."""
         with self._lock:
             out: list[tuple[BlockKey, int]] = []
             total = 0
             excess = self._used - self.low_bytes
+            excess_blocks = len(self._index) - self.low_blocks
             for segment in self._segments.values():
-                if total >= excess or segment is self._active:
+                if (total >= excess and len(out) >= excess_blocks) or segment is self._active:
                     break
                 out.extend((key, loc.length) for key in segment.keys if (loc := self._index.get(key)) is not None)
                 total += segment.size
