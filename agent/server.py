@@ -65,7 +65,7 @@ from agent.tiers.dram import DramTier
 from agent.tiers.shared import RedisSharedTier
 from kvcore.aio import started_executor
 from kvcore.http_errors import error_response
-from kvcore.http_server import JsonErrorSite
+from kvcore.http_server import JsonErrorSite, MalformedRequests
 from kvcore.kv_events import KvEventPublisher
 from kvcore.log_throttle import LogThrottle, held_back_note
 
@@ -382,7 +382,9 @@ class TierAgent:
             app = web.Application(middlewares=[_json_errors])
             app.router.add_get("/metrics", self._metrics)
             app.router.add_get("/health", self._health)
-            self._http = web.AppRunner(app, access_log=None)
+            http_log = logging.getLogger(f"{__name__}.metrics_port")  # a request it cannot parse: counted, no traceback
+            http_log.addFilter(MalformedRequests(lambda _: self.metrics.request_errors.labels("malformed_http").inc()))
+            self._http = web.AppRunner(app, access_log=None, logger=http_log)
             await self._http.setup()
             await JsonErrorSite(self._http, self.config.metrics_host, self.config.metrics_port).start()
         self._tasks = [

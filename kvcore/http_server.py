@@ -6,8 +6,11 @@ the tier agent's metrics port both serve with it."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
@@ -15,6 +18,8 @@ from aiohttp.web_response import StreamResponse
 from kvcore.http_errors import error_response
 
 MAX_ECHO_CHARS = 300  # of aiohttp's account of a request it could not parse, told back to its client
+
+log = logging.getLogger(__name__)
 
 
 class JsonErrorHandler(RequestHandler):
@@ -50,3 +55,21 @@ class JsonErrorSite(web.TCPSite):
             reuse_address=self._reuse_address, reuse_port=self._reuse_port)
         if self._server.sockets:
             self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
+class MalformedRequests(logging.Filter):
+    """aiohttp answers a request it cannot parse with 400 and logs it with a traceback at ERROR: a client could fill
+    the logs with them. Such records are counted (`count(status)`) and logged in one line at debug instead. Added to
+    the logger a server's runner is given (`web.AppRunner(..., logger=)`)."""
+
+    def __init__(self, count: Callable[[int], None]) -> None:
+        super().__init__()
+        self._count = count
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        self._count(exc.code or 400)
+        log.debug("malformed request answered %s: %s", exc.code, exc.message)
+        return False

@@ -19,10 +19,9 @@ from typing import cast
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from kvcore.http_server import json_error_handler
+from kvcore.http_server import MalformedRequests, json_error_handler
 from kvcore.log_throttle import LogThrottle
 from router.config import GatewayConfig
 from router.metrics import GatewayMetrics
@@ -194,31 +193,13 @@ class ListeningSite(web.BaseSite):
             reuse_port=self.reuse_port or None)
 
 
-class _MalformedRequests(logging.Filter):
-    """aiohttp answers a request it cannot parse with 400 and logs it with a traceback at ERROR: a client could fill
-    the logs with them. Such records are counted (`kvgate_rejected_requests_total{code="malformed_http"}`) and
-    logged in one line at debug instead."""
-
-    def __init__(self, metrics: GatewayMetrics) -> None:
-        super().__init__()
-        self._metrics = metrics
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, HttpProcessingError):
-            return True
-        self._metrics.rejected.labels(str(exc.code or 400), "malformed_http").inc()
-        log.debug("malformed request answered %s: %s", exc.code, exc.message)
-        return False
-
-
 @asynccontextmanager
 async def serving(app: web.Application, config: GatewayConfig, metrics: GatewayMetrics, *,
                   reuse_port: bool = False) -> AsyncIterator[ClientConnections]:
     """Serve `app` on `config.host:config.port` until the context ends (sharing the port with other processes that
     set `reuse_port` too)."""
     server_log = logging.getLogger(f"{__name__}.http.{config.port}")
-    server_log.addFilter(_MalformedRequests(metrics))
+    server_log.addFilter(MalformedRequests(lambda status: metrics.rejected.labels(str(status), "malformed_http").inc()))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=server_log,
                            keepalive_timeout=config.client_idle_timeout_s, lingering_time=LINGER_S,
                            shutdown_timeout=SHUTDOWN_S)

@@ -1167,7 +1167,8 @@ def test_the_metrics_port_answers_a_request_it_cannot_parse_with_a_json_error_an
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
     """A request aiohttp cannot parse (a request line over 8 KiB, a method that is none, a Content-Length that is no
     number) is a 400 in the JSON of every other kvgate error, as the gateway answers it (it was aiohttp's line of
-    plain text, "400, message: ..."); the port serves /metrics after each."""
+    plain text, "400, message: ..."); the port serves /metrics after each. Each is counted, and logged without a
+    traceback (aiohttp logged two of the three at ERROR with one: a client could fill the agent's log)."""
     agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
     agents.append(agent)
     for bad in (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -1185,6 +1186,10 @@ def test_the_metrics_port_answers_a_request_it_cannot_parse_with_a_json_error_an
         assert error["code"] == "malformed_http" and error["type"] == "invalid_request_error", error
         assert error["message"].startswith("malformed HTTP request: ") and error["param"] is None, error
         assert "kvgate_agent_requests_total" in agent.metrics()
+    counted = [line for line in agent.metrics().splitlines()
+               if line.startswith('kvgate_agent_request_errors_total{op="malformed_http"}')]
+    assert counted and float(counted[0].split()[-1]) >= 2, counted
+    assert "Traceback" not in agent.log_path.read_text(errors="replace")
 
 
 def test_a_restarted_agent_whose_metrics_port_was_taken_meanwhile_comes_up_on_another(
