@@ -31,13 +31,12 @@ def hold_seconds(predicted_ttft_s: float | None, stream: bool) -> float:
 
 
 class Turn:
-    """One request's turn on a worker: `started` when it was sent, `released` when the next may go."""
+    """One request's turn on an engine: `started` when it was sent, `released` when the next may go."""
 
-    __slots__ = ("hold_s", "released", "started", "until", "worker")
+    __slots__ = ("released", "started", "until", "worker")
 
-    def __init__(self, worker: str, hold_s: float, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, worker: str, loop: asyncio.AbstractEventLoop) -> None:
         self.worker = worker
-        self.hold_s = hold_s
         self.started: asyncio.Future[None] = loop.create_future()
         self.released: asyncio.Future[None] = loop.create_future()
         self.until = 0.0  # loop time after which the next may go whether or not this one is released
@@ -59,7 +58,7 @@ class PrefillTurns:
         that one waited for its own before it, so a line of them goes one at a time). The caller releases it
         (not when this is cancelled: the next then waits for the turn before this one)."""
         loop = asyncio.get_running_loop()
-        turn = Turn(worker, hold_s, loop)
+        turn = Turn(worker, loop)
         before = self._last.get(worker)
         self._last[worker] = turn
         try:
