@@ -41,7 +41,6 @@ from bench.make_model import bench_model_dir
 from bench.report import write_markdown, write_plots
 from bench.sim.launch import AgentSettings, SimFleet, start_sim_fleet
 from bench.sim.perf_model import Profile, load_profile
-from bench.stats import percentile
 from bench.targets import DEFAULT_TARGETS, Target, TargetError, TargetSettings, parse_target
 from bench.workload_options import add_workload_arguments, build_workload
 from bench.workloads import PromptVocabulary
@@ -253,9 +252,8 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
                 row = await run_target(target, fleet, settings, bodies, arrivals, args)
                 row["agents"] = agents is not None
                 if "per_request" in row:
-                    row["ttft_limit_causal"] = causal_limit(prompts, row["per_request"], bs, profile)
-                    row["ttft_limit_fleet"] = fleet_limit(prompts, row["per_request"], bs, profile, args.replicas,
-                                                          split=agents is not None)
+                    row["ttft_limit_causal"], row["ttft_limit_fleet"] = send_limits(
+                        prompts, row["per_request"], bs, profile, args.replicas, split=agents is not None)
                 bound_rate = bound.hit_rate
                 if "fleet" in row:
                     row["fraction_of_bound"] = row["fleet"]["hit_rate"] / bound_rate if bound_rate else None
@@ -282,21 +280,15 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def causal_limit(prompts: list[tuple[int, list[int]]], sent: list[dict[str, Any]], block_size: int,
-                 profile: Profile) -> dict[str, float | None]:
-    """TTFT p50 / p90 / p99 (ms) of `vsim_report.causal_ttfts` at the times a target's client sent each request."""
-    times = vsim_report.causal_ttfts(prompts, [r["start_s"] for r in sent], block_size, profile)
-    return {f"ttft_ms_p{p}": None if (v := percentile(times, p / 100)) is None else v * 1e3
-            for p in vsim_report.PERCENTILES}
-
-
-def fleet_limit(prompts: list[tuple[int, list[int]]], sent: list[dict[str, Any]], block_size: int, profile: Profile,
-                replicas: int, split: bool) -> dict[str, float | None]:
-    """`causal_limit` with the opening burst's prefills on `replicas` replicas (`vsim_report.fleet_ttfts`; `split`:
-    the replicas have tier agents, which can move a prefix computed in part from one to another)."""
-    times = vsim_report.fleet_ttfts(prompts, [r["start_s"] for r in sent], block_size, profile, replicas, split)
-    return {f"ttft_ms_p{p}": None if (v := percentile(times, p / 100)) is None else v * 1e3
-            for p in vsim_report.PERCENTILES}
+def send_limits(prompts: list[tuple[int, list[int]]], sent: list[dict[str, Any]], block_size: int, profile: Profile,
+                replicas: int, split: bool) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """TTFT p50 / p90 / p99 (ms) at the times a target's client sent each request: of `vsim_report.causal_ttfts`,
+    and of those with the opening burst's prefills on `replicas` replicas (`vsim_report.fleet_ttfts`; `split`: the
+    replicas have tier agents, which can move a prefix computed in part from one to another)."""
+    starts = [r["start_s"] for r in sent]
+    causal = vsim_report.causal_ttfts(prompts, starts, block_size, profile)
+    floor = vsim_report.opening_burst_floor(prompts, starts, block_size, profile, replicas, split)
+    return vsim_report.percentiles_ms(causal), vsim_report.percentiles_ms(vsim_report.fleet_ttfts(causal, floor))
 
 
 STAND_IN_BYTES = 64  # a simulated replica's block payload (`kvgate sim --agent-payload-bytes`' default)

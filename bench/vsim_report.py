@@ -14,6 +14,7 @@ of when that cache cannot hold the workload's prefixes.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from array import array
 from collections import OrderedDict
@@ -38,10 +39,10 @@ def ttft_limit(ideal: IdealCache, profile: Profile) -> dict[str, float | None]:
     """TTFT p50 / p90 / p99 (ms) of every request's prefill alone with the ideal single-cache hit."""
     times = [profile.prefill_time(max(1, prompt - hit), hit) + profile.request_overhead_s
              for prompt, hit in ideal.requests]
-    return _percentiles_ms(times)
+    return percentiles_ms(times)
 
 
-def _percentiles_ms(times: Sequence[float]) -> dict[str, float | None]:
+def percentiles_ms(times: Sequence[float]) -> dict[str, float | None]:
     return {f"ttft_ms_p{p}": None if (v := percentile(times, p / 100)) is None else v * 1e3 for p in PERCENTILES}
 
 
@@ -239,29 +240,27 @@ def opening_burst_floor(prompts: Sequence[tuple[int, Sequence[BlockKey]]], start
         return []
     t0 = starts[order[0]]
     overhead = profile.step_overhead_s
-    groups: dict[BlockKey, list[Any]] = {}  # first block -> [blocks all members share, members, first's keys]
+    # first block -> [blocks all members share, their compute time, members, the first member's keys]
+    groups: dict[BlockKey, list[Any]] = {}
     best: list[float] = []
     for k, i in enumerate(order, start=1):
         keys = prompts[i][1]
         group = groups.get(keys[0])
         if group is None:
-            groups[keys[0]] = [len(keys), 1, keys]
+            groups[keys[0]] = [len(keys), profile.prefill_compute_time(len(keys) * block_size), 1, keys]
         else:
-            shared, first = group[0], group[2]
-            shared = min(shared, len(keys))
+            shared, first = min(group[0], len(keys)), group[3]
             while keys[shared - 1] != first[shared - 1]:  # (chained: equal there, equal before)
                 shared -= 1
-            group[0], group[1] = shared, group[1] + 1
-        works = sorted(profile.prefill_compute_time(g[0] * block_size) for g in groups.values())
-        sizes = sorted(g[1] for g in groups.values())
-        done: list[float] = []  # the fleet's j-th prefix done no sooner than done[j-1] after the start
-        total = 0.0
-        for j, work in enumerate(works, start=1):
-            if split:
-                total += work
-                done.append(overhead + max(work, total / replicas))
-            else:
-                done.append(overhead + sum(works[:-(-j // replicas)]))
+            if shared != group[0]:
+                group[0], group[1] = shared, profile.prefill_compute_time(shared * block_size)
+            group[2] += 1
+        works = sorted(g[1] for g in groups.values())
+        sizes = sorted(g[2] for g in groups.values())
+        sums = list(itertools.accumulate(works))  # sums[j - 1]: the j smallest together
+        # the fleet's j-th prefix done no sooner than done[j - 1] after the start
+        done = ([overhead + max(work, total / replicas) for work, total in zip(works, sums, strict=True)] if split
+                else [overhead + sums[-(-j // replicas) - 1] for j in range(1, len(works) + 1)])
         off = starts[i] - t0 - profile.request_overhead_s  # the latest send so far counted off every member's wait
         members = 0
         for t, size in enumerate(sizes):  # the t+1 smallest groups in the latest t+1 places
@@ -275,13 +274,12 @@ def opening_burst_floor(prompts: Sequence[tuple[int, Sequence[BlockKey]]], start
     return [max(0.0, b) for b in best]
 
 
-def fleet_ttfts(prompts: Sequence[tuple[int, Sequence[BlockKey]]], starts: Sequence[float], block_size: int,
-                profile: Profile, replicas: int, split: bool = False) -> list[float]:
-    """`causal_ttfts`, sorted, each rank raised to what `opening_burst_floor` allows `replicas` replicas: a lower
-    bound on each order statistic of the TTFTs on such a fleet, so on each percentile (rank by rank)."""
-    times = sorted(causal_ttfts(prompts, starts, block_size, profile))
-    for m, floor in enumerate(opening_burst_floor(prompts, starts, block_size, profile, replicas, split), start=1):
-        times[-m] = max(times[-m], floor)
+def fleet_ttfts(causal: Sequence[float], floor: Sequence[float]) -> list[float]:
+    """`causal_ttfts`' times sorted, each of the largest raised to `opening_burst_floor`'s (its m-th item bounds the
+    m-th largest): a lower bound on each order statistic of the TTFTs on such a fleet, so on each percentile."""
+    times = sorted(causal)
+    for m, least in enumerate(floor, start=1):
+        times[-m] = max(times[-m], least)
     for j in range(1, len(times)):  # the m-th largest bounded, so is every larger one
         times[j] = max(times[j], times[j - 1])
     return times
@@ -304,7 +302,7 @@ def causal_limit(source: RequestSource, block_size: int, profile: Profile) -> di
         arrivals = [(a.at or 0.0, len(a.token_ids), block_keys(a.token_ids, block_size, root)) for a in source]
         times = causal_ttfts([(n, keys) for _, n, keys in arrivals], [at for at, _, _ in arrivals], block_size,
                              profile)
-    return _percentiles_ms(times)
+    return percentiles_ms(times)
 
 
 def add_gaps(results: list[dict[str, Any]], limit: dict[str, float | None]) -> None:

@@ -368,8 +368,9 @@ def test_the_fleet_limit_raises_the_per_request_limit_rank_by_rank() -> None:
     prompts = [(256 * 8 + 1, list(range(100 * g, 100 * g + 8))) for g in range(3)]  # three 2,048-token prefixes
     causal = sorted(vsim_report.causal_ttfts(prompts, [0.0] * 3, 256, profile))
     assert causal[0] == pytest.approx(causal[2], rel=1e-12)  # a replica each: all alike
-    one = vsim_report.fleet_ttfts(prompts, [0.0] * 3, 256, profile, 1)
+    one = vsim_report.fleet_ttfts(causal, vsim_report.opening_burst_floor(prompts, [0.0] * 3, 256, profile, 1))
     w = profile.prefill_compute_time(256 * 8)
     assert one == pytest.approx([causal[0], profile.step_overhead_s + 2 * w, profile.step_overhead_s + 3 * w],
                                 rel=1e-12)
-    assert vsim_report.fleet_ttfts(prompts, [0.0] * 3, 256, profile, 3) == pytest.approx(causal, rel=1e-12)
+    alone = vsim_report.opening_burst_floor(prompts, [0.0] * 3, 256, profile, 3)
+    assert vsim_report.fleet_ttfts(causal, alone) == pytest.approx(causal, rel=1e-12)
