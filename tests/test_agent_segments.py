@@ -136,6 +136,50 @@ def test_upkeep_eviction_keeps_a_hot_block_of_the_oldest_segment(tmp_path: Path)
     assert reopened.usage().blocks == tier.usage().blocks  # the rewritten record is what a restart finds
 
 
+def test_eviction_never_drops_the_segment_being_appended_to(tmp_path: Path) -> None:
+    """The watermark eviction dropped the oldest segments until under the low marks, the one being appended to
+    too when the older ones were not enough (a low watermark under a segment's share of the tier): at main, 38
+    blocks stored, the tier was left empty, and the 3 newest (one just read) went without ever being offered by
+    `demotion_candidates`, which stops at that segment (a lazy store demotes only what it offers: they were lost,
+    not demoted). Now it stops there too. What the tier holds reads back exact, before and after stores that
+    evict to make room (the one being appended to last, sealed first: the next append opens a fresh one)."""
+    tier = SegmentNvmeTier(tmp_path, capacity=40 * RECORD, high_watermark=0.9, low_watermark=0.05, fsync=False,
+                           segment_bytes=5 * RECORD)
+    removed: list[tuple[int, int | bytes]] = []
+    tier.on_removed = lambda gone: removed.extend(r.key for r in gone)
+    for i in range(38):
+        assert tier.store((LAYOUT, i), payload(i))
+    active = tier._active
+    assert active is not None and active.keys == {(LAYOUT, 35), (LAYOUT, 36), (LAYOUT, 37)}
+    assert read(tier, 36) == payload(36)  # used: hot
+    offered = {key for key, _size in tier.demotion_candidates()}
+    assert tier.above_high_watermark()
+    tier.evict_to_low_watermark()
+    assert len(removed) == 35 and set(removed) <= offered  # nothing went that was not offered first
+    assert {int(k[1]) for k in tier.block_keys()} == {35, 36, 37}
+    assert tier._active is active and tier.usage().used_bytes == on_disk(tmp_path)
+
+    sizes: dict[int, int] = {}
+
+    def exact() -> set[int]:
+        held = {int(k[1]) for k in tier.block_keys()}
+        assert all(read(tier, i, sizes.get(i, SIZE)) == payload(i, sizes.get(i, SIZE)) for i in held)
+        return held
+
+    for i in range(100, 140):  # stores past the byte bound: it holds 40 records, a segment 5
+        assert tier.store((LAYOUT, i), payload(i))
+        assert i in exact() and tier.usage().used_bytes <= 40 * RECORD
+    sizes[500] = 40 * RECORD - (RECORD - SIZE)  # a record the size of the tier: every segment goes, the active last
+    assert tier.store((LAYOUT, 500), payload(500, sizes[500]))
+    assert exact() == {500} and tier.usage().used_bytes == on_disk(tmp_path) == 40 * RECORD
+    for i in (600, 601):  # the big one's segment goes, the one being appended to
+        assert tier.store((LAYOUT, i), payload(i))
+    assert exact() == {600, 601} and tier.usage().used_bytes == on_disk(tmp_path) == 2 * RECORD
+    reopened = SegmentNvmeTier(tmp_path, capacity=40 * RECORD, fsync=False, segment_bytes=5 * RECORD)
+    assert {int(k[1]) for k in reopened.block_keys()} == {int(k[1]) for k in tier.block_keys()}
+    assert reopened.stats.checksum_failures == tier.stats.checksum_failures == 0
+
+
 DISK_FULL_SCRIPT = """
 import resource, signal, sys
 from agent.tiers.base import StoreItem

@@ -558,8 +558,11 @@ class SegmentNvmeTier:
     def evict_to_low_watermark(self) -> None:
         """Drop the oldest segments down to the low watermarks, of bytes and of blocks; blocks read since they were
         written there are appended again first (once: they must be read again to survive the next time), up to
-        half the bytes freed, so a hot block does not go with its old segment."""
+        half the bytes freed, so a hot block does not go with its old segment. Only segments older than the one
+        being appended to when it starts go (what `demotion_candidates` offers), never that one, nor one opened
+        since (the hot blocks' new home): the watermarks are a target, the store-time bounds the hard limit."""
         with self._lock:
+            before = self._active.seg_id if self._active is not None else self._next_id
             freed = freed_blocks = 0
             excess = self._used - self.low_bytes
             excess_blocks = len(self._index) - self.low_blocks
@@ -586,8 +589,8 @@ class SegmentNvmeTier:
             for start in range(0, len(records), _MAX_GROUP):
                 self._append(records[start: start + _MAX_GROUP], again=True)
         with self._lock:
-            self._evict_locked(self.low_bytes)
-            self._evict_blocks_locked(self.low_blocks)
+            self._evict_locked(self.low_bytes, before)
+            self._evict_blocks_locked(self.low_blocks, before)
 
     def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
         """The blocks of the oldest segments, which go first, down to the low watermarks."""
@@ -679,23 +682,32 @@ class SegmentNvmeTier:
             os.close(segment.read_fd)
             segment.read_fd = None
 
-    def _evict_locked(self, target: int) -> None:
-        while self._used > target and self._evict_oldest_locked():
+    def _evict_locked(self, target: int, before: int | None = None) -> None:
+        while self._used > target and self._evict_oldest_locked(before):
             pass
 
-    def _evict_blocks_locked(self, most: int) -> None:
+    def _evict_blocks_locked(self, most: int, before: int | None = None) -> None:
         """Drop the oldest segments until the blocks held and being written number `most` at most."""
-        while len(self._index) + len(self._pending) > most and self._evict_oldest_locked():
+        while len(self._index) + len(self._pending) > most and self._evict_oldest_locked(before):
             pass
 
-    def _evict_oldest_locked(self) -> bool:
-        """Drop the oldest segment no write is in flight to; whether there was one."""
-        for segment in self._segments.values():
+    def _evict_oldest_locked(self, before: int | None = None) -> bool:
+        """Drop the oldest segment no write is in flight to, the one being appended to last (only to make room for
+        a store: it is sealed first, the next append opens a fresh segment); given `before`, only one with a lower
+        id. Whether there was one."""
+        chosen: _Segment | None = None
+        for segment in self._segments.values():  # oldest first
+            if before is not None and segment.seg_id >= before:
+                break
             if segment.inflight:
                 continue  # writes in flight there
-            self.stats.add("evictions", self._drop_segment_locked(segment, unlink=True))
-            return True
-        return False
+            chosen = segment
+            if segment is not self._active:
+                break
+        if chosen is None:
+            return False
+        self.stats.add("evictions", self._drop_segment_locked(chosen, unlink=True))
+        return True
 
     def _drop_segment_locked(self, segment: _Segment, unlink: bool) -> int:
         """Forget a segment and its blocks (reported to `on_removed`); how many blocks went with it."""
