@@ -54,6 +54,11 @@ class AgentConfig:
                               "error at its Hello and closed. Each may hold about 2.3 MiB of requests the agent "
                               "has not read yet (its stream buffer), outside --frame-budget: 256 hold 600 MiB at "
                               "most (a vLLM instance connects once per worker and once from its scheduler)")
+    max_connecting_clients: int = option(128, "client connections that have not sent their Hello yet, at most; one "
+                                         "past it is answered with an error and closed at once, unread. Each holds "
+                                         "a file descriptor and up to 4 KiB for up to 10 s (a client sends its Hello "
+                                         "as it connects: as many as the listen backlog, 128, leaves room for a "
+                                         "whole fleet reconnecting at once)")
     events_endpoint: str = option("", "ZMQ PUB endpoint for KV events, e.g. tcp://*:5560 (empty = no events)")
     replay_endpoint: str = option("", "ZMQ ROUTER endpoint answering event replay requests (empty = none)")
     events_topic: str = option("kv-events", "topic frame of published KV events")
@@ -152,8 +157,9 @@ class AgentConfig:
                 raise ConfigError(f"{name} must be a positive number of seconds: {value}")
         if self.shared_index_blocks < 1:
             raise ConfigError(f"shared_index_blocks must be at least 1: {self.shared_index_blocks}")
-        if self.max_clients < 1:
-            raise ConfigError(f"max_clients must be at least 1: {self.max_clients}")
+        for name in ("max_clients", "max_connecting_clients"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1: {getattr(self, name)}")
         if self.frame_budget < 2**20:  # (below one big frame: every inline store over 1 MiB refused)
             raise ConfigError(f"frame_budget must be at least 1MiB: {self.frame_budget}")
         for name in ("shared_ttl_s", "shared_retry_s"):

@@ -353,6 +353,10 @@ class TierAgent:
         # frame_budget does not count
         self._served = 0
         self._over_clients = LogThrottle()  # clients refused for it
+        # connections accepted whose Hello is not read yet: at most config.max_connecting_clients (each holds a file
+        # descriptor, and what it sent of its Hello, for up to FIRST_FRAME_TIMEOUT_S)
+        self._connecting = 0
+        self._over_connecting = LogThrottle()  # connections refused for it
         self._presence: PresenceMap | None = None
         # the DRAM tier's pre-faulting (config.dram_prefault), started by the first Hello that declares a block size
         self._prefault = started_executor(1, "kvgate-agent-prefault") if self._prefaultable() else None
@@ -535,6 +539,10 @@ class TierAgent:
                                 "one): %s%s", exc, held_back_note(held_back))
                 await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
+            if self._connecting >= self.config.max_connecting_clients:
+                self._refuse_connecting(sock)
+                continue
+            self._connecting += 1  # (counted at once: the accepts waiting are taken before any Hello is read)
             task = loop.create_task(self._serve_client(sock))
             self._clients.add(task)  # a strong reference while it runs
             task.add_done_callback(self._clients.discard)
@@ -561,6 +569,8 @@ class TierAgent:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
+        finally:
+            self._connecting -= 1
         if self._served >= self.config.max_clients:
             self._refuse_client(sock, fds)
             return
@@ -657,6 +667,20 @@ class TierAgent:
                                                f"(--max-clients); retry later")))
         for fd in fds:
             os.close(fd)
+        sock.close()
+
+    def _refuse_connecting(self, sock: socket.socket) -> None:
+        """A connection past `max_connecting_clients`: answered with an error and closed at once, nothing read (a
+        client that had sent its Hello reads the answer before the end all the same: a Unix socket's peer gets
+        what was sent before the error of the unread data)."""
+        self.metrics.request_errors.labels("max_connecting_clients").inc()
+        if (held_back := self._over_connecting.due()) is not None:
+            log.warning("client refused: %d connections are waiting for their Hello, --max-connecting-clients "
+                        "(kvgate_agent_request_errors_total{op=max_connecting_clients} counts every one)%s",
+                        self._connecting, held_back_note(held_back))
+        with contextlib.suppress(OSError):  # (a small frame into an empty socket buffer: it fits)
+            sock.send(frame(ErrorReply(message=f"busy: {self.config.max_connecting_clients} connections are "
+                                               f"waiting for their Hello (--max-connecting-clients); retry later")))
         sock.close()
 
     async def _send(self, writer: asyncio.StreamWriter, reply: Reply) -> None:

@@ -201,6 +201,8 @@ def test_config_rejects_bad_policies() -> None:
         AgentConfig(write_policy="sometimes").validate()
     with pytest.raises(ConfigError):
         AgentConfig(dram_low_watermark=0.99, dram_high_watermark=0.5).validate()
+    with pytest.raises(ConfigError, match="max_connecting_clients"):
+        AgentConfig(max_connecting_clients=0).validate()
     assert dataclasses.replace(AgentConfig(), write_policy="eager").validate().write_policy == "eager"
 
 
