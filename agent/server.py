@@ -84,6 +84,11 @@ INLINE_STORE_PIECE_BYTES = 128 * 2**10
 INLINE_STORE_PIECE_BLOCKS = 256
 INLINE_LOAD_BYTES = MAX_FRAME // 2  # an inline load's blocks, at most: its answer must fit one frame
 FIRST_FRAME_TIMEOUT_S = 10.0  # a connection that has not sent its Hello by then is dropped
+# descriptors passed with the first frame, at most, over all the reads of it: a Hello passes one (one that passes
+# 2-4 in its message is told so). Each read took up to this many, and a client that sent its Hello a byte at a time
+# with 4 descriptors each made the agent hold 4,000 for 1,000 bytes (16,000 for a whole one), whatever
+# --max-connecting-clients bounds
+HELLO_FDS = 4
 # inline answers (LoadReply with the bytes) written but not yet taken by their clients, over all connections, at
 # most: a load past it is an error reply (retry). 12 clients that sent inline loads of 32 MiB and never read made
 # the agent hold 884 MiB; each connection holds at most one unsent answer (the next request is read once the last
@@ -163,7 +168,7 @@ async def _recv(sock: socket.socket, size: int, fds: list[int], deadline: float)
     loop = asyncio.get_running_loop()
     while True:
         try:
-            data, more, _flags, _addr = socket.recv_fds(sock, size, 4)
+            data, more, _flags, _addr = socket.recv_fds(sock, size, HELLO_FDS)
         except BlockingIOError:
             left = deadline - loop.time()
             if left <= 0:
@@ -172,6 +177,8 @@ async def _recv(sock: socket.socket, size: int, fds: list[int], deadline: float)
                 await asyncio.wait_for(_readable(sock), left)
             continue
         fds += more
+        if len(fds) > HELLO_FDS:
+            raise ValueError(f"{len(fds)} descriptors passed with the first frame (a Hello passes one)")
         if not data:
             raise ConnectionError("closed before the first frame was whole")
         return data

@@ -1224,6 +1224,31 @@ def test_connections_past_max_connecting_clients_are_refused_before_their_hello(
             agent.metric("kvgate_agent_request_errors_total", op="hello")
 
 
+def test_a_connection_passing_descriptors_a_byte_at_a_time_before_its_hello_is_dropped(
+        tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
+    """Each read of the first frame took up to 4 passed descriptors, and the agent kept them all until the frame was
+    whole: a Hello sent a byte at a time with 4 each made one connection hold 4 per byte (4,000 for 1,000 bytes, a
+    /tmp script at main), whatever --max-connecting-clients bounds; at main this test's connection was kept, 40
+    descriptors with it, until FIRST_FRAME_TIMEOUT_S. Past 4 it is dropped, its descriptors closed."""
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    agents.append(agent)
+    assert agent.proc is not None
+    open_before = len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
+    with connect(agent.socket) as sock, open(os.devnull, "rb") as null:
+        sock.settimeout(FIRST_FRAME_TIMEOUT_S * 3)
+        sock.sendall(FRAME.pack(1000))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # (closed while we send: what we test)
+            for _ in range(10):
+                socket.send_fds(sock, [b"x"], [null.fileno()] * 4)
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(1) == b""  # closed
+    assert len(os.listdir(f"/proc/{agent.proc.pid}/fd")) <= open_before  # every one it was passed closed, first
+    assert "descriptors passed with the first frame" in agent.log_path.read_text(errors="replace")
+    assert agent.metric("kvgate_agent_request_errors_total", op="hello") == 1
+    with connect(agent.socket) as sock:
+        assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+
+
 def test_the_metrics_port_answers_a_request_it_cannot_parse_with_a_json_error_and_keeps_serving(
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
     """A request aiohttp cannot parse (a request line over 8 KiB, a method that is none, a Content-Length that is no
