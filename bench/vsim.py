@@ -36,6 +36,7 @@ import shlex
 import sys
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,7 @@ from router.kv_index import InMemoryKvIndex
 from router.kv_transport import EventSource
 from router.metrics import GatewayMetrics
 from router.pool import Worker
+from router.prefill_turns import hold_seconds
 from router.routing import Decision, RouteRequest, Strategy
 from strategies import strategy_class
 from strategies.balance import PrefillBalance
@@ -142,6 +144,7 @@ class VRequest:
     digests: list[Digest]  # the engines' digests of the same blocks
     max_tokens: int
     arrival: float = 0.0
+    sent: float = 0.0  # when the gateway sent it to its replica: its arrival, or the end of its hold there
     replica: int = -1
     ttft: float | None = None
     # what it waited for before its first step: the engine's step in progress when it was admitted (0 on an
@@ -150,6 +153,15 @@ class VRequest:
     tier_tokens: dict[str, int] = field(default_factory=dict)
     route: RouteRequest | None = None
     decision: Decision | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Turn:
+    """A long prefill's turn on its replica: the next long prefill goes there once this one has its first token, or
+    at `until` (its hold from when it was sent), as the gateway's `PrefillTurns` send them."""
+
+    req: VRequest
+    until: float
 
 
 class VirtualReplica:
@@ -175,6 +187,10 @@ class VirtualReplica:
         self.run_ends: list[float] = []
         self.out: Any = None
         self.tiers: ReplicaAgent | None = None
+        # the gateway's long prefills sent here one at a time (router/prefill_turns.py): the one whose turn it is,
+        # and those it holds until that one has its first token or its hold runs out
+        self.turn: Turn | None = None
+        self.held: deque[VRequest] = deque()
         self.upkeep_due = False
         self.requests = 0
         self.prompt_tokens = 0
@@ -355,6 +371,18 @@ class FleetSimulation:
         self.decisions.append(replica.index)
         replica.requests += 1
         replica.prompt_tokens += len(req.token_ids)
+        if decision.serialize_prefill and replica.turn is not None:
+            replica.held.append(req)  # the long prefill before it there has no first token yet
+            return
+        self._send(replica, req)
+
+    def _send(self, replica: VirtualReplica, req: VRequest) -> None:
+        """The gateway sends the request to its replica (at once, or once its hold there ended)."""
+        assert req.decision is not None
+        req.sent = self.now
+        if req.decision.serialize_prefill:
+            replica.turn = turn = Turn(req, self.now + hold_seconds(req.decision.predicted_ttft_s, stream=True))
+            self._push(turn.until, "turn", turn)
         sim = SimRequest(str(req.index), req.token_ids, req.max_tokens, [5] * 8, req.digests, self.now)
         sim.listener = None
         sim.scheduled_time = -1.0  # not yet: set by the first step that schedules it
@@ -399,10 +427,17 @@ class FleetSimulation:
         self._flush_events(replica)
         return seconds if n else 0.0
 
+    def _next_turn(self, replica: VirtualReplica) -> None:
+        """The long prefill whose turn it was there has its first token, or has had its hold: the next one held
+        goes."""
+        replica.turn = None
+        if replica.held:
+            self._send(replica, replica.held.popleft())
+
     def _admit(self, replica: VirtualReplica, sim: SimRequest, req: VRequest) -> None:
         if replica.run_ends:
             self._cut_run(replica)
-        sim.arrival_time = req.arrival
+        sim.arrival_time = req.sent
         req.step_wait = replica.step_end - self.now if replica.busy else 0.0
         replica.scheduler.add_request(sim)
         self._by_id[sim.request_id] = req
@@ -477,6 +512,8 @@ class FleetSimulation:
                 self._wait.append(sim.scheduled_time - req.arrival)
                 self._step_wait.append(req.step_wait)
                 strategy.on_first_token(req.route, req.decision, req.ttft)
+                if replica.turn is not None and replica.turn.req is req:
+                    self._next_turn(replica)
                 if req.decision.predicted_ttft_s is not None:
                     self._predicted.append((req.decision.predicted_ttft_s, req.ttft))
                 cached = max(sim.num_cached_tokens, 0)
@@ -578,6 +615,10 @@ class FleetSimulation:
                     self._step_done(payload)
             elif kind == "admit":
                 self._admit(*payload)
+            elif kind == "turn":
+                replica = self.replicas[payload.req.replica]
+                if replica.turn is payload:  # (else it ended with its first token)
+                    self._next_turn(replica)
             elif kind == "events":
                 self._apply_events(payload)
             elif kind == "upkeep":

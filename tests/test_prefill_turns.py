@@ -12,7 +12,8 @@ import pytest
 
 from bench.loadgen import RequestResult, request_body, send_streaming
 from bench.sim.perf_model import PROFILES
-from bench.workloads import PromptVocabulary, WorkloadRequest
+from bench.vsim import FleetSimulation
+from bench.workloads import PromptVocabulary, Workload, WorkloadRequest
 from router.prefill_turns import HOLD_MAX_S, PrefillTurns, hold_seconds
 from tests.conftest import running_gateway
 
@@ -114,3 +115,39 @@ async def test_a_long_prefill_goes_to_the_engine_once_the_one_before_has_its_fir
     (a, b, c), taken = await _three_at_once(fleet, tiny_model_dir, "together", ttft_serialize_prefill_tokens=0)
     assert taken == 0
     assert a.ttft_s is not None and a.ttft_s >= 1.8 * alone
+
+
+class _TtftByRequest(FleetSimulation):
+    """Keeps each request's time to first token, by its index in the workload."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ttft_by_request: dict[int, float] = {}
+
+    def _finished(self, req: Any) -> None:
+        super()._finished(req)
+        self.ttft_by_request[req.index] = req.ttft
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_the_virtual_fleet_holds_a_long_prefill_as_the_gateway_does(tiny_model_dir: Any, hold: bool) -> None:
+    """`kvgate bench vsim` (and `kvgate plan`, which replays through it) sends `ttft`'s marked requests one at a
+    time per replica, as the live gateway does. Before, its virtual gateway sent every request at once: two long
+    cold prompts arriving together at one replica were computed in the same steps, the first one's first token
+    after about both prompts' compute (here 113 and 120 ms, for 63 alone)."""
+    vocab = PromptVocabulary.from_model_dir(tiny_model_dir)
+    profile = PROFILES["llama-3.1-8b-l4"].sped_up(10)
+    requests = [WorkloadRequest(list(range(100 + k, 100 + k + PROMPT)), 1, arrival_s=0.0) for k in (0, 5000)]
+    requests.append(WorkloadRequest(list(range(9000, 9000 + SHORT)), 1, arrival_s=0.0))  # short: never held
+    sim = _TtftByRequest(Workload("pair", requests), vocab, strategy="ttft", replicas=1, gpu_blocks=640,
+                         profile="llama-3.1-8b-l4", speedup=10,
+                         config_overrides=None if hold else {"ttft_serialize_prefill_tokens": 0})
+    sim.run()
+    first, second, short = (sim.ttft_by_request[i] for i in range(3))
+    alone = profile.prefill_compute_time(PROMPT)
+    if hold:
+        assert first < 1.2 * alone + profile.request_overhead_s  # computed alone
+        assert second >= first + alone  # sent on the first's first token
+        assert short < second  # beside the first, not behind it
+    else:
+        assert min(first, second) >= 1.8 * alone  # computed together: the first's first token after both

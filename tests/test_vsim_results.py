@@ -125,12 +125,21 @@ PINNED: dict[str, dict[str, Any]] = {  # measured before the speed work of issue
     # 0.391 -> 0.378, 4,668 / 12,764 / 16,239 -> 5,441 / 10,678 / 15,018 (this seed; over the trace's seeds 0-11,
     # medians, lazy 0.499 / 2,211 / 8,771 / 16,114 -> 0.484 / 2,158 / 8,592 / 14,865, eager 0.427 / 2,959 / 8,527 /
     # 14,293 -> 0.407 / 2,730 / 9,198 / 13,402: an overloaded fleet, mixed)
-    "ttft off": {"hit_rate": 0.449205709, "ttft_ms_p50": 4379.90788,
-                "row": "f23c0d0e54a9ef0d", "decisions": "3ac21516ce782da9"},
-    "ttft lazy": {"hit_rate": 0.446234197, "ttft_ms_p50": 4667.261044,
-                 "row": "392776006e110b60", "decisions": "703055d6ce625f1b"},
-    "ttft eager": {"hit_rate": 0.377816935, "ttft_ms_p50": 5441.334899,
-                  "row": "fdb7ebbf13adc1b3", "decisions": "3112a358c3bcb00b"},
+    # Then by the virtual gateway holding `ttft`'s long prefills for their turns, as the live gateway does
+    # (router/prefill_turns.py; with `ttft_serialize_prefill_tokens=0` the rows before come back to the digit): hit
+    # rate 0.449 / 0.446 / 0.378 -> 0.415 / 0.479 / 0.352, TTFT p50 4,380 / 4,667 / 5,441 -> 3,819 / 3,966 / 5,301,
+    # p90 10,073 / 9,920 / 10,678 -> 10,776 / 10,122 / 12,197, p99 11,349 / 12,606 / 15,018 -> 19,276 / 19,421 /
+    # 16,336 ms (one seed of an overloaded fleet; over the trace's seeds 0-11, medians, off / lazy / eager: hit rate
+    # 0.473 / 0.484 / 0.407 -> 0.483 / 0.503 / 0.421, p50 2,226 / 2,158 / 2,730 -> 1,670 / 1,833 / 2,848, p90 8,077 /
+    # 8,592 / 9,198 -> 7,943 / 8,350 / 8,906, p99 12,441 / 14,865 / 13,402 -> 14,225 / 16,133 / 13,088, mean 3,267 /
+    # 3,195 / 3,601 -> 3,055 / 3,105 / 3,479 ms; prediction error 0.154 / 0.141 / 0.117 -> 0.312 / 0.218 / 0.145:
+    # hits and short prompts, sent past the held ones, have their first tokens sooner than predicted)
+    "ttft off": {"hit_rate": 0.415431934, "ttft_ms_p50": 3819.11225,
+                "row": "74e777e8cf2df088", "decisions": "0b4fc7a8f3e356a8"},
+    "ttft lazy": {"hit_rate": 0.478703406, "ttft_ms_p50": 3966.376973,
+                 "row": "61c4b3893145c147", "decisions": "5efd2262ee8b7681"},
+    "ttft eager": {"hit_rate": 0.351798082, "ttft_ms_p50": 5300.644196,
+                  "row": "697a3061159b0e83", "decisions": "478f183ff581ee8f"},
 }
 
 
