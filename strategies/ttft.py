@@ -373,6 +373,8 @@ class _Queued:
     expected_s: float  # its predicted time to first token
     reported: bool     # streamed: its first token (or its end) will be reported
     load_s: float = 0.0  # of its predicted time, its tier loads
+    turn: bool = False  # a long prefill sent in its turn (`Decision.serialize_prefill`)
+    held: bool = False  # and held for it: another was in its turn when it was routed
 
 
 class PrefillQueue:
@@ -387,16 +389,24 @@ class PrefillQueue:
         self._entries: OrderedDict[int, _Queued] = OrderedDict()
         self.progress_since = 0.0  # when the head of the queue started on its prefill, at the latest
         self._done: deque[tuple[float, float]] = deque(maxlen=DONE_KEPT)  # (routed, done) of the latest done
+        self.turns = 0  # of the requests waiting here, the long prefills sent in their turns
+
+    def prefilling_held(self) -> bool:
+        """Whether the oldest request waiting here is a long prefill that was held for its turn: the engine computes
+        it now, its chunks beside the decoding of the one it waited for."""
+        return self.turns > 0 and next(iter(self._entries.values())).held
 
     def add(self, key: int, work: Work, now: float, expected_s: float, reported: bool = False,
-            load_s: float = 0.0) -> None:
+            load_s: float = 0.0, turn: bool = False) -> None:
         if not self._entries:
             self.progress_since = now
-        self._entries[key] = _Queued(work, now, expected_s, reported, load_s)
+        self._entries[key] = _Queued(work, now, expected_s, reported, load_s, turn, turn and self.turns > 0)
+        self.turns += turn
 
     def done(self, key: int, now: float) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
+            self.turns -= entry.turn
             self.progress_since = max(self.progress_since, now)
             self._done.append((entry.routed_at, now))
 
@@ -448,14 +458,20 @@ class StepClock:
     next one (a step boundary), and the time since the same stream's previous chunk is that step's duration (one per
     batch is kept). A step whose batch brings a stream's first chunk computed a prefill: the gateway's queue of
     requests without their first token accounts for those, so their durations are kept apart (`prefill_steps`)
-    from the others' (`durations`: decodes, and prefills the gateway did not see begin).
+    from the others' (`durations`: decodes, and prefills the gateway did not see begin). So are the steps a long
+    prefill held for its turn computes (`prefilling`: it is at the head of the queue there): sent on the first
+    token of the one it waited for, its chunks run beside that one's decoding, in steps whose batches bring no
+    first token, and taken for decode steps they made a hit there expect 45-56 ms for the rest of a decode step
+    that took 7 (`kvgate bench vsim`, the live tenants fleet: median prediction error 102%; docs/ttft.md).
 
     While requests decode there, the engine is in a step that began at the latest boundary; the rest of it is
     expected to be the mean of d - elapsed over the recent durations d longer than what has elapsed, a step past
     every such duration is judged by the prefill steps', and one past those too is about to end."""
 
-    def __init__(self, jitter_s: float, samples: int = STEP_SAMPLES) -> None:
+    def __init__(self, jitter_s: float, samples: int = STEP_SAMPLES,
+                 prefilling: Callable[[], bool] | None = None) -> None:
         self.jitter_s = jitter_s
+        self._prefilling = prefilling  # whether the engine computes a prefill the gateway's queue accounts for
         self.durations: deque[float] = deque(maxlen=samples)
         self.prefill_steps: deque[float] = deque(maxlen=samples)
         self.boundary = -math.inf  # the first chunk of the latest batch
@@ -473,7 +489,10 @@ class StepClock:
         merge = self._merge
         if at - self.boundary > merge:
             self._close_batch()
-            self.boundary, self._duration, self._prefilled = at, None, False
+            # a step that computed a chunk of a prefill the gateway's queue accounts for, whichever streams' chunks
+            # end it
+            self.boundary, self._duration = at, None
+            self._prefilled = self._prefilling is not None and self._prefilling()
             streams = self._streams
             if len(streams) > STREAMS_KEPT:  # those silent for long have ended
                 horizon = at - max(STREAM_SILENCE_S, 2 * self._longest)
@@ -1182,7 +1201,9 @@ class TtftAware(KvAware):
         rank = estimate.rank
         reason = MISS if most == 0 else HIT if cached >= most else SPILL
         cache = cache_name(worker.url, rank)
-        self.queue(cache).add(id(request), estimate.prefill, now, estimate.ttft_s, request.stream, estimate.load_s)
+        serialize = 0 < self.serialize_tokens <= prompt - cached
+        self.queue(cache).add(id(request), estimate.prefill, now, estimate.ttft_s, request.stream, estimate.load_s,
+                              serialize)
         if worker.kv_blocks > 1:
             self.ledger(cache, worker.kv_block_size or self.balance.block_size).add(id(request), _Holder(
                 prompt, request.max_tokens, self.output.expected(request.max_tokens), estimate.prefill_s, now,
@@ -1198,7 +1219,6 @@ class TtftAware(KvAware):
             self.balance.remember(keys, worker.url)
             self.pending.add(cache_name(worker.url, rank), keys)
         self.balance.record(prompt, cached)
-        serialize = 0 < self.serialize_tokens <= prompt - cached
         return Decision(worker, reason, cached, rank, estimate.ttft_s, serialize)
 
     def learn_from_engine(self, worker: Worker) -> None:
@@ -1251,7 +1271,8 @@ class TtftAware(KvAware):
             steps.chunk(id(request), self.balance.clock(), first)
 
     def _step_clock(self, cache: str) -> StepClock:
-        steps = self.steps[cache] = StepClock(self.ttft_options.ttft_step_jitter_s)
+        steps = self.steps[cache] = StepClock(self.ttft_options.ttft_step_jitter_s,
+                                              prefilling=self.queue(cache).prefilling_held)
         if self._ttft_metrics is not None:  # read when scraped
             self._ttft_metrics.step.labels(cache).set_function(lambda: steps.mean_s)
         return steps

@@ -331,6 +331,34 @@ def test_the_step_clock_finds_the_engines_steps_in_its_streams_chunks() -> None:
     assert abs(clock.rest(t + 0.02 + 0.0101) - (0.1 - 0.0101)) < 1e-9  # the prefill step is not among them
 
 
+def test_steps_while_a_held_prefill_computes_are_prefill_steps() -> None:
+    """Stream 1 decodes in 10 ms steps; a long prefill that waited for its turn there then computes two 57 ms
+    chunks beside it, the first with no first token in its batch: while the gateway's queue has that prefill at its
+    head, the step is a prefill's (kept apart), not a decode step that makes every hit expect a long one in
+    progress (`kvgate bench vsim`, the live tenants fleet: hits predicted 45-56 ms of a step that took 7)."""
+    queue = PrefillQueue()
+    clock = StepClock(jitter_s=0.001, prefilling=queue.prefilling_held)
+    queue.add(1, Work.of(2112, 0), now=0.0, expected_s=0.06, reported=True, turn=True)  # in its turn
+    queue.add(2, Work.of(2112, 0), now=0.0, expected_s=0.12, reported=True, turn=True)  # held for it
+    assert queue.turns == 2 and not queue.prefilling_held()  # the head is the one in its turn, not held
+    for t in (0.03, 0.04, 0.05):
+        clock.chunk(3, t, first=t == 0.03)  # another stream decoding, 10 ms steps
+    queue.done(1, now=0.06)  # the one in its turn has its first token: the held one is sent
+    clock.chunk(1, 0.06, first=True)
+    clock.chunk(3, 0.0601, first=False)
+    assert queue.prefilling_held()
+    for t in (0.117, 0.1171):    # the held one's first chunk: a 57 ms step, no first token in it
+        clock.chunk(3 if t == 0.117 else 1, t, first=False)
+    queue.done(2, now=0.174)
+    clock.chunk(2, 0.174, first=True)  # its last chunk and first token
+    clock.chunk(3, 0.1741, first=False)
+    for t in (0.184, 0.194):
+        clock.chunk(3, t, first=False)
+    assert [round(d, 3) for d in clock.durations] == [0.01, 0.01, 0.01]  # the last one's once the next begins
+    assert [round(d, 3) for d in clock.prefill_steps] == [0.01, 0.057, 0.057]
+    assert queue.turns == 0
+
+
 def test_a_stream_that_begins_is_not_taken_for_an_ended_one_of_the_same_identity() -> None:
     """The gateway keys streams by their request's identity, which a later request may have once one has ended
     (its key stays until forgotten): its first chunk is a prefill step's, not a step since the old one's last."""

@@ -134,12 +134,15 @@ PINNED: dict[str, dict[str, Any]] = {  # measured before the speed work of issue
     # 8,592 / 9,198 -> 7,943 / 8,350 / 8,906, p99 12,441 / 14,865 / 13,402 -> 14,225 / 16,133 / 13,088, mean 3,267 /
     # 3,195 / 3,601 -> 3,055 / 3,105 / 3,479 ms; prediction error 0.154 / 0.141 / 0.117 -> 0.312 / 0.218 / 0.145:
     # hits and short prompts, sent past the held ones, have their first tokens sooner than predicted)
+    # Then by the steps a held prefill computes in counting as a prefill's, not decode steps (its chunks beside the
+    # decoding of the one it waited for; docs/ttft.md): the same decisions without tiers and eager (prediction error
+    # 29.9 / 10.0 -> 29.6 / 9.8%), lazy hit rate 0.4787 -> 0.4783, p50 the same
     "ttft off": {"hit_rate": 0.415431934, "ttft_ms_p50": 3819.11225,
-                "row": "74e777e8cf2df088", "decisions": "0b4fc7a8f3e356a8"},
-    "ttft lazy": {"hit_rate": 0.478703406, "ttft_ms_p50": 3966.376973,
-                 "row": "61c4b3893145c147", "decisions": "5efd2262ee8b7681"},
+                "row": "bb38ac5aa4dbe044", "decisions": "0b4fc7a8f3e356a8"},
+    "ttft lazy": {"hit_rate": 0.47826855, "ttft_ms_p50": 3966.376973,
+                 "row": "0c3f027b49eea03b", "decisions": "6a5b0516cce7af94"},
     "ttft eager": {"hit_rate": 0.351798082, "ttft_ms_p50": 5300.644196,
-                  "row": "697a3061159b0e83", "decisions": "478f183ff581ee8f"},
+                  "row": "78e451d84c2933bd", "decisions": "478f183ff581ee8f"},
 }
 
 
