@@ -1117,6 +1117,7 @@ def test_silent_connections_do_not_hold_up_a_client(tmp_path: Path, agents: list
             sock.close()
 
 
+
 def test_the_metrics_port_answers_what_it_does_not_serve_with_a_json_error(
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
     """A path the metrics port does not serve is a 404, a method it does not take a 405 (with Allow), each with the
@@ -1141,6 +1142,19 @@ def test_the_metrics_port_answers_what_it_does_not_serve_with_a_json_error(
         assert json.loads(health.read())["status"] == "ok"
     assert "kvgate_agent_requests_total" in agent.metrics()
 
+def _served_again(agent: Any) -> None:
+    """A new client is served once the agent has seen the connections it refused or that closed go, and finds
+    block 1 (stored before)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with connect(agent.socket) as sock:
+            reply = raw_call(sock, {"op": "hello"})
+            if reply["op"] == "hello":
+                assert raw_call(sock, {"op": "lookup", "layout": LAYOUT, "hashes": [1]})["count"] == 1
+                return
+        assert time.monotonic() < deadline, reply
+        time.sleep(0.05)
+
 
 def test_clients_past_max_clients_are_refused_at_their_hello(tmp_path: Path, agents: list[AgentProcess],
                                                                subprocess_env: dict[str, str]) -> None:
@@ -1164,15 +1178,7 @@ def test_clients_past_max_clients_are_refused_at_their_hello(tmp_path: Path, age
         assert raw_call(served[-1], {"op": "store", "layout": LAYOUT, "hashes": [1], "data": [content(1)]})[
             "stored"] == 1
         served.pop().close()
-        deadline = time.monotonic() + 30
-        while True:  # (the agent sees the close when its loop gets to it)
-            with connect(agent.socket) as sock:
-                reply = raw_call(sock, {"op": "hello"})
-                if reply["op"] == "hello":
-                    assert raw_call(sock, {"op": "lookup", "layout": LAYOUT, "hashes": [1]})["count"] == 1
-                    break
-            assert time.monotonic() < deadline, reply
-            time.sleep(0.05)
+        _served_again(agent)  # (the agent sees the close when its loop gets to it)
     finally:
         for sock in served:
             sock.close()
@@ -1211,15 +1217,7 @@ def test_connections_past_max_connecting_clients_are_refused_before_their_hello(
         finally:
             for sock in silent:
                 sock.close()
-        deadline = time.monotonic() + 30
-        while True:  # (the agent sees the closes when its loop gets to them)
-            with connect(agent.socket) as sock:
-                reply = raw_call(sock, {"op": "hello"})
-                if reply["op"] == "hello":
-                    assert raw_call(sock, {"op": "lookup", "layout": LAYOUT, "hashes": [1]})["count"] == 1
-                    break
-            assert time.monotonic() < deadline, reply
-            time.sleep(0.05)
+        _served_again(agent)  # (the agent sees the closes when its loop gets to them)
         with pytest.raises(KeyError):  # none was dropped for sending no Hello in time: that op never counted
             agent.metric("kvgate_agent_request_errors_total", op="hello")
 
