@@ -54,11 +54,13 @@ class AgentConfig:
                               "error at its Hello and closed. Each may hold about 2.3 MiB of requests the agent "
                               "has not read yet (its stream buffer), outside --frame-budget: 256 hold 600 MiB at "
                               "most (a vLLM instance connects once per worker and once from its scheduler)")
-    max_connecting_clients: int = option(128, "client connections that have not sent their Hello yet, at most; one "
-                                         "past it is answered with an error and closed at once, unread. Each holds "
-                                         "a file descriptor and up to 4 KiB for up to 10 s (a client sends its Hello "
-                                         "as it connects: as many as the listen backlog, 128, leaves room for a "
-                                         "whole fleet reconnecting at once)")
+    max_connecting_clients: int = option(128, "client connections that have not sent their Hello yet, at most; when "
+                                         "one more comes, the one that has waited longest is answered with an "
+                                         "error and closed, and the new one accepted (connections that never send "
+                                         "a Hello cannot keep new clients out). Each holds a file descriptor and "
+                                         "up to 4 KiB for up to 10 s (a client sends its Hello as it connects: as "
+                                         "many as the listen backlog, 128, leaves room for a whole fleet "
+                                         "reconnecting at once)")
     events_endpoint: str = option("", "ZMQ PUB endpoint for KV events, e.g. tcp://*:5560 (empty = no events)")
     replay_endpoint: str = option("", "ZMQ ROUTER endpoint answering event replay requests (empty = none)")
     events_topic: str = option("kv-events", "topic frame of published KV events")

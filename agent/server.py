@@ -360,10 +360,10 @@ class TierAgent:
         # frame_budget does not count
         self._served = 0
         self._over_clients = LogThrottle()  # clients refused for it
-        # connections accepted whose Hello is not read yet: at most config.max_connecting_clients (each holds a file
-        # descriptor, and what it sent of its Hello, for up to FIRST_FRAME_TIMEOUT_S)
-        self._connecting = 0
-        self._over_connecting = LogThrottle()  # connections refused for it
+        # connections accepted whose Hello is not read yet, oldest first: at most config.max_connecting_clients (each
+        # holds a file descriptor, and what it sent of its Hello, for up to FIRST_FRAME_TIMEOUT_S)
+        self._connecting: dict[asyncio.Task[None], socket.socket] = {}
+        self._over_connecting = LogThrottle()  # connections dropped for it
         self._presence: PresenceMap | None = None
         # the DRAM tier's pre-faulting (config.dram_prefault), started by the first Hello that declares a block size
         self._prefault = started_executor(1, "kvgate-agent-prefault") if self._prefaultable() else None
@@ -546,11 +546,10 @@ class TierAgent:
                                 "one): %s%s", exc, held_back_note(held_back))
                 await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
-            if self._connecting >= self.config.max_connecting_clients:
-                self._refuse_connecting(sock)
-                continue
-            self._connecting += 1  # (counted at once: the accepts waiting are taken before any Hello is read)
+            if len(self._connecting) >= self.config.max_connecting_clients:
+                await self._drop_oldest_connecting()
             task = loop.create_task(self._serve_client(sock))
+            self._connecting[task] = sock  # (counted at once: the accepts waiting are taken before any Hello is read)
             self._clients.add(task)  # a strong reference while it runs
             task.add_done_callback(self._clients.discard)
 
@@ -577,7 +576,7 @@ class TierAgent:
                 raise
             return
         finally:
-            self._connecting -= 1
+            self._connecting.pop(cast(asyncio.Task[None], asyncio.current_task()), None)
         if self._served >= self.config.max_clients:
             self._refuse_client(sock, fds)
             return
@@ -676,19 +675,32 @@ class TierAgent:
             os.close(fd)
         sock.close()
 
-    def _refuse_connecting(self, sock: socket.socket) -> None:
-        """A connection past `max_connecting_clients`: answered with an error and closed at once, nothing read (a
-        client that had sent its Hello reads the answer before the end all the same: a Unix socket's peer gets
-        what was sent before the error of the unread data)."""
+    async def _drop_oldest_connecting(self) -> None:
+        """At `max_connecting_clients`, the connection that has waited longest for its Hello is answered with an
+        error and closed, so the new one can be accepted: refusing the newest instead let connections that never
+        send a Hello (each reconnecting when FIRST_FRAME_TIMEOUT_S drops it) keep every new client out. Its
+        socket and descriptors are closed before this returns: no more than the cap wait at once. First the
+        connections just accepted read their Hello if it is there (one turn of the loop): asyncio's own loop takes
+        the accepts waiting in one go, before any of them is read (uvloop lets them read in between), and a fleet
+        that reconnects at once has sent its Hellos by then."""
+        await asyncio.sleep(0)
+        if len(self._connecting) < self.config.max_connecting_clients:
+            return
+        task, sock = next(iter(self._connecting.items()))
+        del self._connecting[task]
         self.metrics.request_errors.labels("max_connecting_clients").inc()
         if (held_back := self._over_connecting.due()) is not None:
-            log.warning("client refused: %d connections are waiting for their Hello, --max-connecting-clients "
-                        "(kvgate_agent_request_errors_total{op=max_connecting_clients} counts every one)%s",
-                        self._connecting, held_back_note(held_back))
+            log.warning("client dropped: it sent no Hello while %d connections were waiting for theirs and another "
+                        "came, --max-connecting-clients (kvgate_agent_request_errors_total{op=max_connecting_"
+                        "clients} counts every one)%s", self.config.max_connecting_clients,
+                        held_back_note(held_back))
         with contextlib.suppress(OSError):  # (a small frame into an empty socket buffer: it fits)
-            sock.send(frame(ErrorReply(message=f"busy: {self.config.max_connecting_clients} connections are "
-                                               f"waiting for their Hello (--max-connecting-clients); retry later")))
-        sock.close()
+            sock.send(frame(ErrorReply(message=f"dropped: no Hello from this connection while "
+                                               f"{self.config.max_connecting_clients} were waiting for theirs and "
+                                               f"another came (--max-connecting-clients); reconnect")))
+        task.cancel()
+        await asyncio.wait([task])
+        sock.close()  # (a task cancelled before it ran never got to close it)
 
     async def _send(self, writer: asyncio.StreamWriter, reply: Reply) -> None:
         """Write an answer and wait until the client has taken all but the transport's high-water mark of it;

@@ -272,21 +272,6 @@ def connect(path: str) -> socket.socket:
     return sock
 
 
-def connect_queued(path: str) -> socket.socket:
-    """`connect`, again while the agent's listen backlog is full (a Unix socket refuses at once: EAGAIN)."""
-    deadline = time.monotonic() + 60
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(5)
-        try:
-            sock.connect(path)
-            return sock
-        except BlockingIOError:
-            sock.close()
-            assert time.monotonic() < deadline, "the agent accepted nothing for 60 s"
-            time.sleep(0.01)
-
-
 def test_the_agent_maps_only_sealed_client_memory(tmp_path: Path, agents: list[AgentProcess],
                                                   subprocess_env: dict[str, str]) -> None:
     """A client cannot make the agent map (and write into) an arbitrary file, nor memory it could shrink."""
@@ -1184,40 +1169,46 @@ def test_clients_past_max_clients_are_refused_at_their_hello(tmp_path: Path, age
             sock.close()
 
 
-def test_connections_past_max_connecting_clients_are_refused_before_their_hello(
+def _dropped_with_error(sock: socket.socket, option: str) -> None:
+    """`sock` is answered with an error naming `option`, then closed."""
+    sock.settimeout(FIRST_FRAME_TIMEOUT_S * 3)
+    head = sock.recv(FRAME.size, socket.MSG_WAITALL)  # b"" if dropped at the timeout instead
+    assert len(head) == FRAME.size, head
+    reply = msgspec.msgpack.decode(sock.recv(FRAME.unpack(head)[0], socket.MSG_WAITALL))
+    assert reply["op"] == "error" and option in reply["message"], reply
+    with contextlib.suppress(ConnectionResetError):
+        assert sock.recv(1) == b""  # closed
+
+
+def test_past_max_connecting_clients_the_oldest_connection_without_a_hello_is_dropped(
         tmp_path: Path, agents: list[AgentProcess], subprocess_env: dict[str, str]) -> None:
-    """Connections that had not sent their Hello were bounded only by the open-file limit, each holding a descriptor
-    and up to 4 KiB for FIRST_FRAME_TIMEOUT_S (--max-clients counts from the Hello on): at main, 128 silent
-    connections and 4 more, all 4 were kept until that timeout and dropped without a word. Past
-    --max-connecting-clients (128) a connection is answered with an error and closed at once, unread, one that sent
-    its Hello too; a client served already goes on being served, and once the silent ones go a new one is served."""
-    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB")
+    """Connections that have not sent their Hello are bounded by --max-connecting-clients (each holds a descriptor
+    and up to 4 KiB for FIRST_FRAME_TIMEOUT_S). Past it the newest was refused: silent connections, each
+    reconnecting when the timeout drops it, kept every new client out (at main, with 4 silent ones at a cap of 4, a
+    client's Hello was answered "busy: 4 connections are waiting for their Hello"). Now the one that has waited
+    longest is answered with an error and closed, the new one is served, the others are kept, and a client served
+    already goes on being served."""
+    cap = 4
+    agent = AgentProcess(tmp_path, subprocess_env, "--dram-capacity", "1MiB", "--max-connecting-clients", str(cap))
     agents.append(agent)
-    cap = AgentConfig().max_connecting_clients
     with connect(agent.socket) as client:
         assert raw_call(client, {"op": "hello"})["op"] == "hello"
-        silent = [connect_queued(agent.socket) for _ in range(cap)]
+        silent = [connect(agent.socket) for _ in range(cap)]
         try:
-            excess = [connect_queued(agent.socket) for _ in range(4)]
-            hello = msgspec.msgpack.encode({"op": "hello"})
-            excess[-1].sendall(FRAME.pack(len(hello)) + hello)
-            for sock in excess:
-                with sock:
-                    sock.settimeout(FIRST_FRAME_TIMEOUT_S * 3)
-                    head = sock.recv(FRAME.size, socket.MSG_WAITALL)  # b"" if dropped at the timeout instead
-                    assert len(head) == FRAME.size, head
-                    reply = msgspec.msgpack.decode(sock.recv(FRAME.unpack(head)[0], socket.MSG_WAITALL))
-                    assert reply["op"] == "error" and "--max-connecting-clients" in reply["message"], reply
-                    with contextlib.suppress(ConnectionResetError):  # (the one that sent its Hello: reset)
-                        assert sock.recv(1) == b""  # closed
-            assert agent.metric("kvgate_agent_request_errors_total", op="max_connecting_clients") == 4
-            assert raw_call(client, {"op": "store", "layout": LAYOUT, "hashes": [1], "data": [content(1)]})[
-                "stored"] == 1
-            assert raw_call(silent[0], {"op": "hello"})["op"] == "hello"  # those within the cap were kept
+            with connect(agent.socket) as newcomer:  # accepted after them all: a listen queue is first in, first out
+                assert raw_call(newcomer, {"op": "hello"})["op"] == "hello"
+                assert raw_call(newcomer, {"op": "store", "layout": LAYOUT, "hashes": [1], "data": [content(1)]})[
+                    "stored"] == 1
+            _dropped_with_error(silent[0], "--max-connecting-clients")
+            assert agent.metric("kvgate_agent_request_errors_total", op="max_connecting_clients") == 1
+            assert "client dropped: it sent no Hello" in agent.log_path.read_text(errors="replace")
+            for sock in silent[1:]:  # the others were kept
+                assert raw_call(sock, {"op": "hello"})["op"] == "hello"
+            assert raw_call(client, {"op": "lookup", "layout": LAYOUT, "hashes": [1]})["count"] == 1
         finally:
             for sock in silent:
                 sock.close()
-        _served_again(agent)  # (the agent sees the closes when its loop gets to them)
+        _served_again(agent)
         with pytest.raises(KeyError):  # none was dropped for sending no Hello in time: that op never counted
             agent.metric("kvgate_agent_request_errors_total", op="hello")
 
