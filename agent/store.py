@@ -46,6 +46,9 @@ Descent = dict[TierName, list[tuple[BlockKey, HeldBlock]]]
 # blocks the DRAM tier refused, with their use counts, on their way to the tiers below it
 Refused = list[tuple[StoreItem, int]]
 
+# demotions and evictions one upkeep run makes a tier past its high watermark go through at most (TierStore._make_room)
+EVICTION_ROUNDS = 3
+
 
 def _lower_tier_counts() -> dict[TierName, int]:
     return {TierName.NVME: 0, TierName.SHARED: 0}
@@ -446,18 +449,36 @@ class TierStore:
             if self._maintenance_runs % 10 == 0:
                 tier.upkeep()
             if tier.above_high_watermark():
-                self._demote_before_eviction(tier)
-                tier.evict_to_low_watermark()
+                self._make_room(tier)
 
-    def _demote_before_eviction(self, tier: Tier, group_bytes: int = 8 * 2**20) -> None:
+    def _make_room(self, tier: Tier) -> None:
+        """Bring `tier` down to its low watermark, what it offers demoted first (lazy). The eviction drops only
+        blocks offered, so a store or a hit during the demotion can leave it short: what is then over the low
+        watermark is offered and evicted in turn, EVICTION_ROUNDS at most (stores that keep landing leave the rest
+        for the next time the tier is past its high watermark; the store-time bounds are the hard limit)."""
+        offered = self._demote_before_eviction(tier)
+        tier.evict_to_low_watermark(offered)
+        for _round in range(1, EVICTION_ROUNDS):
+            if offered is None:
+                return
+            offered = self._demote_before_eviction(tier)
+            if not offered:
+                return
+            tier.evict_to_low_watermark(offered)
+
+    def _demote_before_eviction(self, tier: Tier, group_bytes: int = 8 * 2**20) -> set[BlockKey] | None:
         """Lazy: copy what `tier` is about to evict to the first lower tier that admits it, where the eviction
         itself cannot hand the bytes over (they are on a medium, not in memory): read in runs (one preadv per
-        run of a segment) and written in groups (one pipeline / one append per group of up to `group_bytes`)."""
+        run of a segment) and written in groups (one pipeline / one append per group of up to `group_bytes`).
+        The keys offered, the only ones the eviction may drop then: stores and hits meanwhile change what it would
+        drop, and it dropped blocks never offered, lost from every tier though a lower one had room. None where
+        nothing is demoted (eager, or no tier below): any block may go."""
         below = [t.name for t in self._below(tier)]
         if self.policy.eager or not below:
-            return
+            return None
         groups: dict[TierName, list[tuple[BlockKey, int]]] = {}
-        for key, size in tier.demotion_candidates():
+        candidates = tier.demotion_candidates()
+        for key, size in candidates:
             target = self.policy.demote_to(below, self.uses.get(key))
             if target is not None and not self._tier(target).contains(key):
                 groups.setdefault(target, []).append((key, size))
@@ -477,6 +498,7 @@ class TierStore:
                 if items:
                     stored = self._store_in(self._tier(target), items)
                     self.flow.add("demotions", target, sum(item.key in stored for item in items))
+        return {key for key, _size in candidates}
 
     def sweep_shared(self) -> None:
         if self.shared is not None:

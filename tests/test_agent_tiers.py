@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -240,6 +240,56 @@ def test_nvme_tiers_hold_a_block_per_entry_floor_of_capacity_at_most(tmp_path: P
     again = tier(32 * 1024)
     assert 0 < again.usage().blocks <= most // 2
     assert layout == "files" or again.contains(key(999))  # (files: their mtimes, the order on restart, may tie)
+
+
+class _SharedTierAStoreLandsIn(FsSharedTier):
+    """The shared tier on a directory, where `land` runs as the first write comes in: a client's store landing on
+    the NVMe tier while the upkeep demotes to this one, between the NVMe tier's demotion_candidates and its
+    eviction (the window of the race, here at a set point of it)."""
+
+    def __init__(self, directory: Path, land: Callable[[], object] | None = None) -> None:
+        super().__init__(directory)
+        self.land = land
+
+    def store_many(self, items: Sequence[StoreItem]) -> int:
+        land, self.land = self.land, None
+        if land is not None:
+            land()
+        return super().store_many(items)
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+def test_a_store_during_demotion_leaves_the_nvme_eviction_to_the_blocks_offered(tmp_path: Path, layout: str) -> None:
+    """The upkeep demotes what the NVMe tier offers (demotion_candidates), then evicts down to the low watermark.
+    A store that landed in between raised the usage, and the eviction dropped blocks past those offered, never
+    copied down: lazy, they were lost from every tier though the shared tier had room (at main: files, the 4 least
+    recently used blocks after the 17 offered; segments, the oldest segment after the 5 offered, its 4 blocks).
+    Now the eviction drops only blocks offered, and what is then over the low watermark is offered in turn."""
+    record = HEADER_SIZE + 1000 + (16 if layout == "segments" else 0)  # (a segment's record adds key and digest)
+    directory = tmp_path / "nvme"
+    nvme: NvmeTier | SegmentNvmeTier = (
+        SegmentNvmeTier(directory, capacity=40 * record, high_watermark=0.8, low_watermark=0.4, fsync=False,
+                        segment_bytes=4 * record, entry_floor=0) if layout == "segments" else
+        NvmeTier(directory, capacity=40 * record, high_watermark=0.8, low_watermark=0.4, fsync=False, entry_floor=0))
+    shared = _SharedTierAStoreLandsIn(tmp_path / "shared")
+    store = TierStore(AgentConfig(write_policy="lazy"), nvme=nvme, shared=shared)
+    try:
+        assert store.store_chain(LAYOUT, list(range(33)), [payload(i) for i in range(33)]) == 33
+        assert nvme.usage().blocks == 33 and nvme.above_high_watermark()
+        offered = {k for k, _size in nvme.demotion_candidates()}
+        shared.land = lambda: store.store_chain(LAYOUT, list(range(33, 37)), [payload(i) for i in range(33, 37)])
+        store.maintain()
+        assert shared.land is None  # (it landed)
+        lost = [i for i in range(37) if not nvme.contains(key(i)) and not shared.contains(key(i))]
+        assert lost == [], f"lost from every tier: {lost} ({len(offered)} offered)"
+        assert not any(nvme.contains(k) for k in offered)  # what was offered went
+        assert nvme.usage().used_bytes <= nvme.low_bytes  # and what was over the low watermark after it, offered
+        for i in range(37):
+            assert read(nvme, key(i)) == payload(i) or read(shared, key(i)) == payload(i)
+    finally:
+        store.close()
+        nvme.close()
+        shared.close()
 
 
 def test_nvme_external_deletion_and_corruption_are_misses(tmp_path: Path) -> None:

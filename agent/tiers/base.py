@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, Protocol
@@ -160,13 +160,17 @@ class Tier(Protocol):
 
     def above_high_watermark(self) -> bool: ...
 
-    def evict_to_low_watermark(self) -> None:
-        """Make room down to the low watermark; what goes is reported to `on_removed`."""
+    def evict_to_low_watermark(self, offered: Collection[BlockKey] | None = None) -> None:
+        """Make room down to the low watermark; what goes is reported to `on_removed`. `offered`: the keys
+        `demotion_candidates` gave (copied down since): only those may go, the eviction stops short of the
+        watermark rather than drop another (a store or a hit since can change what it would drop; the next round
+        offers the rest); None: any block. A memory tier's eviction hands the bytes over: it ignores `offered`."""
         ...
 
     def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
         """(key, payload bytes) of the blocks `evict_to_low_watermark` would drop now whose bytes the eviction
-        cannot hand over (they are on a medium): a lazy store copies them down first. None for a memory tier."""
+        cannot hand over (they are on a medium): a lazy store copies them down first, then passes their keys to
+        the eviction. None for a memory tier."""
         ...
 
     def upkeep(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from agent.block import BlockKey
@@ -321,7 +321,8 @@ class DramTier:
     def above_high_watermark(self) -> bool:
         return self._used > self.high_bytes
 
-    def evict_to_low_watermark(self) -> None:
+    def evict_to_low_watermark(self, offered: Collection[BlockKey] | None = None) -> None:
+        """(`offered` is ignored: what goes is reported with its bytes, to move down.)"""
         with self._lock:
             evicted = self._evict_locked(self.low_bytes)
         self._report(evicted)

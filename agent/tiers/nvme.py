@@ -17,7 +17,7 @@ import stat
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 
 from agent.block import (
@@ -329,9 +329,11 @@ class NvmeTier:
     def above_high_watermark(self) -> bool:
         return self._used > self.high_bytes or len(self._index) > self.high_blocks
 
-    def evict_to_low_watermark(self) -> None:
+    def evict_to_low_watermark(self, offered: Collection[BlockKey] | None = None) -> None:
+        """The least recently used blocks, down to the low watermarks; given `offered`, only while the least
+        recently used is one of them (one stored or read since is not)."""
         with self._lock:
-            evicted = self._evict_locked(self.low_bytes, self.low_blocks)
+            evicted = self._evict_locked(self.low_bytes, self.low_blocks, offered)
         self._report(evicted)
 
     def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
@@ -348,13 +350,18 @@ class NvmeTier:
                 total += size
             return out
 
-    def _evict_locked(self, target: int, blocks: int | None = None) -> list[Removed]:
+    def _evict_locked(self, target: int, blocks: int | None = None,
+                      offered: Collection[BlockKey] | None = None) -> list[Removed]:
         """Drop least recently used blocks until usage <= target (and the blocks held and being written number
-        `blocks` at most); the caller reports them (outside the lock)."""
+        `blocks` at most), stopping at the first not `offered` if given; the caller reports them (outside the
+        lock)."""
         evicted: list[Removed] = []
         most = len(self._index) + len(self._pending) if blocks is None else blocks
         while (self._used > target or len(self._index) + len(self._pending) > most) and self._index:
-            key, size = self._index.popitem(last=False)
+            key = next(iter(self._index))
+            if offered is not None and key not in offered:
+                break
+            size = self._index.pop(key)
             self._used -= size
             try:
                 self._path(key).unlink()

@@ -26,7 +26,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -555,12 +555,14 @@ class SegmentNvmeTier:
     def above_high_watermark(self) -> bool:
         return self._used > self.high_bytes or len(self._index) > self.high_blocks
 
-    def evict_to_low_watermark(self) -> None:
+    def evict_to_low_watermark(self, offered: Collection[BlockKey] | None = None) -> None:
         """Drop the oldest segments down to the low watermarks, of bytes and of blocks; blocks read since they were
         written there are appended again first (once: they must be read again to survive the next time), up to
         half the bytes freed, so a hot block does not go with its old segment. Only segments older than the one
-        being appended to when it starts go (what `demotion_candidates` offers), never that one, nor one opened
-        since (the hot blocks' new home): the watermarks are a target, the store-time bounds the hard limit."""
+        being appended to when it starts go, never that one, nor one opened since (the hot blocks' new home);
+        given `offered`, only while the oldest holds none but offered blocks (the one being appended to when
+        `demotion_candidates` ran, sealed by a store since, is not offered): the watermarks are a target, the
+        store-time bounds the hard limit."""
         with self._lock:
             before = self._active.seg_id if self._active is not None else self._next_id
             freed = freed_blocks = 0
@@ -568,7 +570,8 @@ class SegmentNvmeTier:
             excess_blocks = len(self._index) - self.low_blocks
             hot: list[tuple[BlockKey, int]] = []
             for segment in self._segments.values():
-                if (freed >= excess and freed_blocks >= excess_blocks) or segment is self._active or segment.inflight:
+                if ((freed >= excess and freed_blocks >= excess_blocks) or segment is self._active or segment.inflight
+                        or not self._offered_locked(segment, offered)):
                     break
                 freed += segment.size
                 freed_blocks += len(segment.keys)
@@ -589,8 +592,8 @@ class SegmentNvmeTier:
             for start in range(0, len(records), _MAX_GROUP):
                 self._append(records[start: start + _MAX_GROUP], again=True)
         with self._lock:
-            self._evict_locked(self.low_bytes, before)
-            self._evict_blocks_locked(self.low_blocks, before)
+            self._evict_locked(self.low_bytes, before, offered)
+            self._evict_blocks_locked(self.low_blocks, before, offered)
 
     def demotion_candidates(self) -> list[tuple[BlockKey, int]]:
         """The blocks of the oldest segments, which go first, down to the low watermarks."""
@@ -682,19 +685,21 @@ class SegmentNvmeTier:
             os.close(segment.read_fd)
             segment.read_fd = None
 
-    def _evict_locked(self, target: int, before: int | None = None) -> None:
-        while self._used > target and self._evict_oldest_locked(before):
+    def _evict_locked(self, target: int, before: int | None = None,
+                      offered: Collection[BlockKey] | None = None) -> None:
+        while self._used > target and self._evict_oldest_locked(before, offered):
             pass
 
-    def _evict_blocks_locked(self, most: int, before: int | None = None) -> None:
+    def _evict_blocks_locked(self, most: int, before: int | None = None,
+                             offered: Collection[BlockKey] | None = None) -> None:
         """Drop the oldest segments until the blocks held and being written number `most` at most."""
-        while len(self._index) + len(self._pending) > most and self._evict_oldest_locked(before):
+        while len(self._index) + len(self._pending) > most and self._evict_oldest_locked(before, offered):
             pass
 
-    def _evict_oldest_locked(self, before: int | None = None) -> bool:
+    def _evict_oldest_locked(self, before: int | None = None, offered: Collection[BlockKey] | None = None) -> bool:
         """Drop the oldest segment no write is in flight to, the one being appended to last (only to make room for
         a store: it is sealed first, the next append opens a fresh segment); given `before`, only one with a lower
-        id. Whether there was one."""
+        id; given `offered`, only one that holds none but those. Whether there was one."""
         chosen: _Segment | None = None
         for segment in self._segments.values():  # oldest first
             if before is not None and segment.seg_id >= before:
@@ -704,10 +709,19 @@ class SegmentNvmeTier:
             chosen = segment
             if segment is not self._active:
                 break
-        if chosen is None:
+        if chosen is None or not self._offered_locked(chosen, offered):
             return False
         self.stats.add("evictions", self._drop_segment_locked(chosen, unlink=True))
         return True
+
+    def _offered_locked(self, segment: _Segment, offered: Collection[BlockKey] | None) -> bool:
+        """Whether every block the segment holds (not one appended again elsewhere since) is `offered` (None: any
+        is)."""
+        if offered is None:
+            return True
+        index = self._index
+        return all(key in offered for key in segment.keys
+                   if (loc := index.get(key)) is not None and loc.seg_id == segment.seg_id)
 
     def _drop_segment_locked(self, segment: _Segment, unlink: bool) -> int:
         """Forget a segment and its blocks (reported to `on_removed`); how many blocks went with it."""

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -231,7 +231,7 @@ class SharedTier:
     def above_high_watermark(self) -> bool:
         return False  # the backend's own bound (maxmemory, quota) governs
 
-    def evict_to_low_watermark(self) -> None:
+    def evict_to_low_watermark(self, offered: Collection[BlockKey] | None = None) -> None:
         pass
 
     def demotion_candidates(self) -> list[tuple[BlockKey, int]]:

@@ -18,7 +18,7 @@ import heapq
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, KeysView, Sequence
 from concurrent.futures import Executor, Future
 from functools import partial
 from typing import Any, ParamSpec, TypeVar, cast
@@ -231,8 +231,8 @@ class DramModel(_ModelTier):
     def above_high_watermark(self) -> bool:
         return len(self._blocks) > self.high_bytes
 
-    def evict_to_low_watermark(self) -> None:
-        self._push_out(self._evict(self.low_bytes))
+    def evict_to_low_watermark(self, offered: Collection[BlockKey] | None = None) -> None:
+        self._push_out(self._evict(self.low_bytes))  # (with the stand-in bytes in hand: `offered` is no matter)
 
     def _use(self, h: Hash, block: list[Any]) -> None:
         block[_USED] = used = next(self._ticks)
@@ -373,8 +373,8 @@ class NvmeModel(_ModelTier):
     def above_high_watermark(self) -> bool:
         return len(self._lru) > self.high_bytes
 
-    def evict_to_low_watermark(self) -> None:
-        lru = self._lru
+    def evict_to_low_watermark(self, offered: Collection[BlockKey] | None = None) -> None:
+        lru = self._lru  # (what goes is pushed out with its stand-in bytes in hand: `offered` is no matter)
         victims = [lru.pop_oldest() for _ in range(max(0, len(lru) - self.low_bytes))]
         self.stats.evictions += len(victims)
         self._push_out(victims)
