@@ -38,6 +38,8 @@ class StandinStats:
     requests: int = 0
     completed: int = 0
     cancelled: int = 0
+    prefilling: int = 0  # generation requests arrived and not yet at their first token (first_token_delay_s)
+    prefill_overlaps: int = 0  # generation requests that arrived while another was before its first token
     paths: dict[str, int] = field(default_factory=dict)
     last_body: dict[str, Any] = field(default_factory=dict)
     last_headers: dict[str, str] = field(default_factory=dict)
@@ -75,9 +77,14 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     chat = request.path.endswith("/chat/completions")
     n = _tokens(payload, behaviour)
     rid = f"cmpl-{xxhash.xxh64_hexdigest(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS))}"
+    stats.prefill_overlaps += stats.prefilling > 0
+    stats.prefilling += 1
     try:
-        if behaviour.first_token_delay_s:
-            await asyncio.sleep(behaviour.first_token_delay_s)
+        try:
+            if behaviour.first_token_delay_s:
+                await asyncio.sleep(behaviour.first_token_delay_s)
+        finally:
+            stats.prefilling -= 1
         if payload.get("stream"):
             response = await _stream(request, payload, chat, n, rid, behaviour)
         else:

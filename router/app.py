@@ -45,6 +45,7 @@ from router.requests import (
 )
 from router.routing import RouteRequest, Strategy
 from router.trace_recorder import TraceEntry, TraceRecorder
+from router.turn_broker import SharedPrefillTurns, TurnBroker
 from router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class Gateway:
         self._proxy: Proxy | None = None
         self._discovery: WorkerDiscovery | None = None
         self.kv_events: KvEventHub | None = None
+        self._turn_broker: TurnBroker | None = None  # process 0 of several: the gateway's prefill turns, for all
+        self.prefill_turns: SharedPrefillTurns | None = None  # several processes: this one's turns at the broker
 
     @property
     def pool(self) -> WorkerPool:
@@ -110,8 +113,15 @@ class Gateway:
                                 on_removed=self._worker_removed, hop=self.hop)
         for spec in cfg.worker:
             self._pool.add(spec, configured=True)
+        if self.process is not None:
+            if self.process.index == 0:
+                self._turn_broker = TurnBroker(self.process.turns_socket)
+                await self._turn_broker.start()
+            self.prefill_turns = SharedPrefillTurns(self.process.turns_socket, self.metrics)
+            self.prefill_turns.start()
         self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream,
-                            self.kv_events.learn if self.kv_events is not None else None, hop=self.hop)
+                            self.kv_events.learn if self.kv_events is not None else None, hop=self.hop,
+                            turns=self.prefill_turns)
         if self.prompts is not None:
             await self.prompts.start()
         await self._pool.start()
@@ -207,6 +217,10 @@ class Gateway:
             await self._pool.stop()
         if self._proxy is not None:
             self._proxy.close()
+        if self.prefill_turns is not None:
+            await self.prefill_turns.close()
+        if self._turn_broker is not None:
+            await self._turn_broker.close()
         if self.kv_events is not None:
             await self.kv_events.close()
         if self._upstream is not None:

@@ -135,6 +135,16 @@ class GatewayMetrics:
             "prefill before it to have its first token (strategies that ask: `ttft`)", buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # router/turn_broker.py (`--processes N`): the gateway's turns, kept by process 0 for all
+        self.prefill_turns_shared = Gauge(
+            "kvgate_prefill_turns_shared", "1 while this process takes its long prefills' turns from the gateway's "
+            "turn broker (--processes above 1), else 0", registry=r,
+        )
+        self.prefill_turns_local = Counter(
+            "kvgate_prefill_turns_local", "Long prefills sent in a turn of this process's own because the gateway's "
+            "turn broker could not give one, by reason (unreachable: no connection to it; timeout: no answer in "
+            "time; lost: the connection closed while the request waited)", ["reason"], registry=r,
+        )
         self.retries = Counter(
             "kvgate_retries", "Requests re-sent to another worker before any byte reached the client, by reason",
             ["reason"], registry=r,

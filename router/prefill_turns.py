@@ -11,12 +11,16 @@ answer), it failed, its client left, or it has had its hold (`hold_seconds`, fro
 engine is slow to start holds the next no longer than that. Requests that ask for no turn (a short prefill, a hit:
 one step takes them beside a long one for little) are sent at once.
 
-Per gateway process: with `--processes N`, up to N such prefills can reach a worker together."""
+With `--processes N` the turns are the whole gateway's: process 0 keeps them for all (router/turn_broker.py) and
+every process takes and releases them there over a Unix socket, through `SharedPrefillTurns`, which has the same
+interface as `PrefillTurns` here (`TurnKeeper`). A process that cannot reach that broker, or gets no answer in time,
+takes its own turns from a `PrefillTurns` as one process does, until it can again."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Protocol
 
 HOLD_MAX_S = 10.0  # the most a turn holds the next, whatever its request's prediction
 
@@ -33,13 +37,25 @@ def hold_seconds(predicted_ttft_s: float | None, stream: bool) -> float:
 class Turn:
     """One request's turn on an engine: `started` when it was sent, `released` when the next may go."""
 
-    __slots__ = ("released", "started", "until", "worker")
+    __slots__ = ("released", "started", "ticket", "until", "worker")
 
-    def __init__(self, worker: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, worker: str, loop: asyncio.AbstractEventLoop, ticket: int | None = None) -> None:
         self.worker = worker
         self.started: asyncio.Future[None] = loop.create_future()
         self.released: asyncio.Future[None] = loop.create_future()
         self.until = 0.0  # loop time after which the next may go whether or not this one is released
+        self.ticket = ticket  # a turn the gateway's turn broker gave (router/turn_broker.py): its number there
+
+
+class TurnKeeper(Protocol):
+    """Whoever keeps the turns a proxy takes: this process's `PrefillTurns`, or the whole gateway's
+    (router/turn_broker.py `SharedPrefillTurns`)."""
+
+    async def take(self, worker: str, hold_s: float) -> Turn: ...
+
+    def release(self, turn: Turn) -> None: ...
+
+    def waiting(self) -> int: ...
 
 
 class PrefillTurns:

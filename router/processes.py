@@ -2,12 +2,15 @@
 
 Each process is a whole gateway — its own pool, health probes, KV-event subscriptions, block index, prefix trie and
 token cache — listening on the same address with SO_REUSEPORT: the kernel spreads new connections over them (a
-keep-alive connection stays with the process that accepted it). They share nothing, so:
+keep-alive connection stays with the process that accepted it). They share nothing but the prefill turns:
 
 - routing memory is per process: every process sees every KV event (the `kv` index is the same everywhere), but
   the prefix trie and the in-flight view of each are only its own traffic's;
 - `/metrics` on the shared port answers for all of them: the process that takes the scrape asks its siblings for
   theirs over Unix sockets and every sample carries a `process` label;
+- long prefills take their turns (router/prefill_turns.py) at process 0, which keeps them for all over a Unix socket
+  (router/turn_broker.py), so the processes together send an engine one at a time as one process would; a process
+  that cannot reach it takes turns of its own meanwhile;
 - the pool is fixed: adding or removing workers at run time (`/admin/workers`) answers 409, as each process would
   otherwise have its own list; workers come from `--worker` or discovery, which every process follows.
 
@@ -47,10 +50,15 @@ class GatewayProcess:
 
     index: int
     count: int
-    sockets: str  # a directory holding metrics-<index>.sock per process
+    sockets: str  # a directory holding metrics-<index>.sock per process, and process 0's turns.sock
 
     def metrics_socket(self, index: int) -> str:
         return os.path.join(self.sockets, f"metrics-{index}.sock")
+
+    @property
+    def turns_socket(self) -> str:
+        """Where process 0 keeps the gateway's prefill turns for all (router/turn_broker.py)."""
+        return os.path.join(self.sockets, "turns.sock")
 
     async def sibling_metrics(self, own: bytes, timeout: float = 2.0) -> bytes:
         """Every process's metrics as one exposition: `own` and the siblings', each sample labelled with its

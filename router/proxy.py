@@ -24,7 +24,7 @@ from router.errors import GatewayError
 from router.kv_transport import cache_name
 from router.metrics import GatewayMetrics
 from router.pool import Worker, WorkerPool, describe_error
-from router.prefill_turns import PrefillTurns, Turn, hold_seconds
+from router.prefill_turns import PrefillTurns, Turn, TurnKeeper, hold_seconds
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS
 from router.routing import Decision, RouteRequest, Strategy
 from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
@@ -102,6 +102,7 @@ class Proxy:
         learn: Learn | None = None,
         *,
         hop: str = "kvgate",
+        turns: TurnKeeper | None = None,
     ) -> None:
         self._config = config
         self._hop = f"1.1 {hop}"  # this gateway's entry in the `Via` of what it sends (RFC 9110 7.6.3)
@@ -111,7 +112,9 @@ class Proxy:
         self._upstream = upstream
         self._learn = learn
         self.deadlines = Deadlines()  # the requests' timeouts, without an event-loop timer each
-        self.prefill_turns = PrefillTurns()  # long prefills a worker is sent one at a time (Decision.serialize_prefill)
+        # long prefills a worker is sent one at a time (Decision.serialize_prefill): this process's turns, or, with
+        # several processes, the whole gateway's (router/turn_broker.py)
+        self.prefill_turns: TurnKeeper = turns if turns is not None else PrefillTurns()
 
     def close(self) -> None:
         self.deadlines.close()
