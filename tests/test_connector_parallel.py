@@ -101,9 +101,10 @@ class Stalls:
     This VM now and then stops one of its two CPUs for 30-107 s (the kernel's "workqueue lockup ... stuck for Ns";
     docs/agent.md), with whatever process runs there, and for longer than that the agent answered no call of the
     replica's workers (both time out together; the circuit's probe is answered a second later). Which bytes go where
-    is what this test checks, not how fast: a step during which a worker's circuit opened is done again, at most
-    `attempts` times; a wrong byte, a miss where a hit belongs or a hit where a miss belongs still fails it, and so
-    does a load that failed `agent_unavailable` outside such a step."""
+    is what this test checks, not how fast: a step starts once every circuit that opened has closed again (one can
+    open between steps, on a save after the last one), and a step during which a worker's circuit opened, or a load
+    went unanswered, is done again, at most `attempts` times; a wrong byte, a miss where a hit belongs or a hit
+    where a miss belongs still fails it, and so does a load that failed `agent_unavailable` outside such a step."""
 
     def __init__(self, server: EngineServer, attempts: int = 3) -> None:
         self.server = server
@@ -113,17 +114,25 @@ class Stalls:
     def count(self, marker: str) -> int:
         return sum(marker in line for line in connector_warnings(self.server))
 
+    def closed(self) -> None:
+        """Wait until every worker's circuit that opened has closed again."""
+        deadline = time.monotonic() + 2 * CALL_BOUND_S
+        while self.count(CLOSED) < self.count(TRIPPED):
+            assert time.monotonic() < deadline, why(self.server)
+            time.sleep(1)
+
     def step(self, what: str, run: Callable[[], T]) -> T:
         for attempt in range(1, self.attempts + 1):
+            # a circuit can open between steps (a save after the last one went unanswered): the step starts once it
+            # has closed, and a load it fails for want of an answer all the same makes the step one to do again
+            self.closed()
             tripped, unanswered_loads = self.count(TRIPPED), self.count(UNANSWERED_LOAD)
             result = run()
-            if self.count(TRIPPED) == tripped:
+            unanswered = self.count(UNANSWERED_LOAD) - unanswered_loads
+            if self.count(TRIPPED) == tripped and not unanswered:
                 return result
-            self.excused += self.count(UNANSWERED_LOAD) - unanswered_loads
-            deadline = time.monotonic() + 2 * CALL_BOUND_S  # every circuit closed again before the next attempt
-            while self.count(CLOSED) < self.count(TRIPPED):
-                assert time.monotonic() < deadline, why(self.server)
-                time.sleep(1)
+            self.excused += unanswered
+            self.closed()
             print(f"{what}: an agent call went unanswered (attempt {attempt} of {self.attempts}):\n"
                   f"{why(self.server)}", file=sys.stderr)
         raise AssertionError(f"{what}: an agent call went unanswered in each of {self.attempts} attempts\n"
