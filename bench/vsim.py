@@ -18,6 +18,10 @@ the transfer (latency + bytes / bandwidth per run of blocks from one tier, bench
 prefill; the agents' KV events (CPU / DISK / SHARED) go to the `kv` strategy. Capacities are in blocks;
 bandwidths and latencies are flags.
 
+A gateway of several processes (`--strategies ttft:p2`, `kvgate serve --processes 2`): each request goes to one of
+them at random, each with its own strategy and its own count of requests in flight per replica, all fed the same
+KV events and engine metrics; the long prefills' turns are per replica, as the gateway's are (process 0 keeps them).
+
 Not modelled: the HTTP and tokenization time of the gateway, event delivery delay (events apply at the end of the
 step that made them, plus `--event-delay-s`), the sim's engine lag.
 """
@@ -153,6 +157,19 @@ class VRequest:
     tier_tokens: dict[str, int] = field(default_factory=dict)
     route: RouteRequest | None = None
     decision: Decision | None = None
+    gateway: VirtualGateway | None = None  # the gateway process that routed it
+
+
+@dataclass(eq=False)
+class VirtualGateway:
+    """One process of a gateway of several (`kvgate serve --processes N`): its own strategy (routing memory and
+    requests in flight) and its own view of the workers (its requests in flight on each), fed the same KV events
+    and engine metrics as the others."""
+
+    index: int
+    strategy: Strategy
+    workers: list[Worker]
+    requests: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -175,10 +192,10 @@ class VirtualReplica:
         self.kv = KvCacheManager(self.pool, max_model_len)
         self.scheduler = Scheduler(self.kv, hasher, profile.max_num_seqs, profile.max_num_batched_tokens,
                                    max_model_len)
-        # its cache configuration is known from the start (a gateway reads vllm:cache_config_info in the scrape that
-        # follows its first health probe)
-        self.worker = Worker(spec=WorkerSpec(self.url), healthy=True, models=frozenset({MODEL}), kv_blocks=num_blocks,
-                             kv_block_size=block_size)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.views: list[Worker] = []  # the replica as each gateway process sees it
+        self.worker = self.view()
         self.busy = False
         self.step_end = 0.0  # when the step in progress ends (while busy)
         self.step_seq = -1  # the queue's sequence number of that step's end (an entry with another is cancelled)
@@ -194,6 +211,14 @@ class VirtualReplica:
         self.upkeep_due = False
         self.requests = 0
         self.prompt_tokens = 0
+
+    def view(self) -> Worker:
+        """The replica in one more gateway process's pool. Its cache configuration is known from the start (a gateway
+        reads vllm:cache_config_info in the scrape that follows its first health probe)."""
+        worker = Worker(spec=WorkerSpec(self.url), healthy=True, models=frozenset({MODEL}), kv_blocks=self.num_blocks,
+                        kv_block_size=self.block_size)
+        self.views.append(worker)
+        return worker
 
 
 def default_max_model_len(longest: int, block_size: int) -> int:
@@ -215,7 +240,7 @@ class FleetSimulation:
                  concurrency: int | None = None, arrivals: Sequence[float] | None = None,
                  event_delay_s: float = 0.002, metrics_interval_s: float = 1.0, seed: int = 0,
                  speedup: float = 1.0, tiers_sped_up: bool = False, config_overrides: dict[str, Any] | None = None,
-                 progress: Callable[[int, float], None] | None = None) -> None:
+                 processes: int = 1, progress: Callable[[int, float], None] | None = None) -> None:
         if isinstance(requests, Workload):
             if vocab is None:
                 raise ValueError("a Workload needs its PromptVocabulary")
@@ -232,17 +257,27 @@ class FleetSimulation:
             settings.update(ttft_options(self.profile))
             if tiers is not None:
                 settings.update(tiers.ttft_options())
-        self.config, self.strategy = assemble({**settings, **(config_overrides or {})})
+        if processes < 1:
+            raise ValueError(f"a gateway has at least one process, not {processes}")
         random.seed(seed)  # least_load breaks ties with the module's random
-        balance = getattr(self.strategy, "balance", None)  # prefix and kv: seeded, and on virtual time
-        if isinstance(balance, PrefillBalance):
-            balance.random.seed(seed)
-            balance.clock = lambda: self.now
-            balance.trie.clock = lambda: self.now  # a prefix expires after its TTL in virtual time
-            balance.trie.compact_tables()
         self.replicas = [VirtualReplica(i, self.profile, block_size, blocks, self.max_model_len, _engine_hash,
                                         events=True) for i in range(replicas)]
-        self.workers = [r.worker for r in self.replicas]
+        # `--processes N`: each request goes to one of them at random, as the kernel spreads the clients'
+        # connections over them (SO_REUSEPORT); each strategy's own randomness seeded apart
+        self.gateways: list[VirtualGateway] = []
+        for i in range(processes):
+            config, routing = assemble({**settings, **(config_overrides or {})})
+            balance = getattr(routing, "balance", None)  # prefix and kv: seeded, and on virtual time
+            if isinstance(balance, PrefillBalance):
+                balance.random.seed(seed + i)
+                balance.clock = lambda: self.now
+                balance.trie.clock = lambda: self.now  # a prefix expires after its TTL in virtual time
+                balance.trie.compact_tables()
+            workers = [r.worker for r in self.replicas] if i == 0 else [r.view() for r in self.replicas]
+            self.gateways.append(VirtualGateway(i, routing, workers))
+            if i == 0:
+                self.config, self.strategy = config, routing
+        self._spread = random.Random(seed)
         self.now = 0.0
         # KV events go straight to the gateway's applier, in order and complete: no transport, nothing to recover
         self.kv: KvEventApplier | None = None
@@ -255,7 +290,8 @@ class FleetSimulation:
             index.compact_tables({DISK: U64Map} if replicas <= 64 else None)
             self.kv = KvEventApplier(index, GatewayMetrics(), lambda url: MODEL, clock=lambda: self.now)
             self.kv.compact_tables({DISK: cast(Callable[[], MutableMapping[BlockHash, int]], U64Map)})
-            self.strategy.attach_kv(self.kv.index, lambda url: True)
+            for gateway in self.gateways:  # each process applies the same events: one index stands for theirs
+                gateway.strategy.attach_kv(self.kv.index, lambda url: True)
         self.tier_settings = tiers
         if tiers is not None:
             fleet = FleetBackend(tiers.shared_blocks, clock=lambda: self.now)
@@ -360,13 +396,16 @@ class FleetSimulation:
         # streamed: every token a step samples is relayed as a chunk (`on_chunk`), the first one reported
         route = RouteRequest(MODEL, "/v1/completions", {}, req.token_ids, req.keys, len(req.token_ids), stream=True,
                              max_tokens=req.max_tokens)
-        decision = self.strategy.choose(route, self.workers)
+        gateways = self.gateways
+        gateway = gateways[self._spread.randrange(len(gateways))] if len(gateways) > 1 else gateways[0]
+        gateway.requests += 1
+        decision = gateway.strategy.choose(route, gateway.workers)
         worker = decision.worker
         worker.in_flight += 1
         worker.routed += 1
-        self.strategy.on_routed(route, decision)
-        req.route, req.decision = route, decision
-        replica = self.replicas[self.workers.index(worker)]
+        gateway.strategy.on_routed(route, decision)
+        req.route, req.decision, req.gateway = route, decision, gateway
+        replica = self.replicas[gateway.workers.index(worker)]
         req.replica = replica.index
         self.decisions.append(replica.index)
         replica.requests += 1
@@ -503,10 +542,10 @@ class FleetSimulation:
             self._repeat_run(replica, repeats)
             return
         sampled, finished = replica.scheduler.update_from_output(replica.out, self.now)
-        strategy = self.strategy
         for sim in sampled:
             req = self._by_id[sim.request_id]
-            assert req.route is not None and req.decision is not None
+            assert req.route is not None and req.decision is not None and req.gateway is not None
+            strategy = req.gateway.strategy
             if len(sim.output_token_ids) == 1:
                 req.ttft = self.now - req.arrival + self.profile.request_overhead_s
                 self._wait.append(sim.scheduled_time - req.arrival)
@@ -526,14 +565,14 @@ class FleetSimulation:
         for sim in finished:
             req = self._by_id.pop(sim.request_id)
             self._finished(req)
-            worker = replica.worker
-            worker.in_flight -= 1
-            assert req.route is not None and req.decision is not None
-            if isinstance(self.strategy, KvAware):  # pending blocks stay for the grace period, in virtual time
-                self.strategy.request_ended(req.route, req.decision)
-                self._push(self.now + self.strategy.pending_grace_s, "discard", req)
+            assert req.route is not None and req.decision is not None and req.gateway is not None
+            req.decision.worker.in_flight -= 1
+            strategy = req.gateway.strategy
+            if isinstance(strategy, KvAware):  # pending blocks stay for the grace period, in virtual time
+                strategy.request_ended(req.route, req.decision)
+                self._push(self.now + strategy.pending_grace_s, "discard", req)
             else:
-                self.strategy.on_finished(req.route, req.decision)
+                strategy.on_finished(req.route, req.decision)
             if self.concurrency is not None:
                 self._next_closed()
         self._flush_events(replica)
@@ -576,10 +615,10 @@ class FleetSimulation:
 
     def _scrape(self) -> None:
         for r in self.replicas:
-            r.worker.running = float(len(r.scheduler.running))
-            r.worker.waiting = float(len(r.scheduler.waiting))
-            r.worker.kv_usage = r.pool.usage()
-            r.worker.load_scraped_at = self.now  # as the gateway's pool stamps a scrape
+            running, waiting, usage = float(len(r.scheduler.running)), float(len(r.scheduler.waiting)), r.pool.usage()
+            for worker in r.views:
+                worker.running, worker.waiting, worker.kv_usage = running, waiting, usage
+                worker.load_scraped_at = self.now  # as the gateway's pool stamps a scrape
 
     def run(self) -> dict[str, Any]:
         """Replay the whole source; the result row. Python's cyclic garbage collector is off meanwhile: a replay
@@ -626,8 +665,9 @@ class FleetSimulation:
                 payload.tiers.maintain()
                 self._flush_events(payload)
             elif kind == "discard":
-                assert isinstance(self.strategy, KvAware)
-                self.strategy.pending.discard(payload.decision.worker.url, payload.keys)
+                strategy = payload.gateway.strategy
+                assert isinstance(strategy, KvAware)
+                strategy.pending.discard(payload.decision.worker.url, payload.keys)
             elif kind == "scrape":
                 self._scrape()
                 if self._done < self.source.count:
@@ -653,6 +693,8 @@ class FleetSimulation:
             "request_imbalance": imbalance(reqs), "prompt_token_imbalance": imbalance(toks),
             "requests_per_replica": reqs, "virtual_s": self.now, "wall_s": wall_s,
         }
+        if len(self.gateways) > 1:
+            out["requests_per_process"] = [g.requests for g in self.gateways]
         if self.tier_settings is not None:
             out["tier_traffic"] = self.traffic()
             t = self.tier_settings
@@ -757,7 +799,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--strategies", default="round_robin,least_load,prefix,kv,ttft",
                         help="comma-separated; a strategy may name settings of its own for its rows, side by side "
-                             "with others: ttft:ttft_tie_s=0.0005:ttft_step_phase=false")
+                             "with others: ttft:ttft_tie_s=0.0005:ttft_step_phase=false; and pN for a gateway of N "
+                             "processes (kvgate serve --processes N), each request to one of them at random: ttft:p2")
     parser.add_argument("--replicas", default="8,16", help="comma-separated fleet sizes")
     parser.add_argument("--profile", default="llama-3.1-8b-h100",
                         help=f"one of {', '.join(sorted(PROFILES))}, or a calibrated profile's JSON file "
@@ -830,19 +873,25 @@ RELATIVE_COST = {"round_robin": (46.0, 182.0), "least_load": (45.0, 181.0), "pre
 
 def strategy_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """`--strategies`' entry: a strategy's name and the settings of its own the entry gives it, typed as its
-    `Options` declare them (`ttft:ttft_tie_s=0.0005:ttft_step_phase=false`); ConfigError for an unknown strategy
-    or setting, or a malformed value."""
+    `Options` declare them (`ttft:ttft_tie_s=0.0005:ttft_step_phase=false`), and `pN` for a gateway of N processes
+    (`ttft:p2`, as `kvgate bench compare`'s target `kvgate:ttft:p2`: settings' `processes`); ConfigError for an
+    unknown strategy or setting, or a malformed value."""
     name, *pairs = spec.split(":")
     options = strategy_class(name).Options
     known = {f.name for f in dataclasses.fields(options)}
     raw: dict[str, str] = {}
+    processes: dict[str, Any] = {}
     for pair in pairs:
+        if pair[:1] == "p" and pair[1:].isdigit() and int(pair[1:]) >= 1 and not processes:
+            processes["processes"] = int(pair[1:])
+            continue
         key, sep, value = pair.partition("=")
         if not sep or key not in known:
-            raise ConfigError(f"{spec}: {pair!r} is not one of {name}'s settings as name=value")
+            raise ConfigError(f"{spec}: {pair!r} is neither one of {name}'s settings as name=value nor pN (N "
+                              "gateway processes)")
         raw[key] = value
     typed = load_config(options, "", argparse.Namespace(**raw), environ={})
-    return name, {key: getattr(typed, key) for key in raw}
+    return name, {**{key: getattr(typed, key) for key in raw}, **processes}
 
 
 def request_source(args: argparse.Namespace, vocab: PromptVocabulary, report: TextIO | None = None) -> RequestSource:
@@ -868,11 +917,12 @@ def simulate(job: VsimJob, progress: Callable[[int, float], None] | None = None)
     args = argparse.Namespace(**job.workload)
     source = request_source(args, PromptVocabulary.from_model_dir(bench_model_dir(args.model_dir)))
     name, own = strategy_variant(job.strategy)
+    processes = own.pop("processes", 1)
     sim = FleetSimulation(source, strategy=name, replicas=job.replicas, profile=job.profile,
                           block_size=job.block_size, gpu_blocks=job.gpu_blocks, tiers=job.tiers,
                           concurrency=job.concurrency, seed=args.seed, speedup=job.speedup,
                           tiers_sped_up=job.tiers_sped_up,
-                          config_overrides={**own, **job.config_overrides}, progress=progress)
+                          config_overrides={**own, **job.config_overrides}, processes=processes, progress=progress)
     row = sim.run()
     row["strategy"] = job.strategy  # a variant's row is named by its whole entry
     return row
