@@ -44,6 +44,7 @@ from router.requests import (
     with_tenant,
 )
 from router.routing import RouteRequest, Strategy
+from router.sibling_routes import SiblingRoutes
 from router.trace_recorder import TraceEntry, TraceRecorder
 from router.turn_broker import SharedPrefillTurns, TurnBroker
 from router.upstream import UpstreamPool
@@ -83,6 +84,7 @@ class Gateway:
         self.kv_events: KvEventHub | None = None
         self._turn_broker: TurnBroker | None = None  # process 0 of several: the gateway's prefill turns, for all
         self.prefill_turns: SharedPrefillTurns | None = None  # several processes: this one's turns at the broker
+        self.sibling_routes: SiblingRoutes | None = None  # several processes: what each routes, told to the others
 
     @property
     def pool(self) -> WorkerPool:
@@ -119,9 +121,14 @@ class Gateway:
                 await self._turn_broker.start()
             self.prefill_turns = SharedPrefillTurns(self.process.turns_socket, self.metrics)
             self.prefill_turns.start()
+            # a request's end comes within its total timeout: one that did not has been lost
+            self.sibling_routes = SiblingRoutes(self.process.index, self.process.routes_socket, self.process.count,
+                                                self.strategy, self._pool.get, self.metrics,
+                                                record_ttl_s=cfg.total_timeout_s + 10.0)
+            await self.sibling_routes.start()
         self._proxy = Proxy(cfg, self._pool, self.strategy, self.metrics, self._upstream,
                             self.kv_events.learn if self.kv_events is not None else None, hop=self.hop,
-                            turns=self.prefill_turns)
+                            turns=self.prefill_turns, siblings=self.sibling_routes)
         if self.prompts is not None:
             await self.prompts.start()
         await self._pool.start()
@@ -219,6 +226,8 @@ class Gateway:
             self._proxy.close()
         if self.prefill_turns is not None:
             await self.prefill_turns.close()
+        if self.sibling_routes is not None:
+            await self.sibling_routes.close()
         if self._turn_broker is not None:
             await self._turn_broker.close()
         if self.kv_events is not None:

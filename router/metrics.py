@@ -145,6 +145,22 @@ class GatewayMetrics:
             "turn broker could not give one, by reason (unreachable: no connection to it; timeout: no answer in "
             "time; lost: the connection closed while the request waited)", ["reason"], registry=r,
         )
+        # router/sibling_routes.py (`--processes N`): each process's routes told to the others
+        self.sibling_records = Counter(
+            "kvgate_sibling_records", "Records of requests routed (placed, first token, ended) told to sibling "
+            "processes (sent: once per sibling), applied from them, and dropped, by outcome (disconnected: the "
+            "sibling's connection closed with them in flight; expired: their end never came; unknown_worker: a "
+            "worker this process does not have; too_large: more keys than a frame holds)", ["outcome"], registry=r,
+        )
+        self.siblings_connected = Gauge(
+            "kvgate_siblings_connected", "Sibling processes connected to tell routes to (direction to) and to hear "
+            "them from (from)", ["direction"], registry=r,
+        )
+        self.sibling_connections_dropped = Counter(
+            "kvgate_sibling_connections_dropped", "Connections of sibling routes dropped, by reason (garbage: a "
+            "frame that could not be read; not_reading: the sibling left too much unread; closed: it closed it)",
+            ["reason"], registry=r,
+        )
         self.retries = Counter(
             "kvgate_retries", "Requests re-sent to another worker before any byte reached the client, by reason",
             ["reason"], registry=r,

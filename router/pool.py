@@ -71,6 +71,9 @@ class Worker:
     healthy: bool = False
     draining: bool = False
     in_flight: int = 0
+    # the gateway's sibling processes' requests in flight here (`--processes N`: router/sibling_routes.py), so that
+    # what weighs load (`outstanding`, the prefill balance) weighs the whole gateway's, as one process would
+    sibling_in_flight: int = 0
     routed: int = 0
     consecutive_failures: int = 0
     last_error: str | None = None
@@ -105,8 +108,9 @@ class Worker:
 
     @property
     def outstanding(self) -> float:
-        """Requests ahead of a new one on this worker: the gateway's own in-flight plus the engine's queue."""
-        return self.in_flight + self.waiting
+        """Requests ahead of a new one on this worker: the gateway's own in-flight (all its processes') plus the
+        engine's queue."""
+        return self.in_flight + self.sibling_in_flight + self.waiting
 
     def serves(self, model: str) -> bool:
         return self.healthy and not self.draining and model in self.models

@@ -2,10 +2,11 @@
 
 Each process is a whole gateway — its own pool, health probes, KV-event subscriptions, block index, prefix trie and
 token cache — listening on the same address with SO_REUSEPORT: the kernel spreads new connections over them (a
-keep-alive connection stays with the process that accepted it). They share nothing but the prefill turns:
+keep-alive connection stays with the process that accepted it). They share the prefill turns and what they route:
 
-- routing memory is per process: every process sees every KV event (the `kv` index is the same everywhere), but
-  the prefix trie and the in-flight view of each are only its own traffic's;
+- every process sees every KV event (the `kv` index is the same everywhere), and each tells the others where it
+  routed each request, its first token and its end (router/sibling_routes.py), so every process's prefix trie and
+  in-flight view are the whole gateway's; what each learns from its answers (rates, timings) is its own;
 - `/metrics` on the shared port answers for all of them: the process that takes the scrape asks its siblings for
   theirs over Unix sockets and every sample carries a `process` label;
 - long prefills take their turns (router/prefill_turns.py) at process 0, which keeps them for all over a Unix socket
@@ -50,10 +51,14 @@ class GatewayProcess:
 
     index: int
     count: int
-    sockets: str  # a directory holding metrics-<index>.sock per process, and process 0's turns.sock
+    sockets: str  # a directory holding metrics-<index>.sock and routes-<index>.sock per process, process 0's turns.sock
 
     def metrics_socket(self, index: int) -> str:
         return os.path.join(self.sockets, f"metrics-{index}.sock")
+
+    def routes_socket(self, index: int) -> str:
+        """Where process `index` hears the routes of its siblings (router/sibling_routes.py)."""
+        return os.path.join(self.sockets, f"routes-{index}.sock")
 
     @property
     def turns_socket(self) -> str:

@@ -27,6 +27,7 @@ from router.pool import Worker, WorkerPool, describe_error
 from router.prefill_turns import PrefillTurns, Turn, TurnKeeper, hold_seconds
 from router.requests import CHAT_COMPLETIONS, COMPLETIONS
 from router.routing import Decision, RouteRequest, Strategy
+from router.sibling_routes import SiblingRoutes
 from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class Proxy:
         *,
         hop: str = "kvgate",
         turns: TurnKeeper | None = None,
+        siblings: SiblingRoutes | None = None,
     ) -> None:
         self._config = config
         self._hop = f"1.1 {hop}"  # this gateway's entry in the `Via` of what it sends (RFC 9110 7.6.3)
@@ -115,6 +117,7 @@ class Proxy:
         # long prefills a worker is sent one at a time (Decision.serialize_prefill): this process's turns, or, with
         # several processes, the whole gateway's (router/turn_broker.py)
         self.prefill_turns: TurnKeeper = turns if turns is not None else PrefillTurns()
+        self._siblings = siblings  # several processes: each request's placement told to the others
 
     def close(self) -> None:
         self.deadlines.close()
@@ -142,6 +145,8 @@ class Proxy:
             if not candidates:
                 break
             decision = self._strategy.choose(route, candidates)
+            if self._siblings is not None and decision.placement is not None:
+                self._siblings.routed(id(route), decision.placement)
             worker = decision.worker
             tried.add(worker.spec.url)
             if outcome is not None:
@@ -174,6 +179,8 @@ class Proxy:
             finally:
                 self._pool.release(worker)
                 self._strategy.on_finished(route, decision)
+                if self._siblings is not None:
+                    self._siblings.ended(id(route))
         if not tried:
             raise self._pool.unavailable(route.model)
         raise GatewayError(
@@ -300,6 +307,8 @@ class Proxy:
         self._metrics.ttfb.labels(label).observe(ttfb)
         strategy, route, decision = self._strategy, stream.route, stream.decision
         strategy.on_first_token(route, decision, ttfb)
+        if self._siblings is not None:
+            self._siblings.first_token(id(route))
         seen = SseWatch()
         if stream.first:
             strategy.on_chunk(route, decision, True, seen.feed(stream.first))

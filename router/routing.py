@@ -7,8 +7,9 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from router.config import GatewayConfig
@@ -33,6 +34,38 @@ class RouteRequest:
     max_tokens: int | None = None  # the most tokens it may generate, as the client asked (None: not said)
 
 
+Url = Annotated[str, msgspec.Meta(max_length=1024)]
+Finite = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]  # no NaN, nothing negative or past all reason
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
+
+
+class Placement(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What a choice adds to a strategy's picture of the requests in flight, as opposed to what it learns from them:
+    the worker (and data-parallel rank) a request went to and what it brings there. A strategy applies its own
+    choices' placements and, with `--processes N`, its sibling processes' (router/sibling_routes.py) through the
+    same code (`Strategy.sibling_routed`), so every process sees the whole gateway's traffic in flight; a process
+    learns rates, load links and output lengths from its own answers only."""
+
+    worker: Url
+    rank: Count | None
+    keys: list[int]  # the prompt's block keys
+    prompt: Count  # tokens
+    cached: Count  # tokens predicted cached on the worker
+    candidates: Count  # workers it was chosen among
+    stream: bool
+    max_tokens: Count | None
+    # `ttft`'s estimate on the worker: the prefill it needs there (`Work`: tokens, attention), its predicted prefill
+    # and time to first token and, of it, its tier loads; whether it is sent in its turn (`serialize_prefill`); the
+    # KV block size of the engine's ledger (0: the engine's cache size is not known, no ledger)
+    prefill_tokens: Finite = 0.0
+    prefill_attention: Finite = 0.0
+    prefill_s: Finite = 0.0
+    ttft_s: Finite = 0.0
+    load_s: Finite = 0.0
+    serialize: bool = False
+    ledger_block_size: Count = 0
+
+
 @dataclass(slots=True)
 class Decision:
     """The chosen worker, a short reason (a metric label) and the prefix tokens expected to be cached there; for a
@@ -46,6 +79,7 @@ class Decision:
     dp_rank: int | None = None
     predicted_ttft_s: float | None = None
     serialize_prefill: bool = False
+    placement: Placement | None = None  # what the strategy put in flight (its siblings are told), if it keeps any
 
 
 @dataclass(frozen=True)
@@ -103,3 +137,15 @@ class Strategy(abc.ABC):
 
     def forget_worker(self, url: str) -> None:  # noqa: B027 - optional hook
         """Called when a worker leaves the pool; drop any state kept about it."""
+
+    # a sibling process's requests (`--processes N`: router/sibling_routes.py), as each of them was placed
+    # (`Decision.placement`): `key` stands for the request, negative (never a request's `id` in this process)
+
+    def sibling_routed(self, key: int, placement: Placement) -> None:  # noqa: B027 - optional hook
+        """A sibling routed a request: the bookkeeping of this strategy's own choice of it (the same code)."""
+
+    def sibling_first_token(self, key: int, placement: Placement) -> None:  # noqa: B027 - optional hook
+        """A sibling's request had its first token (streamed answers only)."""
+
+    def sibling_ended(self, key: int, placement: Placement) -> None:  # noqa: B027 - optional hook
+        """A sibling's request ended (or the sibling is gone, or its end never came)."""

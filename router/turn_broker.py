@@ -24,24 +24,22 @@ import contextlib
 import itertools
 import logging
 import math
-import struct
 from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import msgspec
 
+from router.frames import FrameError, frame, read_frame, send
 from router.metrics import GatewayMetrics
 from router.prefill_turns import HOLD_MAX_S, PrefillTurns, Turn
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 ANSWER_TIMEOUT_S = 0.5  # the most a take waits for the broker's `Queued` before it goes on with a turn of its own
 GRANT_GRACE_S = 1.0  # beyond the wait the broker said, before a take goes on without it
 CONNECT_TIMEOUT_S = 1.0
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 2.0
-FRAME_TIMEOUT_S = 1.0  # the rest of a frame whose length has come
 MAX_FRAME_BYTES = 4096
 MAX_BUFFERED_BYTES = 1 << 20  # written and not yet taken by the other side: past this it is not reading
 MAX_TICKETS = 1 << 16  # turns one connection may have asked for and not given back
@@ -52,7 +50,6 @@ TIMEOUT = "timeout"  # connected, but no answer in time
 LOST = "lost"  # the connection closed while the take waited
 _EPISODE = {UNREACHABLE: "cannot be reached", TIMEOUT: "did not answer in time", LOST: "closed the connection"}
 
-_LENGTH = struct.Struct(">I")
 Ticket = Annotated[int, msgspec.Meta(ge=0)]
 Engine = Annotated[str, msgspec.Meta(max_length=1024)]
 
@@ -78,44 +75,12 @@ class Granted(msgspec.Struct, tag="granted", array_like=True, frozen=True):
     ticket: Ticket
 
 
-_ENCODER = msgspec.msgpack.Encoder()
 _TO_BROKER = msgspec.msgpack.Decoder(Take | Release)
 _TO_PROCESS = msgspec.msgpack.Decoder(Queued | Granted)
 
 
-class FrameError(Exception):
-    """A frame that breaks the protocol: its connection is closed."""
-
-
-def _frame(message: Take | Release | Queued | Granted) -> bytes:
-    body = _ENCODER.encode(message)
-    return _LENGTH.pack(len(body)) + body
-
-
-async def _read_frame(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder[T]) -> T:
-    """The next message; IncompleteReadError at the end of the stream, FrameError for anything unreadable."""
-    (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if not 0 < size <= MAX_FRAME_BYTES:
-        raise FrameError(f"a frame of {size} bytes")
-    try:
-        body = await asyncio.wait_for(reader.readexactly(size), FRAME_TIMEOUT_S)
-    except TimeoutError:
-        raise FrameError(f"a frame of {size} bytes not whole after {FRAME_TIMEOUT_S:g} s") from None
-    try:
-        return decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise FrameError(str(exc)) from None
-
-
 def _send(writer: asyncio.StreamWriter, message: Take | Release | Queued | Granted) -> bool:
-    """Write without waiting; False (and the connection aborted) if it is closed or the other side stopped reading."""
-    if writer.is_closing():
-        return False
-    if writer.transport.get_write_buffer_size() > MAX_BUFFERED_BYTES:
-        writer.transport.abort()
-        return False
-    writer.write(_frame(message))
-    return True
+    return send(writer, frame(message), MAX_BUFFERED_BYTES)
 
 
 @dataclass(slots=True)
@@ -169,7 +134,7 @@ class TurnBroker:
         client = _Client(writer)
         try:
             while True:
-                message = await _read_frame(reader, _TO_BROKER)
+                message = await read_frame(reader, _TO_BROKER, MAX_FRAME_BYTES)
                 if isinstance(message, Take):
                     self._take(client, message)
                 elif isinstance(message, Release):
@@ -369,7 +334,7 @@ class SharedPrefillTurns:
     async def _read(self, reader: asyncio.StreamReader, connection: _Connection) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            message = await _read_frame(reader, _TO_PROCESS)
+            message = await read_frame(reader, _TO_PROCESS, MAX_FRAME_BYTES)
             if not connection.answered:
                 connection.answered = True
                 if self._episode:

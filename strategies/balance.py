@@ -16,8 +16,9 @@ extra queue it joins: a hot prefix stays on its worker while that worker has hea
 system prompt) counts the same on every worker that has it, so load decides among them, and a short shared first
 block saves too little to outweigh any queue. Misses go to the least-loaded worker. Ties go to the longest match,
 then to the worker holding the least cached prefix state (so distinct prefix groups spread), then at random.
-Every decision is remembered in the trie. What the trie must then remove (past its node budget, or its TTL) is
-removed in slices between other work on the event loop, not inside the decision (`TRIM_WORK`).
+Every decision is remembered in the trie (with `--processes N`, every process's: router/sibling_routes.py). What
+the trie must then remove (past its node budget, or its TTL) is removed in slices between other work on the event
+loop, not inside the decision (`TRIM_WORK`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvcore.config import option
 from router.metrics import Counter, Gauge, Histogram
 from router.pool import Worker
 from router.prefix_trie import PrefixTrie
-from router.routing import Decision, RouteRequest
+from router.routing import Decision, Placement, RouteRequest
 
 HIT, SPILL, MISS = "hit", "spill", "miss"
 # the trie's removals run in slices, one per loop turn, each about TRIM_SLICE_S of work (in steps of TRIM_WORK nodes
@@ -159,7 +160,7 @@ class PrefillBalance:
             queue = queues.get(w.spec.url)
             queued = 0.0 if queue is None else queue.tokens - queue.rate * (now - queue.at)
             scores.append(weight * (prompt - round(v)) + (queued if queued > 0.0 else 0.0)
-                          + cost * (w.in_flight + w.waiting))
+                          + cost * (w.in_flight + w.sibling_in_flight + w.waiting))
         best = min(scores)
         tied = [i for i, s in enumerate(scores) if s <= best + 1e-9]
         if len(tied) > 1:
@@ -172,16 +173,25 @@ class PrefillBalance:
         worker, predicted = workers[pick], cached[pick]
         longest = max(cached)
         reason = MISS if longest == 0 else HIT if predicted >= longest else SPILL
-        # Recorded now rather than once the worker answers: a burst of one prefix must see its own first
-        # request, or every request of the burst would be a miss.
-        # `_queue` and `PrefillQueue.add` written out: two calls per request
-        queue = queues.get(worker.spec.url) or self._queue(worker.spec.url)
-        level = queue.tokens - queue.rate * (now - queue.at)
-        queue.tokens = (level if level > 0.0 else 0.0) + (prompt - predicted)
-        queue.at = now
-        self.remember(keys, worker.spec.url)
         self.record(prompt, predicted)
-        return Decision(worker, reason, predicted)
+        # the caller places it (`place`) once it knows the rank: recorded now rather than once the worker
+        # answers, as a burst of one prefix must see its own first request, or every request of the burst would
+        # be a miss
+        placement = Placement(worker.spec.url, None, keys if isinstance(keys, list) else list(keys), prompt,
+                              predicted, len(workers), request.stream, request.max_tokens)
+        return Decision(worker, reason, predicted, placement=placement)
+
+    def place(self, placement: Placement) -> None:
+        """A request in flight on its worker (this process's choice, or a sibling's): its prefill queued there, its
+        prefix remembered there."""
+        now = self.clock()
+        url = placement.worker
+        # `_queue` and `PrefillQueue.add` written out: two calls per request
+        queue = self._queues.get(url) or self._queue(url)
+        level = queue.tokens - queue.rate * (now - queue.at)
+        queue.tokens = (level if level > 0.0 else 0.0) + (placement.prompt - placement.cached)
+        queue.at = now
+        self.remember(placement.keys, url)
 
     def remember(self, keys: Sequence[int], worker: str) -> None:
         """Put a decision in the trie (`keys` sent to `worker`), and have what that puts past its budget or TTL

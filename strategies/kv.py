@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvcore.config import option
@@ -37,7 +38,7 @@ from router.config import GatewayConfig, WorkerSpec
 from router.kv_index import KvBlockIndex
 from router.kv_transport import cache_name
 from router.pool import Worker
-from router.routing import Decision, RouteRequest, Strategy
+from router.routing import Decision, Placement, RouteRequest, Strategy
 from strategies.balance import PrefillBalance, PrefixOptions
 
 
@@ -100,15 +101,24 @@ class KvAware(Strategy):
         self._ranks.clear()
         self._turned.clear()
         decision = self.balance.choose(request, workers, self.predict)
+        placement = decision.placement
+        assert placement is not None
         url = decision.worker.spec.url
         rank = self._ranks.get(url)
         if rank is not None:
-            decision = dataclasses.replace(decision, dp_rank=rank)
+            placement = msgspec.structs.replace(placement, rank=rank)
+            decision = dataclasses.replace(decision, dp_rank=rank, placement=placement)
             if url in self._turned:  # no rank held any of it: the next such prompt goes to the next rank
                 self._next_rank[url] = (rank + 1) % decision.worker.spec.dp_ranks
-        if request.block_keys:
-            self.pending.add(cache_name(url, rank), request.block_keys)
+        self.sibling_routed(id(request), placement)
         return decision
+
+    def sibling_routed(self, key: int, placement: Placement) -> None:
+        """A request placed on its worker, by this process (`choose`) or a sibling: its prefill queued there, its
+        prefix remembered there and its blocks pending there until its KV events can have come."""
+        self.balance.place(placement)
+        if placement.keys:
+            self.pending.add(cache_name(placement.worker, placement.rank), placement.keys)
 
     def predict(self, keys: Sequence[int], workers: Sequence[Worker], cacheable: int) -> tuple[list[int], list[float]]:
         """Per worker: the prompt tokens the index (or, untrusted, the trie) says are cached there, and the
@@ -209,13 +219,18 @@ class KvAware(Strategy):
 
     def on_finished(self, request: RouteRequest, decision: Decision) -> None:
         self.request_ended(request, decision)
-        if request.block_keys:
+        self._pending_until_grace(decision.worker.spec.url, decision.dp_rank, request.block_keys)
+
+    def sibling_ended(self, key: int, placement: Placement) -> None:
+        self._pending_until_grace(placement.worker, placement.rank, placement.keys)
+
+    def _pending_until_grace(self, url: str, rank: int | None, keys: Sequence[int]) -> None:
+        """A finished request's blocks stay pending on its cache for the grace, while its KV events travel."""
+        if keys:
             # one timer for all finished requests, at the first one's end of grace (the grace is the same for all,
             # so they end in the order they finished), rather than one timer per request (2.3 us under uvloop)
             loop = asyncio.get_running_loop()
-            url, rank = decision.worker.spec.url, decision.dp_rank
-            self._finished.append((loop.time() + self.pending_grace_s,
-                                   cache_name(url, rank), request.block_keys))
+            self._finished.append((loop.time() + self.pending_grace_s, cache_name(url, rank), keys))
             if self._sweeping is not loop:
                 self._sweeping = loop
                 loop.call_at(self._finished[0][0], self._discard_finished)

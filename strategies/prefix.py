@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from router.config import GatewayConfig
 from router.pool import Worker
-from router.routing import Decision, RouteRequest, Strategy
+from router.routing import Decision, Placement, RouteRequest, Strategy
 from strategies.balance import PrefillBalance, PrefixOptions
 
 
@@ -27,7 +27,13 @@ class PrefixAffinity(Strategy):
         self.balance.register_metrics(registry)
 
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision:
-        return self.balance.choose(request, workers, self.balance.trie_prediction)
+        decision = self.balance.choose(request, workers, self.balance.trie_prediction)
+        assert decision.placement is not None
+        self.balance.place(decision.placement)
+        return decision
+
+    def sibling_routed(self, key: int, placement: Placement) -> None:
+        self.balance.place(placement)
 
     def forget_worker(self, url: str) -> None:
         self.balance.forget_worker(url)

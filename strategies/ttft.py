@@ -55,7 +55,7 @@ from kvcore.kv_events import CPU, DISK, GPU, SHARED
 from router.config import GatewayConfig
 from router.kv_transport import cache_name
 from router.pool import Worker
-from router.routing import Decision, RouteRequest
+from router.routing import Decision, Placement, RouteRequest
 from strategies.balance import HIT, MISS, SPILL
 from strategies.kv import Holding, KvAware, KvOptions
 
@@ -564,7 +564,7 @@ class EnginePressure:
         return mean.scaled(max(0.0, worker.waiting - ours_waiting))
 
     def seconds(self, worker: Worker, ours_waiting: int, blocks_known: bool = False) -> float:
-        decoding = max(0.0, worker.in_flight - ours_waiting, worker.running - ours_waiting)
+        decoding = max(0.0, worker.in_flight + worker.sibling_in_flight - ours_waiting, worker.running - ours_waiting)
         seconds = self.decode_cost_s * decoding
         if not blocks_known and worker.kv_usage > self.kv_high and self.kv_high < 1.0:
             seconds += self.kv_full_penalty_s * min(1.0, (worker.kv_usage - self.kv_high) / (1.0 - self.kv_high))
@@ -1094,7 +1094,7 @@ class TtftAware(KvAware):
         # the rest of the step in progress: only while requests decode there (else the engine is idle)
         rest = self.step_rest(worker.url, rank, now) if (
             self._rank_decoding.get(cache_name(worker.url, rank), 0) > 0 if rank is not None
-            else worker.in_flight > ours) else 0.0
+            else worker.in_flight + worker.sibling_in_flight > ours) else 0.0
         # this request joins the next step, after the rest of this one beyond what it waits anyway (the queue
         # ahead of it, its tier loads)
         step_s = max(0.0, rest - queue_s - load_s)
@@ -1200,26 +1200,39 @@ class TtftAware(KvAware):
         worker, estimate, cached = workers[pick], estimates[pick], held[pick].tokens
         rank = estimate.rank
         reason = MISS if most == 0 else HIT if cached >= most else SPILL
-        cache = cache_name(worker.url, rank)
         serialize = 0 < self.serialize_tokens <= prompt - cached
-        self.queue(cache).add(id(request), estimate.prefill, now, estimate.ttft_s, request.stream, estimate.load_s,
-                              serialize)
-        if worker.kv_blocks > 1:
-            self.ledger(cache, worker.kv_block_size or self.balance.block_size).add(id(request), _Holder(
-                prompt, request.max_tokens, self.output.expected(request.max_tokens), estimate.prefill_s, now,
-                estimate.ttft_s, request.stream))
-        self.share.add(worker.url, len(workers))
-        if cached > 0:
-            self.busy.hit(worker.url, now)
-        self._routed[id(request)] = _Routed(worker.url, estimate, cache)
-        self._mean = self._mean + (estimate.prefill + self._mean.scaled(-1.0)).scaled(1 / 64)
-        if rank is not None:
-            self._rank_in_flight[cache] = self._rank_in_flight.get(cache, 0) + 1
-        if keys:
-            self.balance.remember(keys, worker.url)
-            self.pending.add(cache_name(worker.url, rank), keys)
+        prefill = estimate.prefill
+        placement = Placement(worker.url, rank, keys if isinstance(keys, list) else list(keys), prompt, cached,
+                              len(workers), request.stream, request.max_tokens, prefill.tokens, prefill.attention,
+                              estimate.prefill_s, estimate.ttft_s, estimate.load_s, serialize,
+                              (worker.kv_block_size or self.balance.block_size) if worker.kv_blocks > 1 else 0)
+        self._place(id(request), placement, now, prefill, request.stream)
+        self._routed[id(request)] = _Routed(worker.url, estimate, cache_name(worker.url, rank))
+        self._mean = self._mean + (prefill + self._mean.scaled(-1.0)).scaled(1 / 64)
         self.balance.record(prompt, cached)
-        return Decision(worker, reason, cached, rank, estimate.ttft_s, serialize)
+        return Decision(worker, reason, cached, rank, estimate.ttft_s, serialize, placement)
+
+    def sibling_routed(self, key: int, placement: Placement) -> None:
+        # its tokens are not relayed here: its ledger entry's generation is reckoned from its time decoding, as a
+        # whole answer's is (`BlockLedger.wait`)
+        self._place(key, placement, self.now, Work(placement.prefill_tokens, placement.prefill_attention), False)
+
+    def _place(self, key: int, p: Placement, now: float, prefill: Work, relayed: bool) -> None:
+        """A request in flight on its engine (this process's choice, or a sibling's): its prefill queued there,
+        its blocks held there, its share of recent requests, its prefix remembered and its blocks pending there."""
+        cache = cache_name(p.worker, p.rank)
+        self.queue(cache).add(key, prefill, now, p.ttft_s, p.stream, p.load_s, p.serialize)
+        if p.ledger_block_size:
+            self.ledger(cache, p.ledger_block_size).add(key, _Holder(
+                p.prompt, p.max_tokens, self.output.expected(p.max_tokens), p.prefill_s, now, p.ttft_s, relayed))
+        self.share.add(p.worker, p.candidates)
+        if p.cached > 0:
+            self.busy.hit(p.worker, now)
+        if p.rank is not None:
+            self._rank_in_flight[cache] = self._rank_in_flight.get(cache, 0) + 1
+        if p.keys:
+            self.balance.remember(p.keys, p.worker)
+            self.pending.add(cache, p.keys)
 
     def learn_from_engine(self, worker: Worker) -> None:
         """A sample from the worker's engine metrics, when a window of them is complete (`EngineTimings`)."""
@@ -1231,16 +1244,10 @@ class TtftAware(KvAware):
                 self._ttft_metrics.engine_samples.labels(worker.url).inc(sample.requests)
 
     def on_first_token(self, request: RouteRequest, decision: Decision, ttft_s: float) -> None:
-        if decision.dp_rank is not None:  # it decodes on that rank now
-            cache = self._decoding_on[id(request)] = cache_name(decision.worker.url, decision.dp_rank)
-            self._rank_decoding[cache] = self._rank_decoding.get(cache, 0) + 1
+        self._first_token(id(request), cache_name(decision.worker.url, decision.dp_rank), decision.dp_rank is not None)
         routed = self._routed.pop(id(request), None)
         if routed is None:
             return
-        self.queue(routed.cache).done(id(request), self.now)
-        ledger = self.ledgers.get(routed.cache)
-        if ledger is not None:
-            ledger.first_token(id(request))
         e = routed.estimate
         # the observed time less the parts that are not the worker's prefill: what its prefill model must explain,
         # at most OUTLIER_RATIO times what the fit predicts for it (a stalled gateway, not the worker)
@@ -1256,6 +1263,21 @@ class TtftAware(KvAware):
                 metrics.error.observe((e.ttft_s - ttft_s) / ttft_s)
             metrics.rate.labels(routed.worker).set(rate.tokens_per_s)
             metrics.overhead.labels(routed.worker).set(rate.overhead_s)
+
+    def sibling_first_token(self, key: int, placement: Placement) -> None:
+        self._first_token(key, cache_name(placement.worker, placement.rank), placement.rank is not None)
+
+    def _first_token(self, key: int, cache: str, data_parallel: bool) -> None:
+        """A request's first token came (this process's, or a sibling's): it decodes now, its prefill is done."""
+        if data_parallel:  # it decodes on that rank now
+            self._decoding_on[key] = cache
+            self._rank_decoding[cache] = self._rank_decoding.get(cache, 0) + 1
+        queue = self.queues.get(cache)
+        if queue is not None:
+            queue.done(key, self.now)
+        ledger = self.ledgers.get(cache)
+        if ledger is not None:
+            ledger.first_token(key)
 
     def on_chunk(self, request: RouteRequest, decision: Decision, first: bool, tokens: int = 1) -> None:
         # a data-parallel engine's ranks step each on their own: a clock per rank (the decision names it)
@@ -1278,22 +1300,31 @@ class TtftAware(KvAware):
         return steps
 
     def request_ended(self, request: RouteRequest, decision: Decision) -> None:
-        now = self.now
-        cache = cache_name(decision.worker.url, decision.dp_rank)
-        ledger = self.ledgers.get(cache)
-        holder = ledger.end(id(request), now) if ledger is not None else None
+        holder = self._end(id(request), cache_name(decision.worker.url, decision.dp_rank), decision.dp_rank is not None)
         if holder is not None and holder.stream and holder.started:
             self.output.learn(holder.max_tokens, holder.generated)
-        routed = self._routed.pop(id(request), None)
-        if routed is not None:
-            self.queue(routed.cache).done(id(request), now)
-        if decision.dp_rank is not None:
-            cache = cache_name(decision.worker.url, decision.dp_rank)
+        self._routed.pop(id(request), None)
+
+    def sibling_ended(self, key: int, placement: Placement) -> None:
+        self._end(key, cache_name(placement.worker, placement.rank), placement.rank is not None)
+        super().sibling_ended(key, placement)  # its pending blocks, for the grace
+
+    def _end(self, key: int, cache: str, data_parallel: bool) -> _Holder | None:
+        """A request ended (this process's, or a sibling's): nothing of it is in flight on its engine any more
+        (its pending blocks stay for the grace: `on_finished`); its entry in the engine's ledger."""
+        now = self.now
+        ledger = self.ledgers.get(cache)
+        holder = ledger.end(key, now) if ledger is not None else None
+        queue = self.queues.get(cache)
+        if queue is not None:
+            queue.done(key, now)
+        if data_parallel:
             if cache in self._rank_in_flight:
                 self._rank_in_flight[cache] = max(0, self._rank_in_flight[cache] - 1)
-            decoded_on = self._decoding_on.pop(id(request), None)
+            decoded_on = self._decoding_on.pop(key, None)
             if decoded_on is not None and decoded_on in self._rank_decoding:
                 self._rank_decoding[decoded_on] = max(0, self._rank_decoding[decoded_on] - 1)
+        return holder
 
     def forget_worker(self, url: str) -> None:
         super().forget_worker(url)
