@@ -20,7 +20,9 @@ bandwidths and latencies are flags.
 
 A gateway of several processes (`--strategies ttft:p2`, `kvgate serve --processes 2`): each request goes to one of
 them at random, each with its own strategy and its own count of requests in flight per replica, all fed the same
-KV events and engine metrics; the long prefills' turns are per replica, as the gateway's are (process 0 keeps them).
+KV events and engine metrics; each tells the others where it routed a request, its first token and its end, which
+they apply `SIBLING_DELAY_S` later (router/sibling_routes.py); the long prefills' turns are per replica, as the
+gateway's are (process 0 keeps them).
 
 Not modelled: the HTTP and tokenization time of the gateway, event delivery delay (events apply at the end of the
 step that made them, plus `--event-delay-s`), the sim's engine lag.
@@ -72,7 +74,7 @@ from router.block_keys import BlockKey, block_keys, chain_key, chain_keys, root_
 from router.config import WorkerSpec
 from router.kv_apply import KvEventApplier
 from router.kv_index import InMemoryKvIndex
-from router.kv_transport import EventSource
+from router.kv_transport import EventSource, cache_name
 from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.prefill_turns import hold_seconds
@@ -91,6 +93,10 @@ TIERS = ("gpu", *(tier.value for tier in TierName))
 _TIER_OF_MEDIUM = {tier.medium: tier.value for tier in TierName}
 TRAFFIC_BUCKET_S = 10.0  # the window of a tier's peak traffic
 PREDICTION_PAIRS = 4000  # predicted / observed TTFT pairs kept per configuration, for the plot
+# a gateway of several processes: how long after a process routed a request (or relayed its first token, or its end)
+# its siblings apply it (router/sibling_routes.py: a batch per event-loop turn over a Unix socket)
+SIBLING_DELAY_S = 0.001
+ROUTED, FIRST_TOKEN, ENDED = "routed", "first_token", "ended"
 
 
 @dataclass(frozen=True)
@@ -405,6 +411,7 @@ class FleetSimulation:
         worker.routed += 1
         gateway.strategy.on_routed(route, decision)
         req.route, req.decision, req.gateway = route, decision, gateway
+        self._tell_siblings(req, ROUTED)
         replica = self.replicas[gateway.workers.index(worker)]
         req.replica = replica.index
         self.decisions.append(replica.index)
@@ -414,6 +421,34 @@ class FleetSimulation:
             replica.held.append(req)  # the long prefill before it there has no first token yet
             return
         self._send(replica, req)
+
+    def _tell_siblings(self, req: VRequest, record: str) -> None:
+        """The other gateway processes hear of the request's placement, first token or end (`_sibling`)."""
+        if len(self.gateways) > 1 and req.decision is not None and req.decision.placement is not None:
+            self._push(self.now + SIBLING_DELAY_S, "sibling", (req, record))
+
+    def _sibling(self, req: VRequest, record: str) -> None:
+        """What `router.sibling_routes.SiblingRoutes` does with a sibling's record, in each other process."""
+        assert req.decision is not None and req.decision.placement is not None
+        placement = req.decision.placement
+        key = -1 - req.index  # never a request's `id` in that process
+        for gateway in self.gateways:
+            if gateway is req.gateway:
+                continue
+            strategy = gateway.strategy
+            if record == ROUTED:
+                gateway.workers[req.replica].sibling_in_flight += 1
+                strategy.sibling_routed(key, placement)
+            elif record == FIRST_TOKEN:
+                strategy.sibling_first_token(key, placement)
+            else:
+                gateway.workers[req.replica].sibling_in_flight -= 1
+                if isinstance(strategy, KvAware):  # pending blocks stay for the grace period, in virtual time
+                    strategy.sibling_request_ended(key, placement)
+                    self._push(self.now + strategy.pending_grace_s, "discard",
+                               (strategy, cache_name(placement.worker, placement.rank), placement.keys))
+                else:
+                    strategy.sibling_ended(key, placement)
 
     def _send(self, replica: VirtualReplica, req: VRequest) -> None:
         """The gateway sends the request to its replica (at once, or once its hold there ended)."""
@@ -551,6 +586,7 @@ class FleetSimulation:
                 self._wait.append(sim.scheduled_time - req.arrival)
                 self._step_wait.append(req.step_wait)
                 strategy.on_first_token(req.route, req.decision, req.ttft)
+                self._tell_siblings(req, FIRST_TOKEN)
                 if replica.turn is not None and replica.turn.req is req:
                     self._next_turn(replica)
                 if req.decision.predicted_ttft_s is not None:
@@ -570,9 +606,11 @@ class FleetSimulation:
             strategy = req.gateway.strategy
             if isinstance(strategy, KvAware):  # pending blocks stay for the grace period, in virtual time
                 strategy.request_ended(req.route, req.decision)
-                self._push(self.now + strategy.pending_grace_s, "discard", req)
+                self._push(self.now + strategy.pending_grace_s, "discard",
+                           (strategy, cache_name(req.decision.worker.url, req.decision.dp_rank), req.keys))
             else:
                 strategy.on_finished(req.route, req.decision)
+            self._tell_siblings(req, ENDED)
             if self.concurrency is not None:
                 self._next_closed()
         self._flush_events(replica)
@@ -665,9 +703,10 @@ class FleetSimulation:
                 payload.tiers.maintain()
                 self._flush_events(payload)
             elif kind == "discard":
-                strategy = payload.gateway.strategy
-                assert isinstance(strategy, KvAware)
-                strategy.pending.discard(payload.decision.worker.url, payload.keys)
+                strategy, cache, keys = payload
+                strategy.pending.discard(cache, keys)
+            elif kind == "sibling":
+                self._sibling(*payload)
             elif kind == "scrape":
                 self._scrape()
                 if self._done < self.source.count:

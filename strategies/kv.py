@@ -222,6 +222,7 @@ class KvAware(Strategy):
         self._pending_until_grace(decision.worker.spec.url, decision.dp_rank, request.block_keys)
 
     def sibling_ended(self, key: int, placement: Placement) -> None:
+        self.sibling_request_ended(key, placement)
         self._pending_until_grace(placement.worker, placement.rank, placement.keys)
 
     def _pending_until_grace(self, url: str, rank: int | None, keys: Sequence[int]) -> None:
@@ -239,6 +240,10 @@ class KvAware(Strategy):
         """What is kept of a request in flight besides its pending blocks goes (those stay for the grace period:
         `on_finished`). Called by `on_finished`; the virtual-time fleet, which times the grace itself, calls it
         directly. `kv` keeps nothing else."""
+
+    def sibling_request_ended(self, key: int, placement: Placement) -> None:
+        """`request_ended` for a sibling's request (its pending blocks stay for the grace: `sibling_ended`, which
+        calls this; the virtual-time fleet calls it directly)."""
 
     def _discard_finished(self) -> None:
         """Discard the pending blocks of the requests whose grace has ended (to the timer's millisecond)."""

@@ -1305,9 +1305,8 @@ class TtftAware(KvAware):
             self.output.learn(holder.max_tokens, holder.generated)
         self._routed.pop(id(request), None)
 
-    def sibling_ended(self, key: int, placement: Placement) -> None:
+    def sibling_request_ended(self, key: int, placement: Placement) -> None:
         self._end(key, cache_name(placement.worker, placement.rank), placement.rank is not None)
-        super().sibling_ended(key, placement)  # its pending blocks, for the grace
 
     def _end(self, key: int, cache: str, data_parallel: bool) -> _Holder | None:
         """A request ended (this process's, or a sibling's): nothing of it is in flight on its engine any more
