@@ -38,10 +38,56 @@ async def read_frame(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Deco
         body = await asyncio.wait_for(reader.readexactly(size), FRAME_TIMEOUT_S)
     except TimeoutError:
         raise FrameError(f"a frame of {size} bytes not whole after {FRAME_TIMEOUT_S:g} s") from None
+    return decode(decoder, body)
+
+
+def decode(decoder: msgspec.msgpack.Decoder[T], body: bytes | memoryview) -> T:
+    """A frame's message; FrameError if it is not one of `decoder`'s."""
     try:
         return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError(str(exc)) from None
+
+
+class FrameBuffer:
+    """The frames of a stream parsed from its bytes as they come (an `asyncio.Protocol`'s `data_received`): no
+    coroutine and no timer per frame, where `read_frame` costs a few of each (a frame a request, or more, between
+    the gateway's processes). Whoever feeds it times a frame left partial (`partial`) against FRAME_TIMEOUT_S."""
+
+    __slots__ = ("_buffer", "max_bytes")
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._buffer = bytearray()
+
+    @property
+    def partial(self) -> bool:
+        """Bytes of a frame not yet whole are buffered."""
+        return bool(self._buffer)
+
+    def feed(self, data: bytes) -> list[memoryview]:
+        """The bodies of the frames `data` completes, in order (each valid until the next feed); FrameError for a
+        length of none or over `max_bytes`."""
+        if self._buffer:
+            self._buffer += data
+            view = memoryview(bytes(self._buffer))
+            self._buffer.clear()
+        else:
+            view = memoryview(data)
+        bodies = []
+        pos, end = 0, len(view)
+        while end - pos >= LENGTH.size:
+            (size,) = LENGTH.unpack_from(view, pos)
+            if not 0 < size <= self.max_bytes:
+                raise FrameError(f"a frame of {size} bytes")
+            if end - pos - LENGTH.size < size:
+                break
+            pos += LENGTH.size
+            bodies.append(view[pos:pos + size])
+            pos += size
+        if pos < end:
+            self._buffer += view[pos:]
+        return bodies
 
 
 def send(writer: asyncio.StreamWriter, data: bytes, max_buffered: int) -> bool:

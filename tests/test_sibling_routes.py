@@ -385,3 +385,28 @@ async def test_a_sibling_that_does_not_read_has_its_connection_dropped(sockets: 
         server.close()
         for writer in readers:
             writer.transport.abort()
+
+
+async def test_frames_split_anywhere_are_read_whole(sockets: str) -> None:
+    """A sibling's frames as the socket delivers them: a byte at a time, or several in one read."""
+    b = _Process(1, sockets)
+    await b.routes.start()
+    try:
+        placement = msgspec.msgpack.decode(msgspec.msgpack.encode(
+            Placement(b.workers[2].url, None, [1, 2], 32, 0, 4, False, None)))
+        first = _frame(msgspec.msgpack.encode([[1, 5, placement], [1, 6, placement]]))
+        then = _frame(msgspec.msgpack.encode([[3, 5]])) + _frame(msgspec.msgpack.encode([[1, 7, placement]]))
+        _, writer = await asyncio.open_unix_connection(os.path.join(sockets, "routes-1.sock"))
+        for i in range(len(first)):
+            writer.write(first[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        await eventually(lambda: b.routes.applied() == 2)
+        writer.write(then)
+        await eventually(lambda: b.records("applied") == 4)  # 5 ended, 7 placed
+        assert b.workers[2].sibling_in_flight == 2 and b.routes.applied() == 2
+        writer.close()
+        await eventually(lambda: b.routes.applied() == 0)
+        assert b.workers[2].sibling_in_flight == 0 and b.records("disconnected") == 2
+    finally:
+        await b.routes.close()
