@@ -20,9 +20,9 @@ bandwidths and latencies are flags.
 
 A gateway of several processes (`--strategies ttft:p2`, `kvgate serve --processes 2`): each request goes to one of
 them at random, each with its own strategy and its own count of requests in flight per replica, all fed the same
-KV events and engine metrics; each tells the others where it routed a request, its first token and its end, which
-they apply `SIBLING_DELAY_S` later (router/sibling_routes.py); the long prefills' turns are per replica, as the
-gateway's are (process 0 keeps them).
+KV events and engine metrics; each tells the others where it routed a request, its first token and its end, in
+batches `FLUSH_S` (2 ms) after the first record of each, as router/sibling_routes.py writes them (the socket's own
+time not modelled); the long prefills' turns are per replica, as the gateway's are (process 0 keeps them).
 
 Not modelled: the HTTP and tokenization time of the gateway, event delivery delay (events apply at the end of the
 step that made them, plus `--event-delay-s`), the sim's engine lag.
@@ -79,6 +79,7 @@ from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.prefill_turns import hold_seconds
 from router.routing import Decision, RouteRequest, Strategy
+from router.sibling_routes import FLUSH_S
 from strategies import strategy_class
 from strategies.balance import PrefillBalance
 from strategies.kv import KvAware
@@ -93,10 +94,7 @@ TIERS = ("gpu", *(tier.value for tier in TierName))
 _TIER_OF_MEDIUM = {tier.medium: tier.value for tier in TierName}
 TRAFFIC_BUCKET_S = 10.0  # the window of a tier's peak traffic
 PREDICTION_PAIRS = 4000  # predicted / observed TTFT pairs kept per configuration, for the plot
-# a gateway of several processes: how long after a process routed a request (or relayed its first token, or its end)
-# its siblings apply it (router/sibling_routes.py: a batch per event-loop turn over a Unix socket)
-SIBLING_DELAY_S = 0.001
-ROUTED, FIRST_TOKEN, ENDED = "routed", "first_token", "ended"
+ROUTED, FIRST_TOKEN, ENDED = "routed", "first_token", "ended"  # what a gateway process tells its siblings
 
 
 @dataclass(frozen=True)
@@ -176,6 +174,7 @@ class VirtualGateway:
     strategy: Strategy
     workers: list[Worker]
     requests: int = 0
+    outbox: list[tuple[VRequest, str]] = field(default_factory=list)  # records for the siblings, not yet written
 
 
 @dataclass(slots=True, eq=False)
@@ -423,9 +422,14 @@ class FleetSimulation:
         self._send(replica, req)
 
     def _tell_siblings(self, req: VRequest, record: str) -> None:
-        """The other gateway processes hear of the request's placement, first token or end (`_sibling`)."""
+        """The other gateway processes hear of the request's placement, first token or end, with the rest of the
+        batch it goes in (`_sibling`)."""
         if len(self.gateways) > 1 and req.decision is not None and req.decision.placement is not None:
-            self._push(self.now + SIBLING_DELAY_S, "sibling", (req, record))
+            assert req.gateway is not None
+            outbox = req.gateway.outbox
+            if not outbox:
+                self._push(self.now + FLUSH_S, "siblings", outbox)
+            outbox.append((req, record))
 
     def _sibling(self, req: VRequest, record: str) -> None:
         """What `router.sibling_routes.SiblingRoutes` does with a sibling's record, in each other process."""
@@ -705,8 +709,11 @@ class FleetSimulation:
             elif kind == "discard":
                 strategy, cache, keys = payload
                 strategy.pending.discard(cache, keys)
-            elif kind == "sibling":
-                self._sibling(*payload)
+            elif kind == "siblings":
+                batch = payload[:]
+                payload.clear()
+                for req, record in batch:
+                    self._sibling(req, record)
             elif kind == "scrape":
                 self._scrape()
                 if self._done < self.source.count:

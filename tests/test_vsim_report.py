@@ -379,13 +379,13 @@ def test_the_fleet_limit_raises_the_per_request_limit_rank_by_rank() -> None:
 def test_a_gateway_of_two_processes_routes_with_what_both_have_in_flight(tiny_model_dir: Path) -> None:
     """`--strategies prefix:p2` models `kvgate serve --processes 2`: each request goes to one of two gateways at
     random, each with its own strategy and its own in-flight counts, both fed the same KV events, and each tells
-    the other where it routed a request, its first token and its end (router/sibling_routes.py), applied 1 ms
-    later. On the README's tenants (16 tenants' 2,048-token prompts, 4 replicas whose caches hold five each, seed
-    3), `prefix`, whose routing memory is where requests went: hit rate 0.871 with one process, 0.805 with two.
-    Without the routes told (f05ffdc) it was 0.629: each process copied each tenant's prompt wherever it sent it
-    first, and the copies evicted one another. `kv` and `ttft` read the replicas' own events: 0.864 and 0.854 with
-    two. One process is the simulation as it was; every process's count of its siblings' requests in flight, and
-    `kv`'s pending blocks, are back to nothing at the end."""
+    the other where it routed a request, its first token and its end (router/sibling_routes.py), in batches 2 ms
+    after the first record of each. On the README's tenants (16 tenants' 2,048-token prompts, 4 replicas whose
+    caches hold five each, seed 3), `prefix`, whose routing memory is where requests went: hit rate 0.871 with one
+    process, 0.797 with two. Without the routes told (f05ffdc) it was 0.629: each process copied each tenant's
+    prompt wherever it sent it first, and the copies evicted one another. `kv` and `ttft` read the replicas' own
+    events: 0.846 and 0.844 with two. One process is the simulation as it was; every process's count of its
+    siblings' requests in flight, and `kv`'s pending blocks, are back to nothing at the end."""
     assert vsim.strategy_variant("prefix:p2") == ("prefix", {"processes": 2})
     assert vsim.strategy_variant("ttft:p3:ttft_tie_s=0.001") == ("ttft", {"processes": 3, "ttft_tie_s": 0.001})
     for bad in ("ttft:p0", "ttft:p2:p3", "ttft:px"):
@@ -415,7 +415,7 @@ def test_a_gateway_of_two_processes_routes_with_what_both_have_in_flight(tiny_mo
         assert "requests_per_process" not in one
         split = two["requests_per_process"]
         assert sum(split) == 192 and min(split) > 192 / 4, split
-        assert two["hit_rate"] > one["hit_rate"] - 0.08, strategy
+        assert two["hit_rate"] > one["hit_rate"] - 0.1, strategy
     assert rows["prefix", 2]["hit_rate"] > 0.75  # 0.629 without the routes told
     with pytest.raises(ValueError):
         FleetSimulation(Workload("tenants", []), vocab, strategy="kv", replicas=2, concurrency=1, processes=0)
