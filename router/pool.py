@@ -157,6 +157,7 @@ class Worker:
             "healthy": self.healthy,
             "draining": self.draining,
             "in_flight": self.in_flight,
+            "sibling_in_flight": self.sibling_in_flight,
             "requests_routed": self.routed,
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,

@@ -160,6 +160,10 @@ async def test_first_reads_through_both_processes_spread_over_the_workers(strate
                 await eventually(lambda n=i + 1: sum(_served(workers)) == n)  # type: ignore[misc]
                 await gw.applied(i + 1)
             assert sorted(_served(workers)) == [1] * count, _served(workers)
+            # whichever process answers, its listing counts each worker's request once: its own or its sibling's
+            async with aiohttp.ClientSession() as http, http.get(gw.url + "/admin/workers") as resp:
+                rows = (await resp.json())["workers"]
+            assert [r["in_flight"] + r["sibling_in_flight"] for r in rows] == [1] * count, rows
         finally:
             for task in held:
                 task.cancel()
