@@ -54,11 +54,12 @@ class FrameBuffer:
     coroutine and no timer per frame, where `read_frame` costs a few of each (a frame a request, or more, between
     the gateway's processes). Whoever feeds it times a frame left partial (`partial`) against FRAME_TIMEOUT_S."""
 
-    __slots__ = ("_buffer", "max_bytes")
+    __slots__ = ("_buffer", "_need", "max_bytes")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._buffer = bytearray()
+        self._need = 0  # bytes the buffer must hold before a frame in it is whole (its length's, then its own)
 
     @property
     def partial(self) -> bool:
@@ -67,20 +68,25 @@ class FrameBuffer:
 
     def feed(self, data: bytes) -> list[memoryview]:
         """The bodies of the frames `data` completes, in order (each valid until the next feed); FrameError for a
-        length of none or over `max_bytes`."""
+        length of none or over `max_bytes`. A frame that comes in many pieces is copied once when it is whole, not
+        at every piece (an 8 MiB frame in 64 KiB reads was 350 ms of the event loop's CPU)."""
         if self._buffer:
             self._buffer += data
+            if len(self._buffer) < self._need:
+                return []
             view = memoryview(bytes(self._buffer))
             self._buffer.clear()
         else:
             view = memoryview(data)
         bodies = []
         pos, end = 0, len(view)
+        self._need = LENGTH.size
         while end - pos >= LENGTH.size:
             (size,) = LENGTH.unpack_from(view, pos)
             if not 0 < size <= self.max_bytes:
                 raise FrameError(f"a frame of {size} bytes")
             if end - pos - LENGTH.size < size:
+                self._need = LENGTH.size + size
                 break
             pos += LENGTH.size
             bodies.append(view[pos:pos + size])

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from bench.procs import free_port, stop, wait_http
 from bench.standin import STATS, StandinBehaviour
 from router.block_keys import block_keys, root_key
 from router.config import GatewayConfig, WorkerSpec
+from router.frames import FrameBuffer
 from router.metrics import GatewayMetrics
 from router.pool import Worker
 from router.routing import Placement, RouteRequest
@@ -414,3 +416,32 @@ async def test_frames_split_anywhere_are_read_whole(sockets: str) -> None:
         assert b.workers[2].sibling_in_flight == 0 and b.records("disconnected") == 2
     finally:
         await b.routes.close()
+
+
+def test_a_frame_in_many_pieces_is_copied_once_it_is_whole() -> None:
+    """`FrameBuffer` copied the whole partial frame at every piece: an 8 MiB frame (the most a sibling sends: what
+    it has in flight, written when it connects again) read 64 KiB at a time took 77 ms of the event loop's CPU here
+    (350-400 in a process of its own), quadratic in the frame: 37 times the same frame in three pieces. Now a piece
+    that does not complete the frame is only appended, and the frame copied once when it is whole: 2.8 ms against
+    1.7 (bound 15 times). The frames and their order are the same, a length split across pieces too."""
+    size = MAX_FRAME_BYTES - 64
+    body = bytes(range(256)) * (size // 256)
+    data = struct.pack(">I", len(body)) + body + struct.pack(">I", 3) + b"abc" + struct.pack(">I", 2) + b"z"
+    cut = len(data) - 7  # the 3-byte frame's length split in two pieces, then the rest
+
+    def fed(pieces: list[bytes]) -> tuple[float, list[bytes], FrameBuffer]:
+        frames = FrameBuffer(MAX_FRAME_BYTES)
+        started = time.process_time()
+        got = [bytes(b) for piece in pieces for b in frames.feed(piece)]
+        return time.process_time() - started, got, frames
+
+    many = [data[i:min(i + 65536, cut)] for i in range(0, cut, 65536)] + [data[cut:cut + 2], data[cut + 2:]]
+    two = [data[:cut // 2], data[cut // 2:cut + 2], data[cut + 2:]]
+    for pieces in (many, two):
+        _, got, frames = fed(pieces)
+        assert len(got) == 2 and got[0] == body and got[1] == b"abc", [len(g) for g in got]
+        assert frames.partial  # "z" of a 2-byte frame
+        assert [bytes(b) for b in frames.feed(b"!")] == [b"z!"] and not frames.partial
+    cpu_many = min(fed(many)[0] for _ in range(3))
+    cpu_two = min(fed(two)[0] for _ in range(3))
+    assert cpu_many < 15 * cpu_two, f"{cpu_many * 1e3:.1f} ms in {len(many)} pieces, {cpu_two * 1e3:.1f} ms in 3"
