@@ -199,8 +199,6 @@ class VirtualReplica:
                                    max_model_len)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.views: list[Worker] = []  # the replica as each gateway process sees it
-        self.worker = self.view()
         self.busy = False
         self.step_end = 0.0  # when the step in progress ends (while busy)
         self.step_seq = -1  # the queue's sequence number of that step's end (an entry with another is cancelled)
@@ -218,12 +216,10 @@ class VirtualReplica:
         self.prompt_tokens = 0
 
     def view(self) -> Worker:
-        """The replica in one more gateway process's pool. Its cache configuration is known from the start (a gateway
-        reads vllm:cache_config_info in the scrape that follows its first health probe)."""
-        worker = Worker(spec=WorkerSpec(self.url), healthy=True, models=frozenset({MODEL}), kv_blocks=self.num_blocks,
-                        kv_block_size=self.block_size)
-        self.views.append(worker)
-        return worker
+        """The replica in a gateway process's pool. Its cache configuration is known from the start (a gateway reads
+        vllm:cache_config_info in the scrape that follows its first health probe)."""
+        return Worker(spec=WorkerSpec(self.url), healthy=True, models=frozenset({MODEL}), kv_blocks=self.num_blocks,
+                      kv_block_size=self.block_size)
 
 
 def default_max_model_len(longest: int, block_size: int) -> int:
@@ -278,8 +274,7 @@ class FleetSimulation:
                 balance.clock = lambda: self.now
                 balance.trie.clock = lambda: self.now  # a prefix expires after its TTL in virtual time
                 balance.trie.compact_tables()
-            workers = [r.worker for r in self.replicas] if i == 0 else [r.view() for r in self.replicas]
-            self.gateways.append(VirtualGateway(i, routing, workers))
+            self.gateways.append(VirtualGateway(i, routing, [r.view() for r in self.replicas]))
             if i == 0:
                 self.config, self.strategy = config, routing
         self._spread = random.Random(seed)
@@ -658,7 +653,8 @@ class FleetSimulation:
     def _scrape(self) -> None:
         for r in self.replicas:
             running, waiting, usage = float(len(r.scheduler.running)), float(len(r.scheduler.waiting)), r.pool.usage()
-            for worker in r.views:
+            for gateway in self.gateways:  # each process scrapes the same engine
+                worker = gateway.workers[r.index]
                 worker.running, worker.waiting, worker.kv_usage = running, waiting, usage
                 worker.load_scraped_at = self.now  # as the gateway's pool stamps a scrape
 
